@@ -1,0 +1,3 @@
+"""torpor.allocator (see its issue)."""
+
+from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Subcommands of the ``torpor`` CLI, one module each (see ``torpor.cli``)."""

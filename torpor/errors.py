@@ -1,0 +1,149 @@
+"""torpor's errors: each one is built with the data it names, then raised."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class TorporError(Exception):
+    """Base of every error torpor raises."""
+
+
+class InvalidTransition(TorporError, RuntimeError):
+    """A command that the current state does not allow.
+
+    Carries ``command``, ``state``, ``since`` (the event number since which the
+    state holds), and ``allowed`` (the states from which the command would be
+    accepted).
+    """
+
+    def __init__(
+        self,
+        command: str,
+        state: str,
+        since: int,
+        allowed: Iterable[str],
+        detail: str = "",
+        since_wall: str = "",
+    ) -> None:
+        self.command = command
+        self.state = state
+        self.since = since
+        self.allowed = tuple(allowed)
+        self.detail = detail
+        at = f" at {since_wall}" if since_wall else ""
+        allowed_txt = ", ".join(self.allowed) if self.allowed else "nowhere"
+        extra = f"; {detail}" if detail else ""
+        msg = f"cannot {command} from {state!r} (event #{since}{at}); allowed from: {allowed_txt}{extra}"
+        super().__init__(msg)
+
+
+class CommandInFlight(TorporError, RuntimeError):
+    """A command arrived while another command held the controller."""
+
+    def __init__(self, command: str, in_flight: str, state: str) -> None:
+        self.command = command
+        self.in_flight = in_flight
+        self.state = state
+        msg = f"cannot {command}: {in_flight!r} is in flight (state {state!r}); retry when it ends"
+        super().__init__(msg)
+
+
+class PoolBusy(TorporError, RuntimeError):
+    """The graph pool cannot be released: something still holds it.
+
+    ``holders`` names each holder (a live graph with its capture site, or a
+    count of other references).
+    """
+
+    def __init__(self, reason: str, holders: Sequence[str] = ()) -> None:
+        self.reason = reason
+        self.holders = tuple(holders)
+        super().__init__(reason)
+
+
+class UnknownTag(TorporError, ValueError):
+    """A tag that the memory does not hold."""
+
+    def __init__(self, tags: Iterable[str], known: Iterable[str]) -> None:
+        self.tags = tuple(tags)
+        self.known = tuple(sorted(known))
+        msg = f"unknown tag(s) {', '.join(repr(t) for t in self.tags)}; known tags: {', '.join(self.known) or 'none'}"
+        super().__init__(msg)
+
+
+class InvalidLevel(TorporError, ValueError):
+    """A sleep level other than 1 or 2."""
+
+    def __init__(self, level: object) -> None:
+        self.level = level
+        super().__init__(f"sleep level must be 1 or 2, got {level!r}")
+
+
+class MemoryOperationFailed(TorporError, RuntimeError):
+    """A memory operation (backup, release, restore, allocate) failed.
+
+    ``operation`` names the step, ``tag`` the tag, ``call`` the driver call
+    that failed when known.
+    """
+
+    def __init__(self, operation: str, tag: str | None, reason: str, call: str | None = None) -> None:
+        self.operation = operation
+        self.tag = tag
+        self.call = call
+        self.reason = reason
+        where = f" of tag {tag!r}" if tag else ""
+        via = f" ({call})" if call else ""
+        super().__init__(f"{operation}{where} failed{via}: {reason}")
+
+
+class OutOfMemory(MemoryOperationFailed):
+    """Device or host memory ran out during a memory operation."""
+
+
+class LogCorrupted(TorporError, ValueError):
+    """An event log line that is not a valid event (not the torn last line)."""
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        self.path = path
+        self.line = line
+        self.reason = reason
+        super().__init__(f"{path}:{line}: corrupted event log line: {reason}")
+
+
+class UnknownSchemaVersion(TorporError, ValueError):
+    """An event written by a schema this torpor does not read."""
+
+    def __init__(self, path: str, line: int, version: object, supported: int) -> None:
+        self.path = path
+        self.line = line
+        self.version = version
+        self.supported = supported
+        super().__init__(
+            f"{path}:{line}: event schema version {version!r} is not supported "
+            f"(this torpor reads version {supported}); upgrade torpor to read this log"
+        )
+
+
+class EventTooLarge(TorporError, ValueError):
+    """An event whose encoded form exceeds the log's line limit."""
+
+    def __init__(self, kind: str, size: int, limit: int) -> None:
+        self.kind = kind
+        self.size = size
+        self.limit = limit
+        super().__init__(f"event {kind!r} encodes to {size} bytes, over the {limit}-byte line limit")
+
+
+class NotRecovered(TorporError, RuntimeError):
+    """The log ends inside a transition: the engine is not in a clean state."""
+
+    def __init__(self, state: str, last_seq: int, step: str) -> None:
+        self.state = state
+        self.last_seq = last_seq
+        self.step = step
+        super().__init__(
+            f"the event log ends in {state!r} at event #{last_seq} ({step}): the process "
+            "was interrupted mid-transition and memory may be partly released; call "
+            "controller.recover() after restarting the engine, or start a new log"
+        )

@@ -1,0 +1,3 @@
+"""torpor.hooks (see its issue)."""
+
+from __future__ import annotations

@@ -1,0 +1,43 @@
+"""The event-sourced sleep-state machine: states, events, the log, replay and the controller.
+
+Imports no torch and no CUDA: the memory it drives is any object meeting
+:class:`Memory`.
+"""
+
+from __future__ import annotations
+
+from torpor.statemachine.controller import SleepController, log_path_for
+from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, thaw
+from torpor.statemachine.log import EventLog, read_events, segments
+from torpor.statemachine.policy import DEFAULT_POLICY, Action, Policy
+from torpor.statemachine.projection import Projection, project, replay
+from torpor.statemachine.protocol import GraphPoolMemory, Memory, TagUsage, Transfer
+from torpor.statemachine.states import COMMANDS, TRANSITIONS, State, allowed_sources, diagram_markdown, mermaid
+
+__all__ = [
+    "COMMANDS",
+    "DEFAULT_POLICY",
+    "SCHEMA_VERSION",
+    "TRANSITIONS",
+    "Action",
+    "Event",
+    "EventKind",
+    "EventLog",
+    "GraphPoolMemory",
+    "Memory",
+    "Policy",
+    "Projection",
+    "SleepController",
+    "State",
+    "TagUsage",
+    "Transfer",
+    "allowed_sources",
+    "diagram_markdown",
+    "log_path_for",
+    "mermaid",
+    "project",
+    "read_events",
+    "replay",
+    "segments",
+    "thaw",
+]

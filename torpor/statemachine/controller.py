@@ -1,0 +1,558 @@
+"""The SleepController: guards every memory command, plans it, drives the memory, records events.
+
+The flow has one direction: a command is guarded by the state machine (built
+with ``transitions`` from the table in :mod:`torpor.statemachine.states`),
+planned by the policy, executed by the memory object (mechanism only), and
+recorded as events; the state and per-tag residency are a projection of those
+events, the same one :func:`torpor.statemachine.replay` computes from the log.
+Subscribers (telemetry, RL feeds) are called after each event and can never
+break the controller. Commands are serialized: one arriving while another is in
+flight is refused (``CommandInFlight``), never queued behind a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from transitions import Machine
+
+from torpor.errors import (
+    CommandInFlight,
+    InvalidLevel,
+    InvalidTransition,
+    MemoryOperationFailed,
+    NotRecovered,
+    PoolBusy,
+    TorporError,
+    UnknownTag,
+)
+from torpor.statemachine.events import Event, EventKind, make_event
+from torpor.statemachine.log import EventLog, read_events
+from torpor.statemachine.policy import DEFAULT_POLICY, Action, Policy
+from torpor.statemachine.projection import Projection, project
+from torpor.statemachine.protocol import GraphPoolMemory, Memory, Transfer
+from torpor.statemachine.states import ASLEEP, TRANSITIONS, State, allowed_sources
+
+logger = logging.getLogger("torpor")
+
+Subscriber = Callable[[Event], None]
+GiB = 1024**3
+
+
+class _Model:
+    """The ``transitions`` model: holds the machine state and the guard predicates."""
+
+    state: str
+
+    def __init__(self, owner: SleepController) -> None:
+        self._owner = owner
+
+    def level_is_1(self) -> bool:
+        return self._owner.projection.level == 1
+
+    def level_is_2(self) -> bool:
+        return self._owner.projection.level == 2
+
+    def came_from_awake(self) -> bool:
+        return self._owner.projection.resume_from is State.AWAKE
+
+    def came_from_partial(self) -> bool:
+        return self._owner.projection.resume_from is State.PARTIALLY_AWAKE
+
+    def came_from_l1(self) -> bool:
+        return self._owner.projection.resume_from is State.ASLEEP_L1
+
+    def came_from_l2(self) -> bool:
+        return self._owner.projection.resume_from is State.ASLEEP_L2
+
+    def all_resident(self) -> bool:
+        return not self._owner.projection.asleep_tags()
+
+
+def log_path_for(directory: str | Path, engine: str, rank: int) -> Path:
+    """The file of ``engine``'s rank ``rank`` inside a shared log directory."""
+    return Path(directory) / f"{engine}.rank{rank}.jsonl"
+
+
+class SleepController:
+    """Guards, plans and records every memory command of one engine rank.
+
+    ``memory`` meets :class:`~torpor.statemachine.protocol.Memory`; ``log`` is
+    an :class:`EventLog`, a file path, a directory (the file is
+    ``ENGINE.rankN.jsonl`` inside it) or None (events kept in memory only).
+    """
+
+    def __init__(
+        self,
+        memory: Memory,
+        log: EventLog | str | Path | None = None,
+        policy: Policy | None = None,
+        engine: str = "default",
+        rank: int = 0,
+        *,
+        fsync: bool = True,
+        keep_events: int = 10_000,
+    ) -> None:
+        self.memory = memory
+        self.policy = policy or DEFAULT_POLICY
+        self.engine = engine
+        self.rank = rank
+        if isinstance(log, str | Path):
+            path = Path(log)
+            if path.is_dir() or str(log).endswith(("/", "\\")):
+                path = log_path_for(path, engine, rank)
+            log = EventLog(path, fsync=fsync)
+        self.log: EventLog | None = log
+        self._command_lock = threading.Lock()
+        self._in_flight = ""
+        self._emit_lock = threading.RLock()
+        self._changed = threading.Condition(self._emit_lock)
+        self._subscribers: list[tuple[Subscriber, frozenset[EventKind] | None]] = []
+        self._recent: list[Event] = []
+        self._keep_events = keep_events
+        self.projection = Projection(engine=engine, rank=rank)
+        self._seq = 0
+        if self.log is not None and self.log.last_seq:
+            self.projection = project(read_events(self.log.path))
+            self._seq = self.log.last_seq
+        self._model = _Model(self)
+        self._machine = Machine(
+            model=self._model,
+            states=[s.value for s in State],
+            transitions=TRANSITIONS,
+            initial=self.projection.state.value,
+            auto_transitions=False,
+        )
+        if not self.projection.interrupted:
+            self._emit(
+                EventKind.OPENED,
+                usage=self._resident_usage(),
+                memory=type(memory).__name__,
+                previous_state=self.projection.state.value if self._seq else None,
+            )
+            self._sync_machine()
+
+    # -- reading --------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        """The current state (a projection of the events)."""
+        return self.projection.state
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the last event recorded."""
+        return self._seq
+
+    def events(self, after: int = 0) -> list[Event]:
+        """Recent events (up to ``keep_events``) with a sequence number above ``after``."""
+        with self._emit_lock:
+            return [e for e in self._recent if e.seq > after]
+
+    def subscribe(self, callback: Subscriber, kinds: Iterable[EventKind | str] | None = None) -> Callable[[], None]:
+        """Call ``callback(event)`` after each event (of ``kinds``); return an unsubscribe function."""
+        wanted = None if kinds is None else frozenset(EventKind(k) for k in kinds)
+        entry = (callback, wanted)
+        with self._emit_lock:
+            self._subscribers.append(entry)
+
+        def unsubscribe() -> None:
+            with self._emit_lock:
+                if entry in self._subscribers:
+                    self._subscribers.remove(entry)
+
+        return unsubscribe
+
+    def wait_for(self, state: State | str, timeout: float | None = None) -> bool:
+        """Block until the controller is in ``state``; False on timeout."""
+        target = State(state)
+        with self._changed:
+            return self._changed.wait_for(lambda: self.projection.state is target, timeout)
+
+    async def wait_for_async(self, state: State | str, timeout: float | None = None) -> bool:
+        """Asyncio variant of :meth:`wait_for`; never blocks the event loop."""
+        target = State(state)
+        loop = asyncio.get_running_loop()
+        reached: asyncio.Future[bool] = loop.create_future()
+
+        def on_event(_: Event) -> None:
+            if self.projection.state is target:
+                loop.call_soon_threadsafe(lambda: None if reached.done() else reached.set_result(True))
+
+        unsubscribe = self.subscribe(on_event)
+        try:
+            if self.projection.state is target:
+                return True
+            try:
+                return await asyncio.wait_for(reached, timeout)
+            except TimeoutError:
+                return False
+        finally:
+            unsubscribe()
+
+    # -- commands -------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> Projection:
+        """Put the engine to sleep at ``level`` (1 or 2); return the resulting projection."""
+        with self._command("sleep", level=level):
+            if level not in (1, 2) or isinstance(level, bool):
+                self._refuse("sleep", InvalidLevel(level))
+            self._guard("sleep")
+            return self._sleep(level)
+
+    def wake(self, tags: Sequence[str] | None = None) -> Projection:
+        """Wake ``tags`` (None: all); every non-deferrable tag is restored by any wake."""
+        with self._command("wake", tags=tags):
+            self._guard("wake")
+            return self._wake(None if tags is None else list(tags))
+
+    def discard(self, tags: Sequence[str]) -> Projection:
+        """Drop the host backup of asleep ``tags``; their next wake maps fresh memory."""
+        with self._command("discard", tags=tags):
+            self._guard("discard")
+            tags = list(tags)
+            self._check_tags("discard", tags)
+            for tag in tags:
+                if tag == "cudagraph":
+                    err = InvalidTransition(
+                        "discard",
+                        self.state.value,
+                        self.projection.since,
+                        (),
+                        "cudagraph is never discarded: graphs hold write-once state",
+                    )
+                    self._refuse("discard", err)
+            host = [t for t in tags if self.projection.residency.get(t) and self.projection.residency[t].host]
+            self.memory.drop_backup(host)
+            for tag in host:
+                self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
+            return self.projection
+
+    @contextmanager
+    def capture(self, site: str) -> Iterator[object]:
+        """Capture one graph into the cudagraph pool; yields what ``torch.cuda.graph(pool=...)`` takes."""
+        with self._command("capture", site=site):
+            self._guard("capture")
+            memory = self._graph_memory("capture")
+            first = self.projection.pool is None
+            start = time.perf_counter()
+            with memory.capture_into_pool(site) as pool:
+                yield pool
+            pool_name = str(pool)
+            if first:
+                self._emit(EventKind.POOL_CREATED, pool=pool_name)
+            self._emit(
+                EventKind.GRAPH_CAPTURED,
+                site=site,
+                pool=pool_name,
+                seconds=time.perf_counter() - start,
+                usage=self._resident_usage(),
+            )
+
+    def release_cudagraph_pool(self) -> int:
+        """Drop the graph pool once nothing references it; return the bytes it held."""
+        with self._command("release_pool"):
+            memory = self._graph_memory("release_pool")
+            if self.state in ASLEEP or self.state.value not in allowed_sources("release_pool"):
+                reason = (
+                    f"cudagraph pool is asleep (state {self.state.value!r} since event #{self.projection.since}): "
+                    "freeing it would unmap a second time; wake first"
+                )
+                self._refuse("release_pool", PoolBusy(reason))
+            holders = list(memory.cudagraph_pool_holders())
+            if holders:
+                reason = f"cudagraph pool is referenced by {len(holders)} holder(s) ({'; '.join(holders)}); release the graphs first"
+                self._refuse("release_pool", PoolBusy(reason, holders))
+            pool = self.projection.pool
+            freed = memory.release_cudagraph_pool()
+            self._emit(EventKind.POOL_RELEASED, pool=pool, bytes=freed, usage=self._resident_usage())
+            return freed
+
+    def observe(self) -> Projection:
+        """Record the memory's current per-tag bytes (a ``usage_observed`` event)."""
+        with self._emit_lock:
+            self._emit(EventKind.USAGE_OBSERVED, usage=self._resident_usage())
+            return self.projection
+
+    def record(self, kind: EventKind, **data: Any) -> Event:
+        """Record an outside fact (hook decisions); returns the event."""
+        if kind not in (EventKind.HOOK_DECISION, EventKind.USAGE_OBSERVED):
+            msg = f"only hook_decision and usage_observed facts can be recorded from outside, not {kind.value!r}"
+            raise ValueError(msg)
+        return self._emit(kind, **data)
+
+    def recover(self) -> Projection:
+        """Accept that an interrupted transition left memory unknown; start clean from the memory's usage."""
+        with self._command("recover"):
+            self._guard("recover")
+            self._emit(
+                EventKind.RECOVERED,
+                usage=self._resident_usage(),
+                interrupted_state=self.state.value,
+                interrupted_step=self.projection.last_step,
+            )
+            self._sync_machine()
+            return self.projection
+
+    def close(self) -> None:
+        """Record the end of this controller's life and close the log."""
+        with self._emit_lock:
+            self._emit(EventKind.CLOSED, state=self.state.value)
+            if self.log is not None:
+                self.log.close()
+
+    # -- internals ------------------------------------------------------------
+
+    @contextmanager
+    def _command(self, name: str, **args: Any) -> Iterator[None]:
+        if not self._command_lock.acquire(blocking=False):
+            self._refuse(name, CommandInFlight(name, self._in_flight, self.state.value))
+        try:
+            self._in_flight = f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+            if self.projection.interrupted and name != "recover":
+                step = self.projection.last_step
+                self._refuse(name, NotRecovered(self.state.value, self.projection.last_seq, step))
+            yield
+        finally:
+            self._in_flight = ""
+            self._command_lock.release()
+
+    def _guard(self, command: str) -> None:
+        allowed = allowed_sources(command)
+        if self.state.value not in allowed:
+            wall = (
+                time.strftime("%H:%M:%S", time.localtime(self.projection.since_wall))
+                if self.projection.since_wall
+                else ""
+            )
+            self._refuse(
+                command, InvalidTransition(command, self.state.value, self.projection.since, allowed, since_wall=wall)
+            )
+
+    def _refuse(self, command: str, error: TorporError) -> None:
+        holders = list(getattr(error, "holders", ()))
+        self._emit(
+            EventKind.REFUSED,
+            command=command,
+            reason=str(error),
+            error=type(error).__name__,
+            holders=holders,
+            state=self.state.value,
+        )
+        raise error
+
+    def _check_tags(self, command: str, tags: Sequence[str]) -> None:
+        known = set(self.projection.residency) | set(self.memory.usage())
+        unknown = [t for t in tags if t not in known]
+        if unknown:
+            self._refuse(command, UnknownTag(unknown, known))
+
+    def _graph_memory(self, command: str) -> GraphPoolMemory:
+        if not isinstance(self.memory, GraphPoolMemory):
+            msg = f"cannot {command}: {type(self.memory).__name__} has no cudagraph pool"
+            self._refuse(command, TorporError(msg))
+        return self.memory  # type: ignore[return-value]
+
+    def _resident_usage(self) -> dict[str, int]:
+        return {tag: u.resident for tag, u in self.memory.usage().items()}
+
+    def _sync_machine(self) -> None:
+        self._machine.set_state(self.projection.state.value, self._model)
+
+    def _step(self, trigger: str) -> None:
+        """Fire an internal trigger; the machine must agree with the projection."""
+        getattr(self._model, trigger)()
+        if self._model.state != self.projection.state.value:
+            msg = f"state machine says {self._model.state!r} after {trigger!r}, events say {self.projection.state.value!r}"
+            raise TorporError(msg)
+
+    def _emit(self, kind: EventKind, **data: Any) -> Event:
+        with self._emit_lock:
+            event = make_event(kind, self._seq + 1, self.engine, self.rank, data)
+            if self.log is not None:
+                self.log.append(event)
+            self._seq = event.seq
+            self.projection.apply(event)
+            self._recent.append(event)
+            if len(self._recent) > self._keep_events:
+                del self._recent[: len(self._recent) - self._keep_events]
+            if self.log is not None and kind not in (EventKind.SNAPSHOT,) and self.log.needs_rotation():
+                snap = make_event(
+                    EventKind.SNAPSHOT, self._seq + 1, self.engine, self.rank, {"projection": self.projection.to_dict()}
+                )
+                self.log.rotate(snap)
+                self._seq = snap.seq
+                self.projection.apply(snap)
+            self._changed.notify_all()
+            for callback, kinds in list(self._subscribers):
+                if kinds is not None and kind not in kinds:
+                    continue
+                try:
+                    callback(event)
+                except Exception:  # a subscriber must never break the controller
+                    logger.exception("torpor subscriber %r failed on event #%d %s", callback, event.seq, kind.value)
+            return event
+
+    def _sleep(self, level: int) -> Projection:
+        start = time.perf_counter()
+        usage = self._resident_usage()
+        candidates = [t for t in usage if t not in set(self.projection.asleep_tags())]
+        plan = self.policy.plan(level, candidates)
+        self._emit(EventKind.SLEEP_REQUESTED, level=level, plan={t: a.value for t, a in plan.items()}, usage=usage)
+        self._step("sleep")
+        offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
+        discard = [t for t, a in plan.items() if a is Action.DISCARD]
+        try:
+            backed = self.memory.backup(offload)
+        except TorporError as exc:
+            self._abort_sleep(level, start, "backup", exc, released=[])
+        for tag in offload:
+            t = backed[tag]
+            self._emit(EventKind.TAG_BACKED_UP, tag=tag, bytes=t.bytes, seconds=t.seconds)
+        released: list[Transfer] = []
+        for tag in offload + discard:  # offloaded tags first: a failure then loses nothing
+            try:
+                done = self.memory.release([tag])[tag]
+            except TorporError as exc:
+                self._abort_sleep(level, start, "release", exc, released, plan)
+            released.append(done)
+            self._emit(EventKind.TAG_RELEASED, tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds)
+        seconds = time.perf_counter() - start
+        offloaded = sum(t.bytes for t in released if plan[t.tag] is Action.OFFLOAD)
+        discarded = sum(t.bytes for t in released if plan[t.tag] is Action.DISCARD)
+        self._emit(
+            EventKind.SLEEP_COMPLETED,
+            level=level,
+            seconds=seconds,
+            freed=offloaded + discarded,
+            offloaded=offloaded,
+            discarded=discarded,
+            pinned=self._pinned_bytes(),
+        )
+        self._step("finish_sleep")
+        logger.info(
+            "sleep freed %.2f GiB (%.2f GiB to host, %.2f GiB discarded) in %.2f s",
+            (offloaded + discarded) / GiB,
+            offloaded / GiB,
+            discarded / GiB,
+            seconds,
+        )
+        return self.projection
+
+    def _abort_sleep(
+        self,
+        level: int,
+        start: float,
+        phase: str,
+        exc: TorporError,
+        released: list[Transfer],
+        plan: Mapping[str, Action] | None = None,
+    ) -> None:
+        """Undo a sleep that failed: map back what was released, drop backups, stay awake."""
+        rollback_error: TorporError | None = None
+        for done in reversed(released):
+            try:
+                back = self.memory.restore([done.tag])[done.tag]
+            except TorporError as again:
+                rollback_error = again
+                break
+            self._emit(EventKind.TAG_RESTORED, tag=done.tag, bytes=back.bytes, source="rollback", seconds=back.seconds)
+        if rollback_error is not None:
+            # Could not undo: what is released stays released; the sleep completes as far as it got.
+            self._emit(
+                EventKind.SLEEP_COMPLETED,
+                level=level,
+                seconds=time.perf_counter() - start,
+                freed=0,
+                offloaded=0,
+                discarded=0,
+                pinned=self._pinned_bytes(),
+                incomplete=str(rollback_error),
+            )
+            self._step("finish_sleep")
+            raise MemoryOperationFailed(
+                "sleep rollback", None, f"{exc}; rolling back failed too: {rollback_error}"
+            ) from exc
+        backed = [t for t, a in (plan or {}).items() if a is Action.OFFLOAD] if plan else []
+        if backed or phase == "backup":
+            try:
+                self.memory.drop_backup(backed)
+            except TorporError:
+                logger.exception("dropping backups after an aborted sleep failed")
+        self._emit(
+            EventKind.SLEEP_ABORTED,
+            level=level,
+            reason=f"{phase} failed: {exc}",
+            error=type(exc).__name__,
+            seconds=time.perf_counter() - start,
+            usage=self._resident_usage(),
+        )
+        self._step("abort_sleep")
+        if released:
+            logger.warning("Rolled back %d released tag(s) after a failed sleep", len(released))
+        raise exc
+
+    def _wake(self, tags: list[str] | None) -> Projection:
+        start = time.perf_counter()
+        if tags is not None:
+            self._check_tags("wake", tags)
+        restoring = self.policy.wake_set(tags, self.projection.asleep_tags())
+        self._emit(EventKind.WAKE_REQUESTED, tags=tags, restoring=restoring)
+        self._step("wake")
+        restored: list[tuple[str, Transfer, str]] = []
+        for tag in restoring:
+            source = "host" if self.projection.residency[tag].host else "fresh"
+            try:
+                done = self.memory.restore([tag])[tag]
+            except TorporError as exc:
+                self._fail_wake(tags, start, exc, restored)
+            restored.append((tag, done, source))
+            self._emit(EventKind.TAG_RESTORED, tag=tag, bytes=done.bytes, source=source, seconds=done.seconds)
+        try:
+            self.memory.drop_backup([t for t, _, _ in restored])
+        except TorporError:
+            logger.exception("dropping backups after a wake failed; the wake itself succeeded")
+        seconds = time.perf_counter() - start
+        self._emit(
+            EventKind.WAKE_COMPLETED,
+            tags=tags,
+            seconds=seconds,
+            restored=sum(t.bytes for _, t, _ in restored),
+            pinned=self._pinned_bytes(),
+        )
+        self._step("finish_wake")
+        return self.projection
+
+    def _fail_wake(
+        self, tags: list[str] | None, start: float, exc: TorporError, restored: list[tuple[str, Transfer, str]]
+    ) -> None:
+        if restored:
+            logger.warning("Rolling back %d mapped tag(s)", len(restored))
+        for tag, done, source in reversed(restored):
+            action = "offload" if source == "host" else "discard"
+            try:
+                self.memory.release([tag])
+            except TorporError:
+                logger.exception("rolling back tag %r after a failed wake failed; it stays resident", tag)
+                continue
+            self._emit(EventKind.TAG_ROLLED_BACK, tag=tag, bytes=done.bytes, action=action)
+        self._emit(
+            EventKind.WAKE_FAILED,
+            tags=tags,
+            reason=str(exc),
+            error=type(exc).__name__,
+            seconds=time.perf_counter() - start,
+        )
+        self._step("fail_wake")
+        raise exc
+
+    def _pinned_bytes(self) -> int:
+        pinned = getattr(self.memory, "pinned_bytes", None)
+        return int(pinned()) if callable(pinned) else 0

@@ -1,0 +1,180 @@
+"""Events: one immutable record per fact, the source of truth for every projection."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class EventKind(enum.StrEnum):
+    """Every kind of fact the controller records.
+
+    Payload (``Event.data``) per kind:
+
+    - ``opened``: ``usage`` {tag: resident bytes}, ``memory`` (its class), ``previous_state``
+    - ``recovered``: ``usage``, ``interrupted_state``, ``interrupted_step``
+    - ``sleep_requested``: ``level``, ``plan`` {tag: offload|discard}, ``usage``
+    - ``tag_backed_up``: ``tag``, ``bytes``, ``seconds``
+    - ``tag_released``: ``tag``, ``bytes``, ``action`` (offload|discard), ``seconds``
+    - ``sleep_completed``: ``level``, ``seconds``, ``freed``, ``offloaded``, ``discarded``
+    - ``sleep_aborted``: ``level``, ``reason``, ``error``, ``seconds``
+    - ``wake_requested``: ``tags`` (requested, or null for all), ``restoring``
+    - ``tag_restored``: ``tag``, ``bytes``, ``source`` (host|fresh), ``seconds``
+    - ``tag_rolled_back``: ``tag``, ``bytes``, ``action``
+    - ``wake_completed``: ``tags``, ``seconds``, ``restored``
+    - ``wake_failed``: ``tags``, ``reason``, ``error``, ``seconds``
+    - ``tag_discarded``: ``tag``, ``bytes`` (a host backup dropped while asleep)
+    - ``refused``: ``command``, ``reason``, ``error``, ``holders``
+    - ``pool_created``: ``pool``
+    - ``graph_captured``: ``site``, ``pool``, ``seconds``, ``usage``
+    - ``pool_released``: ``pool``, ``bytes``
+    - ``usage_observed``: ``usage``
+    - ``hook_decision``: ``hook``, ``active``, ``detail`` (free-form strings)
+    - ``snapshot``: ``projection`` (the projection at a log rotation)
+    - ``closed``: ``state``
+    """
+
+    OPENED = "opened"
+    RECOVERED = "recovered"
+    SLEEP_REQUESTED = "sleep_requested"
+    TAG_BACKED_UP = "tag_backed_up"
+    TAG_RELEASED = "tag_released"
+    SLEEP_COMPLETED = "sleep_completed"
+    SLEEP_ABORTED = "sleep_aborted"
+    WAKE_REQUESTED = "wake_requested"
+    TAG_RESTORED = "tag_restored"
+    TAG_ROLLED_BACK = "tag_rolled_back"
+    WAKE_COMPLETED = "wake_completed"
+    WAKE_FAILED = "wake_failed"
+    TAG_DISCARDED = "tag_discarded"
+    REFUSED = "refused"
+    POOL_CREATED = "pool_created"
+    GRAPH_CAPTURED = "graph_captured"
+    POOL_RELEASED = "pool_released"
+    USAGE_OBSERVED = "usage_observed"
+    HOOK_DECISION = "hook_decision"
+    SNAPSHOT = "snapshot"
+    CLOSED = "closed"
+
+
+#: Kinds that end (or begin) a transition: the log makes them durable.
+BOUNDARY_KINDS: frozenset[EventKind] = frozenset(
+    {
+        EventKind.OPENED,
+        EventKind.RECOVERED,
+        EventKind.SLEEP_REQUESTED,
+        EventKind.SLEEP_COMPLETED,
+        EventKind.SLEEP_ABORTED,
+        EventKind.WAKE_REQUESTED,
+        EventKind.WAKE_COMPLETED,
+        EventKind.WAKE_FAILED,
+        EventKind.SNAPSHOT,
+        EventKind.CLOSED,
+    }
+)
+
+_KINDS = {k.value: k for k in EventKind}
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({str(k): _freeze(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Turn a frozen payload back into plain JSON-ready dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [thaw(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+@dataclass(frozen=True)
+class Event:
+    """One fact. ``data`` is read-only; :func:`thaw` gives a plain copy."""
+
+    kind: EventKind
+    seq: int
+    wall: float
+    mono: float
+    pid: int
+    engine: str
+    rank: int
+    data: Mapping[str, Any] = field(default_factory=dict)
+    schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", _freeze(self.data))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready form written to the log."""
+        return {
+            "schema": self.schema,
+            "seq": self.seq,
+            "kind": self.kind.value,
+            "wall": self.wall,
+            "mono": self.mono,
+            "pid": self.pid,
+            "engine": self.engine,
+            "rank": self.rank,
+            "data": thaw(self.data),
+        }
+
+    def to_json(self) -> str:
+        """Compact, key-sorted JSON (the log's line body)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def wall_text(self) -> str:
+        """Wall time as ``HH:MM:SS`` local time."""
+        return time.strftime("%H:%M:%S", time.localtime(self.wall))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Event:
+        """Build an event from its log form; ``ValueError`` names what is wrong."""
+        kind = raw.get("kind")
+        if kind not in _KINDS:
+            msg = f"unknown event kind {kind!r}"
+            raise ValueError(msg)
+        fields = {"seq": int, "wall": float, "mono": float, "pid": int, "engine": str, "rank": int}
+        values: dict[str, Any] = {}
+        for name, typ in fields.items():
+            value = raw.get(name)
+            if typ is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, typ) or isinstance(value, bool):
+                msg = f"field {name!r} must be {typ.__name__}, got {value!r}"
+                raise ValueError(msg)
+            values[name] = value
+        data = raw.get("data", {})
+        if not isinstance(data, dict):
+            msg = f"field 'data' must be an object, got {type(data).__name__}"
+            raise ValueError(msg)
+        return cls(kind=_KINDS[kind], data=data, schema=int(raw.get("schema", SCHEMA_VERSION)), **values)
+
+
+def make_event(kind: EventKind, seq: int, engine: str, rank: int, data: Mapping[str, Any]) -> Event:
+    """Stamp a new event with the current wall and monotonic time and pid."""
+    return Event(
+        kind=kind,
+        seq=seq,
+        wall=time.time(),
+        mono=time.monotonic(),
+        pid=os.getpid(),
+        engine=engine,
+        rank=rank,
+        data=data,
+    )

@@ -1,0 +1,240 @@
+"""The append-only event log: JSON Lines with a checksum per line.
+
+Each line is one event, ``{"crc":"xxxxxxxx",...}``: the CRC-32 of the line with
+the ``"crc"`` member removed. Lines are flushed on every append and fsync'ed at
+transition boundaries (configurable). Files are created 0600 in a 0700
+directory. When the active file passes ``max_bytes`` it is renamed to
+``NAME.SEQ`` (SEQ = its first sequence number) and the new file opens with a
+``snapshot`` event, so replay stays correct when old segments are pruned
+(``keep`` of them are kept). A torn last line (a crash mid-write) is tolerated
+with a warning and cut off when the log is reopened for appending; a bad line
+anywhere else raises :class:`~torpor.errors.LogCorrupted`. Nothing read from a
+log is executed or unpickled: lines are parsed as JSON and validated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
+from torpor.statemachine.events import BOUNDARY_KINDS, SCHEMA_VERSION, Event
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = '{"crc":"'
+_HEAD = len(_PREFIX) + 8 + 2  # '{"crc":"' + 8 hex + '",'
+DEFAULT_MAX_LINE = 64 * 1024
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+
+
+def encode_line(event: Event) -> bytes:
+    """One log line for ``event``, with its checksum, ending in a newline."""
+    body = event.to_json()
+    crc = zlib.crc32(body.encode()) & 0xFFFFFFFF
+    return f'{_PREFIX}{crc:08x}",{body[1:]}\n'.encode()
+
+
+def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX_LINE) -> Event:
+    """Parse and verify one log line; raise ``LogCorrupted`` or ``UnknownSchemaVersion``."""
+    if len(line) > max_line:
+        raise LogCorrupted(path, lineno, f"line is {len(line)} bytes, over the {max_line}-byte limit")
+    try:
+        text = line.decode().rstrip("\n")
+    except UnicodeDecodeError as exc:
+        raise LogCorrupted(path, lineno, f"not UTF-8 ({exc.reason})") from None
+    if not text.startswith(_PREFIX) or len(text) < _HEAD + 1 or text[_HEAD - 2 : _HEAD] != '",':
+        raise LogCorrupted(path, lineno, "line does not start with a checksum")
+    try:
+        expected = int(text[len(_PREFIX) : len(_PREFIX) + 8], 16)
+    except ValueError:
+        raise LogCorrupted(path, lineno, "checksum is not hexadecimal") from None
+    body = "{" + text[_HEAD:]
+    if zlib.crc32(body.encode()) & 0xFFFFFFFF != expected:
+        raise LogCorrupted(path, lineno, "checksum mismatch")
+    try:
+        raw = json.loads(body)
+    except ValueError as exc:
+        raise LogCorrupted(path, lineno, f"not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise LogCorrupted(path, lineno, "line is not a JSON object")
+    schema = raw.get("schema")
+    if schema != SCHEMA_VERSION:
+        raise UnknownSchemaVersion(path, lineno, schema, SCHEMA_VERSION)
+    try:
+        return Event.from_dict(raw)
+    except ValueError as exc:
+        raise LogCorrupted(path, lineno, str(exc)) from None
+
+
+def segments(path: str | os.PathLike[str]) -> list[Path]:
+    """The log's files in order: rotated segments (oldest first), then the active file."""
+    active = Path(path)
+    rotated: list[tuple[int, Path]] = []
+    if active.parent.is_dir():
+        for candidate in active.parent.glob(active.name + ".*"):
+            suffix = candidate.name[len(active.name) + 1 :]
+            if suffix.isdigit():
+                rotated.append((int(suffix), candidate))
+    files = [p for _, p in sorted(rotated)]
+    if active.exists():
+        files.append(active)
+    return files
+
+
+def _read_file(file: Path, max_line: int, last_file: bool) -> Iterator[Event]:
+    with open(file, "rb") as fh:
+        data = fh.read()
+    lines = data.split(b"\n")
+    torn_tail = lines[-1]  # text after the last newline: empty, or a torn write
+    lines = lines[:-1]
+    for lineno, line in enumerate(lines, 1):
+        yield decode_line(line, str(file), lineno, max_line)
+    if torn_tail:
+        lineno = len(lines) + 1
+        if not last_file:
+            raise LogCorrupted(str(file), lineno, "unterminated line in a rotated segment")
+        logger.warning(
+            "%s:%d: ignoring a torn last line (%d bytes): the writer was interrupted", file, lineno, len(torn_tail)
+        )
+
+
+def read_events(path: str | os.PathLike[str], max_line: int = DEFAULT_MAX_LINE) -> Iterator[Event]:
+    """Every event in the log at ``path`` (all its segments), oldest first.
+
+    Sequence numbers must increase by one; a gap or repeat raises ``LogCorrupted``
+    (except at the start of a segment that opens with a snapshot).
+    """
+    files = segments(path)
+    if not files:
+        msg = f"no event log at {path}"
+        raise FileNotFoundError(msg)
+    prev: int | None = None
+    for index, file in enumerate(files):
+        for lineno, event in enumerate(_read_file(file, max_line, index == len(files) - 1), 1):
+            if prev is not None and event.seq != prev + 1:
+                raise LogCorrupted(str(file), lineno, f"sequence jumps from #{prev} to #{event.seq}")
+            prev = event.seq
+            yield event
+
+
+def _tail_state(file: Path, max_line: int) -> tuple[int, int]:
+    """(last sequence number, length of the valid prefix) of an existing file."""
+    with open(file, "rb") as fh:
+        data = fh.read()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        logger.warning("%s: cutting a torn last line (%d bytes) before appending", file, len(data) - end)
+    last = 0
+    if end:
+        start = data.rfind(b"\n", 0, end - 1) + 1
+        last = decode_line(data[start : end - 1], str(file), data.count(b"\n", 0, end), max_line).seq
+    return last, end
+
+
+class EventLog:
+    """Append-only, checksummed JSON Lines event log for one engine rank.
+
+    ``fsync`` makes boundary events (those that begin or end a transition)
+    durable; ``max_bytes`` rotates the active file; ``keep`` bounds how many
+    rotated segments stay on disk (None keeps all).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: bool = True,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_line: int = DEFAULT_MAX_LINE,
+        keep: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        self.max_bytes = max_bytes
+        self.max_line = max_line
+        self.keep = keep
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.path.parent, 0o700)
+        self.last_seq = 0
+        if self.path.exists():
+            self.last_seq, valid = _tail_state(self.path, max_line)
+            if valid < self.path.stat().st_size:
+                os.truncate(self.path, valid)
+        else:
+            rotated = segments(self.path)
+            if rotated:
+                *_, last = read_events(self.path, max_line)
+                self.last_seq = last.seq
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)
+        self._fh = os.fdopen(fd, "ab", buffering=0)
+        self._size = self.path.stat().st_size
+
+    def next_seq(self) -> int:
+        """The sequence number the next appended event must carry."""
+        return self.last_seq + 1
+
+    def append(self, event: Event) -> None:
+        """Write ``event``; fsync it when it is a boundary and ``fsync`` is on."""
+        line = encode_line(event)
+        if len(line) > self.max_line:
+            raise EventTooLarge(event.kind.value, len(line), self.max_line)
+        with self._lock:
+            if event.seq != self.last_seq + 1:
+                msg = f"event #{event.seq} appended after #{self.last_seq}: sequence numbers must follow on"
+                raise ValueError(msg)
+            self._fh.write(line)
+            if self.fsync and event.kind in BOUNDARY_KINDS:
+                os.fsync(self._fh.fileno())
+            self.last_seq = event.seq
+            self._size += len(line)
+
+    def needs_rotation(self) -> bool:
+        """True once the active file has passed ``max_bytes``."""
+        return self._size >= self.max_bytes
+
+    def rotate(self, snapshot: Event) -> None:
+        """Close the active file as a segment; start a new one with ``snapshot``."""
+        with self._lock:
+            self._fh.close()
+            first = next(read_events_file(self.path, self.max_line)).seq
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.{first:012d}"))
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._fh = os.fdopen(fd, "ab", buffering=0)
+            self._size = 0
+            if self.keep is not None:
+                old = segments(self.path)[:-1]
+                for stale in old[: max(0, len(old) - self.keep)]:
+                    stale.unlink()
+        self.append(snapshot)
+        if self.fsync:
+            os.fsync(self._fh.fileno())
+            dfd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def close(self) -> None:
+        """Close the file (events already appended stay)."""
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.close()
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_events_file(file: Path, max_line: int = DEFAULT_MAX_LINE) -> Iterator[Event]:
+    """Events of one file (one segment) only."""
+    return _read_file(file, max_line, True)

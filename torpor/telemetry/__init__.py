@@ -1,0 +1,3 @@
+"""torpor.telemetry (see its issue)."""
+
+from __future__ import annotations
