@@ -1,0 +1,273 @@
+"""``torpor log show|follow|replay PATH``: read an event log as a human timeline, live, or as its projection."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from torpor.demo.report import fmt_bytes, fmt_seconds, table
+from torpor.statemachine import Event, EventKind, Projection, read_events, segments
+from torpor.statemachine.projection import project
+
+#: Payload fields that are summarized rather than printed whole.
+_BYTES_FIELDS = ("bytes", "freed", "offloaded", "discarded", "restored", "pinned")
+#: Payload fields printed first, in this order; the rest follow alphabetically.
+_FIRST = ("tag", "site", "command", "level", "tags", "action", "source", "bytes", "freed", "offloaded", "discarded")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``log`` subcommand and its ``show``, ``follow`` and ``replay`` actions."""
+    p = sub.add_parser(
+        "log",
+        help="read an event log: timeline, live tail, or replayed state",
+        description="Read a torpor event log (a .jsonl file, or a directory holding one).",
+        epilog="example: torpor log show /tmp/torpor-demo/demo.rank0.jsonl",
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    p.set_defaults(func=lambda args: _usage(p))
+
+    show = actions.add_parser(
+        "show",
+        help="print the log as a timeline (seq, time, state, kind, key fields)",
+        description="Print every event of the log, oldest first, one line each.",
+        epilog="example: torpor log show /tmp/torpor-demo --kind sleep_completed --kind wake_completed",
+    )
+    _add_path(show)
+    show.add_argument("--after", type=int, default=0, metavar="SEQ", help="only events after this sequence number")
+    show.add_argument(
+        "--kind", action="append", choices=[k.value for k in EventKind], metavar="KIND", help="only this kind (repeat)"
+    )
+    show.set_defaults(func=run_show)
+
+    follow = actions.add_parser(
+        "follow",
+        help="print events as they are appended (tail -f)",
+        description="Print the last events of the log, then each new one as it is appended; "
+        "survives rotation. Stop with Ctrl-C.",
+        epilog="example: torpor log follow /tmp/torpor-demo --after 0",
+    )
+    _add_path(follow)
+    follow.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="old events to print first (10)")
+    follow.add_argument("--after", type=int, metavar="SEQ", help="start after this sequence number (overrides -n)")
+    follow.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="stop after this long with no new event (default: never)"
+    )
+    follow.add_argument("--interval", type=float, default=0.2, metavar="SECONDS", help=argparse.SUPPRESS)
+    follow.set_defaults(func=run_follow)
+
+    rep = actions.add_parser(
+        "replay",
+        help="fold the log into its state and per-tag residency",
+        description="Replay the log and print the state it ends in, per-tag residency and, when the "
+        "log ends mid-transition, the interrupted step and how to recover.",
+        epilog="example: torpor log replay /tmp/torpor-demo/demo.rank0.jsonl",
+    )
+    _add_path(rep)
+    rep.add_argument("--json", action="store_true", help="print the projection as JSON")
+    rep.set_defaults(func=run_replay)
+
+
+def _add_path(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", type=Path, metavar="PATH", help="event log file, or a directory holding one")
+
+
+def _usage(p: argparse.ArgumentParser) -> int:
+    p.print_usage(sys.stderr)
+    print("torpor log: name an action: show, follow or replay (torpor log --help)", file=sys.stderr)
+    return 2
+
+
+# -- locating the log --------------------------------------------------------------
+
+
+def resolve_log(path: Path) -> Path:
+    """The log file ``path`` names: itself, or the one ``*.jsonl`` log inside a directory."""
+    if path.is_dir():
+        logs = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        if len(logs) == 1:
+            return logs[0]
+        if not logs:
+            msg = f"no event log (*.jsonl) in directory {path}"
+            raise FileNotFoundError(msg)
+        names = ", ".join(p.name for p in logs)
+        msg = f"{path} holds {len(logs)} event logs ({names}); name one of them"
+        raise ValueError(msg)
+    if not segments(path):
+        msg = f"no event log at {path}"
+        raise FileNotFoundError(msg)
+    return path
+
+
+# -- formatting ------------------------------------------------------------------------
+
+
+def _value(name: str, value: Any) -> str:
+    if name in _BYTES_FIELDS and isinstance(value, int):
+        return fmt_bytes(value)
+    if name == "seconds" and isinstance(value, int | float):
+        return fmt_seconds(float(value))
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_value(name, v)}" for k, v in value.items()) + "}"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def describe(event: Event) -> str:
+    """The key fields of one event, ``name=value`` separated by spaces."""
+    data = dict(event.data)
+    parts: list[str] = []
+    if "usage" in data:
+        usage = data.pop("usage")
+        total = sum(int(v) for v in usage.values()) if isinstance(usage, Mapping) else 0
+        parts.append(f"resident={fmt_bytes(total)} in {len(usage)} tag(s)")
+    data.pop("projection", None)
+    order = [n for n in _FIRST if n in data] + sorted(n for n in data if n not in _FIRST)
+    for name in order:
+        value = data[name]
+        if value is None or value == "":
+            continue
+        parts.append(f"{name}={_value(name, value)}")
+    return " ".join(parts)
+
+
+def timeline_line(event: Event, state: str) -> str:
+    """One row of the human timeline."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.wall)) + f".{int(event.wall * 1000) % 1000:03d}"
+    return f"#{event.seq:<5} {stamp}  {state:<15} {event.kind.value:<16} {describe(event)}".rstrip()
+
+
+def _header(path: Path, out: Callable[[str], None]) -> None:
+    out(f"event log {path}")
+    out(f"{'seq':<6} {'time':<12}  {'state after':<15} {'kind':<16} details")
+
+
+# -- actions ----------------------------------------------------------------------------
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """Print the timeline."""
+    path = resolve_log(args.path)
+    kinds = set(args.kind or ())
+    proj = Projection()
+    _header(path, print)
+    for event in read_events(path):
+        proj.apply(event)
+        if event.seq <= args.after or (kinds and event.kind.value not in kinds):
+            continue
+        print(timeline_line(event, proj.state.value))
+    return 0
+
+
+def _follow_fallback(path: Path, after: int, interval: float) -> Iterator[Event]:
+    """Yield events with seq > ``after`` as they are appended; rereads the log when it changes."""
+    last_seen: tuple[int, int, float] | None = None
+    while True:
+        try:
+            st = path.stat()
+            marker: tuple[int, int, float] | None = (st.st_ino, st.st_size, st.st_mtime)
+        except FileNotFoundError:
+            marker = None
+        if marker is not None and marker != last_seen:
+            last_seen = marker
+            for event in read_events(path):
+                if event.seq > after:
+                    after = event.seq
+                    yield event
+        else:
+            time.sleep(interval)
+            yield _TICK
+
+
+#: A sentinel the fallback follower yields while idle, so callers can time out.
+_TICK = Event(kind=EventKind.USAGE_OBSERVED, seq=-1, wall=0.0, mono=0.0, pid=0, engine="", rank=-1)
+
+
+def _follower(path: Path, after: int, interval: float) -> Iterator[Event]:
+    try:
+        from torpor.hooks import follow as hooks_follow  # type: ignore[attr-defined]
+    except ImportError:
+        return _follow_fallback(path, after, interval)
+    return iter(hooks_follow(path, after=after))
+
+
+def run_follow(args: argparse.Namespace) -> int:
+    """Print old events, then new ones as they arrive, until Ctrl-C or ``--timeout``."""
+    path = resolve_log(args.path)
+    events = list(read_events(path))
+    proj = project(events)
+    after = args.after
+    if after is None:
+        tail = events[-args.lines :] if args.lines > 0 else []
+        after = tail[0].seq - 1 if tail else (events[-1].seq if events else 0)
+    replayed = Projection()
+    _header(path, print)
+    for event in events:
+        replayed.apply(event)
+        if event.seq > after:
+            print(timeline_line(event, replayed.state.value))
+    after = max(after, events[-1].seq if events else 0)
+    sys.stdout.flush()
+    logging.getLogger("torpor.statemachine.log").setLevel(logging.ERROR)  # a line being written is not torn
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    for event in _follower(path, after, args.interval):
+        if event.seq > 0:
+            proj.apply(event)
+            print(timeline_line(event, proj.state.value), flush=True)
+            if deadline is not None:
+                deadline = time.monotonic() + args.timeout
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+    return 0
+
+
+def replay_text(path: Path, proj: Projection) -> str:
+    """The human report of a replayed log."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(proj.since_wall)) if proj.since_wall else "-"
+    lines = [
+        f"event log   {path}",
+        f"engine      {proj.engine or '-'} rank {proj.rank} (pid {proj.pid})",
+        f"events      {proj.last_seq} (last: {proj.last_step or '-'})",
+        f"state       {proj.state.value} since event #{proj.since} ({since})"
+        + (f", level {proj.level}" if proj.level else ""),
+        f"transitions {proj.transitions}, refusals {proj.refusals}, pinned host backup {fmt_bytes(proj.pinned_bytes)}",
+        f"graph pool  {proj.pool or 'none'}"
+        + (f", {len(proj.graphs)} graph(s): {', '.join(proj.graphs)}" if proj.graphs else ""),
+        "",
+    ]
+    rows = []
+    for tag, u in sorted(proj.residency.items()):
+        where = "asleep" if tag in proj.asleep_tags() else "awake"
+        rows.append([tag, where, fmt_bytes(u.resident), fmt_bytes(u.host), fmt_bytes(u.discarded)])
+    if rows:
+        lines.append(table(["tag", "now", "resident", "on host", "discarded"], rows, indent=""))
+    else:
+        lines.append("no tagged memory recorded")
+    if proj.interrupted:
+        lines += [
+            "",
+            f"INTERRUPTED: the log ends inside a transition ({proj.state.value}), at {proj.last_step}.",
+            "  The process stopped mid-step: memory of the tags above may be partly released.",
+            "  Recovery: restart the engine with this log and call controller.recover(), e.g.",
+            f"    SleepController(memory, log={str(path)!r}).recover()",
+            "  which records a 'recovered' event and starts clean (awake) from the memory's actual usage.",
+        ]
+    return "\n".join(lines)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """Print the projection of the log."""
+    path = resolve_log(args.path)
+    proj = project(read_events(path))
+    if args.json:
+        import json
+
+        print(json.dumps(proj.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(replay_text(path, proj))
+    return 0
