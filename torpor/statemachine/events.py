@@ -146,7 +146,7 @@ class Event:
     def from_dict(cls, raw: Mapping[str, Any]) -> Event:
         """Build an event from its log form; ``ValueError`` names what is wrong."""
         kind = raw.get("kind")
-        if kind not in _KINDS:
+        if not isinstance(kind, str) or kind not in _KINDS:
             msg = f"unknown event kind {kind!r}"
             raise ValueError(msg)
         fields = {"seq": int, "wall": float, "mono": float, "pid": int, "engine": str, "rank": int}
