@@ -61,6 +61,8 @@ def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX
         raw = json.loads(body)
     except ValueError as exc:
         raise LogCorrupted(path, lineno, f"not JSON ({exc})") from None
+    except RecursionError:
+        raise LogCorrupted(path, lineno, "JSON nested too deeply") from None
     if not isinstance(raw, dict):
         raise LogCorrupted(path, lineno, "line is not a JSON object")
     schema = raw.get("schema")
@@ -70,6 +72,8 @@ def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX
         return Event.from_dict(raw)
     except ValueError as exc:
         raise LogCorrupted(path, lineno, str(exc)) from None
+    except RecursionError:
+        raise LogCorrupted(path, lineno, "event data nested too deeply") from None
 
 
 def segments(path: str | os.PathLike[str]) -> list[Path]:
