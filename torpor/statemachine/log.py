@@ -66,7 +66,7 @@ def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX
     if not isinstance(raw, dict):
         raise LogCorrupted(path, lineno, "line is not a JSON object")
     schema = raw.get("schema")
-    if schema != SCHEMA_VERSION:
+    if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
         raise UnknownSchemaVersion(path, lineno, schema, SCHEMA_VERSION)
     try:
         return Event.from_dict(raw)
