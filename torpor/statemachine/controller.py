@@ -76,6 +76,11 @@ class _Model:
         return not self._owner.projection.asleep_tags()
 
 
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+
+
 def log_path_for(directory: str | Path, engine: str, rank: int) -> Path:
     """The file of ``engine``'s rank ``rank`` inside a shared log directory."""
     return Path(directory) / f"{engine}.rank{rank}.jsonl"
@@ -337,11 +342,12 @@ class SleepController:
             )
 
     def _refuse(self, command: str, error: TorporError) -> None:
-        holders = list(getattr(error, "holders", ()))
+        # Bounded so that a refusal of oversized input (a huge tag name) is still logged, not EventTooLarge.
+        holders = [_clip(str(h), 128) for h in list(getattr(error, "holders", ()))[:16]]
         self._emit(
             EventKind.REFUSED,
             command=command,
-            reason=str(error),
+            reason=_clip(str(error), 2048),
             error=type(error).__name__,
             holders=holders,
             state=self.state.value,
