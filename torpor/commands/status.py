@@ -1,0 +1,94 @@
+"""``torpor status DIR``: the engine-wide sleep state merged from the per-rank event logs in DIR."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from torpor.hooks.fleet import EngineView, FleetView, fleet, wait_fleet
+
+GiB = 1024**3
+
+#: States ``--wait`` accepts.
+WAIT_STATES = ("awake", "asleep", "asleep_l1", "asleep_l2", "partially_awake", "closed")
+
+EXAMPLE = """\
+examples:
+  torpor status /var/run/torpor                 every engine logging there, rank by rank
+  torpor status /var/run/torpor --engine llm0 --json
+  torpor status /var/run/torpor --wait asleep --timeout 60   (exit 0 once all ranks are asleep)
+
+exit status: 0 ok; 1 unreadable logs or a bad directory; 3 --wait timed out"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``status`` subcommand."""
+    p = sub.add_parser(
+        "status",
+        help="engine-wide sleep state from per-rank event logs",
+        description=(
+            "Merge the per-rank event logs (ENGINE.rankN.jsonl) in DIR into one state per engine: "
+            "asleep when every rank is asleep, awake when every rank is awake, otherwise transitional, "
+            "naming the ranks that lag."
+        ),
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("directory", metavar="DIR", help="the directory the ranks' SleepControllers log into")
+    p.add_argument("--engine", help="only this engine")
+    p.add_argument("--world-size", type=int, help="ranks the engine has (missing logs count as lagging)")
+    p.add_argument("--json", action="store_true", help="print the view as JSON")
+    p.add_argument(
+        "--wait", choices=WAIT_STATES, metavar="STATE", help=f"block until in STATE ({', '.join(WAIT_STATES)})"
+    )
+    p.add_argument("--timeout", type=float, help="seconds --wait waits at most (default: forever)")
+    p.set_defaults(func=run)
+
+
+def _tags(engine: EngineView, rank: int) -> str:
+    parts = []
+    for tag, u in sorted(engine.rank(rank).residency.items()):
+        if u.resident:
+            parts.append(f"{tag} {u.resident / GiB:.2f} GiB resident")
+        elif u.host:
+            parts.append(f"{tag} {u.host / GiB:.2f} GiB on host")
+        elif u.discarded:
+            parts.append(f"{tag} {u.discarded / GiB:.2f} GiB discarded")
+    return ", ".join(parts)
+
+
+def render(view: FleetView) -> str:
+    """The text ``torpor status`` prints: a summary line per engine, then one line per rank."""
+    lines = []
+    for engine in view.engines:
+        lines.append(engine.summary())
+        for r in engine.ranks:
+            where = f"pid {r.pid}" if r.pid else ""
+            if r.error is not None:
+                lines.append(f"  rank {r.rank:<3} {r.state:<16} {r.error}")
+            elif r.path is None:
+                lines.append(f"  rank {r.rank:<3} {r.state:<16} no ENGINE.rank{r.rank}.jsonl in the directory")
+            else:
+                lines.append(
+                    f"  rank {r.rank:<3} {r.state:<16} since #{r.since:<6} {where:<10} {_tags(engine, r.rank)}".rstrip()
+                )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the view (waiting first with --wait); the exit status says whether it is usable."""
+    if args.timeout is not None and args.wait is None:
+        print("torpor status: --timeout needs --wait", file=sys.stderr)
+        return 2
+    if args.wait:
+        reached = wait_fleet(args.directory, args.wait, args.timeout, engine=args.engine, world_size=args.world_size)
+        view = reached or fleet(args.directory, engine=args.engine, world_size=args.world_size)
+    else:
+        reached = None
+        view = fleet(args.directory, engine=args.engine, world_size=args.world_size)
+    print(json.dumps(view.to_dict(), indent=2) if args.json else render(view))
+    if args.wait and reached is None:
+        print(f"torpor status: not {args.wait} after {args.timeout} s", file=sys.stderr)
+        return 3
+    return 1 if any(e.state == "unknown" for e in view.engines) else 0

@@ -1,0 +1,295 @@
+"""The engine-wide view: per-rank event logs in one directory merged into one state per engine.
+
+Every rank of an engine writes ``ENGINE.rankN.jsonl`` into a shared directory
+(``SleepController(memory, log=DIR, engine=E, rank=N)``). :func:`fleet` replays
+each file and merges the ranks: all asleep is ``asleep``, all awake ``awake``,
+all partially awake ``partially_awake``; anything else is ``transitional``:
+the rank whose state changed last leads, and the ranks not in its state are
+named as lagging. A rank without a log (a gap in the rank
+numbers, or below ``world_size``) lags too; a rank whose log cannot be read
+makes the engine ``unknown``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torpor.errors import TorporError
+from torpor.statemachine.projection import Projection, replay
+from torpor.statemachine.protocol import TagUsage
+from torpor.statemachine.states import ASLEEP, State
+
+_LOG_NAME = re.compile(r"^(?P<engine>.+)\.rank(?P<rank>\d+)\.jsonl$")
+
+#: Engine-wide states :func:`fleet` reports.
+ENGINE_STATES: tuple[str, ...] = ("awake", "asleep", "partially_awake", "transitional", "closed", "unknown")
+
+
+class FleetError(TorporError, ValueError):
+    """A directory that holds no per-rank event logs (or is not a directory)."""
+
+
+def _clock(wall: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(wall)) if wall else "--:--:--"
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank as its log tells it. ``state`` is a :class:`State` value, ``closed``, ``unreadable`` or ``no log``."""
+
+    engine: str
+    rank: int
+    path: Path | None
+    state: str
+    since: int = 0
+    since_wall: float = 0.0
+    last_seq: int = 0
+    pid: int = 0
+    level: int | None = None
+    residency: Mapping[str, TagUsage] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def asleep(self) -> bool:
+        """True in asleep_l1 or asleep_l2."""
+        return self.state in (State.ASLEEP_L1.value, State.ASLEEP_L2.value)
+
+    def describe(self) -> str:
+        """``rank N (STATE since #SEQ HH:MM:SS)``, or the reason there is no state."""
+        if self.error is not None:
+            return f"rank {self.rank} ({self.state}: {self.error})"
+        if self.path is None:
+            return f"rank {self.rank} (no log)"
+        return f"rank {self.rank} ({self.state} since #{self.since} {_clock(self.since_wall)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "rank": self.rank,
+            "path": str(self.path) if self.path else None,
+            "state": self.state,
+            "since": self.since,
+            "since_wall": self.since_wall,
+            "last_seq": self.last_seq,
+            "pid": self.pid,
+            "level": self.level,
+            "residency": {
+                t: {"resident": u.resident, "host": u.host, "discarded": u.discarded}
+                for t, u in sorted(self.residency.items())
+            },
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """One engine's ranks merged.
+
+    ``state`` is one of :data:`ENGINE_STATES`; while ``transitional``,
+    ``leader`` is the rank whose state changed last and ``target`` its state,
+    and ``lagging`` the ranks not (yet) in it.
+    """
+
+    engine: str
+    state: str
+    ranks: tuple[RankView, ...]
+    level: int | None = None
+    target: str | None = None
+    leader: int | None = None
+    lagging: tuple[int, ...] = ()
+
+    @property
+    def asleep(self) -> bool:
+        """True when every rank is asleep."""
+        return self.state == "asleep"
+
+    def matches(self, state: str) -> bool:
+        """True when the engine is in ``state``; ``asleep_l1``/``asleep_l2`` also check the level."""
+        if state in (State.ASLEEP_L1.value, State.ASLEEP_L2.value):
+            return self.state == "asleep" and self.level == int(state[-1])
+        return self.state == state
+
+    def summary(self) -> str:
+        """One line: the engine-wide state, and the lagging ranks when there are any."""
+        n = len(self.ranks)
+        head = f"engine {self.engine}: {self.state}"
+        if self.state == "asleep":
+            head += f" (level {self.level})" if self.level else " (mixed levels)"
+        if self.state in ("awake", "asleep", "partially_awake", "closed"):
+            since = max(r.since_wall for r in self.ranks)
+            return f"{head}, {n} rank{'s' if n != 1 else ''}, since {_clock(since)}"
+        lagging = ", ".join(self.rank(r).describe() for r in self.lagging)
+        leads = f", {self.rank(self.leader).describe()} leads" if self.leader is not None else ""
+        return f"{head}, {n} rank{'s' if n != 1 else ''}{leads}; lagging: {lagging}"
+
+    def rank(self, number: int) -> RankView:
+        """The view of rank ``number``."""
+        for view in self.ranks:
+            if view.rank == number:
+                return view
+        msg = f"engine {self.engine!r} has no rank {number}; ranks: {', '.join(str(r.rank) for r in self.ranks)}"
+        raise KeyError(msg)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "engine": self.engine,
+            "state": self.state,
+            "level": self.level,
+            "target": self.target,
+            "leader": self.leader,
+            "lagging": list(self.lagging),
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """Every engine in a log directory. ``state`` merges them the way ranks are merged."""
+
+    directory: Path
+    engines: tuple[EngineView, ...]
+
+    @property
+    def state(self) -> str:
+        """The common state of all engines, or ``transitional`` (``unknown`` if any is unknown)."""
+        states = {e.state for e in self.engines}
+        if len(states) == 1:
+            return states.pop()
+        return "unknown" if "unknown" in states else "transitional"
+
+    @property
+    def asleep(self) -> bool:
+        """True when every rank of every engine is asleep."""
+        return self.state == "asleep"
+
+    def engine(self, name: str) -> EngineView:
+        """The view of engine ``name``."""
+        for view in self.engines:
+            if view.engine == name:
+                return view
+        msg = f"no engine {name!r} in {self.directory}; engines: {', '.join(e.engine for e in self.engines)}"
+        raise KeyError(msg)
+
+    def lagging(self) -> list[str]:
+        """``ENGINE.rankN`` for every lagging rank of every engine."""
+        return [f"{e.engine}.rank{r}" for e in self.engines for r in e.lagging]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``torpor status --json``)."""
+        return {"directory": str(self.directory), "state": self.state, "engines": [e.to_dict() for e in self.engines]}
+
+
+def rank_logs(directory: str | os.PathLike[str]) -> dict[str, dict[int, Path]]:
+    """``{engine: {rank: path}}`` for the active per-rank logs in ``directory``."""
+    root = Path(directory)
+    if not root.exists():
+        msg = f"no such directory: {root}"
+        raise FleetError(msg)
+    if not root.is_dir():
+        msg = f"not a directory: {root} (give the directory the ranks log into)"
+        raise FleetError(msg)
+    found: dict[str, dict[int, Path]] = {}
+    for entry in sorted(root.iterdir()):
+        match = _LOG_NAME.match(entry.name)
+        if match and entry.is_file():
+            found.setdefault(match["engine"], {})[int(match["rank"])] = entry
+    return found
+
+
+def _rank_view(engine: str, rank: int, path: Path) -> RankView:
+    try:
+        proj: Projection = replay(path)
+    except (TorporError, OSError, ValueError) as exc:
+        return RankView(engine, rank, path, "unreadable", error=str(exc))
+    if proj.last_seq == 0:
+        return RankView(engine, rank, path, "unreadable", error="the log is empty")
+    state = "closed" if proj.last_kind == "closed" else proj.state.value
+    return RankView(
+        engine=engine,
+        rank=rank,
+        path=path,
+        state=state,
+        since=proj.since,
+        since_wall=proj.since_wall,
+        last_seq=proj.last_seq,
+        pid=proj.pid,
+        level=proj.level,
+        residency=dict(proj.residency),
+    )
+
+
+def merge(engine: str, ranks: list[RankView]) -> EngineView:
+    """Merge one engine's rank views into its engine-wide view."""
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    unreadable = tuple(r.rank for r in ranks if r.error is not None)
+    if unreadable:
+        return EngineView(engine, "unknown", tuple(ranks), lagging=unreadable)
+    absent = tuple(r.rank for r in ranks if r.path is None)
+    present = [r for r in ranks if r.path is not None]
+    states = {r.state for r in present}
+    if not absent and states <= {s.value for s in ASLEEP}:
+        levels = {r.level for r in present}
+        return EngineView(engine, "asleep", tuple(ranks), level=levels.pop() if len(levels) == 1 else None)
+    if not absent and len(states) == 1:
+        return EngineView(engine, states.pop(), tuple(ranks))
+    live = [r for r in present if r.state != "closed"] or present
+    leader = max(live, key=lambda r: (r.since_wall, r.since))
+    target = leader.state
+    lagging = tuple(r.rank for r in ranks if r.path is None or r.state != target)
+    return EngineView(engine, "transitional", tuple(ranks), target=target, leader=leader.rank, lagging=lagging)
+
+
+def fleet(directory: str | os.PathLike[str], *, engine: str | None = None, world_size: int | None = None) -> FleetView:
+    """The engine-wide view of every engine logging into ``directory`` (or only ``engine``).
+
+    Ranks missing from the numbering (below the highest rank seen, or below
+    ``world_size`` when given) count as lagging with no log. Raises
+    :class:`FleetError` for a directory that holds no per-rank logs.
+    """
+    root = Path(directory)
+    logs = rank_logs(root)
+    if engine is not None:
+        if engine not in logs:
+            known = ", ".join(sorted(logs)) or "none"
+            msg = f"no logs of engine {engine!r} in {root} (engines there: {known})"
+            raise FleetError(msg)
+        logs = {engine: logs[engine]}
+    if not logs:
+        msg = f"no per-rank event logs (ENGINE.rankN.jsonl) in {root}"
+        raise FleetError(msg)
+    views = []
+    for name, files in sorted(logs.items()):
+        size = max(max(files) + 1, world_size or 0)
+        ranks = [
+            _rank_view(name, rank, files[rank]) if rank in files else RankView(name, rank, None, "no log")
+            for rank in range(size)
+        ]
+        views.append(merge(name, ranks))
+    return FleetView(root, tuple(views))
+
+
+def wait_fleet(
+    directory: str | os.PathLike[str],
+    state: str,
+    timeout: float | None = None,
+    *,
+    engine: str | None = None,
+    world_size: int | None = None,
+    poll: float = 0.2,
+) -> FleetView | None:
+    """Poll until every engine (or ``engine``) in ``directory`` is in ``state``; the view, or None on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        view = fleet(directory, engine=engine, world_size=world_size)
+        if view.engines and all(e.matches(state) for e in view.engines):
+            return view
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
