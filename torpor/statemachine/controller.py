@@ -234,9 +234,12 @@ class SleepController:
                         "cudagraph is never discarded: graphs hold write-once state",
                     )
                     self._refuse("discard", err)
-            host = [t for t in tags if self.projection.residency.get(t) and self.projection.residency[t].host]
-            self.memory.drop_backup(host)
+            host = [t for t in tags if t in self.projection.asleep and self.projection.residency[t].host]
             for tag in host:
+                try:
+                    self.memory.drop_backup([tag])
+                except TorporError as exc:
+                    self._refuse("discard", exc)
                 self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
             return self.projection
 
@@ -416,6 +419,7 @@ class SleepController:
         offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
         discard = [t for t, a in plan.items() if a is Action.DISCARD]
         try:
+            self.memory.drop_backup(discard)  # a stale backup must never come back as a discarded tag's content
             backed = self.memory.backup(offload)
         except TorporError as exc:
             self._abort_sleep(level, start, "backup", exc, released=[])

@@ -32,6 +32,7 @@ class Projection:
     level: int | None = None
     resume_from: State | None = None
     residency: dict[str, TagUsage] = field(default_factory=dict)
+    asleep: set[str] = field(default_factory=set)
     pinned_bytes: int = 0
     pool: str | None = None
     graphs: list[str] = field(default_factory=list)
@@ -45,8 +46,8 @@ class Projection:
         return self.state in TRANSITIONAL
 
     def asleep_tags(self) -> list[str]:
-        """Tags with no resident bytes and some on the host or discarded."""
-        return sorted(t for t, u in self.residency.items() if u.resident == 0 and (u.host or u.discarded))
+        """Tags released by a sleep and not restored since (on the host or discarded)."""
+        return sorted(self.asleep)
 
     def resident_tags(self) -> list[str]:
         """Tags that are resident (or empty), i.e. not asleep."""
@@ -70,6 +71,7 @@ class Projection:
                 t: {"resident": u.resident, "host": u.host, "discarded": u.discarded, "allocations": u.allocations}
                 for t, u in sorted(self.residency.items())
             },
+            "asleep": sorted(self.asleep),
             "pinned_bytes": self.pinned_bytes,
             "pool": self.pool,
             "graphs": list(self.graphs),
@@ -98,6 +100,7 @@ class Projection:
                 str(t): TagUsage(int(u["resident"]), int(u["host"]), int(u["discarded"]), int(u.get("allocations", 0)))
                 for t, u in dict(raw.get("residency", {})).items()
             },
+            asleep={str(t) for t in raw.get("asleep", [])},
             pinned_bytes=int(raw.get("pinned_bytes", 0)),
             pool=raw.get("pool"),
             graphs=[str(g) for g in raw.get("graphs", [])],
@@ -136,7 +139,7 @@ class Projection:
             snap.last_seq, snap.last_kind, snap.last_step = event.seq, kind.value, self.last_step
             self.__dict__.update(snap.__dict__)
         elif kind in (EventKind.OPENED, EventKind.RECOVERED):
-            self.residency = {}
+            self.residency, self.asleep = {}, set()
             self.graphs, self.pool, self.level, self.resume_from = [], None, None, None
             self._observe(data.get("usage", {}))
             self._set_state(State.AWAKE, event)
@@ -148,6 +151,7 @@ class Projection:
         elif kind is EventKind.TAG_RELEASED:
             tag, nbytes = data["tag"], int(data["bytes"])
             allocs = self.residency.get(tag, TagUsage()).allocations
+            self.asleep.add(tag)
             if data["action"] == "offload":
                 self.residency[tag] = TagUsage(0, nbytes, 0, allocs)
             else:
@@ -156,10 +160,13 @@ class Projection:
             tag, nbytes = data["tag"], int(data["bytes"])
             old = self.residency.get(tag, TagUsage())
             if kind is EventKind.TAG_RESTORED:
+                self.asleep.discard(tag)
                 self.residency[tag] = TagUsage(nbytes, 0, 0, old.allocations)
             elif data.get("action") == "offload":
+                self.asleep.add(tag)
                 self.residency[tag] = TagUsage(0, nbytes, 0, old.allocations)
             else:
+                self.asleep.add(tag)
                 self.residency[tag] = TagUsage(0, 0, nbytes, old.allocations)
         elif kind is EventKind.TAG_DISCARDED:
             tag, nbytes = data["tag"], int(data["bytes"])

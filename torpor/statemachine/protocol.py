@@ -38,7 +38,8 @@ class Transfer:
 class Memory(Protocol):
     """Mechanism the :class:`~torpor.SleepController` drives.
 
-    Sleep is two-phase: :meth:`backup` for every offloaded tag (all or nothing:
+    Sleep first drops any stale backup of the tags it will discard
+    (:meth:`drop_backup`), then is two-phase: :meth:`backup` for every offloaded tag (all or nothing:
     on failure it drops what it backed up in this call and raises a
     ``TorporError``), then :meth:`release` for every tag (physical memory goes;
     a tag with a backup keeps it, a tag without one is discarded). Wake calls

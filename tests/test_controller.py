@@ -1,0 +1,290 @@
+"""Tests for torpor.statemachine.controller: guarded commands, two-phase sleep, rollback, subscribers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from torpor import SleepController, State, replay
+from torpor.errors import (
+    CommandInFlight,
+    InvalidLevel,
+    InvalidTransition,
+    MemoryOperationFailed,
+    NotRecovered,
+    PoolBusy,
+    UnknownTag,
+)
+from torpor.statemachine.events import EventKind
+from torpor.statemachine.log import EventLog
+from torpor.testing import FakeMemory, capture_events
+
+SIZES = {"weights": 2**30, "kv_cache": 2**31, "cudagraph": 2**26, "runtime": 2**20}
+
+
+@pytest.fixture
+def memory() -> FakeMemory:
+    return FakeMemory(SIZES)
+
+
+@pytest.fixture
+def ctl(memory: FakeMemory, tmp_path: Path) -> SleepController:
+    return SleepController(memory, log=tmp_path / "events.jsonl", engine="e", rank=0)
+
+
+def _contents(memory: FakeMemory) -> dict[str, int | None]:
+    return {tag: memory.content(tag) for tag in SIZES}
+
+
+def test_level1_full_cycle_restores_everything(ctl: SleepController, memory: FakeMemory) -> None:
+    """Level-1 sleep then full wake keeps every offloaded tag's content; kv_cache is fresh."""
+    before = _contents(memory)
+    ctl.sleep(1)
+    assert ctl.state is State.ASLEEP_L1
+    res = ctl.projection.residency
+    assert res["weights"].host == SIZES["weights"] and res["kv_cache"].discarded == SIZES["kv_cache"]
+    ctl.wake()
+    assert ctl.state is State.AWAKE
+    after = _contents(memory)
+    assert {t: after[t] == before[t] for t in SIZES} == {
+        "weights": True,
+        "cudagraph": True,
+        "runtime": True,
+        "kv_cache": False,
+    }
+
+
+def test_rl_sequence_passes_partially_awake(ctl: SleepController) -> None:
+    """wake(weights) leaves kv_cache asleep (partially_awake); wake(kv_cache) ends awake."""
+    ctl.sleep(1)
+    ctl.wake(["weights"])
+    assert ctl.state is State.PARTIALLY_AWAKE
+    assert ctl.projection.asleep_tags() == ["kv_cache"]
+    assert ctl.projection.residency["cudagraph"].resident == SIZES["cudagraph"]
+    ctl.wake(["kv_cache"])
+    assert ctl.state is State.AWAKE
+
+
+def test_level2_discards_weights(ctl: SleepController, memory: FakeMemory) -> None:
+    """Level 2 discards weights (a new content on wake) and keeps cudagraph."""
+    before = _contents(memory)
+    ctl.sleep(2)
+    assert ctl.projection.residency["weights"].discarded == SIZES["weights"]
+    ctl.wake()
+    assert memory.content("weights") != before["weights"]
+    assert memory.content("cudagraph") == before["cudagraph"]
+
+
+def test_invalid_wake_names_state_event_and_allowed(ctl: SleepController) -> None:
+    """Waking while awake raises InvalidTransition naming the state, the event number and the allowed states."""
+    with pytest.raises(InvalidTransition) as info:
+        ctl.wake()
+    msg = str(info.value)
+    assert "cannot wake from 'awake' (event #1" in msg
+    assert "allowed from: asleep_l1, asleep_l2, partially_awake" in msg
+    assert ctl.projection.refusals == 1
+    assert ctl.events()[-1].kind is EventKind.REFUSED
+
+
+def test_refused_commands_change_nothing(ctl: SleepController) -> None:
+    """A refused command leaves state and residency as they were, and is logged."""
+    ctl.sleep(1)
+    before = ctl.projection.to_dict()
+    for bad in (lambda: ctl.sleep(1), lambda: ctl.sleep(3), lambda: ctl.wake(["nonsense"])):
+        with pytest.raises((InvalidTransition, InvalidLevel, UnknownTag)):
+            bad()
+    after = ctl.projection.to_dict()
+    assert after["refusals"] == before["refusals"] + 3
+    for key in ("state", "residency", "since"):
+        assert after[key] == before[key]
+
+
+def test_backup_failure_aborts_sleep(ctl: SleepController, memory: FakeMemory) -> None:
+    """A failure while backing up aborts the sleep: still awake, nothing released, an event says why."""
+    before = _contents(memory)
+    memory.fail_once("backup", "runtime")
+    with pytest.raises(MemoryOperationFailed):
+        ctl.sleep(1)
+    assert ctl.state is State.AWAKE
+    assert _contents(memory) == before
+    aborted = [e for e in ctl.events() if e.kind is EventKind.SLEEP_ABORTED]
+    assert "backup failed" in aborted[-1].data["reason"]
+    assert not any(op == "release" for op, _ in memory.calls)
+
+
+def test_release_failure_rolls_back(ctl: SleepController, memory: FakeMemory) -> None:
+    """A failure while releasing maps back what was released and stays awake with offloaded content intact."""
+    before = _contents(memory)
+    memory.fail_once("release", "weights")
+    with pytest.raises(MemoryOperationFailed):
+        ctl.sleep(1)
+    assert ctl.state is State.AWAKE
+    after = _contents(memory)
+    assert all(after[t] == before[t] for t in ("cudagraph", "runtime", "weights"))
+    ctl.sleep(1)
+    ctl.wake()
+    assert _contents(memory)["weights"] == before["weights"]
+
+
+def test_wake_failure_rolls_back_and_stays_asleep(ctl: SleepController, memory: FakeMemory) -> None:
+    """A failure during wake unmaps what was mapped, stays asleep, and the next wake restores exactly."""
+    before = _contents(memory)
+    ctl.sleep(1)
+    memory.fail_once("restore", "weights")
+    with pytest.raises(MemoryOperationFailed):
+        ctl.wake()
+    assert ctl.state is State.ASLEEP_L1
+    assert all(memory.content(t) is None for t in SIZES)
+    ctl.wake()
+    assert memory.content("weights") == before["weights"]
+    assert replay(ctl.log.path).to_dict() == ctl.projection.to_dict()  # type: ignore[union-attr]
+
+
+def test_command_in_flight_is_refused(ctl: SleepController, memory: FakeMemory) -> None:
+    """A command arriving while another is in flight is refused at once, not queued."""
+    entered, release = threading.Event(), threading.Event()
+    original = memory.backup
+
+    def slow_backup(tags):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(5)
+        return original(tags)
+
+    memory.backup = slow_backup  # type: ignore[method-assign]
+    worker = threading.Thread(target=ctl.sleep, args=(1,))
+    worker.start()
+    assert entered.wait(5)
+    with pytest.raises(CommandInFlight, match="sleep"):
+        ctl.wake()
+    release.set()
+    worker.join(5)
+    assert ctl.state is State.ASLEEP_L1
+
+
+def test_wait_for_from_another_thread(ctl: SleepController) -> None:
+    """wait_for returns True once another thread reaches the state, False on timeout."""
+    assert not ctl.wait_for(State.ASLEEP_L1, timeout=0.05)
+    threading.Timer(0.05, ctl.sleep, args=(1,)).start()
+    assert ctl.wait_for(State.ASLEEP_L1, timeout=5)
+
+
+def test_wait_for_async(ctl: SleepController) -> None:
+    """The asyncio variant resolves when a thread puts the controller to sleep."""
+
+    async def scenario() -> bool:
+        threading.Timer(0.05, ctl.sleep, args=(2,)).start()
+        return await ctl.wait_for_async("asleep_l2", timeout=5)
+
+    assert asyncio.run(scenario())
+
+
+def test_raising_subscriber_does_not_break_controller(ctl: SleepController, caplog: pytest.LogCaptureFixture) -> None:
+    """A subscriber that raises is logged and the command still completes."""
+
+    def boom(event: object) -> None:
+        raise RuntimeError("subscriber bug")
+
+    ctl.subscribe(boom)
+    ctl.sleep(1)
+    assert ctl.state is State.ASLEEP_L1
+    assert "subscriber" in caplog.text
+
+
+def test_subscribe_filters_kinds(ctl: SleepController) -> None:
+    """A subscriber given kinds sees only those kinds."""
+    with capture_events(ctl, kinds=[EventKind.TAG_RELEASED]) as seen:
+        ctl.sleep(1)
+    assert {e.kind for e in seen} == {EventKind.TAG_RELEASED}
+    assert sorted(e.data["tag"] for e in seen) == sorted(SIZES)
+
+
+def test_pool_release_refused_while_referenced(ctl: SleepController, memory: FakeMemory) -> None:
+    """Releasing the graph pool while a graph lives raises PoolBusy naming the graph's site."""
+    with ctl.capture("CudaGraphManager.capture batch=8"):
+        pass
+    memory.other_references = 1
+    with pytest.raises(PoolBusy) as info:
+        ctl.release_cudagraph_pool()
+    assert info.value.holders == ("graph captured at CudaGraphManager.capture batch=8", "1 other reference(s)")
+    memory.drop_graph("CudaGraphManager.capture batch=8")
+    memory.other_references = 0
+    assert ctl.release_cudagraph_pool() > 0
+    assert ctl.projection.pool is None
+
+
+def test_pool_release_refused_while_asleep(ctl: SleepController) -> None:
+    """Releasing the graph pool while asleep raises PoolBusy: freeing would unmap a second time."""
+    with ctl.capture("site"):
+        pass
+    ctl.sleep(1)
+    with pytest.raises(PoolBusy, match="asleep"):
+        ctl.release_cudagraph_pool()
+
+
+def test_capture_refused_while_asleep(ctl: SleepController) -> None:
+    """Capturing into the graph pool is refused unless awake."""
+    ctl.sleep(1)
+    with pytest.raises(InvalidTransition, match="cannot capture"), ctl.capture("site"):
+        pass
+
+
+def test_discard_while_asleep_drops_backup(ctl: SleepController, memory: FakeMemory) -> None:
+    """discard(weights) while asleep drops its backup: the next wake maps fresh memory."""
+    before = memory.content("weights")
+    ctl.sleep(1)
+    ctl.discard(["weights"])
+    assert ctl.projection.residency["weights"].discarded == SIZES["weights"]
+    ctl.wake()
+    assert memory.content("weights") != before
+
+
+def test_reopened_log_continues(memory: FakeMemory, tmp_path: Path) -> None:
+    """A controller opened on an existing clean log continues its sequence."""
+    first = SleepController(memory, log=tmp_path)
+    first.sleep(1)
+    first.wake()
+    last = first.last_seq
+    first.close()
+    second = SleepController(memory, log=tmp_path)
+    assert second.events()[0].seq == last + 2  # closed, then opened
+    assert second.state is State.AWAKE
+
+
+def test_interrupted_log_refuses_until_recovered(memory: FakeMemory, tmp_path: Path) -> None:
+    """A log that ends mid-sleep makes a new controller refuse commands until recover()."""
+    path = tmp_path / "events.jsonl"
+    first = SleepController(memory, log=path)
+    memory.backup = lambda tags: (_ for _ in ()).throw(SystemExit("killed"))  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        first.sleep(1)
+    first.log.close()  # type: ignore[union-attr]
+    second = SleepController(FakeMemory(SIZES), log=path)
+    assert second.state is State.SUSPENDING
+    with pytest.raises(NotRecovered, match="interrupted"):
+        second.sleep(1)
+    second.recover()
+    assert second.state is State.AWAKE
+    second.sleep(1)
+    assert replay(path).state is State.ASLEEP_L1
+
+
+def test_controller_rotation_replays(memory: FakeMemory, tmp_path: Path) -> None:
+    """With a tiny rotation size the controller's projection still equals replay of the log."""
+    log = EventLog(tmp_path / "events.jsonl", max_bytes=2000, fsync=False)
+    ctl = SleepController(memory, log=log)
+    for level in (1, 2, 1):
+        ctl.sleep(level)
+        ctl.wake(["weights"])
+        ctl.wake()
+    assert len(list(tmp_path.glob("events.jsonl.*"))) >= 2
+    assert replay(tmp_path / "events.jsonl").to_dict() == ctl.projection.to_dict()
+
+
+def test_unknown_tag_names_known_tags(ctl: SleepController) -> None:
+    """Waking an unknown tag lists the known tags."""
+    ctl.sleep(1)
+    with pytest.raises(UnknownTag, match="known tags: cudagraph, kv_cache, runtime, weights"):
+        ctl.wake(["wieghts"])
