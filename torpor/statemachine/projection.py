@@ -133,10 +133,11 @@ class Projection:
         self.last_seq = event.seq
         self.last_kind = kind.value
         self.engine, self.rank, self.pid = event.engine, event.rank, event.pid
-        self.last_step = _describe(event)
+        if kind not in _SIDE_FACTS:  # a refusal or rotation mid-transition must not hide the interrupted step
+            self.last_step = _describe(event)
         if kind is EventKind.SNAPSHOT:
             snap = Projection.from_dict(thaw(data["projection"]))
-            snap.last_seq, snap.last_kind, snap.last_step = event.seq, kind.value, self.last_step
+            snap.last_seq, snap.last_kind = event.seq, kind.value
             self.__dict__.update(snap.__dict__)
         elif kind in (EventKind.OPENED, EventKind.RECOVERED):
             self.residency, self.asleep = {}, set()
@@ -206,6 +207,12 @@ class Projection:
         elif kind is EventKind.USAGE_OBSERVED:
             self._observe(data["usage"])
         return self
+
+
+#: Facts recorded beside a transition; they never become its ``last_step``.
+_SIDE_FACTS = frozenset(
+    {EventKind.REFUSED, EventKind.HOOK_DECISION, EventKind.USAGE_OBSERVED, EventKind.SNAPSHOT, EventKind.CLOSED}
+)
 
 
 def _describe(event: Event) -> str:
