@@ -171,11 +171,10 @@ class EventLog:
             self.last_seq, valid = _tail_state(self.path, max_line)
             if valid < self.path.stat().st_size:
                 os.truncate(self.path, valid)
-        else:
-            rotated = segments(self.path)
-            if rotated:
-                *_, last = read_events(self.path, max_line)
-                self.last_seq = last.seq
+        if not self.last_seq and segments(self.path)[: -1 if self.path.exists() else None]:
+            # No event in the active file (or none at all): a crash right after a rotation renamed it.
+            *_, last = read_events(self.path, max_line)
+            self.last_seq = last.seq
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         os.fchmod(fd, 0o600)
         self._fh = os.fdopen(fd, "ab", buffering=0)
