@@ -1,0 +1,166 @@
+"""Multiprocess mode: each worker writes torpor's metrics to ``PROMETHEUS_MULTIPROC_DIR``; the API server reads them.
+
+vLLM's workers are separate processes, so a scrape-time collector in a worker
+is never reached by the server's ``/metrics``. In prometheus-client's
+multiprocess mode every process writes its samples to files that a
+``MultiProcessCollector`` in the serving process merges. This module keeps one
+set of ordinary metric objects per process (the same names and labels as
+:mod:`torpor.telemetry.prometheus`) and updates them on each event. Every
+series carries ``engine`` and ``rank``, and gauges use the ``livemostrecent``
+mode, so each rank's value comes out as that rank wrote it, never summed over
+processes; counters and histograms are summed per label set, which is exact
+because one rank is one process (a restarted rank adds to its predecessor's
+counts, as a counter should). Call :func:`mark_process_dead` when a worker exits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Literal
+
+from prometheus_client import multiprocess as _mp
+from prometheus_client.metrics import Counter, Gauge, Histogram
+from prometheus_client.registry import CollectorRegistry
+
+from torpor.statemachine.events import Event
+from torpor.statemachine.states import State
+from torpor.telemetry.prometheus import BASE_LABELS, DURATION_BUCKETS, METRICS
+from torpor.telemetry.tracker import Observation, Tracker
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+GAUGE_MODE: Literal["livemostrecent"] = "livemostrecent"
+
+
+def enabled() -> bool:
+    """True when ``PROMETHEUS_MULTIPROC_DIR`` names a directory (prometheus-client's switch)."""
+    return bool(os.environ.get(ENV) or os.environ.get(ENV.lower()))
+
+
+def _labels(name: str) -> list[str]:
+    return [*BASE_LABELS, *METRICS[name][1]]
+
+
+class _Metrics:
+    """The process's metric objects (created once: prometheus-client refuses duplicates)."""
+
+    def __init__(self) -> None:
+        def gauge(name: str) -> Gauge:
+            return Gauge(name, METRICS[name][2], _labels(name), registry=None, multiprocess_mode=GAUGE_MODE)
+
+        def counter(name: str) -> Counter:
+            return Counter(name, METRICS[name][2], _labels(name), registry=None)
+
+        def histogram(name: str) -> Histogram:
+            return Histogram(name, METRICS[name][2], _labels(name), registry=None, buckets=DURATION_BUCKETS)
+
+        self.info = Gauge(
+            "torpor_info",
+            METRICS["torpor_info"][2],
+            [*BASE_LABELS, "version", "driver"],
+            registry=None,
+            multiprocess_mode=GAUGE_MODE,
+        )
+        self.gauges = {
+            name: gauge(name)
+            for name in (
+                "torpor_state",
+                "torpor_state_since_timestamp_seconds",
+                "torpor_tag_bytes",
+                "torpor_pinned_host_bytes",
+                "torpor_cudagraphs",
+            )
+        }
+        self.counters = {
+            "transition": counter("torpor_transitions_total"),
+            "transfer_bytes": counter("torpor_tag_transfer_bytes_total"),
+            "transfer_seconds": counter("torpor_tag_transfer_seconds_total"),
+            "refusal": counter("torpor_refusals_total"),
+            "failure": counter("torpor_failures_total"),
+            "event": counter("torpor_events_total"),
+        }
+        self.histograms = {
+            "sleep_seconds": histogram("torpor_sleep_duration_seconds"),
+            "wake_seconds": histogram("torpor_wake_duration_seconds"),
+        }
+
+
+_metrics: _Metrics | None = None
+_metrics_lock = threading.Lock()
+
+
+def _process_metrics() -> _Metrics:
+    global _metrics  # noqa: PLW0603 - one set of metric objects per process, by prometheus-client's design
+    with _metrics_lock:
+        if _metrics is None:
+            _metrics = _Metrics()
+        return _metrics
+
+
+class MultiprocessSink:
+    """Tracker sink that writes one rank's metrics to the multiprocess files on every event."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self.metrics = _process_metrics()
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._info: tuple[str, ...] | None = None
+
+    def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def _set(self, name: str, labels: tuple[str, ...], value: float) -> None:
+        if self._last.get((name, labels)) != value:
+            self._child(self.metrics.gauges[name], labels).set(value)
+            self._last[(name, labels)] = value
+
+    def prime(self, tracker: Tracker) -> None:
+        """Write the current gauges once (at attach), before any event."""
+        self._sync(tracker)
+
+    def handle(self, tracker: Tracker, event: Event, observations: list[Observation]) -> None:
+        """Tracker sink: count, observe, and bring the gauges up to date."""
+        base = (tracker.engine, str(tracker.rank))
+        for obs in observations:
+            counter = self.metrics.counters.get(obs.metric)
+            if counter is not None:
+                self._child(counter, (*base, *obs.labels)).inc(obs.value)
+            else:
+                self._child(self.metrics.histograms[obs.metric], (*base, *obs.labels)).observe(obs.value)
+        self._sync(tracker)
+
+    def _sync(self, tracker: Tracker) -> None:
+        proj = tracker.fold
+        base = (tracker.engine, str(tracker.rank))
+        info = (*base, self.version, tracker.driver)
+        if info != self._info:
+            if self._info is not None:
+                self._child(self.metrics.info, self._info).set(0)
+            self._child(self.metrics.info, info).set(1)
+            self._info = info
+        for state in State:
+            self._set("torpor_state", (*base, state.value), 1.0 if state is proj.state else 0.0)
+        self._set("torpor_state_since_timestamp_seconds", base, proj.since_wall)
+        for tag, usage in proj.residency.items():
+            self._set("torpor_tag_bytes", (*base, tag, "resident"), float(usage.resident))
+            self._set("torpor_tag_bytes", (*base, tag, "host"), float(usage.host))
+            self._set("torpor_tag_bytes", (*base, tag, "discarded"), float(usage.discarded))
+        self._set("torpor_pinned_host_bytes", base, float(proj.pinned_bytes))
+        self._set("torpor_cudagraphs", base, float(len(proj.graphs)))
+
+
+def multiprocess_registry(path: str | None = None) -> CollectorRegistry:
+    """A registry that merges every process's files in ``path`` (default ``PROMETHEUS_MULTIPROC_DIR``)."""
+    registry = CollectorRegistry()
+    _mp.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+    return registry
+
+
+def mark_process_dead(pid: int, path: str | None = None) -> None:
+    """Drop a dead worker's live gauges (call from the process that serves ``/metrics``)."""
+    _mp.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]

@@ -1,0 +1,180 @@
+"""One subscriber per controller: folds its events into observations that every telemetry sink shares.
+
+Telemetry only reads. A :class:`Tracker` subscribes to a source (a
+:class:`~torpor.SleepController`, or anything with ``projection``, ``events``
+and ``subscribe``), keeps a private fold of the events so it knows the state
+before and after each one, turns each event into :class:`Observation` records
+(a transition, a duration, a transfer, a refusal) and hands them to its sinks
+(the Prometheus counters, the multiprocess files, OpenTelemetry). It never
+calls a command on the source; with no tracker attached nothing changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.projection import Projection
+from torpor.statemachine.states import State
+
+logger = logging.getLogger("torpor.telemetry")
+
+#: Directions of a per-tag copy.
+DEVICE_TO_HOST = "device_to_host"
+HOST_TO_DEVICE = "host_to_device"
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What telemetry reads: a live projection, recent events, and a subscription."""
+
+    @property
+    def projection(self) -> Projection:
+        """The live projection."""
+        ...
+
+    def events(self, after: int = 0) -> list[Event]:
+        """Recent events with a sequence number above ``after``."""
+        ...
+
+    def subscribe(
+        self, callback: Callable[[Event], None], kinds: Iterable[EventKind | str] | None = None
+    ) -> Callable[[], None]:
+        """Call ``callback(event)`` after each event; return an unsubscribe function."""
+        ...
+
+
+class Observation(NamedTuple):
+    """One measurement derived from one event: ``metric`` names what it feeds, ``labels`` its label values."""
+
+    metric: str
+    labels: tuple[str, ...]
+    value: float
+
+
+class Sink(Protocol):
+    """Something fed by a tracker (Prometheus counters, multiprocess files, OpenTelemetry)."""
+
+    def handle(self, tracker: Tracker, event: Event, observations: list[Observation]) -> None:
+        """Take one event and what it measured; called under the tracker's lock, in event order."""
+        ...
+
+
+def woken_label(tags: Any) -> str:
+    """The ``tags`` label of a wake: ``all`` or the requested tags, sorted and comma-joined."""
+    if tags is None:
+        return "all"
+    return ",".join(sorted(str(t) for t in tags)) or "none"
+
+
+def interpret(event: Event, before: State, after: State) -> Iterator[Observation]:
+    """The measurements one event carries, given the state before and after it.
+
+    Metrics: ``transition`` (from, to), ``sleep_seconds`` (level),
+    ``wake_seconds`` (woken tags), ``transfer_bytes`` and ``transfer_seconds``
+    (tag, direction), ``refusal`` (command, error class), ``failure``
+    (operation, error class), ``event`` (kind).
+    """
+    kind, data = event.kind, event.data
+    yield Observation("event", (kind.value,), 1.0)
+    if before is not after and kind not in (EventKind.OPENED, EventKind.SNAPSHOT):
+        yield Observation("transition", (before.value, after.value), 1.0)
+    if kind is EventKind.SLEEP_COMPLETED and not data.get("incomplete"):
+        yield Observation("sleep_seconds", (str(data.get("level", "")),), float(data.get("seconds", 0.0)))
+    elif kind is EventKind.WAKE_COMPLETED:
+        yield Observation("wake_seconds", (woken_label(data.get("tags")),), float(data.get("seconds", 0.0)))
+    elif kind is EventKind.TAG_BACKED_UP:
+        labels = (str(data["tag"]), DEVICE_TO_HOST)
+        yield Observation("transfer_bytes", labels, float(data.get("bytes", 0)))
+        yield Observation("transfer_seconds", labels, float(data.get("seconds", 0.0)))
+    elif kind is EventKind.TAG_RESTORED and data.get("source") == "host":
+        labels = (str(data["tag"]), HOST_TO_DEVICE)
+        yield Observation("transfer_bytes", labels, float(data.get("bytes", 0)))
+        yield Observation("transfer_seconds", labels, float(data.get("seconds", 0.0)))
+    elif kind is EventKind.REFUSED:
+        yield Observation("refusal", (str(data.get("command", "")), str(data.get("error", "TorporError"))), 1.0)
+    elif kind is EventKind.SLEEP_ABORTED:
+        yield Observation("failure", ("sleep", str(data.get("error", "TorporError"))), 1.0)
+    elif kind is EventKind.WAKE_FAILED:
+        yield Observation("failure", ("wake", str(data.get("error", "TorporError"))), 1.0)
+
+
+def _driver_of(source: Source) -> str:
+    """The memory class: from the latest ``opened`` event, else the source's ``memory`` attribute."""
+    for event in reversed(source.events(0)):
+        if event.kind is EventKind.OPENED and "memory" in event.data:
+            return str(event.data["memory"])
+    memory = getattr(source, "memory", None)
+    return type(memory).__name__ if memory is not None else "unknown"
+
+
+class Tracker:
+    """Subscribes to one source and feeds its sinks, in event order, exactly once per event.
+
+    Counting starts at attach time: the private fold starts from a copy of the
+    source's projection and events up to its ``last_seq`` are not counted again.
+    """
+
+    def __init__(self, source: Source, sinks: Iterable[Sink] = ()) -> None:
+        self.source = source
+        self.sinks: list[Sink] = list(sinks)
+        self._lock = threading.Lock()
+        self._pending: list[Event] | None = []
+        self.fold = Projection()
+        self.seq = 0
+        self.driver = "unknown"
+        proj = source.projection
+        #: Label values, fixed for the tracker's life.
+        self.engine = str(getattr(source, "engine", "") or proj.engine or "default")
+        self.rank = int(getattr(source, "rank", proj.rank))
+        self._unsubscribe = source.subscribe(self._on_event)
+        start = Projection.from_dict(source.projection.to_dict())
+        driver = _driver_of(source)
+        with self._lock:
+            self.fold, self.seq, self.driver = start, start.last_seq, driver
+            pending, self._pending = self._pending or [], None
+            for event in pending:
+                self._handle(event)
+
+    def add_sink(self, sink: Sink) -> None:
+        """Feed ``sink`` from the next event on (after calling its ``prime(tracker)``, if it has one)."""
+        with self._lock:
+            prime = getattr(sink, "prime", None)
+            if callable(prime):
+                prime(self)
+            self.sinks.append(sink)
+
+    def remove_sink(self, sink: Sink) -> None:
+        """Stop feeding ``sink``."""
+        with self._lock:
+            if sink in self.sinks:
+                self.sinks.remove(sink)
+
+    def close(self) -> None:
+        """Unsubscribe from the source; sinks keep what they have."""
+        self._unsubscribe()
+
+    def _on_event(self, event: Event) -> None:
+        with self._lock:
+            if self._pending is not None:
+                self._pending.append(event)
+                return
+            self._handle(event)
+
+    def _handle(self, event: Event) -> None:
+        if event.seq <= self.seq:
+            return
+        self.seq = event.seq
+        before = self.fold.state
+        self.fold.apply(event)
+        if event.kind is EventKind.OPENED and "memory" in event.data:
+            self.driver = str(event.data["memory"])
+        observations = list(interpret(event, before, self.fold.state))
+        for sink in self.sinks:
+            try:
+                sink.handle(self, event, observations)
+            except Exception:  # a telemetry sink must never break the others or the controller
+                logger.exception("telemetry sink %r failed on event #%d %s", sink, event.seq, event.kind.value)
