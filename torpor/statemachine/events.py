@@ -82,12 +82,14 @@ BOUNDARY_KINDS: frozenset[EventKind] = frozenset(
 )
 
 _KINDS = {k.value: k for k in EventKind}
+_FIELDS: dict[str, type] = {"seq": int, "wall": float, "mono": float, "pid": int, "engine": str, "rank": int}
 
 
 def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
+    kind = type(value)
+    if kind is dict or (kind is not str and isinstance(value, Mapping)):
         return MappingProxyType({str(k): _freeze(v) for k, v in value.items()})
-    if isinstance(value, list | tuple):
+    if kind is list or kind is tuple:
         return tuple(_freeze(v) for v in value)
     return value
 
@@ -103,7 +105,7 @@ def thaw(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     """One fact. ``data`` is read-only; :func:`thaw` gives a plain copy."""
 
@@ -149,16 +151,16 @@ class Event:
         if not isinstance(kind, str) or kind not in _KINDS:
             msg = f"unknown event kind {kind!r}"
             raise ValueError(msg)
-        fields = {"seq": int, "wall": float, "mono": float, "pid": int, "engine": str, "rank": int}
-        values: dict[str, Any] = {}
-        for name, typ in fields.items():
-            value = raw.get(name)
-            if typ is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, typ) or isinstance(value, bool):
-                msg = f"field {name!r} must be {typ.__name__}, got {value!r}"
-                raise ValueError(msg)
-            values[name] = value
+        values: dict[str, Any] = {name: raw.get(name) for name in _FIELDS}
+        for name, typ in _FIELDS.items():
+            value = values[name]
+            if type(value) is typ:
+                continue
+            if typ is float and type(value) is int:
+                values[name] = float(value)
+                continue
+            msg = f"field {name!r} must be {typ.__name__}, got {value!r}"
+            raise ValueError(msg)
         data = raw.get("data", {})
         if not isinstance(data, dict):
             msg = f"field 'data' must be an object, got {type(data).__name__}"

@@ -28,6 +28,7 @@ from torpor.statemachine.events import BOUNDARY_KINDS, SCHEMA_VERSION, Event
 logger = logging.getLogger(__name__)
 
 _PREFIX = '{"crc":"'
+_PREFIX_B = _PREFIX.encode()
 _HEAD = len(_PREFIX) + 8 + 2  # '{"crc":"' + 8 hex + '",'
 DEFAULT_MAX_LINE = 64 * 1024
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -44,18 +45,16 @@ def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX
     """Parse and verify one log line; raise ``LogCorrupted`` or ``UnknownSchemaVersion``."""
     if len(line) > max_line:
         raise LogCorrupted(path, lineno, f"line is {len(line)} bytes, over the {max_line}-byte limit")
-    try:
-        text = line.decode().rstrip("\n")
-    except UnicodeDecodeError as exc:
-        raise LogCorrupted(path, lineno, f"not UTF-8 ({exc.reason})") from None
-    if not text.startswith(_PREFIX) or len(text) < _HEAD + 1 or text[_HEAD - 2 : _HEAD] != '",':
+    if line.endswith(b"\n"):
+        line = line[:-1]
+    if not line.startswith(_PREFIX_B) or len(line) < _HEAD + 1 or line[_HEAD - 2 : _HEAD] != b'",':
         raise LogCorrupted(path, lineno, "line does not start with a checksum")
     try:
-        expected = int(text[len(_PREFIX) : len(_PREFIX) + 8], 16)
+        expected = int(line[len(_PREFIX) : len(_PREFIX) + 8], 16)
     except ValueError:
         raise LogCorrupted(path, lineno, "checksum is not hexadecimal") from None
-    body = "{" + text[_HEAD:]
-    if zlib.crc32(body.encode()) & 0xFFFFFFFF != expected:
+    body = b"{" + line[_HEAD:]
+    if zlib.crc32(body) != expected:
         raise LogCorrupted(path, lineno, "checksum mismatch")
     try:
         raw = json.loads(body)

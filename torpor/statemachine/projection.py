@@ -38,7 +38,15 @@ class Projection:
     graphs: list[str] = field(default_factory=list)
     transitions: int = 0
     refusals: int = 0
-    last_step: str = ""
+    _last_step: str = ""
+    _last_event: Event | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def last_step(self) -> str:
+        """The last fact recorded, as ``#SEQ kind detail`` (what was interrupted, for a torn log)."""
+        if self._last_event is not None:
+            return _describe(self._last_event)
+        return self._last_step
 
     @property
     def interrupted(self) -> bool:
@@ -106,7 +114,7 @@ class Projection:
             graphs=[str(g) for g in raw.get("graphs", [])],
             transitions=int(raw.get("transitions", 0)),
             refusals=int(raw.get("refusals", 0)),
-            last_step=str(raw.get("last_step", "")),
+            _last_step=str(raw.get("last_step", "")),
         )
 
     # -- the fold -------------------------------------------------------------
@@ -134,7 +142,7 @@ class Projection:
         self.last_kind = kind.value
         self.engine, self.rank, self.pid = event.engine, event.rank, event.pid
         if kind not in _SIDE_FACTS:  # a refusal or rotation mid-transition must not hide the interrupted step
-            self.last_step = _describe(event)
+            self._last_event = event
         if kind is EventKind.SNAPSHOT:
             snap = Projection.from_dict(thaw(data["projection"]))
             snap.last_seq, snap.last_kind = event.seq, kind.value

@@ -1,0 +1,66 @@
+"""Tests for torpor.statemachine.projection: the fold, snapshots and replay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torpor import SleepController, State, replay
+from torpor.statemachine.events import EventKind, make_event
+from torpor.statemachine.projection import Projection, project
+from torpor.testing import FakeMemory
+
+SIZES = {"weights": 100, "kv_cache": 200, "cudagraph": 10}
+
+
+def test_replay_of_events_equals_replay_of_file(tmp_path: Path) -> None:
+    """Replaying the controller's events in memory and from its log file give the same projection."""
+    ctl = SleepController(FakeMemory(SIZES), log=tmp_path / "e.jsonl")
+    ctl.sleep(1)
+    ctl.wake(["weights"])
+    assert replay(ctl.events()).to_dict() == replay(tmp_path / "e.jsonl").to_dict() == ctl.projection.to_dict()
+    assert replay(tmp_path / "e.jsonl").state is State.PARTIALLY_AWAKE
+
+
+def test_residency_per_tag_after_level1() -> None:
+    """After a level-1 sleep weights are on the host and kv_cache is discarded."""
+    ctl = SleepController(FakeMemory(SIZES))
+    ctl.sleep(1)
+    res = replay(ctl.events()).residency
+    assert (res["weights"].resident, res["weights"].host, res["weights"].discarded) == (0, 100, 0)
+    assert (res["kv_cache"].resident, res["kv_cache"].host, res["kv_cache"].discarded) == (0, 0, 200)
+
+
+def test_snapshot_round_trip() -> None:
+    """to_dict then from_dict gives an equal projection."""
+    ctl = SleepController(FakeMemory(SIZES))
+    ctl.sleep(2)
+    proj = ctl.projection
+    assert Projection.from_dict(proj.to_dict()).to_dict() == proj.to_dict()
+
+
+def test_snapshot_event_replaces_history() -> None:
+    """A snapshot event sets the projection to its content, whatever came before."""
+    ctl = SleepController(FakeMemory(SIZES))
+    ctl.sleep(1)
+    snap = make_event(EventKind.SNAPSHOT, 1, "e", 0, {"projection": ctl.projection.to_dict()})
+    assert project([snap]).state is State.ASLEEP_L1
+    assert project([snap]).asleep_tags() == ["cudagraph", "kv_cache", "weights"]
+
+
+def test_interrupted_log_names_the_step() -> None:
+    """A projection that ends in suspending is interrupted and names the last step."""
+    ctl = SleepController(FakeMemory(SIZES))
+    ctl.sleep(1)
+    events = [e for e in ctl.events() if e.kind is not EventKind.SLEEP_COMPLETED]
+    proj = project(events)
+    assert proj.interrupted
+    assert proj.state is State.SUSPENDING
+    assert "tag_released" in proj.last_step
+
+
+def test_transitions_counted() -> None:
+    """Each state change counts once: sleep is two (suspending, asleep), wake two more."""
+    ctl = SleepController(FakeMemory(SIZES))
+    ctl.sleep(1)
+    ctl.wake()
+    assert ctl.projection.transitions == 4
