@@ -1,0 +1,38 @@
+"""``torpor plot LOG -o timeline.png``: bytes per tag by residency over time, with state bands, from an event log."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``plot`` subcommand."""
+    p = sub.add_parser(
+        "plot",
+        help="draw an event log's timeline as a PNG",
+        description=(
+            "Replay an event log and draw bytes per tag by residency (GPU, host, discarded) "
+            "over time, with the state as coloured bands (needs matplotlib: the 'plot' extra)."
+        ),
+        epilog="example: torpor plot /var/log/torpor/default.rank0.jsonl -o timeline.png",
+    )
+    p.add_argument("log", type=Path, help="an event log file, or a log directory (with --engine/--rank)")
+    p.add_argument("-o", "--output", type=Path, default=Path("timeline.png"), help="PNG to write (timeline.png)")
+    p.add_argument("--engine", help="engine whose log to plot, in a log directory")
+    p.add_argument("--rank", type=int, help="rank whose log to plot, in a log directory")
+    p.add_argument("--title", help="figure title")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Draw the timeline and say where it went."""
+    try:
+        from torpor.telemetry.plot import plot, resolve_log
+    except ImportError as exc:  # pragma: no cover - matplotlib missing
+        msg = f"plotting needs matplotlib (pip install 'torpor[plot]'): {exc}"
+        raise ValueError(msg) from None
+    log = resolve_log(args.log, args.engine, args.rank)
+    out = plot(log, args.output, args.title)
+    print(f"wrote {out}")
+    return 0
