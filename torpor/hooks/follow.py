@@ -61,7 +61,6 @@ class Follower:
         self._fd: int | None = None
         self._ident: tuple[int, int] | None = None
         self._pos = 0
-        self._buf = b""
         self._lineno = 0
         self._first_in_file = False
         self._opened_before = False
@@ -101,14 +100,14 @@ class Follower:
             return False
         st = os.fstat(fd)
         self._fd, self._ident = fd, (st.st_dev, st.st_ino)
-        self._pos, self._buf, self._lineno = 0, b"", 0
+        self._pos, self._lineno = 0, 0
         self._first_in_file = True
         return True
 
     def _close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
-        self._fd, self._ident, self._buf = None, None, b""
+        self._fd, self._ident = None, None
         self._opened_before = True
 
     def _replaced(self) -> bool:
@@ -120,31 +119,30 @@ class Follower:
         return (st.st_dev, st.st_ino) != self._ident
 
     def _read(self, out: list[Event]) -> None:
+        """Decode the complete lines after :attr:`_pos`; an incomplete last line is read again next time.
+
+        Never consuming a partial line is what makes a writer that cuts a torn
+        line off and appends again safe to follow: the cut is always at the
+        start of the partial line, which is where the next read begins.
+        """
         fd = self._fd
         if fd is None:
             return
-        size = os.fstat(fd).st_size
-        if size < self._pos:
-            valid = self._pos - len(self._buf)
-            if size >= valid:  # the writer cut a torn last line off before appending again
-                self._pos, self._buf = valid, b""
-            else:
-                logger.warning(
-                    "%s shrank below what was read (%d < %d bytes); reading it again", self.path, size, valid
-                )
-                self._pos, self._buf, self._lineno = 0, b"", 0
-                self._first_in_file = True
-            os.lseek(fd, self._pos, os.SEEK_SET)
-        while True:
-            data = os.read(fd, _CHUNK)
-            if not data:
-                break
-            self._pos += len(data)
-            lines = (self._buf + data).split(b"\n")
-            self._buf = lines.pop()
-            for line in lines:
-                self._lineno += 1
-                self._accept(decode_line(line, str(self.path), self._lineno, self.max_line), out)
+        if os.fstat(fd).st_size < self._pos:
+            logger.warning("%s shrank below what was read (%d bytes); reading it again", self.path, self._pos)
+            self._pos, self._lineno, self._first_in_file = 0, 0, True
+        os.lseek(fd, self._pos, os.SEEK_SET)
+        chunks = []
+        while data := os.read(fd, _CHUNK):
+            chunks.append(data)
+        data = b"".join(chunks)
+        end = data.rfind(b"\n") + 1
+        if not end:
+            return
+        self._pos += end
+        for line in data[: end - 1].split(b"\n"):
+            self._lineno += 1
+            self._accept(decode_line(line, str(self.path), self._lineno, self.max_line), out)
 
     def _accept(self, event: Event, out: list[Event]) -> None:
         if self._first_in_file:
@@ -159,14 +157,17 @@ class Follower:
             return
         if event.seq > self.last_seq + 1:
             self._from_segments(out, upto=event.seq)
-            if event.seq > self.last_seq + 1:
-                logger.warning(
-                    "%s: events #%d..#%d are no longer on disk (pruned segments); continuing at #%d",
-                    self.path,
-                    self.last_seq + 1,
-                    event.seq - 1,
-                    event.seq,
-                )
+        self._take(event, out)
+
+    def _take(self, event: Event, out: list[Event]) -> None:
+        if event.seq > self.last_seq + 1:
+            logger.warning(
+                "%s: events #%d..#%d are no longer on disk (pruned segments); continuing at #%d",
+                self.path,
+                self.last_seq + 1,
+                event.seq - 1,
+                event.seq,
+            )
         out.append(event)
         self.last_seq = event.seq
 
@@ -189,8 +190,7 @@ class Follower:
                     continue
                 if upto is not None and event.seq >= upto:
                     return
-                out.append(event)
-                self.last_seq = event.seq
+                self._take(event, out)
 
 
 def follow(

@@ -62,7 +62,7 @@ def timeline(events: Iterable[Event]) -> Timeline:
                 out.states.append((state_start, now, before))
             state_start = now
         out.times.append(now)
-        for tag, usage in proj.residency.items():
+        for tag in proj.residency:
             if tag not in out.bytes:
                 out.bytes[tag] = {r: [0] * (len(out.times) - 1) for r, _ in RESIDENCIES}
         for tag, series in out.bytes.items():
@@ -121,8 +121,8 @@ def plot(log: str | os.PathLike[str], output: str | os.PathLike[str], title: str
     colours = {tag: cmap(i % 10) for i, tag in enumerate(tl.tags)}
     fig, axes = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True, constrained_layout=True)
     for ax, (residency, label) in zip(axes, RESIDENCIES, strict=True):
-        for i, (begin, end, state) in enumerate(tl.states):
-            end = times[-1] if i == len(tl.states) - 1 else max(end, begin + span * 0.002)
+        for i, (begin, until, state) in enumerate(tl.states):
+            end = times[-1] if i == len(tl.states) - 1 else max(until, begin + span * 0.002)
             ax.axvspan(begin, end, color=STATE_COLOURS[state], alpha=0.7, lw=0)
         ys = [[v / scale for v in [*tl.bytes[t][residency], tl.bytes[t][residency][-1]]] for t in tl.tags]
         if ys:

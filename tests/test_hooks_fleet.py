@@ -1,0 +1,213 @@
+"""Tests of torpor.hooks.fleet: merging per-rank logs into an engine-wide view."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from torpor.hooks import FleetError, fleet, wait_fleet
+from torpor.statemachine import EventLog, SleepController, log_path_for
+from torpor.testing import FakeMemory
+
+TAGS = {"weights": 1 << 30, "kv_cache": 2 << 30}
+
+
+def _ranks(directory: Path, n: int, engine: str = "llm", **log_args: int) -> list[SleepController]:
+    return [
+        SleepController(
+            FakeMemory(TAGS),
+            log=EventLog(log_path_for(directory, engine, r), fsync=False, **log_args),
+            engine=engine,
+            rank=r,
+        )
+        for r in range(n)
+    ]
+
+
+def test_all_awake(tmp_path: Path) -> None:
+    """Every rank awake: the engine is awake with nothing lagging."""
+    _ranks(tmp_path, 4)
+    view = fleet(tmp_path)
+    engine = view.engine("llm")
+    assert engine.state == "awake"
+    assert engine.lagging == ()
+    assert [r.rank for r in engine.ranks] == [0, 1, 2, 3]
+    assert view.state == "awake"
+    assert "engine llm: awake, 4 ranks" in engine.summary()
+
+
+def test_all_asleep_is_asleep_with_the_level(tmp_path: Path) -> None:
+    """Every rank asleep at level 2: the engine is asleep (level 2)."""
+    for c in _ranks(tmp_path, 3):
+        c.sleep(2)
+    engine = fleet(tmp_path).engine("llm")
+    assert engine.asleep
+    assert engine.level == 2
+    assert engine.matches("asleep") and engine.matches("asleep_l2") and not engine.matches("asleep_l1")
+    assert "asleep (level 2)" in engine.summary()
+
+
+def test_mixed_levels_are_still_asleep(tmp_path: Path) -> None:
+    """Ranks asleep at different levels: asleep, with no single level."""
+    a, b = _ranks(tmp_path, 2)
+    a.sleep(1)
+    b.sleep(2)
+    engine = fleet(tmp_path).engine("llm")
+    assert engine.state == "asleep"
+    assert engine.level is None
+    assert "mixed levels" in engine.summary()
+
+
+def test_one_rank_behind_is_transitional_and_named(tmp_path: Path) -> None:
+    """Three ranks asleep and one still awake: transitional, naming the awake rank as lagging."""
+    ranks = _ranks(tmp_path, 4)
+    for c in ranks[:3]:
+        c.sleep(1)
+    engine = fleet(tmp_path).engine("llm")
+    assert engine.state == "transitional"
+    assert engine.target == "asleep_l1"
+    assert engine.lagging == (3,)
+    assert engine.leader in (0, 1, 2)
+    summary = engine.summary()
+    assert "rank 3 (awake since #1" in summary
+    assert "lagging" in summary
+
+
+def test_the_last_mover_leads_during_a_wake(tmp_path: Path) -> None:
+    """After a wake of some ranks the woken ones lead and the still-asleep ones lag."""
+    ranks = _ranks(tmp_path, 3)
+    for c in ranks:
+        c.sleep(1)
+    time.sleep(0.01)
+    ranks[1].wake()
+    engine = fleet(tmp_path).engine("llm")
+    assert engine.state == "transitional"
+    assert engine.target == "awake"
+    assert engine.leader == 1
+    assert engine.lagging == (0, 2)
+
+
+def test_partial_wake_everywhere_is_partially_awake(tmp_path: Path) -> None:
+    """Every rank woke weights only: the engine is partially awake (the RL weight-push window)."""
+    for c in _ranks(tmp_path, 2):
+        c.sleep(1)
+        c.wake(["weights"])
+    assert fleet(tmp_path).engine("llm").state == "partially_awake"
+
+
+def test_a_missing_rank_lags(tmp_path: Path) -> None:
+    """A gap in the rank numbers (or a rank below world_size without a log) lags with no log."""
+    ranks = _ranks(tmp_path, 3)
+    for c in ranks:
+        c.sleep(1)
+    log_path_for(tmp_path, "llm", 1).unlink()
+    engine = fleet(tmp_path).engine("llm")
+    assert engine.state == "transitional"
+    assert engine.lagging == (1,)
+    assert "rank 1 (no log)" in engine.summary()
+    wide = fleet(tmp_path, world_size=5).engine("llm")
+    assert wide.lagging == (1, 3, 4)
+
+
+def test_an_unreadable_log_makes_the_engine_unknown(tmp_path: Path) -> None:
+    """A rank whose log is corrupted makes the engine unknown and names that rank."""
+    _ranks(tmp_path, 2)
+    path = log_path_for(tmp_path, "llm", 1)
+    path.write_bytes(b"garbage\n" + path.read_bytes())
+    view = fleet(tmp_path)
+    engine = view.engine("llm")
+    assert engine.state == "unknown"
+    assert engine.lagging == (1,)
+    assert engine.rank(1).state == "unreadable"
+    assert "checksum" in (engine.rank(1).error or "")
+    assert view.state == "unknown"
+
+
+def test_engines_are_kept_apart(tmp_path: Path) -> None:
+    """Two engines in one directory get one view each; the directory state merges them."""
+    for c in _ranks(tmp_path, 2, engine="policy"):
+        c.sleep(1)
+    _ranks(tmp_path, 2, engine="ref.model")
+    view = fleet(tmp_path)
+    assert [e.engine for e in view.engines] == ["policy", "ref.model"]
+    assert view.engine("policy").state == "asleep"
+    assert view.engine("ref.model").state == "awake"
+    assert view.state == "transitional"
+    assert fleet(tmp_path, engine="policy").state == "asleep"
+
+
+def test_closed_ranks(tmp_path: Path) -> None:
+    """Ranks whose controllers closed read as closed."""
+    for c in _ranks(tmp_path, 2):
+        c.close()
+    assert fleet(tmp_path).engine("llm").state == "closed"
+
+
+def test_rotated_logs_are_read_whole(tmp_path: Path) -> None:
+    """A rank log that rotated many times still gives the right state."""
+    ranks = _ranks(tmp_path, 2, max_bytes=1_500)
+    for _ in range(8):
+        for c in ranks:
+            c.sleep(1)
+            c.wake()
+    for c in ranks:
+        c.sleep(1)
+    assert len(list(tmp_path.glob("llm.rank0.jsonl.*"))) > 2
+    engine = fleet(tmp_path).engine("llm")
+    assert engine.state == "asleep"
+    assert engine.ranks[0].last_seq == ranks[0].last_seq
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "empty"])
+def test_bad_directories_raise_one_clear_error(tmp_path: Path, kind: str) -> None:
+    """A missing path, a file, or a directory without rank logs raises FleetError saying which."""
+    target = tmp_path / "nope"
+    if kind == "file":
+        target.write_text("x")
+    elif kind == "empty":
+        target.mkdir()
+        (target / "notes.txt").write_text("x")
+    expected = {"missing": "no such directory", "file": "not a directory", "empty": "no per-rank event logs"}[kind]
+    with pytest.raises(FleetError, match=expected):
+        fleet(target)
+
+
+def test_unknown_engine_is_named(tmp_path: Path) -> None:
+    """Asking for an engine that has no logs names the engines that do."""
+    _ranks(tmp_path, 1)
+    with pytest.raises(FleetError, match="engines there: llm"):
+        fleet(tmp_path, engine="other")
+
+
+def test_wait_fleet_returns_once_all_ranks_arrive(tmp_path: Path) -> None:
+    """wait_fleet blocks until every rank is asleep, and gives up after its timeout otherwise."""
+    ranks = _ranks(tmp_path, 2)
+    assert wait_fleet(tmp_path, "asleep", timeout=0.1, poll=0.02) is None
+
+    def sleep_all() -> None:
+        time.sleep(0.1)
+        for c in ranks:
+            c.sleep(1)
+
+    thread = threading.Thread(target=sleep_all)
+    thread.start()
+    view = wait_fleet(tmp_path, "asleep_l1", timeout=10, poll=0.02)
+    thread.join(5)
+    assert view is not None
+    assert view.engine("llm").level == 1
+
+
+def test_to_dict_is_json_ready(tmp_path: Path) -> None:
+    """The view's dict form carries the state, the lagging ranks and per-tag bytes."""
+    import json
+
+    a, _ = _ranks(tmp_path, 2)
+    a.sleep(1)
+    data = json.loads(json.dumps(fleet(tmp_path).to_dict()))
+    engine = data["engines"][0]
+    assert engine["state"] == "transitional"
+    assert engine["lagging"] == [1]
+    assert engine["ranks"][0]["residency"]["weights"]["host"] == 1 << 30
