@@ -20,7 +20,8 @@ def test_active_pool_refuses_registration() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [(False, True, "cumem", True, "cuda"), (True, True, "cumem", False, "cuda"), (True, True, "x", True, "cuda")]
+    "args",
+    [(False, True, "cumem", True, "cuda"), (True, True, "cumem", False, "cuda"), (True, True, "x", True, "cuda")],
 )
 def test_inactive_pool_keeps_registration(args: tuple[bool, bool, str, bool, str]) -> None:
     """Whenever the pool is inactive (opted out or a requirement unmet), graph buffers stay registered."""

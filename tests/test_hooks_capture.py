@@ -49,7 +49,10 @@ def controller() -> SleepController:
 
 def test_active_routes_into_the_cumem_pool(controller: SleepController, nccl: list[object]) -> None:
     """Active: the capture goes through controller.capture, yields its pool and points NCCL at it."""
-    with capture_events(controller) as events, capture_pool(ACTIVE, "decode bs=8", controller=controller, plain_pool=PLAIN) as pool:
+    with (
+        capture_events(controller) as events,
+        capture_pool(ACTIVE, "decode bs=8", controller=controller, plain_pool=PLAIN) as pool,
+    ):
         assert pool == controller.memory.pool  # type: ignore[attr-defined]
         assert nccl == [pool]
     kinds = [e.kind for e in events]
@@ -59,7 +62,10 @@ def test_active_routes_into_the_cumem_pool(controller: SleepController, nccl: li
 
 def test_inactive_yields_the_plain_pool(controller: SleepController, nccl: list[object]) -> None:
     """Inactive: the plain pool is yielded, NCCL is pointed at it, and the controller records no capture."""
-    with capture_events(controller) as events, capture_pool(INACTIVE, "decode", controller=controller, plain_pool=PLAIN) as pool:
+    with (
+        capture_events(controller) as events,
+        capture_pool(INACTIVE, "decode", controller=controller, plain_pool=PLAIN) as pool,
+    ):
         assert pool is PLAIN
     assert nccl == [PLAIN]
     assert events == []

@@ -102,7 +102,9 @@ def test_each_decision_is_an_event() -> None:
     assert "left unset" in events[2].data["detail"]
 
 
-def test_setting_after_distributed_init_warns(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_setting_after_distributed_init_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Setting the default after torch.distributed is initialized warns that existing communicators ignore it."""
     fake = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True)
     monkeypatch.setitem(sys.modules, "torch.distributed", fake)

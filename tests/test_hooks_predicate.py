@@ -43,7 +43,7 @@ def test_all_requirements_met_is_active(caplog: pytest.LogCaptureFixture) -> Non
     assert "active" in decision.describe()
 
 
-@pytest.mark.parametrize("backend", sorted(CUMEM_BACKENDS) + ["CuMem", " torpor "])
+@pytest.mark.parametrize("backend", [*sorted(CUMEM_BACKENDS), "CuMem", " torpor "])
 def test_cumem_family_backends_are_accepted(backend: str) -> None:
     """Both cuMem-family backends (any case, stray spaces) make the pool active."""
     assert cudagraph_pool_decision(**{**ON, "backend": backend}).active

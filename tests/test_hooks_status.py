@@ -16,7 +16,9 @@ TAGS = {"weights": 3 << 30, "kv_cache": 2 << 30}
 
 def _ranks(directory: Path, n: int) -> list[SleepController]:
     return [
-        SleepController(FakeMemory(TAGS), log=EventLog(log_path_for(directory, "llm", r), fsync=False), engine="llm", rank=r)
+        SleepController(
+            FakeMemory(TAGS), log=EventLog(log_path_for(directory, "llm", r), fsync=False), engine="llm", rank=r
+        )
         for r in range(n)
     ]
 
@@ -44,9 +46,7 @@ def test_transitional_names_the_lagging_rank(tmp_path: Path, capsys: pytest.Capt
 
 
 @pytest.mark.parametrize("make", ["missing", "empty"])
-def test_bad_directory_prints_one_line_and_fails(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], make: str
-) -> None:
+def test_bad_directory_prints_one_line_and_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str], make: str) -> None:
     """A missing or log-less directory prints one line on stderr and exits non-zero, without a traceback."""
     target = tmp_path / "logs"
     if make == "empty":
