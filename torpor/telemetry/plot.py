@@ -142,3 +142,7 @@ def plot(log: str | os.PathLike[str], output: str | os.PathLike[str], title: str
     fig.savefig(output, dpi=110)
     plt.close(fig)
     return output
+
+
+#: The name the demo and other callers use.
+plot_timeline = plot
