@@ -50,7 +50,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "
 
 
 class Progress:
-    """One progress line per step: rewritten in place on a terminal, one line each otherwise."""
+    """A progress line rewritten in place on a terminal; silent when the output is a file or a pipe."""
 
     def __init__(self, out: TextIO | None = None, total: int = 0) -> None:
         self.out = out or sys.stdout
@@ -67,12 +67,11 @@ class Progress:
             filled = int(20 * min(self.done, self.total) / self.total)
             bar = f"[{'#' * filled}{'.' * (20 - filled)}] {self.done}/{self.total} "
         msg = f"  {bar}{text}"
-        if self._tty:
-            pad = max(0, self._width - len(msg))
-            self.out.write("\r" + msg + " " * pad)
-            self._width = len(msg)
-        else:
-            self.out.write(msg + "\n")
+        if not self._tty:
+            return
+        pad = max(0, self._width - len(msg))
+        self.out.write("\r" + msg + " " * pad)
+        self._width = len(msg)
         self.out.flush()
 
     def advance(self) -> None:

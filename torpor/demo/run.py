@@ -1,0 +1,197 @@
+"""The demo from start to end: pick the device, build the workload, serve metrics, run the cycles, say where to look."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from torpor.demo.cycles import CYCLE_KINDS, render, run_cycle
+from torpor.demo.report import Progress, fmt_bytes
+from torpor.demo.workload import DemoError, Workload
+from torpor.statemachine import SleepController, log_path_for
+
+DEVICES = ("auto", "cuda", "sim")
+ENGINE = "demo"
+
+
+@dataclass
+class DemoOptions:
+    """What ``torpor demo`` takes on its command line."""
+
+    cycles: int = 3
+    device: str = "auto"
+    port: int = 0
+    host: str = "127.0.0.1"
+    log_dir: Path | None = None
+    keep_serving: bool = False
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pick_device(requested: str) -> tuple[str, str]:
+    """(device, why): ``cuda`` when asked or available, else ``sim``; ValueError when cuda is asked for and absent."""
+    if requested not in DEVICES:
+        msg = f"--device must be one of {', '.join(DEVICES)}, got {requested!r}"
+        raise ValueError(msg)
+    if requested == "sim":
+        return "sim", "asked for with --device sim"
+    if cuda_available():
+        return "cuda", "CUDA is available" if requested == "auto" else "asked for with --device cuda"
+    if requested == "cuda":
+        msg = "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device sim"
+        raise ValueError(msg)
+    return "sim", "no CUDA device found (torch.cuda.is_available() is False)"
+
+
+def make_workload(device: str) -> Workload:
+    """The workload for ``device``; DemoError when the allocator it needs is missing."""
+    try:
+        if device == "cuda":
+            from torpor.demo.gpu import GpuWorkload
+
+            return GpuWorkload()
+        from torpor.demo.sim import SimWorkload
+
+        return SimWorkload()
+    except ImportError as exc:
+        msg = f"the {device} demo needs {exc.name or 'a module'} which cannot be imported here ({exc})"
+        raise DemoError(msg) from exc
+
+
+def _serve(controller: SleepController, port: int, host: str) -> tuple[Any, str]:
+    """Start the metrics endpoint; (server or None, a line saying where or why not)."""
+    try:
+        from torpor.telemetry.endpoint import serve
+    except ImportError as exc:
+        return None, f"not available in this build ({exc})"
+    server = serve(controller, port=port, host=host)
+    return server, f"{server.url.rstrip('/')}/metrics   (also /state and /events?after=SEQ)"
+
+
+def _artifacts(log: Path, out_dir: Path) -> list[tuple[str, str, str]]:
+    """Write the timeline PNG and the Grafana dashboard; (what, where, how to look) per artifact."""
+    found: list[tuple[str, str, str]] = [
+        ("event log", str(log), f"$ torpor log show {log}"),
+        ("replayed state", f"$ torpor log replay {log}", ""),
+    ]
+    png = out_dir / "timeline.png"
+    try:
+        from torpor.telemetry.plot import plot
+
+        plot(log, png, title="torpor demo")
+        found.append(("timeline PNG", str(png), f"$ xdg-open {png}   # or: torpor plot {log} -o timeline.png"))
+    except ImportError as exc:
+        hint = "pip install 'torpor[plot]'" if exc.name == "matplotlib" else str(exc)
+        found.append(("timeline PNG", "not written: matplotlib is not installed", f"$ {hint}"))
+    dash = out_dir / "grafana-dashboard.json"
+    try:
+        from torpor.telemetry.dashboard import render_dashboard
+
+        dash.write_text(render_dashboard())
+        found.append(("Grafana dashboard", str(dash), "import it in Grafana (Dashboards > New > Import)"))
+    except ImportError as exc:
+        found.append(("Grafana dashboard", f"not written ({exc})", ""))
+    return found
+
+
+def run_demo(opts: DemoOptions) -> int:
+    """Run the demo; 0 when every wake was exact, 1 otherwise."""
+    out = opts.out
+
+    def say(line: str = "") -> None:
+        progress.clear()
+        out.write(line + "\n")
+        out.flush()
+
+    if opts.cycles < 1:
+        msg = f"--cycles must be at least 1, got {opts.cycles}"
+        raise ValueError(msg)
+    if not 0 <= opts.port <= 65535:
+        msg = f"--port must be 0 (any free port) to 65535, got {opts.port}"
+        raise ValueError(msg)
+    device, why = pick_device(opts.device)
+    log_dir = Path(opts.log_dir) if opts.log_dir else Path(tempfile.mkdtemp(prefix="torpor-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_path_for(log_dir, ENGINE, 0)
+    kinds = [CYCLE_KINDS[i % len(CYCLE_KINDS)] for i in range(opts.cycles)]
+    progress = Progress(out, total=2 + sum(1 + 2 * len(k.wakes) for k in kinds))
+
+    say(f"torpor demo: {opts.cycles} sleep/wake cycle(s) on device '{device}' ({why})")
+    progress.step("building the workload")
+    workload = make_workload(device)
+    for line in workload.describe():
+        say("  " + line)
+    controller = SleepController(workload.memory, log=log, engine=ENGINE, rank=0)
+    if controller.projection.interrupted:
+        say(f"  the log in {log_dir} ends mid-transition ({controller.projection.last_step}): recovering")
+        controller.recover()
+    server, where = _serve(controller, opts.port, opts.host)
+    say(f"  metrics    {where}")
+    say(f"  event log  {log}")
+    say()
+    try:
+        progress.step("allocating, filling and capturing graphs")
+        start = time.perf_counter()
+        workload.setup(controller)
+        progress.advance()
+        usage = controller.projection.residency
+        total = sum(u.resident for u in usage.values())
+        tags = ", ".join(f"{t} {fmt_bytes(u.resident)}" for t, u in sorted(usage.items()))
+        say(f"awake: {fmt_bytes(total)} tagged ({tags}); set up in {time.perf_counter() - start:.2f} s")
+        say()
+        exact = True
+        for i, kind in enumerate(kinds):
+
+            def step(text: str, i: int = i) -> None:
+                progress.step(f"cycle {i + 1}/{opts.cycles}: {text}")
+                progress.advance()
+
+            result = run_cycle(controller, workload, i + 1, kind, step, dwell=0.1)
+            exact = exact and result.exact
+            say(render(result, opts.cycles))
+            say()
+        progress.step("writing the timeline and the dashboard")
+        found = _artifacts(log, log_dir)
+        progress.advance()
+        verdict = "every wake was bit-exact" if exact else "SOME WAKES WERE NOT EXACT (see the tables above)"
+        say(f"done: {opts.cycles} cycle(s), {verdict}; final state {controller.state.value}")
+        width = max(len(w) for w, _, _ in found)
+        for what, path, how in found:
+            say(f"  {what.ljust(width)}  {path}")
+            if how:
+                say(f"  {''.ljust(width)}  {how}")
+        if server is not None:
+            _keep_serving(server, opts.keep_serving, say)
+        return 0 if exact else 1
+    finally:
+        progress.clear()
+        if server is not None:
+            server.close()
+        controller.close()
+        workload.close()
+
+
+def _keep_serving(server: Any, keep: bool, say: Callable[[str], None]) -> None:
+    url = f"{server.url.rstrip('/')}/metrics"
+    if not keep:
+        say(f"  {'metrics'.ljust(17)}  {url} (closed now; --keep-serving keeps it up for a Prometheus)")
+        return
+    say(f"serving {url} until Ctrl-C; point a Prometheus scrape job at it (static_configs: ['{url.split('/')[2]}'])")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        say("stopped serving")

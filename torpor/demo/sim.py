@@ -1,0 +1,152 @@
+"""The demo's workload on the simulated device: the GPU demo's tags and sizes, scaled down, as real bytes.
+
+The simulated driver (``torpor.allocator.SimDriver``) keeps device memory in
+host RAM, so the demo scales every size of the GPU workload down by
+:data:`SCALE`. Each allocation holds seeded random bytes; the check compares
+each allocation's SHA-256 with the one taken after setup, so "exact" means
+every restored byte is the byte that was there before sleep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torpor.demo.workload import BATCH_SIZES, Check
+from torpor.statemachine import Memory, SleepController
+
+MiB = 1 << 20
+#: The simulated sizes are the GPU demo's divided by this.
+SCALE = 64
+#: GPU demo sizes per allocation, before scaling (see torpor.demo.gpu).
+GPU_LAYOUT: tuple[tuple[str, str, int], ...] = (
+    ("weights", "embed", 125 * MiB),
+    *(("weights", f"layer{i}", 96 * MiB) for i in range(8)),
+    *(("kv_cache", f"kv.layer{i}", 256 * MiB) for i in range(8)),
+    ("runtime", "workspace", 64 * MiB),
+)
+#: Graph pool bytes per captured batch size (after scaling: one 2 MiB granule each).
+GRAPH_BYTES = 2 * MiB
+
+
+@dataclass
+class _Alloc:
+    tag: str
+    name: str
+    address: int
+    nbytes: int
+    seed: int
+    digest: bytes = b""
+
+
+class SimWorkload:
+    """Weights, kv_cache, runtime and one graph allocation per batch size, on a ``SimDriver``."""
+
+    device = "sim"
+
+    def __init__(self, scale: int = SCALE, seed: int = 0) -> None:
+        from torpor.allocator import SimDriver, TaggedAllocator  # type: ignore[attr-defined]
+
+        self.scale = scale
+        self.seed = seed
+        total = sum(n for _, _, n in GPU_LAYOUT) // scale + GRAPH_BYTES * len(BATCH_SIZES)
+        self.capacity = 2 * total + 64 * MiB
+        self.driver = SimDriver(capacity=self.capacity)
+        self.allocator = TaggedAllocator(driver=self.driver)
+        self.allocs: list[_Alloc] = []
+
+    @property
+    def memory(self) -> Memory:
+        """The tagged allocator on the simulated driver."""
+        return self.allocator  # type: ignore[no-any-return]
+
+    def describe(self) -> list[str]:
+        """What runs where."""
+        gpu_total = sum(n for _, _, n in GPU_LAYOUT)
+        return [
+            "device     simulated (torpor.allocator.SimDriver: device memory is real bytes in host RAM)",
+            f"workload   the GPU demo's weights, kv_cache and runtime allocations, sizes scaled 1/{self.scale} "
+            f"({gpu_total / 1024**3:.2f} GiB -> {gpu_total // self.scale // MiB} MiB) to stay small in RAM",
+            f"graphs     one per batch size {', '.join(map(str, BATCH_SIZES))} in the cudagraph pool "
+            f"({GRAPH_BYTES // MiB} MiB of graph memory each)",
+            "check      SHA-256 of every allocation after each wake vs the bytes written before the first sleep",
+        ]
+
+    def _size(self, nbytes: int) -> int:
+        return max(nbytes // self.scale, 4096)
+
+    def _content(self, a: _Alloc) -> bytes:
+        return random.Random(a.seed).randbytes(a.nbytes)
+
+    def _fill(self, a: _Alloc) -> None:
+        self.driver.write(a.address, self._content(a))
+
+    def _digest(self, a: _Alloc) -> bytes:
+        return hashlib.sha256(self.driver.read(a.address, a.nbytes)).digest()
+
+    def _kv_seed(self, index: int) -> int:
+        """kv_cache content depends on the weights (a prefill reads them) and the prompt."""
+        weights = b"".join(self._digest(a) for a in self.allocs if a.tag == "weights")
+        return int.from_bytes(hashlib.sha256(weights + index.to_bytes(4, "little")).digest()[:8], "little")
+
+    def setup(self, controller: SleepController) -> None:
+        """Allocate and fill weights and runtime, prefill kv_cache, capture a graph per batch size."""
+        for i, (tag, name, nbytes) in enumerate(GPU_LAYOUT):
+            size = self._size(nbytes)
+            address = self.allocator.allocate(size, tag)
+            self.allocs.append(_Alloc(tag, name, address, size, self.seed * 1000 + i))
+        for a in self.allocs:
+            if a.tag != "kv_cache":
+                self._fill(a)
+        self._prefill()
+        controller.observe()
+        for batch in BATCH_SIZES:
+            site = f"decode batch={batch}"
+            with controller.capture(site):
+                size = GRAPH_BYTES
+                address = self.allocator.allocate(size, "cudagraph")
+            a = _Alloc("cudagraph", site, address, size, self.seed * 1000 + 500 + batch)
+            self._fill(a)  # the graph's write-once state, written after capture
+            self.allocs.append(a)
+        for a in self.allocs:
+            a.digest = self._digest(a)
+        controller.observe()
+
+    def _prefill(self) -> None:
+        for i, a in enumerate(x for x in self.allocs if x.tag == "kv_cache"):
+            a.seed = self._kv_seed(i)
+            self._fill(a)
+
+    def prepare(self, woken: Sequence[str], reload_weights: bool) -> None:
+        """Reload weights from their 'checkpoint' (level 2), then prefill kv_cache if it woke."""
+        if reload_weights and "weights" in woken:
+            for a in self.allocs:
+                if a.tag == "weights":
+                    self._fill(a)
+        if "kv_cache" in woken:
+            self._prefill()
+
+    def check(self, tags: Sequence[str], refilled: Sequence[str], reloaded: Sequence[str]) -> Check:
+        """Compare every allocation of ``tags`` with its digest from setup."""
+        per_tag: dict[str, str] = {}
+        count = 0
+        for a in self.allocs:
+            if a.tag not in tags:
+                continue
+            count += 1
+            same = self._digest(a) == a.digest
+            label = "reloaded" if a.tag in reloaded else "refilled" if a.tag in refilled else "exact"
+            if not same:
+                per_tag[a.tag] = "DIFFERS"
+            else:
+                per_tag.setdefault(a.tag, label)
+        exact = all(v != "DIFFERS" for v in per_tag.values())
+        return Check(exact, f"{count} allocations byte-for-byte equal" if exact else "bytes differ", per_tag)
+
+    def close(self) -> None:
+        """Free every allocation."""
+        for a in self.allocs:
+            self.allocator.free(a.address)
+        self.allocs.clear()
