@@ -239,3 +239,12 @@ def test_follow_async_yields_new_events(tmp_path: Path) -> None:
     got = asyncio.run(main())
     assert got[0] == "opened"
     assert got[-1] == "sleep_completed"
+
+
+def test_idle_timeout_ends_a_quiet_follow(tmp_path: Path) -> None:
+    """idle_timeout ends follow() after that long without a new event, having yielded what exists."""
+    c = _controller(tmp_path)
+    start = time.monotonic()
+    got = list(follow(c.log.path, poll=0.01, idle_timeout=0.1))  # type: ignore[union-attr]
+    assert 0.1 <= time.monotonic() - start < 5
+    assert [e.seq for e in got] == [1]

@@ -199,6 +199,7 @@ def follow(
     *,
     poll: float = 0.1,
     stop: Stop = None,
+    idle_timeout: float | None = None,
     max_line: int = DEFAULT_MAX_LINE,
 ) -> Iterator[Event]:
     """Yield the events of the log at ``path`` after sequence number ``after``, waiting for new ones.
@@ -206,16 +207,23 @@ def follow(
     Like ``tail -f``: it waits for the file to appear, survives rotation, and
     checks for new lines every ``poll`` seconds. It ends once ``stop`` is set
     (an ``Event`` or a callable returning True), after yielding what was on
-    disk at that moment; without ``stop`` it runs until the consumer stops.
+    disk at that moment, or after ``idle_timeout`` seconds without a new
+    event; otherwise it runs until the consumer stops iterating.
     """
     follower = Follower(path, after, max_line=max_line)
     wait = getattr(stop, "wait", None)
+    quiet_since = time.monotonic()
     try:
         while True:
             stopping = _stopped(stop)
             events = follower.read_available()
             yield from events
             if stopping:
+                return
+            now = time.monotonic()
+            if events:
+                quiet_since = now
+            elif idle_timeout is not None and now - quiet_since >= idle_timeout:
                 return
             if not events:
                 if isinstance(stop, threading.Event) and callable(wait):
@@ -232,10 +240,12 @@ async def follow_async(
     *,
     poll: float = 0.1,
     stop: Stop = None,
+    idle_timeout: float | None = None,
     max_line: int = DEFAULT_MAX_LINE,
 ) -> AsyncIterator[Event]:
     """Asyncio variant of :func:`follow`: ``async for event in follow_async(path): ...``."""
     follower = Follower(path, after, max_line=max_line)
+    quiet_since = time.monotonic()
     try:
         while True:
             stopping = _stopped(stop)
@@ -243,6 +253,11 @@ async def follow_async(
             for event in events:
                 yield event
             if stopping:
+                return
+            now = time.monotonic()
+            if events:
+                quiet_since = now
+            elif idle_timeout is not None and now - quiet_since >= idle_timeout:
                 return
             if not events:
                 await asyncio.sleep(poll)
