@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from torpor.demo.report import fmt_bytes, fmt_seconds, table
+from torpor.hooks.follow import Follower
 from torpor.statemachine import Event, EventKind, Projection, read_events, segments
 from torpor.statemachine.projection import project
 
@@ -164,65 +164,35 @@ def run_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow_fallback(path: Path, after: int, interval: float) -> Iterator[Event]:
-    """Yield events with seq > ``after`` as they are appended; rereads the log when it changes."""
-    last_seen: tuple[int, int, float] | None = None
-    while True:
-        try:
-            st = path.stat()
-            marker: tuple[int, int, float] | None = (st.st_ino, st.st_size, st.st_mtime)
-        except FileNotFoundError:
-            marker = None
-        if marker is not None and marker != last_seen:
-            last_seen = marker
-            for event in read_events(path):
-                if event.seq > after:
-                    after = event.seq
-                    yield event
-        else:
-            time.sleep(interval)
-            yield _TICK
-
-
-#: A sentinel the fallback follower yields while idle, so callers can time out.
-_TICK = Event(kind=EventKind.USAGE_OBSERVED, seq=-1, wall=0.0, mono=0.0, pid=0, engine="", rank=-1)
-
-
-def _follower(path: Path, after: int, interval: float) -> Iterator[Event]:
-    try:
-        from torpor.hooks import follow as hooks_follow  # type: ignore[attr-defined]
-    except ImportError:
-        return _follow_fallback(path, after, interval)
-    return iter(hooks_follow(path, after=after))
-
-
 def run_follow(args: argparse.Namespace) -> int:
     """Print old events, then new ones as they arrive, until Ctrl-C or ``--timeout``."""
     path = resolve_log(args.path)
     events = list(read_events(path))
-    proj = project(events)
     after = args.after
     if after is None:
         tail = events[-args.lines :] if args.lines > 0 else []
         after = tail[0].seq - 1 if tail else (events[-1].seq if events else 0)
-    replayed = Projection()
+    proj = Projection()
     _header(path, print)
     for event in events:
-        replayed.apply(event)
+        proj.apply(event)
         if event.seq > after:
-            print(timeline_line(event, replayed.state.value))
+            print(timeline_line(event, proj.state.value))
     after = max(after, events[-1].seq if events else 0)
     sys.stdout.flush()
-    logging.getLogger("torpor.statemachine.log").setLevel(logging.ERROR)  # a line being written is not torn
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    for event in _follower(path, after, args.interval):
-        if event.seq > 0:
-            proj.apply(event)
-            print(timeline_line(event, proj.state.value), flush=True)
-            if deadline is not None:
+    with Follower(path, after=after) as follower:
+        while True:
+            new = follower.read_available()
+            for event in new:
+                proj.apply(event)
+                print(timeline_line(event, proj.state.value), flush=True)
+            if new and args.timeout is not None:
                 deadline = time.monotonic() + args.timeout
-        if deadline is not None and time.monotonic() >= deadline:
-            break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            if not new:
+                time.sleep(args.interval)
     return 0
 
 
