@@ -1,0 +1,110 @@
+"""Tests for torpor.telemetry.multiprocess: separate worker processes write, one reader merges per rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from torpor.telemetry import multiprocess_registry
+from torpor.telemetry.multiprocess import enabled
+
+WORKER = """
+import sys
+from torpor import SleepController
+from torpor.telemetry import attach
+from torpor.testing import FakeMemory
+
+rank, script = int(sys.argv[1]), sys.argv[2]
+scale = rank + 1
+memory = FakeMemory({"weights": 1000 * scale, "kv_cache": 2000 * scale, "cudagraph": 30 * scale})
+controller = SleepController(memory, engine="mp", rank=rank)
+handle = attach(controller)
+if handle.multiprocess is None or handle.collector is not None:
+    sys.exit("attach did not pick multiprocess mode")
+for step in script.split(","):
+    if step == "sleep1":
+        controller.sleep(1)
+    elif step == "sleep2":
+        controller.sleep(2)
+    elif step == "wake_weights":
+        controller.wake(["weights"])
+    elif step == "refuse":
+        try:
+            controller.wake(["weights"]) if controller.state.value == "awake" else controller.sleep(1)
+        except Exception:
+            pass
+"""
+
+
+def run_worker(directory: Path, rank: int, script: str) -> None:
+    """Run one worker as a separate process writing to ``directory``."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+    result = subprocess.run(
+        [sys.executable, "-c", WORKER, str(rank), script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def read(directory: Path) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Merge the directory's files the way an API server's /metrics does."""
+    text = generate_latest(multiprocess_registry(str(directory))).decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def get(got: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    """One merged sample (KeyError when absent)."""
+    return got[(name, frozenset(labels.items()))]
+
+
+def test_enabled_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Multiprocess mode is on exactly when PROMETHEUS_MULTIPROC_DIR is set."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
+    assert not enabled()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/x")
+    assert enabled()
+
+
+def test_per_rank_values_are_not_summed_across_processes(tmp_path: Path) -> None:
+    """Two worker processes: each rank's state, bytes and counts come out as that rank wrote them."""
+    run_worker(tmp_path, 0, "sleep1,refuse")
+    run_worker(tmp_path, 1, "sleep2,wake_weights")
+    got = read(tmp_path)
+    r0, r1 = {"engine": "mp", "rank": "0"}, {"engine": "mp", "rank": "1"}
+    assert get(got, "torpor_state", **r0, state="asleep_l1") == 1
+    assert get(got, "torpor_state", **r0, state="awake") == 0
+    assert get(got, "torpor_state", **r1, state="partially_awake") == 1
+    assert get(got, "torpor_tag_bytes", **r0, tag="weights", residency="host") == 1000
+    assert get(got, "torpor_tag_bytes", **r0, tag="kv_cache", residency="discarded") == 2000
+    assert get(got, "torpor_tag_bytes", **r1, tag="weights", residency="resident") == 2000
+    assert get(got, "torpor_tag_bytes", **r1, tag="kv_cache", residency="discarded") == 4000
+    assert get(got, "torpor_transitions_total", **r0, from_state="awake", to_state="suspending") == 1
+    assert get(got, "torpor_transitions_total", **r1, from_state="resuming", to_state="partially_awake") == 1
+    assert get(got, "torpor_refusals_total", **r0, command="sleep", reason="InvalidTransition") == 1
+    assert get(got, "torpor_sleep_duration_seconds_count", **r1, level="2") == 1
+    assert get(got, "torpor_wake_duration_seconds_count", **r1, tags="weights") == 1
+    assert get(got, "torpor_info", **r0, version="0.1.0", driver="FakeMemory") == 1
+    assert not [k for k in got if ("pid", str(os.getpid())) in k[1] or any(n == "pid" for n, _ in k[1])]
+
+
+def test_a_restarted_rank_shows_its_latest_state_and_keeps_its_counts(tmp_path: Path) -> None:
+    """A second process for the same rank overrides the gauges (most recent) and adds to the counters."""
+    run_worker(tmp_path, 0, "sleep1")
+    run_worker(tmp_path, 0, "sleep1")
+    run_worker(tmp_path, 0, "")
+    got = read(tmp_path)
+    r0 = {"engine": "mp", "rank": "0"}
+    assert get(got, "torpor_state", **r0, state="awake") == 1
+    assert get(got, "torpor_state", **r0, state="asleep_l1") == 0
+    assert get(got, "torpor_tag_bytes", **r0, tag="weights", residency="resident") == 1000
+    assert get(got, "torpor_sleep_duration_seconds_count", **r0, level="1") == 2

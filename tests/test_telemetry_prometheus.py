@@ -1,0 +1,195 @@
+"""Tests for torpor.telemetry.prometheus: the scrape-time collector and its exposition."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from torpor import SleepController, State
+from torpor.errors import InvalidTransition, MemoryOperationFailed
+from torpor.telemetry import METRICS, attach
+from torpor.testing import FakeMemory
+
+TAGS = {"weights": 4000, "kv_cache": 8000, "cudagraph": 300, "runtime": 50}
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of the registry's exposition keyed by (name, labels)."""
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(got: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    """One sample's value (KeyError when absent)."""
+    return got[(name, frozenset(labels.items()))]
+
+
+def run_cycle(controller: SleepController) -> None:
+    """Sleep at level 1, get refused once, wake weights then the rest."""
+    controller.sleep(1)
+    with pytest.raises(InvalidTransition):
+        controller.sleep(1)
+    controller.wake(["weights"])
+    controller.wake(["kv_cache"])
+
+
+def test_state_is_one_series_per_state_with_one_set() -> None:
+    """torpor_state has a series for every state; only the current one is 1, and it follows the controller."""
+    registry = CollectorRegistry()
+    controller = SleepController(FakeMemory(TAGS), engine="e", rank=2)
+    attach(controller, registry=registry, otel=False)
+    controller.sleep(2)
+    got = samples(registry)
+    states = {dict(k[1])["state"]: v for k, v in got.items() if k[0] == "torpor_state"}
+    assert set(states) == {s.value for s in State}
+    assert {s for s, v in states.items() if v == 1.0} == {"asleep_l2"}
+    controller.wake()
+    assert value(samples(registry), "torpor_state", engine="e", rank="2", state="awake") == 1.0
+
+
+def test_bytes_per_tag_and_residency_follow_the_policy() -> None:
+    """After a level-1 sleep, weights are on the host, kv_cache discarded, nothing resident."""
+    registry = CollectorRegistry()
+    controller = SleepController(FakeMemory(TAGS), engine="e", rank=0)
+    attach(controller, registry=registry, otel=False)
+    base = {"engine": "e", "rank": "0"}
+    assert value(samples(registry), "torpor_tag_bytes", **base, tag="weights", residency="resident") == 4000
+    controller.sleep(1)
+    got = samples(registry)
+    assert value(got, "torpor_tag_bytes", **base, tag="weights", residency="host") == 4000
+    assert value(got, "torpor_tag_bytes", **base, tag="kv_cache", residency="discarded") == 8000
+    assert value(got, "torpor_tag_bytes", **base, tag="cudagraph", residency="host") == 300
+    resident = sum(v for k, v in got.items() if k[0] == "torpor_tag_bytes" and ("residency", "resident") in k[1])
+    assert resident == 0
+
+
+def test_counters_and_histograms_count_what_happened() -> None:
+    """Transitions, durations, transfers, refusals and the info metric match one scripted cycle."""
+    registry = CollectorRegistry()
+    controller = SleepController(FakeMemory(TAGS), engine="e", rank=1)
+    attach(controller, registry=registry, otel=False)
+    run_cycle(controller)
+    got = samples(registry)
+    base = {"engine": "e", "rank": "1"}
+    assert value(got, "torpor_transitions_total", **base, from_state="awake", to_state="suspending") == 1
+    assert value(got, "torpor_transitions_total", **base, from_state="resuming", to_state="partially_awake") == 1
+    assert value(got, "torpor_transitions_total", **base, from_state="resuming", to_state="awake") == 1
+    assert value(got, "torpor_sleep_duration_seconds_count", **base, level="1") == 1
+    assert value(got, "torpor_wake_duration_seconds_count", **base, tags="weights") == 1
+    assert value(got, "torpor_wake_duration_seconds_count", **base, tags="kv_cache") == 1
+    assert value(got, "torpor_wake_duration_seconds_bucket", **base, tags="kv_cache", le="+Inf") == 1
+    assert value(got, "torpor_refusals_total", **base, command="sleep", reason="InvalidTransition") == 1
+    assert value(got, "torpor_tag_transfer_bytes_total", **base, tag="weights", direction="device_to_host") == 4000
+    assert value(got, "torpor_tag_transfer_bytes_total", **base, tag="weights", direction="host_to_device") == 4000
+    assert (
+        "torpor_tag_transfer_bytes_total",
+        frozenset({**base, "tag": "kv_cache", "direction": "host_to_device"}.items()),
+    ) not in got
+    assert value(got, "torpor_info", **base, version="0.1.0", driver="FakeMemory") == 1
+
+
+def test_failures_count_aborted_sleeps_by_error_class() -> None:
+    """A sleep whose backup fails counts in torpor_failures_total with the error class, not as a completed sleep."""
+    registry = CollectorRegistry()
+    memory = FakeMemory(TAGS)
+    controller = SleepController(memory)
+    attach(controller, registry=registry, otel=False)
+    memory.fail_once("backup")
+    with pytest.raises(MemoryOperationFailed):
+        controller.sleep(1)
+    got = samples(registry)
+    base = {"engine": "default", "rank": "0"}
+    assert value(got, "torpor_failures_total", **base, operation="sleep", reason="MemoryOperationFailed") == 1
+    assert ("torpor_sleep_duration_seconds_count", frozenset({**base, "level": "1"}.items())) not in got
+    assert value(got, "torpor_state", **base, state="awake") == 1
+
+
+def test_ranks_in_one_registry_are_separate_series() -> None:
+    """Several controllers attached to one registry share one collector and keep their own series."""
+    registry = CollectorRegistry()
+    controllers = [SleepController(FakeMemory(TAGS), engine="e", rank=r) for r in range(3)]
+    handles = [attach(c, registry=registry, otel=False) for c in controllers]
+    assert len({id(h.collector) for h in handles}) == 1
+    controllers[1].sleep(1)
+    got = samples(registry)
+    assert value(got, "torpor_state", engine="e", rank="0", state="awake") == 1
+    assert value(got, "torpor_state", engine="e", rank="1", state="asleep_l1") == 1
+    assert value(got, "torpor_state", engine="e", rank="2", state="awake") == 1
+
+
+def test_detach_removes_the_series_and_the_collector() -> None:
+    """After every handle detaches, the registry exposes no torpor metric and the controller still works."""
+    registry = CollectorRegistry()
+    controller = SleepController(FakeMemory(TAGS))
+    handle = attach(controller, registry=registry, otel=False)
+    handle.detach()
+    handle.detach()
+    assert not [k for k in samples(registry) if k[0].startswith("torpor_")]
+    controller.sleep(1)
+    attach(controller, registry=registry, otel=False)
+    assert samples(registry)
+
+
+def test_telemetry_changes_nothing_in_the_controller() -> None:
+    """The same commands give the same memory calls and projection with and without telemetry."""
+    runs = []
+    for on in (False, True):
+        memory = FakeMemory(TAGS)
+        controller = SleepController(memory, engine="e")
+        if on:
+            attach(controller, registry=CollectorRegistry())
+        run_cycle(controller)
+        proj = controller.projection.to_dict()
+        for volatile in ("since_wall", "pid"):
+            proj.pop(volatile)
+        runs.append((memory.calls, proj))
+    assert runs[0] == runs[1]
+
+
+def test_metric_names_have_the_prefix_and_no_colons() -> None:
+    """Every exposed family is torpor_-prefixed and colon-free (vLLM owns the vllm: names)."""
+    registry = CollectorRegistry()
+    attach(SleepController(FakeMemory(TAGS)), registry=registry, otel=False)
+    names = {k[0] for k in samples(registry)}
+    assert names
+    assert all(n.startswith("torpor_") and ":" not in n for n in names)
+    assert all(n.startswith("torpor_") and ":" not in n for n in METRICS)
+
+
+def test_the_global_registry_is_the_default() -> None:
+    """attach without a registry registers in prometheus_client's global REGISTRY, and detach removes it."""
+    from prometheus_client import REGISTRY
+
+    handle = attach(SleepController(FakeMemory(TAGS), engine="global-test"), otel=False)
+    try:
+        assert b'engine="global-test"' in generate_latest(REGISTRY)
+    finally:
+        handle.detach()
+    assert b'engine="global-test"' not in generate_latest(REGISTRY)
+
+
+@pytest.mark.prometheus
+def test_promtool_check_metrics_reports_nothing() -> None:
+    """promtool check metrics finds no problem in the exposition of a full cycle."""
+    registry = CollectorRegistry()
+    memory = FakeMemory(TAGS)
+    controller = SleepController(memory, engine="e")
+    attach(controller, registry=registry, otel=False)
+    run_cycle(controller)
+    memory.fail_once("restore", "weights")
+    controller.sleep(2)
+    with pytest.raises(MemoryOperationFailed):
+        controller.wake()
+    text = generate_latest(registry)
+    assert b"torpor_failures_total" in text
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == b""
+    assert result.stderr.strip() == b""
