@@ -467,13 +467,22 @@ class SleepController:
     ) -> None:
         """Undo a sleep that failed: map back what was released, drop backups, stay awake."""
         rollback_error: TorporError | None = None
+        # A discarded tag had no backup: rolling it back maps fresh memory, its content is gone. Say so.
+        lost = [t.tag for t in released if plan is not None and plan.get(t.tag) is Action.DISCARD]
         for done in reversed(released):
             try:
                 back = self.memory.restore([done.tag])[done.tag]
             except TorporError as again:
                 rollback_error = again
                 break
-            self._emit(EventKind.TAG_RESTORED, tag=done.tag, bytes=back.bytes, source="rollback", seconds=back.seconds)
+            self._emit(
+                EventKind.TAG_RESTORED,
+                tag=done.tag,
+                bytes=back.bytes,
+                source="rollback",
+                seconds=back.seconds,
+                lost=done.tag in lost,
+            )
         if rollback_error is not None:
             # Could not undo: what is released stays released; the sleep completes as far as it got.
             self._emit(
@@ -496,17 +505,21 @@ class SleepController:
                 self.memory.drop_backup(backed)
             except TorporError:
                 logger.exception("dropping backups after an aborted sleep failed")
+        lost_txt = (
+            f"; content of {', '.join(lost)} was discarded before the failure and is not restored" if lost else ""
+        )
         self._emit(
             EventKind.SLEEP_ABORTED,
             level=level,
-            reason=f"{phase} failed: {exc}",
+            reason=f"{phase} failed: {exc}{lost_txt}",
             error=type(exc).__name__,
             seconds=time.perf_counter() - start,
             usage=self._resident_usage(),
+            lost=lost,
         )
         self._step("abort_sleep")
         if released:
-            logger.warning("Rolled back %d released tag(s) after a failed sleep", len(released))
+            logger.warning("Rolled back %d released tag(s) after a failed sleep%s", len(released), lost_txt)
         raise exc
 
     def _wake(self, tags: list[str] | None) -> Projection:
