@@ -1,0 +1,255 @@
+"""The CLI a user meets first: help with examples, one-line errors, and ``torpor log show|follow|replay``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from torpor.cli import build_parser, main
+from torpor.statemachine import SleepController, replay
+from torpor.testing import FakeMemory
+
+EXAMPLE = re.compile(r"examples?:\s+torpor ")
+TAGS = {"weights": 3 << 20, "kv_cache": 5 << 20, "runtime": 1 << 20}
+
+
+def _torpor() -> list[str]:
+    """The installed ``torpor`` script beside this Python, else ``python -m torpor.cli``."""
+    script = Path(sys.executable).with_name("torpor")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "torpor.cli"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*_torpor(), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def _log(tmp_path: Path, *, interrupted: bool = False) -> Path:
+    """A log with a capture, a level-1 sleep, a selective wake and a level-2 sleep."""
+    (tmp_path / "logs").mkdir()
+    ctrl = SleepController(FakeMemory(TAGS), log=tmp_path / "logs", engine="eng", fsync=False)
+    with ctrl.capture("decode batch=8"):
+        pass
+    ctrl.sleep(1)
+    ctrl.wake(["weights"])
+    ctrl.wake(["kv_cache"])
+    ctrl.sleep(2)
+    path = tmp_path / "logs" / "eng.rank0.jsonl"
+    if interrupted:
+        ctrl.log.close()  # type: ignore[union-attr]
+        lines = path.read_text().splitlines(keepends=True)
+        cut = max(i for i, line in enumerate(lines) if '"kind":"sleep_requested"' in line) + 2
+        path.write_text("".join(lines[:cut]))
+    else:
+        ctrl.close()
+    return path
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+# -- help and bad arguments ---------------------------------------------------------------
+
+
+def test_every_command_help_has_an_example() -> None:
+    """--help of the top level, every subcommand and every log action shows an example command."""
+    top = build_parser()
+    parsers = {"torpor": top}
+    for name, sub in _subparsers(top).items():
+        parsers[f"torpor {name}"] = sub
+        for action, nested in _subparsers(sub).items():
+            parsers[f"torpor {name} {action}"] = nested
+    assert {"torpor demo", "torpor log show", "torpor log follow", "torpor log replay"} <= set(parsers)
+    missing = [name for name, p in parsers.items() if not EXAMPLE.search(p.format_help())]
+    assert not missing, f"--help without an example: {missing}"
+
+
+def test_help_runs_as_a_program() -> None:
+    """`torpor --help` exits 0 and lists demo and log."""
+    proc = _run("--help")
+    assert proc.returncode == 0
+    assert "demo" in proc.stdout and "log" in proc.stdout
+
+
+def test_no_command_prints_help_and_fails() -> None:
+    """`torpor` alone prints the help and exits 2."""
+    assert main([]) == 2
+
+
+def test_log_without_action_fails_with_one_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor log` with no action says which actions exist and exits 2."""
+    assert main(["log"]) == 2
+    assert "show, follow or replay" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["demo", "--cycles", "many"], "invalid int value"),
+        (["demo", "--device", "tpu"], "invalid choice"),
+        (["log", "show"], "required: PATH"),
+        (["log", "replay", "x", "--frobnicate"], "unrecognized arguments"),
+    ],
+)
+def test_bad_arguments_fail_without_traceback(args: list[str], needle: str) -> None:
+    """Bad arguments exit 2 with an error line naming the problem and no traceback."""
+    proc = _run(*args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert needle in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("cycles", ["0", "-3"])
+def test_demo_rejects_no_cycles(cycles: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor demo --cycles 0` fails with one line saying at least 1."""
+    assert main(["demo", "--cycles", cycles, "--device", "sim"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "at least 1" in err[0]
+
+
+def test_demo_rejects_a_port_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor demo --port 70000` fails with one line naming the range."""
+    assert main(["demo", "--port", "70000", "--device", "sim"]) == 1
+    assert "65535" in capsys.readouterr().err
+
+
+# -- unreadable inputs to torpor log --------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["show", "follow", "replay"])
+def test_missing_log_is_one_line(action: str, tmp_path: Path) -> None:
+    """A log path that does not exist: one line on stderr, exit 1, no traceback."""
+    proc = _run("log", action, str(tmp_path / "nope.jsonl"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"torpor log: no event log at {tmp_path / 'nope.jsonl'}"]
+
+
+def test_corrupted_log_is_one_line(tmp_path: Path) -> None:
+    """A log with a garbage line in the middle: one line naming file and line, exit 1."""
+    path = _log(tmp_path)
+    lines = path.read_text().splitlines(keepends=True)
+    lines[2] = "not json at all\n"
+    path.write_text("".join(lines))
+    proc = _run("log", "show", str(path))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and f"{path}:3" in err[0] and "corrupted" in err[0]
+
+
+def test_directory_without_log_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory holding no *.jsonl: exit 1 naming the directory."""
+    assert main(["log", "show", str(tmp_path)]) == 1
+    assert f"no event log (*.jsonl) in directory {tmp_path}" in capsys.readouterr().err
+
+
+def test_directory_with_two_logs_asks_for_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory with two rank logs: exit 1 naming both files."""
+    for rank in (0, 1):
+        SleepController(FakeMemory(TAGS), log=tmp_path, engine="eng", rank=rank, fsync=False).close()
+    assert main(["log", "replay", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "eng.rank0.jsonl" in err and "eng.rank1.jsonl" in err and "name one" in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_log_is_one_line(tmp_path: Path) -> None:
+    """A log file without read permission: one line with the OS error, exit 1."""
+    path = _log(tmp_path)
+    path.chmod(0)
+    try:
+        proc = _run("log", "replay", str(path))
+    finally:
+        path.chmod(0o600)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "Permission denied" in proc.stderr
+
+
+# -- torpor log show / replay / follow --------------------------------------------------------
+
+
+def test_show_prints_every_event_with_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`log show` prints one line per event: seq, the state after it, kind and key fields."""
+    path = _log(tmp_path)
+    assert main(["log", "show", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith("#")]
+    assert len(rows) == replay(path).last_seq
+    released = [r for r in rows if "tag_released" in r and "tag=kv_cache" in r]
+    assert released and all("suspending" in r and "action=discard" in r and "5.00 MiB" in r for r in released)
+    assert any("partially_awake" in r and "wake_completed" in r for r in rows)
+
+
+def test_show_filters_by_kind_and_seq(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--kind` keeps only those kinds, `--after` only later events; a directory finds its one log."""
+    path = _log(tmp_path)
+    assert main(["log", "show", str(path.parent), "--kind", "sleep_completed", "--after", "3"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")]
+    assert len(rows) == 2
+    assert "level=1" in rows[0] and "level=2" in rows[1]
+
+
+def test_replay_prints_state_and_residency(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`log replay` prints the final state, and per tag the bytes resident, on host and discarded."""
+    path = _log(tmp_path)
+    assert main(["log", "replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "state       asleep_l2" in out
+    weights = next(line for line in out.splitlines() if line.startswith("weights"))
+    assert weights.split()[1:] == ["asleep", "0", "B", "0", "B", "3.00", "MiB"]
+    assert "INTERRUPTED" not in out
+
+
+def test_replay_json_matches_the_projection(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`log replay --json` prints exactly replay(path).to_dict()."""
+    path = _log(tmp_path)
+    assert main(["log", "replay", "--json", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out) == replay(path).to_dict()
+
+
+def test_replay_names_the_interrupted_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A log cut mid-sleep: replay says interrupted, names the last step and the recover() path."""
+    path = _log(tmp_path, interrupted=True)
+    proj = replay(path)
+    assert proj.interrupted
+    assert main(["log", "replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "INTERRUPTED" in out and proj.last_step in out
+    assert "controller.recover()" in out and "suspending" in out
+
+
+def test_follow_prints_events_as_they_are_appended(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`log follow` prints the last N events, then events another writer appends, then stops on --timeout."""
+    path = tmp_path / "eng.rank0.jsonl"
+    ctrl = SleepController(FakeMemory(TAGS), log=path, engine="eng", fsync=False)
+    first = ctrl.last_seq
+
+    def writer() -> None:
+        time.sleep(0.4)
+        ctrl.sleep(1)
+        ctrl.wake()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        rc = main(["log", "follow", str(path), "-n", "1", "--timeout", "1.5", "--interval", "0.05"])
+    finally:
+        thread.join()
+    assert rc == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")]
+    assert rows[0].startswith(f"#{first} ")
+    assert [int(r.split()[0][1:]) for r in rows] == list(range(first, ctrl.last_seq + 1))
+    assert "asleep_l1" in "\n".join(rows) and rows[-1].split()[2] == "awake"
+    ctrl.close()
