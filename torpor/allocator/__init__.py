@@ -1,3 +1,43 @@
-"""torpor.allocator (see its issue)."""
+"""torpor.allocator: a pure-Python tagged cuMem allocator with an offloadable CUDA-graph pool.
+
+``TaggedAllocator(driver=None)`` (None: the CUDA driver) meets the memory
+protocol the :class:`~torpor.SleepController` drives. ``SimDriver`` is a
+simulated device on host memory with fault injection. Importing this package
+touches neither CUDA nor torch.
+"""
 
 from __future__ import annotations
+
+from torpor.allocator.cuda_driver import CudaDriver
+from torpor.allocator.driver import Driver
+from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory, DriverError, DriverOutOfMemory
+from torpor.allocator.graphpool import (
+    CaptureHandle,
+    GraphPool,
+    call_graph_pool_hooks,
+    remove_graph_pool_hook,
+    set_graph_pool_hook,
+)
+from torpor.allocator.offload import HostArena, HostPolicy
+from torpor.allocator.sim import SimCall, SimDriver
+from torpor.allocator.tagged import GRAPH_TAG, TaggedAllocator
+
+__all__ = [
+    "GRAPH_TAG",
+    "AllocatorError",
+    "AllocatorOutOfMemory",
+    "CaptureHandle",
+    "CudaDriver",
+    "Driver",
+    "DriverError",
+    "DriverOutOfMemory",
+    "GraphPool",
+    "HostArena",
+    "HostPolicy",
+    "SimCall",
+    "SimDriver",
+    "TaggedAllocator",
+    "call_graph_pool_hooks",
+    "remove_graph_pool_hook",
+    "set_graph_pool_hook",
+]

@@ -1,0 +1,224 @@
+"""CudaDriver: the CUDA driver's VMM, pinned-host and async-copy calls through ``cuda-bindings``.
+
+Nothing touches CUDA until the first call: ``import torpor.allocator`` works on a
+machine without a GPU. Each device gets its retained primary context and one
+non-blocking copy stream; a thread with no current context gets the primary
+context of the device it works on (callbacks run on threads torch picks).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torpor.allocator.driver import Driver
+from torpor.allocator.errors import DriverError, DriverOutOfMemory
+
+_OOM_CODES = frozenset({2})  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+def _cu() -> Any:
+    from cuda.bindings import driver as cu
+
+    return cu
+
+
+class CudaDriver(Driver):
+    """The real device: cuMemAddressReserve/Create/Map/SetAccess/Unmap/Release, cuMemHostAlloc, cuMemcpy*Async."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready = False
+        self._ctx: dict[int, Any] = {}
+        self._streams: dict[int, Any] = {}
+        self._props: dict[int, Any] = {}
+        self._access: dict[int, list[Any]] = {}
+        self._gran: dict[int, int] = {}
+
+    def _check(self, call: str, result: Any) -> Any:
+        """Unpack a cuda-bindings result tuple; raise a DriverError on a failed call."""
+        cu = _cu()
+        err = result[0]
+        if err != cu.CUresult.CUDA_SUCCESS:
+            code = int(err)
+            _, name = cu.cuGetErrorName(err)
+            _, text = cu.cuGetErrorString(err)
+            label = name.decode() if isinstance(name, bytes) else str(name)
+            detail = text.decode() if isinstance(text, bytes) else str(text)
+            cls = DriverOutOfMemory if code in _OOM_CODES else DriverError
+            raise cls(call, f"{label}: {detail}", code)
+        if len(result) == 1:
+            return None
+        return result[1] if len(result) == 2 else result[1:]
+
+    def _init(self) -> None:
+        if self._ready:
+            return
+        with self._lock:
+            if not self._ready:
+                self._check("cuInit", _cu().cuInit(0))
+                self._ready = True
+
+    def _device_ctx(self, device: int) -> Any:
+        ctx = self._ctx.get(device)
+        if ctx is None:
+            self._init()
+            cu = _cu()
+            with self._lock:
+                ctx = self._ctx.get(device)
+                if ctx is None:
+                    dev = self._check("cuDeviceGet", cu.cuDeviceGet(device))
+                    ctx = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(dev))
+                    self._ctx[device] = ctx
+        return ctx
+
+    def ensure_context(self, device: int) -> None:
+        """Make ``device``'s primary context current in this thread when no context is."""
+        cu = _cu()
+        ctx = self._device_ctx(device)
+        current = self._check("cuCtxGetCurrent", cu.cuCtxGetCurrent())
+        if current is None or int(current) == 0:
+            self._check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+
+    def use_device(self, device: int) -> Any:
+        """Make ``device``'s primary context current; return the previous one (for :meth:`restore_context`)."""
+        cu = _cu()
+        ctx = self._device_ctx(device)
+        current = self._check("cuCtxGetCurrent", cu.cuCtxGetCurrent())
+        if current is None or int(current) != int(ctx):
+            self._check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+        return current
+
+    def restore_context(self, previous: Any) -> None:
+        """Make ``previous`` (from :meth:`use_device`) current again."""
+        if previous is not None and int(previous) != 0:
+            cu = _cu()
+            self._check("cuCtxSetCurrent", cu.cuCtxSetCurrent(previous))
+
+    def _stream(self, device: int) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            cu = _cu()
+            self.ensure_context(device)
+            flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+            stream = self._check("cuStreamCreate", cu.cuStreamCreate(flags))
+            self._streams[device] = stream
+        return stream
+
+    def _prop(self, device: int) -> Any:
+        prop = self._props.get(device)
+        if prop is None:
+            cu = _cu()
+            prop = cu.CUmemAllocationProp()
+            prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            prop.location.id = device
+            self._props[device] = prop
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = device
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            self._access[device] = [desc]
+        return prop
+
+    # -- the calls --------------------------------------------------------------------
+
+    def _granularity(self, device: int) -> int:
+        gran = self._gran.get(device)
+        if gran is None:
+            cu = _cu()
+            self._device_ctx(device)
+            flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+            gran = int(
+                self._check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(self._prop(device), flag))
+            )
+            self._gran[device] = gran
+        return gran
+
+    def _reserve(self, nbytes: int, device: int) -> int:
+        self.ensure_context(device)
+        ptr = self._check("cuMemAddressReserve", _cu().cuMemAddressReserve(nbytes, self._granularity(device), 0, 0))
+        return int(ptr)
+
+    def _unreserve(self, address: int, nbytes: int) -> None:
+        self._check("cuMemAddressFree", _cu().cuMemAddressFree(address, nbytes))
+
+    def _create(self, nbytes: int, device: int) -> object:
+        self.ensure_context(device)
+        return self._check("cuMemCreate", _cu().cuMemCreate(nbytes, self._prop(device), 0))
+
+    def _map(self, address: int, nbytes: int, handle: object) -> None:
+        self._check("cuMemMap", _cu().cuMemMap(address, nbytes, 0, handle, 0))
+
+    def _set_access(self, address: int, nbytes: int, device: int) -> None:
+        self._prop(device)
+        self._check("cuMemSetAccess", _cu().cuMemSetAccess(address, nbytes, self._access[device], 1))
+
+    def _unmap(self, address: int, nbytes: int) -> None:
+        self._check("cuMemUnmap", _cu().cuMemUnmap(address, nbytes))
+
+    def _release(self, handle: object) -> None:
+        self._check("cuMemRelease", _cu().cuMemRelease(handle))
+
+    def _host_alloc(self, nbytes: int) -> int:
+        cu = _cu()
+        self.ensure_context(0)
+        return int(self._check("cuMemHostAlloc", cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE)))
+
+    def _host_free(self, host: int) -> None:
+        self.ensure_context(0)
+        self._check("cuMemFreeHost", _cu().cuMemFreeHost(host))
+
+    def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
+        self._check("cuMemcpyDtoHAsync", _cu().cuMemcpyDtoHAsync(host, address, nbytes, self._stream(device)))
+
+    def _copy_h2d(self, address: int, host: int, nbytes: int, device: int) -> None:
+        self._check("cuMemcpyHtoDAsync", _cu().cuMemcpyHtoDAsync(address, host, nbytes, self._stream(device)))
+
+    def _record(self, device: int) -> object:
+        cu = _cu()
+        event = self._check("cuEventCreate", cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        self._check("cuEventRecord", cu.cuEventRecord(event, self._stream(device)))
+        return event
+
+    def _wait(self, event: object) -> None:
+        cu = _cu()
+        try:
+            self._check("cuEventSynchronize", cu.cuEventSynchronize(event))
+        finally:
+            cu.cuEventDestroy(event)
+
+    def _synchronize(self, device: int) -> None:
+        previous = self.use_device(device)
+        try:
+            self._check("cuCtxSynchronize", _cu().cuCtxSynchronize())
+        finally:
+            self.restore_context(previous)
+
+    def _mem_info(self, device: int) -> tuple[int, int]:
+        previous = self.use_device(device)
+        try:
+            free, total = self._check("cuMemGetInfo", _cu().cuMemGetInfo())
+        finally:
+            self.restore_context(previous)
+        return int(free), int(total)
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        """Copy device bytes to a fresh host buffer (slow path for tests)."""
+        cu = _cu()
+        out = bytearray(nbytes)
+        import ctypes
+
+        buf = (ctypes.c_char * nbytes).from_buffer(out)
+        self._check("cuMemcpyDtoH", cu.cuMemcpyDtoH(ctypes.addressof(buf), address, nbytes))
+        return bytes(out)
+
+    def write(self, address: int, data: bytes) -> None:
+        """Copy host bytes to device memory (slow path for tests)."""
+        cu = _cu()
+        import ctypes
+
+        buf = ctypes.create_string_buffer(data, len(data))
+        self._check("cuMemcpyHtoD", cu.cuMemcpyHtoD(address, ctypes.addressof(buf), len(data)))

@@ -1,0 +1,682 @@
+"""TaggedAllocator: device memory in tags whose physical memory sleep releases and wake maps back at the same addresses.
+
+Mechanism only: the controller decides which tags are backed up or discarded;
+this class does what it is told, all or nothing per call (backup, restore) or
+per tag (release), and rolls back its own mappings when a step fails. It meets
+``torpor.statemachine.protocol.GraphPoolMemory`` and runs unchanged on
+:class:`~torpor.allocator.cuda_driver.CudaDriver` and
+:class:`~torpor.allocator.sim.SimDriver`.
+
+Sleep pipeline: :meth:`backup` enqueues the copies of each group of adjacent
+allocations and records an event per group; :meth:`release` unmaps each group as
+soon as its copy is done, so unmapping overlaps the copies still in flight. Wake
+creates and maps group after group and enqueues each group's copy at once, so
+mapping overlaps the copies; it synchronizes once at the end. Physical handles
+are released right after mapping (the memory lives while mapped), so a sleep
+costs one unmap per mapping.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from torpor.allocator.driver import Driver
+from torpor.allocator.errors import AllocatorError, wrap
+from torpor.allocator.graphpool import CaptureHandle, GraphPool, PoolId, call_graph_pool_hooks
+from torpor.allocator.offload import Extent, HostArena, HostPolicy
+from torpor.allocator.va import VaArena
+from torpor.errors import PoolBusy, UnknownTag
+from torpor.statemachine.protocol import TagUsage, Transfer
+
+logger = logging.getLogger("torpor.allocator")
+MiB = 1 << 20
+GRAPH_TAG = "cudagraph"
+
+
+@dataclass(eq=False)
+class _Alloc:
+    address: int
+    size: int
+    requested: int
+    tag: str
+    device: int
+    maps: list[tuple[int, int]] = field(default_factory=list)
+    backup: list[Extent] | None = None
+
+
+@dataclass
+class _Tag:
+    allocs: dict[int, _Alloc] = field(default_factory=dict)
+    released: bool = False
+    backed_up: bool = False
+    pending: list[tuple[object, list[_Alloc]]] = field(default_factory=list)
+
+    def bytes(self) -> int:
+        return sum(a.size for a in self.allocs.values())
+
+
+class TaggedAllocator:
+    """Tagged device memory with sleep (backup, release) and wake (restore) per tag; see the module docstring.
+
+    ``driver``: None means :class:`~torpor.allocator.cuda_driver.CudaDriver`.
+    ``host``: the pinned-host policy. ``group_bytes``: bytes per pipelined
+    copy group. ``piece_bytes``: the largest single mapping made on wake.
+    """
+
+    def __init__(
+        self,
+        driver: Driver | None = None,
+        *,
+        host: HostPolicy | None = None,
+        group_bytes: int = 64 * MiB,
+        piece_bytes: int = 512 * MiB,
+        default_device: int = 0,
+    ) -> None:
+        if driver is None:
+            from torpor.allocator.cuda_driver import CudaDriver
+
+            driver = CudaDriver()
+        self.driver = driver
+        self.host = HostArena(driver, host)
+        self.group_bytes = group_bytes
+        self.piece_bytes = piece_bytes
+        self.default_device = default_device
+        self._lock = threading.RLock()
+        self._tags: dict[str, _Tag] = {}
+        self._allocs: dict[int, _Alloc] = {}
+        self._arenas: dict[tuple[int, str], VaArena] = {}
+        self._gran: dict[int, int] = {}
+        self._local = threading.local()
+        self._graph_pool: GraphPool | None = None
+        self._pool_generation = 0
+        self._torch: Any = None
+        self._callback_errors: list[AllocatorError] = []
+        self.closed = False
+
+    # -- the raw path -------------------------------------------------------------------
+
+    def granularity(self, device: int | None = None) -> int:
+        """Mapping granularity of ``device`` (allocation sizes are rounded up to it)."""
+        dev = self.default_device if device is None else device
+        gran = self._gran.get(dev)
+        if gran is None:
+            gran = self.driver.granularity(dev)
+            self._gran[dev] = gran
+        return gran
+
+    def current_tag(self) -> str | None:
+        """The innermost tag of :meth:`use_memory_pool` (or the graph pool) on this thread."""
+        stack: list[str] = getattr(self._local, "tags", [])
+        return stack[-1] if stack else None
+
+    def allocate(self, nbytes: int, tag: str | None = None, device: int | None = None) -> int:
+        """Map ``nbytes`` (rounded up to the granularity) under ``tag``; return the address."""
+        tag = tag or self.current_tag() or "default"
+        dev = self.default_device if device is None else device
+        if nbytes <= 0:
+            msg = f"cannot allocate {nbytes} bytes"
+            raise AllocatorError("allocate", tag, msg)
+        with self._lock:
+            state = self._tags.setdefault(tag, _Tag())
+            if state.released:
+                msg = f"tag {tag!r} is released (asleep, {len(state.allocs)} allocation(s)); wake it first"
+                raise AllocatorError("allocate", tag, msg)
+            gran = self.granularity(dev)
+            size = -(-nbytes // gran) * gran
+            arena = self._arenas.get((dev, tag))
+            if arena is None:
+                arena = self._arenas[(dev, tag)] = VaArena(self.driver, dev)
+            try:
+                address = arena.take(size)
+            except Exception as exc:
+                raise wrap("allocate", tag, exc) from exc
+            alloc = _Alloc(address, size, nbytes, tag, dev)
+            try:
+                self._map_pieces(alloc, [(address, size)])
+                self.driver.set_access(address, size, dev)
+            except Exception as exc:
+                self._unmap_quietly(alloc)
+                arena.give(address, size)
+                raise wrap("allocate", tag, exc) from exc
+            state.allocs[address] = alloc
+            self._allocs[address] = alloc
+            if tag not in self.host.policy.prepin_exclude:
+                self.host.want(self._prepin_bytes())
+            return address
+
+    def free(self, address: int) -> None:
+        """Unmap and forget an allocation; while its tag is released only its address range is freed."""
+        with self._lock:
+            alloc = self._allocs.get(address)
+            if alloc is None:
+                msg = f"{address:#x} is not an allocation of this allocator ({len(self._allocs)} live)"
+                raise AllocatorError("free", None, msg)
+            state = self._tags[alloc.tag]
+            self._wait_pending(state, alloc)
+            if alloc.maps:
+                try:
+                    for start, size in list(alloc.maps):
+                        self.driver.unmap(start, size)
+                        alloc.maps.remove((start, size))
+                except Exception as exc:
+                    raise wrap("free", alloc.tag, exc) from exc
+            del self._allocs[address]
+            del state.allocs[address]
+            if alloc.backup:
+                self.host.give(alloc.backup)
+                alloc.backup = None
+            self._arenas[(alloc.device, alloc.tag)].give(alloc.address, alloc.size)
+
+    def size_of(self, address: int) -> int:
+        """Mapped size of the allocation at ``address``."""
+        with self._lock:
+            return self._allocs[address].size
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        """Bytes at a device address (through the driver; tests and demos)."""
+        return self.driver.read(address, nbytes)
+
+    def write(self, address: int, data: bytes) -> None:
+        """Write bytes at a device address (through the driver; tests and demos)."""
+        self.driver.write(address, data)
+
+    # -- pools ------------------------------------------------------------------------------
+
+    @contextmanager
+    def use_memory_pool(self, tag: str) -> Iterator[None]:
+        """Route this thread's allocations to ``tag`` (torch tensors on CUDA; :meth:`allocate` everywhere); nested: inner wins."""
+        stack: list[str] = self._local.__dict__.setdefault("tags", [])
+        stack.append(tag)
+        torch_ctx = self._torch_pools().use(tag) if self._on_cuda() else None
+        try:
+            if torch_ctx is None:
+                yield
+            else:
+                with torch_ctx:
+                    yield
+        except Exception as exc:
+            pending = self.pending_errors()
+            if pending:
+                raise pending[-1] from exc
+            raise
+        finally:
+            stack.pop()
+
+    @contextmanager
+    def use_cudagraph_pool(self) -> Iterator[PoolId]:
+        """Yield the graph pool's id for ``torch.cuda.graph(pool=...)``; allocations inside are tagged cudagraph."""
+        pool = self._ensure_graph_pool()
+        call_graph_pool_hooks(pool.id)
+        stack: list[str] = self._local.__dict__.setdefault("tags", [])
+        stack.append(GRAPH_TAG)
+        try:
+            yield pool.id
+        finally:
+            stack.pop()
+
+    @contextmanager
+    def capture_into_pool(self, site: str) -> Iterator[CaptureHandle]:
+        """Context for capturing graphs at ``site``: yields a :class:`CaptureHandle` (a pool id that records graphs)."""
+        with self.use_cudagraph_pool() as pool_id:
+            pool = self._graph_pool
+            if pool is None:  # released by another thread mid-capture
+                msg = f"the cudagraph pool was released while capturing at {site!r}"
+                raise AllocatorError("capture", GRAPH_TAG, msg)
+            yield CaptureHandle(pool_id, site, pool.record)
+
+    def cudagraph_pool_holders(self) -> list[str]:
+        """Everything that still references the graph pool (empty when it can be released)."""
+        pool = self._graph_pool
+        return pool.holders() if pool is not None else []
+
+    def cudagraph_pool_id(self) -> PoolId | None:
+        """The current graph pool's id, None before the first capture or after a release."""
+        pool = self._graph_pool
+        return pool.id if pool is not None else None
+
+    def release_cudagraph_pool(self) -> int:
+        """Drop the graph pool once nothing references it; return the bytes it held; the next capture starts afresh."""
+        with self._lock:
+            pool = self._graph_pool
+            if pool is None:
+                return 0
+            state = self._tags.get(GRAPH_TAG)
+            if state is not None and state.released:
+                msg = (
+                    f"cudagraph pool {pool.id} is asleep ({state.bytes()} bytes released): "
+                    "freeing it would unmap a second time; wake first"
+                )
+                raise PoolBusy(msg)
+            holders = pool.holders()
+            if holders:
+                msg = f"cudagraph pool is referenced by {len(holders)} holder(s) ({'; '.join(holders)}); release the graphs first"
+                raise PoolBusy(msg, holders)
+            before = state.bytes() if state is not None else 0
+            self._graph_pool = None
+            if pool.mempool is not None:
+                self._torch_pools().drop(pool)  # torch frees the segments through the free callback
+                left = state.bytes() if state is not None else 0
+                if left:
+                    logger.warning(
+                        "%d bytes of the released graph pool are still allocated (tensors of it alive)", left
+                    )
+            elif state is not None:
+                for address in list(state.allocs):
+                    self.free(address)
+            return before - (state.bytes() if state is not None else 0)
+
+    def _ensure_graph_pool(self) -> GraphPool:
+        with self._lock:
+            state = self._tags.get(GRAPH_TAG)
+            if state is not None and state.released:
+                msg = f"cannot capture: the cudagraph pool is released (asleep, {state.bytes()} bytes on host); wake first"
+                raise AllocatorError("capture", GRAPH_TAG, msg)
+            self._tags.setdefault(GRAPH_TAG, _Tag())
+            if self._graph_pool is None:
+                self._pool_generation += 1
+                if self._on_cuda():
+                    self._graph_pool = self._torch_pools().new_graph_pool()
+                else:
+                    self._graph_pool = GraphPool((-1, self._pool_generation))
+            return self._graph_pool
+
+    # -- the memory protocol ---------------------------------------------------------------
+
+    def usage(self) -> dict[str, TagUsage]:
+        """Bytes per tag: resident, on the host, or discarded, and the number of allocations."""
+        with self._lock:
+            out = {}
+            for tag, state in self._tags.items():
+                n = state.bytes()
+                count = len(state.allocs)
+                if not state.released:
+                    out[tag] = TagUsage(n, 0, 0, count)
+                elif state.backed_up:
+                    out[tag] = TagUsage(0, n, 0, count)
+                else:
+                    out[tag] = TagUsage(0, 0, n, count)
+            return out
+
+    def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
+        with self._lock:
+            self._check_known("backup", tags)
+            start = time.perf_counter()
+            states = [(t, self._tags[t]) for t in tags]
+            for tag, state in states:
+                if state.released:
+                    msg = f"tag {tag!r} is released; nothing resident to back up"
+                    raise AllocatorError("backup", tag, msg)
+            for device in self._devices(tags):
+                try:
+                    self.driver.synchronize(device)
+                except Exception as exc:
+                    raise wrap("backup", None, exc) from exc
+            taken: list[_Tag] = []
+            try:
+                for tag, state in states:
+                    self._drop(state)
+                    self._take_host(tag, state)
+                    taken.append(state)
+                for tag, state in states:
+                    self._enqueue_backup(tag, state)
+            except AllocatorError:
+                for state in taken:
+                    self._drop(state)
+                raise
+            seconds = time.perf_counter() - start
+            return {t: Transfer(t, s.bytes(), seconds, True) for t, s in states}
+
+    def release(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Release each tag's physical memory; per tag all or nothing (a failed tag stays resident)."""
+        with self._lock:
+            self._check_known("release", tags)
+            if not any(self._tags[t].pending for t in tags):
+                for device in self._devices(tags):
+                    try:
+                        self.driver.synchronize(device)
+                    except Exception as exc:
+                        raise wrap("release", None, exc) from exc
+            out = {}
+            for tag in tags:
+                start = time.perf_counter()
+                state = self._tags[tag]
+                if state.released:
+                    out[tag] = Transfer(tag, 0, 0.0, state.backed_up)
+                    continue
+                self._release_tag(tag, state)
+                out[tag] = Transfer(tag, state.bytes(), time.perf_counter() - start, state.backed_up)
+            return out
+
+    def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Map each tag back at its addresses and copy its backup in; all or nothing, backups kept."""
+        with self._lock:
+            self._check_known("restore", tags)
+            start = time.perf_counter()
+            todo = [(t, self._tags[t]) for t in tags if self._tags[t].released]
+            allocs = [a for _, s in todo for a in sorted(s.allocs.values(), key=lambda a: a.address)]
+            current = ""
+            try:
+                for tag, state in todo:
+                    current = tag
+                    self._remap(sorted(state.allocs.values(), key=lambda a: a.address), state.backed_up)
+                for device in {a.device for a in allocs}:
+                    self.driver.wait(self.driver.record(device))
+            except Exception as exc:
+                self._rollback_restore(allocs)
+                logger.warning("Rolling back %d mapped allocation(s) after a failed wake", len(allocs))
+                raise wrap("restore", current or None, exc) from exc
+            seconds = time.perf_counter() - start
+            out = {t: Transfer(t, 0, 0.0, self._tags[t].backed_up) for t in tags}
+            for tag, state in todo:
+                state.released = False
+                out[tag] = Transfer(tag, state.bytes(), seconds, state.backed_up)
+            return out
+
+    def drop_backup(self, tags: Sequence[str]) -> None:
+        """Mark the tags' backups stale (host extents return to the arena; chunks stay pinned per the host policy)."""
+        with self._lock:
+            for tag in tags:
+                state = self._tags.get(tag)
+                if state is not None:
+                    self._drop(state)
+
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes held for backups (used or kept for reuse)."""
+        return self.host.pinned_bytes()
+
+    def wait_host_ready(self, timeout: float | None = None) -> bool:
+        """Block until pinning ahead caught up with the tagged memory; False on timeout."""
+        return self.host.wait_ready(timeout)
+
+    def pending_errors(self) -> list[AllocatorError]:
+        """Errors raised inside torch's allocation callbacks since the last call (and forget them)."""
+        with self._lock:
+            errors, self._callback_errors = self._callback_errors, []
+            return errors
+
+    def close(self) -> None:
+        """Teardown: unmap what is mapped, free reservations and pinned memory (also while asleep)."""
+        with self._lock:
+            for state in self._tags.values():
+                self._settle(state)
+            for address in list(self._allocs):
+                try:
+                    self.free(address)
+                except AllocatorError:
+                    logger.exception("freeing %#x at teardown failed", address)
+            for arena in self._arenas.values():
+                try:
+                    arena.close()
+                except Exception:  # teardown continues
+                    logger.exception("freeing an address reservation at teardown failed")
+            self._arenas.clear()
+            self.host.close()
+            self.closed = True
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _on_cuda(self) -> bool:
+        return getattr(self.driver, "name", "") == "cuda"
+
+    def _torch_pools(self) -> Any:
+        if self._torch is None:
+            from torpor.allocator.callbacks import TorchPools
+
+            self._torch = TorchPools(self)
+        return self._torch
+
+    def _record_callback_error(self, error: AllocatorError) -> None:
+        with self._lock:
+            self._callback_errors.append(error)
+            del self._callback_errors[:-16]
+
+    def _check_known(self, operation: str, tags: Sequence[str]) -> None:
+        unknown = [t for t in tags if t not in self._tags]
+        if unknown:
+            raise UnknownTag(unknown, self._tags)
+
+    def _devices(self, tags: Sequence[str]) -> set[int]:
+        return {a.device for t in tags for a in self._tags[t].allocs.values()}
+
+    def _prepin_bytes(self) -> int:
+        skip = self.host.policy.prepin_exclude
+        return sum(s.bytes() for t, s in self._tags.items() if t not in skip)
+
+    def _groups(self, allocs: list[_Alloc]) -> list[list[_Alloc]]:
+        groups: list[list[_Alloc]] = []
+        current: list[_Alloc] = []
+        size = 0
+        for alloc in allocs:
+            current.append(alloc)
+            size += alloc.size
+            if size >= self.group_bytes:
+                groups.append(current)
+                current, size = [], 0
+        if current:
+            groups.append(current)
+        return groups
+
+    def _take_host(self, tag: str, state: _Tag) -> None:
+        allocs = sorted(state.allocs.values(), key=lambda a: a.address)
+        total = sum(a.size for a in allocs)
+        try:
+            extents = self.host.take(total) if total else []
+        except AllocatorError as exc:
+            raise wrap("backup", tag, exc) from exc
+        for alloc in allocs:
+            alloc.backup, extents = _split(extents, alloc.size)
+        state.backed_up = True
+
+    def _enqueue_backup(self, tag: str, state: _Tag) -> None:
+        allocs = sorted(state.allocs.values(), key=lambda a: a.address)
+        try:
+            for group in self._groups(allocs):
+                for device, address, host, n in _copies(group):
+                    self.driver.copy_d2h(host, address, n, device)
+                state.pending.append((self.driver.record(group[0].device), group))
+        except Exception as exc:
+            self._settle(state)
+            raise wrap("backup", tag, exc) from exc
+
+    def _settle(self, state: _Tag) -> None:
+        """Wait for the tag's copies in flight, ignoring their errors (used before throwing a backup away)."""
+        for event, _ in state.pending:
+            try:
+                self.driver.wait(event)
+            except Exception:  # the backup is being dropped anyway
+                logger.debug("a copy failed while its backup was being dropped", exc_info=True)
+        state.pending.clear()
+
+    def _wait_pending(self, state: _Tag, alloc: _Alloc) -> None:
+        for i, (_event, group) in enumerate(state.pending):
+            if alloc in group:
+                for ev, _ in state.pending[: i + 1]:
+                    self.driver.wait(ev)
+                del state.pending[: i + 1]
+                return
+
+    def _drop(self, state: _Tag) -> None:
+        self._settle(state)
+        for alloc in state.allocs.values():
+            if alloc.backup:
+                self.host.give(alloc.backup)
+            alloc.backup = None
+        state.backed_up = False
+
+    def _release_tag(self, tag: str, state: _Tag) -> None:
+        allocs = sorted(state.allocs.values(), key=lambda a: a.address)
+        if state.backed_up:
+            missing = [a for a in allocs if a.backup is None]
+            if missing:
+                msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
+                raise AllocatorError("release", tag, msg)
+        order: list[tuple[object | None, list[_Alloc]]] = []
+        covered: set[int] = set()
+        for event, group in state.pending:
+            live = [a for a in group if state.allocs.get(a.address) is a]
+            order.append((event, live))
+            covered.update(id(a) for a in live)
+        order += [(None, g) for g in self._groups([a for a in allocs if id(a) not in covered])]
+        done: list[tuple[_Alloc, tuple[int, int]]] = []
+        try:
+            for event, group in order:
+                if event is not None:
+                    self.driver.wait(event)
+                for alloc in group:
+                    for piece in list(alloc.maps):
+                        self.driver.unmap(*piece)
+                        alloc.maps.remove(piece)
+                        done.append((alloc, piece))
+        except Exception as exc:
+            self._settle(state)
+            lost = self._remap_pieces(done, state.backed_up)
+            detail = f"; {lost} bytes mapped back fresh (no backup)" if lost else ""
+            error = wrap("release", tag, exc)
+            error.reason += f" (tag left resident{detail})"
+            error.args = (f"{error.args[0]} (tag left resident{detail})",)
+            raise error from exc
+        state.pending.clear()
+        state.released = True
+
+    def _map_pieces(self, alloc: _Alloc, pieces: list[tuple[int, int]]) -> None:
+        for start, size in pieces:
+            handle = self.driver.create(size, alloc.device)
+            try:
+                self.driver.map(start, size, handle)
+            except Exception:
+                self.driver.release(handle)
+                raise
+            alloc.maps.append((start, size))
+            self.driver.release(handle)  # memory lives while mapped; the unmap frees it
+
+    def _pieces(self, alloc: _Alloc) -> list[tuple[int, int]]:
+        step = max(self.piece_bytes // self.granularity(alloc.device), 1) * self.granularity(alloc.device)
+        return [(alloc.address + off, min(step, alloc.size - off)) for off in range(0, alloc.size, step)]
+
+    def _remap(self, allocs: list[_Alloc], with_backup: bool) -> None:
+        """Map ``allocs`` group by group, each group's copy enqueued as soon as it is mapped."""
+        for group in self._groups(allocs):
+            for alloc in group:
+                self._map_pieces(alloc, self._pieces(alloc))
+            for device, start, n in _spans(group):
+                self.driver.set_access(start, n, device)
+            if with_backup:
+                for device, address, host, n in _copies(group):
+                    self.driver.copy_h2d(address, host, n, device)
+
+    def _rollback_restore(self, allocs: list[_Alloc]) -> None:
+        for device in {a.device for a in allocs}:
+            try:
+                self.driver.synchronize(device)
+            except Exception:  # the wake failed already; unmap what we can
+                logger.exception("synchronizing before rolling back a wake failed")
+        for alloc in allocs:
+            self._unmap_quietly(alloc)
+
+    def _unmap_quietly(self, alloc: _Alloc) -> None:
+        for piece in list(alloc.maps):
+            try:
+                self.driver.unmap(*piece)
+            except Exception:  # rollback continues; the range stays mapped and is reported
+                logger.exception("rollback: unmapping %#x+%d failed", piece[0], piece[1])
+                continue
+            alloc.maps.remove(piece)
+
+    def _remap_pieces(self, done: list[tuple[_Alloc, tuple[int, int]]], with_backup: bool) -> int:
+        """Map back pieces a failed release already unmapped; return the bytes that came back fresh."""
+        lost = 0
+        for alloc, (start, size) in done:
+            try:
+                self._map_pieces(alloc, [(start, size)])
+                self.driver.set_access(start, size, alloc.device)
+                if with_backup and alloc.backup:
+                    offset = start - alloc.address
+                    for host, n, at in _host_range(alloc.backup, offset, size):
+                        self.driver.copy_h2d(start + at, host, n, alloc.device)
+                else:
+                    lost += size
+            except Exception:  # cannot do more: the piece stays unmapped and the error above is raised
+                logger.exception("rollback: mapping %#x+%d back failed", start, size)
+        for device in {a.device for a, _ in done}:
+            try:
+                self.driver.wait(self.driver.record(device))
+            except Exception:
+                logger.exception("rollback: waiting for copies back failed")
+        return lost
+
+
+def _split(extents: list[Extent], nbytes: int) -> tuple[list[Extent], list[Extent]]:
+    """The first ``nbytes`` of ``extents`` and the rest."""
+    head: list[Extent] = []
+    rest = list(extents)
+    while nbytes and rest:
+        e = rest.pop(0)
+        if e.nbytes <= nbytes:
+            head.append(e)
+            nbytes -= e.nbytes
+        else:
+            head.append(Extent(e.host, nbytes, e.chunk))
+            rest.insert(0, Extent(e.host + nbytes, e.nbytes - nbytes, e.chunk))
+            nbytes = 0
+    return head, rest
+
+
+def _host_range(extents: list[Extent], offset: int, nbytes: int) -> list[tuple[int, int, int]]:
+    """(host address, bytes, offset from ``offset``) pieces covering ``[offset, offset + nbytes)`` of a backup."""
+    out = []
+    pos = 0
+    for e in extents:
+        lo, hi = max(offset, pos), min(offset + nbytes, pos + e.nbytes)
+        if lo < hi:
+            out.append((e.host + lo - pos, hi - lo, lo - offset))
+        pos += e.nbytes
+    return out
+
+
+def _copies(group: list[_Alloc]) -> list[tuple[int, int, int, int]]:
+    """(device, device address, host address, bytes) copies for a group, merged where both sides are contiguous."""
+    out: list[tuple[int, int, int, int]] = []
+    for alloc in group:
+        pos = alloc.address
+        for e in alloc.backup or []:
+            if (
+                out
+                and out[-1][0] == alloc.device
+                and out[-1][1] + out[-1][3] == pos
+                and out[-1][2] + out[-1][3] == e.host
+            ):
+                d, a, h, n = out[-1]
+                out[-1] = (d, a, h, n + e.nbytes)
+            else:
+                out.append((alloc.device, pos, e.host, e.nbytes))
+            pos += e.nbytes
+    return out
+
+
+def _spans(group: list[_Alloc]) -> list[tuple[int, int, int]]:
+    """(device, start, bytes) of the contiguous address spans of a group."""
+    out: list[tuple[int, int, int]] = []
+    for alloc in group:
+        if out and out[-1][0] == alloc.device and out[-1][1] + out[-1][2] == alloc.address:
+            d, s, n = out[-1]
+            out[-1] = (d, s, n + alloc.size)
+        else:
+            out.append((alloc.device, alloc.address, alloc.size))
+    return out
+
+
+def capture_context(allocator: TaggedAllocator, site: str) -> AbstractContextManager[CaptureHandle]:
+    """Same as ``allocator.capture_into_pool(site)`` (a function form for integrations)."""
+    return allocator.capture_into_pool(site)
+
+
+def usage_total(usage: Mapping[str, TagUsage]) -> int:
+    """Resident + host + discarded bytes over all tags."""
+    return sum(u.resident + u.host + u.discarded for u in usage.values())
