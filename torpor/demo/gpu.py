@@ -129,8 +129,11 @@ class GpuWorkload:
                     self._forward(self.inputs[batch])
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with controller.capture(f"decode batch={batch}") as pool, torch.cuda.graph(graph, pool=pool):
-                out = self._forward(self.inputs[batch])
+            with controller.capture(f"decode batch={batch}") as handle:
+                # handle.graph records the graph so the pool can name it as a holder
+                ctx = handle.graph(graph) if hasattr(handle, "graph") else torch.cuda.graph(graph, pool=handle)
+                with ctx:
+                    out = self._forward(self.inputs[batch])
             self.graphs[batch] = (graph, out)
         self.reference = self._run()
         controller.observe()
@@ -181,6 +184,11 @@ class GpuWorkload:
         if not self._weights_equal():
             per_tag["weights"] = "DIFFERS"
         return Check(False, "replayed graph outputs differ from the first run", per_tag)
+
+    def drop_graphs(self) -> None:
+        """Drop the graphs and their outputs, so nothing holds the graph pool."""
+        self.graphs.clear()
+        self.torch.cuda.synchronize()
 
     def close(self) -> None:
         """Drop the graphs and tensors (their memory returns to the pools)."""

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 from torpor.demo.cycles import CYCLE_KINDS, render, run_cycle
 from torpor.demo.report import Progress, fmt_bytes
 from torpor.demo.workload import DemoError, Workload
+from torpor.errors import PoolBusy, TorporError
 from torpor.statemachine import SleepController, log_path_for
 
 DEVICES = ("auto", "cuda", "sim")
@@ -127,7 +128,7 @@ def run_demo(opts: DemoOptions) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_path_for(log_dir, ENGINE, 0)
     kinds = [CYCLE_KINDS[i % len(CYCLE_KINDS)] for i in range(opts.cycles)]
-    progress = Progress(out, total=2 + sum(1 + 2 * len(k.wakes) for k in kinds))
+    progress = Progress(out, total=3 + sum(1 + 2 * len(k.wakes) for k in kinds))
 
     say(f"torpor demo: {opts.cycles} sleep/wake cycle(s) on device '{device}' ({why})")
     progress.step("building the workload")
@@ -163,6 +164,9 @@ def run_demo(opts: DemoOptions) -> int:
             exact = exact and result.exact
             say(render(result, opts.cycles))
             say()
+        progress.step("releasing the graph pool")
+        _release_pool(controller, workload, say)
+        progress.advance()
         progress.step("writing the timeline and the dashboard")
         found = _artifacts(log, log_dir)
         progress.advance()
@@ -182,6 +186,23 @@ def run_demo(opts: DemoOptions) -> int:
             server.close()
         controller.close()
         workload.close()
+
+
+def _release_pool(controller: SleepController, workload: Workload, say: Callable[[str], None]) -> None:
+    """Show the pool guard: release refused while graphs live (naming them), done once they are dropped."""
+    try:
+        controller.release_cudagraph_pool()
+    except PoolBusy as exc:
+        holders = f"{len(exc.holders)} holder(s), e.g. {exc.holders[0]}" if exc.holders else str(exc)
+        say(f"graph pool: release refused while graphs are alive ({holders})")
+    workload.drop_graphs()
+    try:
+        freed = controller.release_cudagraph_pool()
+    except TorporError as exc:
+        say(f"graph pool: not released after dropping the graphs: {exc}")
+        return
+    say(f"graph pool: released {fmt_bytes(freed)} once the graphs were dropped; the next capture starts a fresh pool")
+    say("")
 
 
 def _keep_serving(server: Any, keep: bool, say: Callable[[str], None]) -> None:

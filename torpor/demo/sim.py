@@ -41,6 +41,13 @@ class _Alloc:
     digest: bytes = b""
 
 
+class _SimGraph:
+    """Stands for a captured CUDA graph: the pool holds it weakly and names its site."""
+
+    def __init__(self, site: str) -> None:
+        self.site = site
+
+
 class SimWorkload:
     """Weights, kv_cache, runtime and one graph allocation per batch size, on a ``SimDriver``."""
 
@@ -56,6 +63,7 @@ class SimWorkload:
         self.driver = SimDriver(capacity=self.capacity)
         self.allocator = TaggedAllocator(driver=self.driver)
         self.allocs: list[_Alloc] = []
+        self.graphs: list[_SimGraph] = []
 
     @property
     def memory(self) -> Memory:
@@ -104,9 +112,14 @@ class SimWorkload:
         controller.observe()
         for batch in BATCH_SIZES:
             site = f"decode batch={batch}"
-            with controller.capture(site):
+            with controller.capture(site) as handle:
                 size = GRAPH_BYTES
                 address = self.allocator.allocate(size, "cudagraph")
+                graph = _SimGraph(site)
+                track = getattr(handle, "track", None)
+                if callable(track):
+                    track(graph)  # the pool now names this graph as a holder
+                self.graphs.append(graph)
             a = _Alloc("cudagraph", site, address, size, self.seed * 1000 + 500 + batch)
             self._fill(a)  # the graph's write-once state, written after capture
             self.allocs.append(a)
@@ -145,8 +158,13 @@ class SimWorkload:
         exact = all(v != "DIFFERS" for v in per_tag.values())
         return Check(exact, f"{count} allocations byte-for-byte equal" if exact else "bytes differ", per_tag)
 
+    def drop_graphs(self) -> None:
+        """Forget the graphs (their pool memory goes with the pool's release)."""
+        self.graphs.clear()
+        self.allocs = [a for a in self.allocs if a.tag != "cudagraph"]
+
     def close(self) -> None:
-        """Free every allocation."""
+        """Free every allocation still held."""
         for a in self.allocs:
             self.allocator.free(a.address)
         self.allocs.clear()

@@ -61,6 +61,10 @@ class Workload(Protocol):
         """Compare what is resident now (``tags``) with the first awake run."""
         ...
 
+    def drop_graphs(self) -> None:
+        """Drop every captured graph (and what it holds), so the graph pool can be released."""
+        ...
+
     def close(self) -> None:
         """Free what the workload allocated."""
         ...
