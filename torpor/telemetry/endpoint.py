@@ -196,7 +196,7 @@ class Server:
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}"
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name=f"torpor-telemetry:{self.port}", daemon=True
+            target=self._httpd.serve_forever, args=(0.1,), name=f"torpor-telemetry:{self.port}", daemon=True
         )
         self._thread.start()
         if host not in LOOPBACK:

@@ -1,0 +1,217 @@
+"""Tests for torpor.telemetry.endpoint: /metrics, /state and /events, read-only, loopback, bounded, 400 on bad input."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge
+
+from torpor import SleepController
+from torpor.telemetry import Server, serve
+from torpor.telemetry.endpoint import BadRequest, parse_query
+from torpor.testing import FakeMemory
+
+TAGS = {"weights": 4000, "kv_cache": 8000, "cudagraph": 300, "runtime": 50}
+
+
+def fetch(url: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of one request (errors included)."""
+    request = urllib.request.Request(url, method=method)  # noqa: S310 - loopback test server
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+@pytest.fixture
+def controller() -> SleepController:
+    """A controller over a FakeMemory."""
+    return SleepController(FakeMemory(TAGS), engine="e", rank=0)
+
+
+@pytest.fixture
+def server(controller: SleepController) -> Iterator[Server]:
+    """An endpoint serving ``controller`` on a free loopback port."""
+    with serve(controller, 0) as srv:
+        yield srv
+
+
+def test_binds_loopback_by_default(server: Server) -> None:
+    """Without a host the endpoint listens on 127.0.0.1 and reports its url and port."""
+    assert server.host == "127.0.0.1"
+    assert server.url == f"http://127.0.0.1:{server.port}"
+    assert server.port > 0
+
+
+def test_metrics_serves_the_exposition(server: Server, controller: SleepController) -> None:
+    """/metrics carries torpor's families with the controller's current state."""
+    controller.sleep(1)
+    status, headers, body = fetch(server.url + "/metrics")
+    assert status == 200
+    assert headers["Content-Type"].startswith("text/plain")
+    assert b'torpor_state{engine="e",rank="0",state="asleep_l1"} 1.0' in body
+    assert b"torpor_tag_bytes" in body
+
+
+def test_metrics_can_serve_a_given_registry(controller: SleepController) -> None:
+    """A registry passed to serve() is exposed as it is."""
+    registry = CollectorRegistry()
+    Gauge("other_thing", "a gauge from elsewhere", registry=registry).set(7)
+    with serve(controller, 0, registry=registry) as srv:
+        _, _, body = fetch(srv.url + "/metrics")
+    assert b"other_thing 7.0" in body
+    assert b"torpor_state" not in body
+
+
+def test_state_is_the_projection_as_json(server: Server, controller: SleepController) -> None:
+    """/state gives the state, since and per-tag residency."""
+    controller.sleep(1)
+    status, headers, body = fetch(server.url + "/state")
+    state = json.loads(body)
+    assert status == 200
+    assert headers["Content-Type"] == "application/json"
+    assert state["state"] == "asleep_l1"
+    assert state["since"] == controller.projection.since
+    assert {k: state["residency"]["weights"][k] for k in ("resident", "host", "discarded")} == {
+        "resident": 0,
+        "host": 4000,
+        "discarded": 0,
+    }
+    assert state["residency"]["kv_cache"]["discarded"] == 8000
+
+
+def test_events_after_returns_json_lines(server: Server, controller: SleepController) -> None:
+    """/events?after=N returns each later event as one JSON line, with the last sequence number in a header."""
+    mark = controller.last_seq
+    controller.sleep(1)
+    status, headers, body = fetch(f"{server.url}/events?after={mark}")
+    lines = [json.loads(line) for line in body.decode().splitlines()]
+    assert status == 200
+    assert [e["seq"] for e in lines] == list(range(mark + 1, controller.last_seq + 1))
+    assert lines[0]["kind"] == "sleep_requested"
+    assert headers["X-Torpor-Last-Seq"] == str(controller.last_seq)
+    _, _, limited = fetch(f"{server.url}/events?after={mark}&limit=2")
+    assert len(limited.splitlines()) == 2
+
+
+def test_events_long_poll_returns_when_an_event_arrives(server: Server, controller: SleepController) -> None:
+    """A long-poll with nothing new waits, and returns as soon as the controller records an event."""
+    mark = controller.last_seq
+    got: dict[str, Any] = {}
+
+    def poll() -> None:
+        start = time.monotonic()
+        got["response"] = fetch(f"{server.url}/events?after={mark}&timeout=20")
+        got["waited"] = time.monotonic() - start
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    time.sleep(0.3)
+    controller.sleep(1)
+    thread.join(timeout=15)
+    status, _, body = got["response"]
+    assert status == 200
+    assert json.loads(body.splitlines()[0])["seq"] == mark + 1
+    assert 0.2 < got["waited"] < 10
+
+
+def test_events_long_poll_times_out_empty(server: Server, controller: SleepController) -> None:
+    """A long-poll that sees no event returns an empty 200 after its timeout."""
+    start = time.monotonic()
+    status, _, body = fetch(f"{server.url}/events?after={controller.last_seq}&timeout=0.3")
+    assert status == 200
+    assert body == b""
+    assert time.monotonic() - start >= 0.25
+
+
+@pytest.mark.parametrize(
+    ("query", "reason"),
+    [
+        ("/events?after=-1", "after must be a non-negative integer"),
+        ("/events?after=abc", "after must be a non-negative integer"),
+        ("/events?timeout=999", "timeout must be between 0 and 30 seconds"),
+        ("/events?timeout=nan", "timeout must be between"),
+        ("/events?timeout=x", "timeout must be a number of seconds"),
+        ("/events?limit=0", "limit must be between 1 and"),
+        ("/events?after=1&after=2", "given more than once"),
+        ("/events?bogus=1", "unknown query parameter 'bogus'"),
+        ("/state?x=1", "unknown query parameter 'x'"),
+        ("/metrics?name=torpor_state", "unknown query parameter 'name'"),
+    ],
+)
+def test_bad_parameters_get_400_with_the_reason(server: Server, query: str, reason: str) -> None:
+    """Every malformed, out-of-range or unknown query parameter is a 400 whose body names the problem."""
+    status, headers, body = fetch(server.url + query)
+    assert status == 400
+    assert headers["Content-Type"] == "application/json"
+    assert reason in json.loads(body)["error"]
+
+
+def test_unknown_route_is_404_listing_routes(server: Server) -> None:
+    """An unknown path is a 404 that names the routes."""
+    status, _, body = fetch(server.url + "/nope")
+    assert status == 404
+    assert "/events, /metrics, /state" in json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
+def test_endpoint_is_read_only(server: Server, controller: SleepController, method: str) -> None:
+    """Writing methods get 405 and change nothing."""
+    before = controller.last_seq
+    status, headers, _ = fetch(server.url + "/state", method=method)
+    assert status == 405
+    assert headers["Allow"] == "GET, HEAD"
+    assert controller.last_seq == before
+
+
+def test_overlong_url_is_refused(server: Server) -> None:
+    """A URL over the limit is refused with 414."""
+    status, _, _ = fetch(server.url + "/events?after=" + "1" * 5000)
+    assert status == 414
+
+
+def test_too_many_waiters_get_503(controller: SleepController) -> None:
+    """Long-polls beyond max_waiters are turned away with 503 instead of holding more threads."""
+    with serve(controller, 0, max_waiters=1) as srv:
+        url = f"{srv.url}/events?after={controller.last_seq}&timeout=5"
+        first = threading.Thread(target=fetch, args=(url,))
+        first.start()
+        time.sleep(0.3)
+        status, headers, _ = fetch(url)
+        controller.sleep(1)
+        first.join(timeout=10)
+    assert status == 503
+    assert headers["Retry-After"] == "1"
+
+
+def test_close_stops_serving_and_detaches(controller: SleepController) -> None:
+    """After close the port refuses connections and the controller has no telemetry subscriber left."""
+    srv = serve(controller, 0)
+    url = srv.url
+    srv.close()
+    assert controller._subscribers == []
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url + "/state", timeout=2)  # noqa: S310
+
+
+def test_metrics_only_without_a_source() -> None:
+    """serve(None) serves /metrics only; /state is not a route."""
+    with serve(None, 0, registry=CollectorRegistry()) as srv:
+        assert fetch(srv.url + "/metrics")[0] == 200
+        assert fetch(srv.url + "/state")[0] == 404
+
+
+def test_parse_query_accepts_known_parameters() -> None:
+    """parse_query returns the known parameters and refuses a malformed pair."""
+    assert parse_query("after=3&timeout=1.5", ("after", "timeout")) == {"after": "3", "timeout": "1.5"}
+    assert parse_query("", ("after",)) == {}
+    with pytest.raises(BadRequest):
+        parse_query("after", ("after",))
