@@ -1,0 +1,69 @@
+"""torpor as a vLLM 0.33 plugin: sleep backend ``torpor``, its allocator, the extended predicate, HTTP routes.
+
+``vllm serve MODEL --enable-sleep-mode --sleep-mode-backend torpor
+[--sleep-mode-offload-cudagraph]`` with ``torpor[vllm]`` installed. vLLM finds
+the plugin through the ``vllm.general_plugins`` entry point
+(:func:`~torpor.hooks.vllm.activation.register`) and the HTTP routes through
+``vllm.endpoint_plugins`` (:func:`~torpor.hooks.vllm.endpoint.endpoint_plugin`,
+opt-in with ``VLLM_PLUGINS``). See docs/vllm.md.
+
+Importing this package imports neither vLLM nor FastAPI: vLLM is imported
+when its plugin loader calls in; ``backend`` (which subclasses vLLM's
+``SleepModeBackend``) and ``endpoint`` (FastAPI routes) are imported by vLLM
+only.
+"""
+
+from __future__ import annotations
+
+from torpor.hooks.vllm.activation import (
+    ENV_ACTIVE,
+    Activation,
+    ActivationError,
+    activate,
+    deactivate,
+    install_probe,
+    is_active,
+    register,
+    register_backend,
+    remove_probe,
+)
+from torpor.hooks.vllm.facade import (
+    DEFAULT_ENGINE,
+    ENV_ENGINE,
+    ENV_LOG_DIR,
+    ENV_RANK,
+    NotWired,
+    TorporMemAllocator,
+    configure,
+    current_controller,
+    default_log_dir,
+    facade,
+)
+from torpor.hooks.vllm.predicate import BACKEND, decision_for, extended_predicate, selects_torpor
+
+__all__ = [
+    "BACKEND",
+    "DEFAULT_ENGINE",
+    "ENV_ACTIVE",
+    "ENV_ENGINE",
+    "ENV_LOG_DIR",
+    "ENV_RANK",
+    "Activation",
+    "ActivationError",
+    "NotWired",
+    "TorporMemAllocator",
+    "activate",
+    "configure",
+    "current_controller",
+    "deactivate",
+    "decision_for",
+    "default_log_dir",
+    "extended_predicate",
+    "facade",
+    "install_probe",
+    "is_active",
+    "register",
+    "register_backend",
+    "remove_probe",
+    "selects_torpor",
+]

@@ -1,0 +1,221 @@
+"""The vLLM plugin's entry point and the only changes it makes to vLLM: what, when, and how to undo them.
+
+vLLM loads ``vllm.general_plugins`` entry points with no arguments, often once
+in the API server before any config exists, and forks the engine core and the
+workers from there by default. So the plugin cannot see at load time whether
+torpor is selected. It does two things at load, in every process:
+
+1. registers the sleep backend ``torpor`` with ``SleepModeBackendFactory``
+   (vLLM's documented extension point; nothing is imported until selected);
+2. wraps ``VllmConfig.__post_init__`` in a probe. For a config that does not
+   select ``torpor`` the probe calls vLLM's ``__post_init__`` unchanged and
+   does nothing else: vLLM behaves exactly as without the plugin.
+
+Only when a config selecting ``torpor`` is built (or ``TORPOR_VLLM_ACTIVE=1``
+is set: spawned workers inherit it) does :func:`activate` make the two
+changes that route vLLM through torpor, both process-wide and undone by
+:func:`deactivate`:
+
+- ``VllmConfig.use_cumem_cudagraph_pool`` becomes a property that answers
+  torpor's shared predicate for ``torpor`` configs and vLLM's original answer
+  for every other config (capture routing, ``CudaCommunicator`` and the NCCL
+  default read it);
+- the ``CuMemAllocator.instance`` singleton slot holds torpor's allocator
+  facade, so ``get_mem_allocator_instance()`` returns it (no function of
+  vLLM is replaced).
+
+vLLM modules are imported through ``importlib`` so that ``import torpor`` never
+imports vLLM and the type checker does not walk vLLM's sources.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torpor.errors import TorporError
+from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, NcclDecision, apply_nccl_defaults
+from torpor.hooks.predicate import CudagraphPoolDecision
+from torpor.hooks.vllm.facade import TorporMemAllocator, facade
+from torpor.hooks.vllm.predicate import BACKEND, decision_for, extended_predicate, selects_torpor
+
+logger = logging.getLogger("torpor.vllm")
+
+#: Set by :func:`activate`; a process that loads the plugin with it set activates at once (spawned workers).
+ENV_ACTIVE = "TORPOR_VLLM_ACTIVE"
+BACKEND_MODULE = "torpor.hooks.vllm.backend"
+BACKEND_CLASS = "TorporSleepBackend"
+
+
+class ActivationError(TorporError, RuntimeError):
+    """torpor cannot take over vLLM's allocator in this process (vLLM's CuMemAllocator already holds memory)."""
+
+
+@dataclass
+class Activation:
+    """What :func:`activate` changed, so :func:`deactivate` can put it back."""
+
+    predicate: property
+    slot_class: Any = None
+    slot_previous: Any = None
+    env_previous: str | None = None
+    allocator: TorporMemAllocator | None = None
+    decisions: list[CudagraphPoolDecision] = field(default_factory=list)
+    nccl: list[NcclDecision] = field(default_factory=list)
+
+
+class _Process:
+    """What this process has changed in vLLM (process-wide by nature: vLLM's classes are)."""
+
+    active: Activation | None = None
+    probe_original: Callable[..., Any] | None = None
+    atexit_registered = False
+
+
+_lock = threading.RLock()
+_process = _Process()
+
+
+def _vllm_config_class() -> Any:
+    return importlib.import_module("vllm.config").VllmConfig
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register the backend, install the probe, activate if told to."""
+    register_backend()
+    install_probe()
+    if os.environ.get(ENV_ACTIVE) == "1":
+        activate()
+
+
+def register_backend() -> None:
+    """Register sleep backend ``torpor`` with vLLM's ``SleepModeBackendFactory`` (once per process)."""
+    factory = importlib.import_module("vllm.device_allocator.sleep_mode_backend").SleepModeBackendFactory
+    try:
+        factory.register_backend(BACKEND, BACKEND_MODULE, BACKEND_CLASS)
+    except ValueError:
+        logger.debug("torpor: sleep backend %r is registered already", BACKEND)
+
+
+def install_probe() -> None:
+    """Wrap ``VllmConfig.__post_init__`` so a config selecting torpor activates it; others pass through."""
+    cls = _vllm_config_class()
+    with _lock:
+        current = cls.__dict__["__post_init__"]
+        if getattr(current, "__torpor_probe__", False):
+            return
+        original: Callable[..., Any] = current
+
+        def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not selects_torpor(getattr(self, "model_config", None)):
+                return original(self, *args, **kwargs)
+            return _post_init_selected(self, original, args, kwargs)
+
+        __post_init__.__torpor_probe__ = True  # type: ignore[attr-defined]
+        __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
+        __post_init__.__doc__ = original.__doc__
+        _process.probe_original = original
+        cls.__post_init__ = __post_init__
+
+
+def remove_probe() -> None:
+    """Put vLLM's own ``VllmConfig.__post_init__`` back."""
+    with _lock:
+        if _process.probe_original is not None:
+            _vllm_config_class().__post_init__ = _process.probe_original
+            _process.probe_original = None
+
+
+def _post_init_selected(config: Any, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """A config selecting torpor: activate, run vLLM's ``__post_init__``, then apply torpor's NCCL default."""
+    before = os.environ.get(NCCL_GRAPH_REGISTER)
+    state = activate()
+    result = original(config, *args, **kwargs)
+    decision = decision_for(config)
+    # vLLM's own __post_init__ applied its default through the extended predicate already; torpor decides
+    # from the environment as the user left it, and the outcome is the same value (0 when active and unset).
+    scratch = {} if before is None else {NCCL_GRAPH_REGISTER: before}
+    nccl = apply_nccl_defaults(decision, scratch)
+    if nccl.value is not None:
+        os.environ[NCCL_GRAPH_REGISTER] = nccl.value
+    with _lock:
+        state.decisions.append(decision)
+        state.nccl.append(nccl)
+    logger.info("torpor: sleep backend 'torpor' selected; %s; NCCL: %s", decision.describe(), nccl.detail)
+    return result
+
+
+def activate() -> Activation:
+    """Route this process's vLLM through torpor (idempotent); see the module docstring for what changes."""
+    with _lock:
+        if _process.active is not None:
+            return _process.active
+        cls = _vllm_config_class()
+        original = cls.__dict__["use_cumem_cudagraph_pool"]
+        allocator = facade()
+        state = Activation(predicate=original, allocator=allocator, env_previous=os.environ.get(ENV_ACTIVE))
+        try:
+            cumem = importlib.import_module("vllm.device_allocator.cumem")
+        except ImportError as exc:  # vLLM's CUDA extension cannot load: no CUDA here, nothing will allocate
+            logger.warning("torpor: vLLM's cuMem module cannot be imported (%s); allocator slot left alone", exc)
+        else:
+            previous = cumem.CuMemAllocator.instance
+            if previous is not None and previous is not allocator:
+                used = int(previous.get_current_usage()) if hasattr(previous, "get_current_usage") else 0
+                if used:
+                    msg = (
+                        f"cannot route vLLM through torpor in process {os.getpid()}: vLLM's "
+                        f"{type(previous).__name__} already holds {used} bytes; select the 'torpor' backend "
+                        "before the engine allocates (one engine per process)"
+                    )
+                    raise ActivationError(msg)
+            state.slot_class, state.slot_previous = cumem.CuMemAllocator, previous
+            cumem.CuMemAllocator.instance = allocator
+        cls.use_cumem_cudagraph_pool = property(extended_predicate(original.fget), doc=original.__doc__)
+        os.environ[ENV_ACTIVE] = "1"
+        if not _process.atexit_registered:
+            atexit.register(_release_at_exit)
+            _process.atexit_registered = True
+        _process.active = state
+        logger.info("torpor: active in process %d (allocator facade and graph-pool predicate installed)", os.getpid())
+        return state
+
+
+def deactivate() -> None:
+    """Undo :func:`activate`: vLLM's predicate, the allocator slot and the environment as they were."""
+    with _lock:
+        state, _process.active = _process.active, None
+        if state is None:
+            return
+        _vllm_config_class().use_cumem_cudagraph_pool = state.predicate
+        if state.slot_class is not None and state.slot_class.instance is state.allocator:
+            state.slot_class.instance = state.slot_previous
+        if state.env_previous is None:
+            os.environ.pop(ENV_ACTIVE, None)
+        else:
+            os.environ[ENV_ACTIVE] = state.env_previous
+
+
+def is_active() -> bool:
+    """True while :func:`activate` is in effect in this process."""
+    return _process.active is not None
+
+
+def current() -> Activation | None:
+    """The activation in effect (None: inactive)."""
+    return _process.active
+
+
+def _release_at_exit() -> None:
+    state = _process.active
+    if state is not None and state.allocator is not None:
+        try:
+            state.allocator.release_pools()
+        except Exception:  # interpreter shutdown must go on
+            logger.exception("torpor: releasing the allocator at exit failed")

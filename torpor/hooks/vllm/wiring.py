@@ -1,0 +1,99 @@
+"""What a worker's controller is wired to when it starts: hook decisions as events, and telemetry.
+
+When the facade starts a worker's SleepController it records the shared
+predicate's decision and what it implies for custom all-reduce and NCCL as
+``hook_decision`` events in that rank's log, and, when
+``PROMETHEUS_MULTIPROC_DIR`` is set (the operator sets it before
+``vllm serve``; vLLM's API server then merges every process's metric files on
+``/metrics``), attaches torpor's telemetry in multiprocess mode. Telemetry is a
+subscriber: a failure to attach it is logged and changes nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from torpor.hooks.allreduce import register_graph_buffers
+from torpor.hooks.nccl import NCCL_GRAPH_REGISTER
+from torpor.hooks.predicate import CudagraphPoolDecision
+from torpor.hooks.vllm.predicate import decision_for
+from torpor.statemachine.events import EventKind
+
+if TYPE_CHECKING:
+    from torpor.hooks.vllm.facade import TorporMemAllocator
+    from torpor.statemachine.controller import SleepController
+
+logger = logging.getLogger("torpor.vllm")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def known_decision() -> CudagraphPoolDecision | None:
+    """The graph-pool decision for this process: from vLLM's current config, else the one taken at activation."""
+    from torpor.hooks.vllm import activation
+
+    config_module = importlib.import_module("vllm.config") if _vllm_imported() else None
+    config = config_module.get_current_vllm_config_or_none() if config_module is not None else None
+    if config is not None and getattr(config, "model_config", None) is not None:
+        return decision_for(config)
+    state = activation.current()
+    if state is not None and state.decisions:
+        return state.decisions[-1]
+    return None
+
+
+def _vllm_imported() -> bool:
+    import sys
+
+    return "vllm.config" in sys.modules
+
+
+def record_decisions(controller: SleepController, decision: CudagraphPoolDecision | None) -> None:
+    """Append the graph-pool, all-reduce and NCCL decisions to ``controller``'s log."""
+    if decision is None:
+        controller.record(
+            EventKind.HOOK_DECISION,
+            hook="cudagraph_pool",
+            active=False,
+            detail="no vLLM config visible in this process yet; vLLM's predicate decides at each capture",
+        )
+        return
+    controller.record(
+        EventKind.HOOK_DECISION, hook="cudagraph_pool", active=decision.active, detail=decision.describe()
+    )
+    register_graph_buffers(decision, controller=controller)
+    value = os.environ.get(NCCL_GRAPH_REGISTER)
+    shown = "unset" if value is None else f"{value!r}"
+    controller.record(
+        EventKind.HOOK_DECISION,
+        hook="nccl_graph_register",
+        active=decision.active,
+        detail=f"{NCCL_GRAPH_REGISTER} is {shown} in this worker (set before its first communicator)",
+    )
+
+
+def attach_telemetry(controller: SleepController) -> Any:
+    """Attach torpor's telemetry when ``PROMETHEUS_MULTIPROC_DIR`` is set; the handle, or None."""
+    if not os.environ.get(MULTIPROC_ENV):
+        logger.info(
+            "torpor: %s is not set, so this worker's metrics do not reach the API server's /metrics", MULTIPROC_ENV
+        )
+        return None
+    try:
+        telemetry = importlib.import_module("torpor.telemetry")
+        return telemetry.attach(controller, multiprocess=True)
+    except Exception:  # telemetry is optional: the engine runs without it
+        logger.exception("torpor: attaching telemetry failed; sleep and wake are unaffected")
+        return None
+
+
+def on_controller_started(controller: SleepController, allocator: TorporMemAllocator) -> None:
+    """Called once per worker by the facade right after its controller exists."""
+    try:
+        record_decisions(controller, known_decision())
+    except Exception:  # recording is informative; it must not stop the engine
+        logger.exception("torpor: recording hook decisions failed")
+    allocator.telemetry = attach_telemetry(controller)
