@@ -2,7 +2,7 @@
 
 The simulated driver (``torpor.allocator.SimDriver``) keeps device memory in
 host RAM, so the demo scales every size of the GPU workload down by
-:data:`SCALE`. Each allocation holds seeded random bytes; the check compares
+:data:`SCALE`. Each allocation holds seeded pseudo-random bytes (SHAKE-128); the check compares
 each allocation's SHA-256 with the one taken after setup, so "exact" means
 every restored byte is the byte that was there before sleep.
 """
@@ -10,7 +10,6 @@ every restored byte is the byte that was there before sleep.
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,13 +54,15 @@ class SimWorkload:
 
     def __init__(self, scale: int = SCALE, seed: int = 0) -> None:
         from torpor.allocator import SimDriver, TaggedAllocator  # type: ignore[attr-defined]
+        from torpor.allocator.offload import HostPolicy
 
         self.scale = scale
         self.seed = seed
         total = sum(n for _, _, n in GPU_LAYOUT) // scale + GRAPH_BYTES * len(BATCH_SIZES)
         self.capacity = 2 * total + 64 * MiB
         self.driver = SimDriver(capacity=self.capacity)
-        self.allocator = TaggedAllocator(driver=self.driver)
+        # pinned host memory in small chunks: the simulated host backup is real RAM too
+        self.allocator = TaggedAllocator(driver=self.driver, host=HostPolicy(chunk_bytes=8 * MiB))
         self.allocs: list[_Alloc] = []
         self.graphs: list[_SimGraph] = []
 
@@ -86,7 +87,7 @@ class SimWorkload:
         return max(nbytes // self.scale, 4096)
 
     def _content(self, a: _Alloc) -> bytes:
-        return random.Random(a.seed).randbytes(a.nbytes)
+        return hashlib.shake_128(a.seed.to_bytes(8, "little")).digest(a.nbytes)
 
     def _fill(self, a: _Alloc) -> None:
         self.driver.write(a.address, self._content(a))
@@ -94,9 +95,8 @@ class SimWorkload:
     def _digest(self, a: _Alloc) -> bytes:
         return hashlib.sha256(self.driver.read(a.address, a.nbytes)).digest()
 
-    def _kv_seed(self, index: int) -> int:
+    def _kv_seed(self, weights: bytes, index: int) -> int:
         """kv_cache content depends on the weights (a prefill reads them) and the prompt."""
-        weights = b"".join(self._digest(a) for a in self.allocs if a.tag == "weights")
         return int.from_bytes(hashlib.sha256(weights + index.to_bytes(4, "little")).digest()[:8], "little")
 
     def setup(self, controller: SleepController) -> None:
@@ -128,8 +128,9 @@ class SimWorkload:
         controller.observe()
 
     def _prefill(self) -> None:
+        weights = b"".join(self._digest(a) for a in self.allocs if a.tag == "weights")
         for i, a in enumerate(x for x in self.allocs if x.tag == "kv_cache"):
-            a.seed = self._kv_seed(i)
+            a.seed = self._kv_seed(weights, i)
             self._fill(a)
 
     def prepare(self, woken: Sequence[str], reload_weights: bool) -> None:
