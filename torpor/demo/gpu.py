@@ -130,8 +130,13 @@ class GpuWorkload:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with controller.capture(f"decode batch={batch}") as handle:
-                # handle.graph records the graph so the pool can name it as a holder
-                ctx = handle.graph(graph) if hasattr(handle, "graph") else torch.cuda.graph(graph, pool=handle)
+                # handle.graph records the graph so the pool can name it as a holder; thread_local: the
+                # allocator's pinning thread may call the driver while this thread captures
+                mode = "thread_local"
+                if hasattr(handle, "graph"):
+                    ctx = handle.graph(graph, capture_error_mode=mode)
+                else:
+                    ctx = torch.cuda.graph(graph, pool=handle, capture_error_mode=mode)
                 with ctx:
                     out = self._forward(self.inputs[batch])
             self.graphs[batch] = (graph, out)
