@@ -93,7 +93,7 @@ def _artifacts(log: Path, out_dir: Path) -> list[tuple[str, str, str]]:
         from torpor.telemetry.plot import plot
 
         plot(log, png, title="torpor demo")
-        found.append(("timeline PNG", str(png), f"$ xdg-open {png}   # or: torpor plot {log} -o timeline.png"))
+        found.append(("timeline PNG", str(png), f"$ xdg-open {png}"))
     except ImportError as exc:
         hint = "pip install 'torpor[plot]'" if exc.name == "matplotlib" else str(exc)
         found.append(("timeline PNG", "not written: matplotlib is not installed", f"$ {hint}"))

@@ -76,8 +76,9 @@ class SimWorkload:
         gpu_total = sum(n for _, _, n in GPU_LAYOUT)
         return [
             "device     simulated (torpor.allocator.SimDriver: device memory is real bytes in host RAM)",
-            f"workload   the GPU demo's weights, kv_cache and runtime allocations, sizes scaled 1/{self.scale} "
-            f"({gpu_total / 1024**3:.2f} GiB -> {gpu_total // self.scale // MiB} MiB) to stay small in RAM",
+            f"workload   the GPU demo's weights, kv_cache and runtime allocations, sizes scaled 1/{self.scale}",
+            f"           ({gpu_total / 1024**3:.2f} GiB -> {gpu_total // self.scale // MiB} MiB) to stay small in RAM; "
+            "timings are host-memory copies, not a GPU link",
             f"graphs     one per batch size {', '.join(map(str, BATCH_SIZES))} in the cudagraph pool "
             f"({GRAPH_BYTES // MiB} MiB of graph memory each)",
             "check      SHA-256 of every allocation after each wake vs the bytes written before the first sleep",
