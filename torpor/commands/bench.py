@@ -1,0 +1,49 @@
+"""``torpor bench``: sleep/wake benchmark of torpor against a vLLM-style loop and torch_memory_saver (needs a GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``bench`` subcommand."""
+    p = sub.add_parser(
+        "bench",
+        help="benchmark sleep and wake against the host-link floor (needs a CUDA GPU)",
+        description=(
+            "Run torpor, a vLLM-style baseline and torch_memory_saver (when importable) side by side on "
+            "8 GiB in 64 allocations, 4 GiB in 2048 x 2 MiB and a small transformer's graph pool; "
+            "write bench.json and bench.md."
+        ),
+        epilog="example: torpor bench --out out/bench   (then: python benchmarks/plot_bench.py out/bench/bench.json)",
+    )
+    p.add_argument("--cycles", type=int, default=4, help="sleep/wake cycles per workload (default 4)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the byte and segment sweeps used by the plots")
+    p.add_argument("--no-tms", action="store_true", help="skip torch_memory_saver even when importable")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: $OUT or out/bench)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark and write its results."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("torpor bench: no CUDA device here; run it on a GPU machine (docs/allocator.md)")
+        return 2
+    from torpor.allocator.benchmark import markdown
+    from torpor.allocator.benchmark import run as run_bench
+
+    out = args.out or Path(os.environ.get("OUT") or "out/bench")
+    out.mkdir(parents=True, exist_ok=True)
+    data = run_bench(
+        cycles=args.cycles, sweep=not args.no_sweep, tms=not args.no_tms, log=lambda s: print(s, flush=True)
+    )
+    (out / "bench.json").write_text(json.dumps(data, indent=1, default=str))
+    table = markdown(data)
+    (out / "bench.md").write_text(table)
+    print(table)
+    return 0
