@@ -37,7 +37,7 @@ from torpor.hooks.vllm.facade import (
     configure,
     current_controller,
     default_log_dir,
-    facade,
+    get_instance,
 )
 from torpor.hooks.vllm.predicate import BACKEND, decision_for, extended_predicate, selects_torpor
 
@@ -59,7 +59,7 @@ __all__ = [
     "decision_for",
     "default_log_dir",
     "extended_predicate",
-    "facade",
+    "get_instance",
     "install_probe",
     "is_active",
     "register",

@@ -42,7 +42,7 @@ from typing import Any
 from torpor.errors import TorporError
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, NcclDecision, apply_nccl_defaults
 from torpor.hooks.predicate import CudagraphPoolDecision
-from torpor.hooks.vllm.facade import TorporMemAllocator, facade
+from torpor.hooks.vllm.facade import TorporMemAllocator, get_instance
 from torpor.hooks.vllm.predicate import BACKEND, decision_for, extended_predicate, selects_torpor
 
 logger = logging.getLogger("torpor.vllm")
@@ -158,7 +158,7 @@ def activate() -> Activation:
             return _process.active
         cls = _vllm_config_class()
         original = cls.__dict__["use_cumem_cudagraph_pool"]
-        allocator = facade()
+        allocator = get_instance()
         state = Activation(predicate=original, allocator=allocator, env_previous=os.environ.get(ENV_ACTIVE))
         try:
             cumem = importlib.import_module("vllm.device_allocator.cumem")

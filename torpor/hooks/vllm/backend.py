@@ -78,13 +78,10 @@ class TorporSleepBackend(_Base):  # type: ignore[misc, valid-type]
 
     @classmethod
     def is_supported(cls) -> bool:
-        """True where torpor's allocator can run: torpor is active here and CUDA (or a configured memory) is present."""
-        from torpor.hooks.vllm import activation
-        from torpor.hooks.vllm.facade import facade
+        """True where torpor's allocator can run: CUDA (not ROCm) is available, or a memory was configured (a simulated device)."""
+        from torpor.hooks.vllm.facade import get_instance
 
-        if not activation.is_active():
-            return False
-        if facade()._memory is not None:  # a memory was configured (a simulated device)
+        if get_instance().configured:
             return True
         try:
             torch = importlib.import_module("torch")

@@ -141,6 +141,11 @@ class TorporMemAllocator:
             return self._memory
 
     @property
+    def configured(self) -> bool:
+        """True when a memory was given (or has been created): the allocator has something to run on."""
+        return self._memory is not None
+
+    @property
     def started(self) -> bool:
         """True once the controller exists (vLLM has used this allocator in this process)."""
         return self._controller is not None
@@ -273,7 +278,7 @@ _facade_lock = threading.Lock()
 _slot = _Slot()
 
 
-def facade() -> TorporMemAllocator:
+def get_instance() -> TorporMemAllocator:
     """The process's allocator facade (created, lazily, on first call)."""
     with _facade_lock:
         if _slot.allocator is None:
@@ -311,4 +316,4 @@ def require_controller(what: str) -> SleepController:
             "(needed for launchers that pass no environment, e.g. Ray without VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY=TORPOR_)"
         )
         raise NotWired(msg)
-    return facade().controller
+    return get_instance().controller
