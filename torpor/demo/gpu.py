@@ -33,7 +33,7 @@ class GpuWorkload:
     def __init__(self, seed: int = 0) -> None:
         import torch
 
-        from torpor.allocator import TaggedAllocator  # type: ignore[attr-defined]
+        from torpor.allocator import TaggedAllocator
 
         self.torch: Any = torch
         self.seed = seed

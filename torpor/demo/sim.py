@@ -53,8 +53,7 @@ class SimWorkload:
     device = "sim"
 
     def __init__(self, scale: int = SCALE, seed: int = 0) -> None:
-        from torpor.allocator import SimDriver, TaggedAllocator  # type: ignore[attr-defined]
-        from torpor.allocator.offload import HostPolicy
+        from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 
         self.scale = scale
         self.seed = seed
