@@ -27,6 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 N = 1 << 20  # elements per tensor (4 MiB of float32)
+WORKER_TIMEOUT = 120  # seconds; a healthy run takes a small part of it
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -187,6 +188,8 @@ def _spawn(tmp_path: Path, mode: str, extra_env: dict[str, str]) -> tuple[list[d
     env.update(extra_env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("NCCL_DEBUG", "INFO")  # NCCL then logs the NCCL_* values it read from the environment
+    env.setdefault("NCCL_DEBUG_SUBSYS", "ENV")
     port = _free_port()
     logdir = tmp_path / "logs"
     procs = []
@@ -198,7 +201,7 @@ def _spawn(tmp_path: Path, mode: str, extra_env: dict[str, str]) -> tuple[list[d
     codes = []
     for proc, log in procs:
         try:
-            codes.append(proc.wait(timeout=240))
+            codes.append(proc.wait(timeout=WORKER_TIMEOUT))
         except subprocess.TimeoutExpired:
             for p, _ in procs:
                 p.kill()
@@ -213,6 +216,9 @@ def _spawn(tmp_path: Path, mode: str, extra_env: dict[str, str]) -> tuple[list[d
         pytest.fail(f"workers {missing} wrote no result:\n{outputs}")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     print(json.dumps(results, indent=1))
+    for r in range(WORLD):  # what NCCL itself says it read (evidence for the record, not asserted)
+        said = [line for line in (tmp_path / f"rank{r}.log").read_text().splitlines() if "GRAPH_REGISTER" in line]
+        print(f"rank {r} NCCL:", said or "no NCCL_GRAPH_REGISTER line")
     errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
     if errors:
         pytest.fail(f"workers failed ({'; '.join(errors)}); results so far: {json.dumps(results)}\n{outputs}")
