@@ -1,0 +1,252 @@
+"""The torpor sleep backend driven through vLLM's own interfaces on the simulated device (TaggedAllocator + SimDriver)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+from torpor.allocator import SimDriver, TaggedAllocator  # noqa: E402
+from torpor.errors import InvalidTransition  # noqa: E402
+from torpor.hooks import fleet, reset_warnings  # noqa: E402
+from torpor.hooks.vllm import activation, facade, predicate  # noqa: E402
+from torpor.statemachine import EventKind, read_events  # noqa: E402
+
+MiB = 1 << 20
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 4,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+}
+
+
+def import_cumem() -> Any:
+    """vLLM's cumem module; without libcuda (this CPU machine) it is imported without its C extension."""
+    try:
+        return importlib.import_module("vllm.device_allocator.cumem")
+    except ImportError:
+        sys.modules["vllm.cumem_allocator"] = None  # type: ignore[assignment]
+        return importlib.import_module("vllm.device_allocator.cumem")
+
+
+@pytest.fixture
+def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    """torpor active in this process on a simulated device, with vLLM's platform answering as CUDA."""
+    from vllm.config import VllmConfig
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+    from vllm.distributed.device_communicators import pynccl_allocator
+    from vllm.platforms import current_platform
+
+    cumem = import_cumem()
+    saved = (
+        VllmConfig.__dict__["__post_init__"],
+        VllmConfig.__dict__["use_cumem_cudagraph_pool"],
+        dict(SleepModeBackendFactory._registry),
+        cumem.CuMemAllocator.instance,
+        pynccl_allocator._graph_pool_id,
+    )
+    for name in (activation.ENV_ACTIVE, "NCCL_GRAPH_REGISTER", "PROMETHEUS_MULTIPROC_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(current_platform, "device_type", "cpu")
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(current_platform, "is_rocm", lambda: False)
+    monkeypatch.setattr(cumem, "cumem_available", True)  # the C extension is absent on this CPU machine
+    predicate.forget_decisions()
+    reset_warnings()
+    driver = SimDriver(capacity=256 * MiB)
+    allocator = facade.TorporMemAllocator(
+        TaggedAllocator(driver), log_dir=tmp_path / "logs", engine="vllm", rank=0, fsync=False
+    )
+    previous = facade.configure(allocator)
+    activation.register()
+    activation.activate()
+    try:
+        yield SimpleNamespace(driver=driver, allocator=allocator, logs=tmp_path / "logs", tmp=tmp_path)
+    finally:
+        allocator.release_pools()
+        activation.deactivate()
+        activation.remove_probe()
+        facade.configure(previous)
+        VllmConfig.__post_init__ = saved[0]
+        VllmConfig.use_cumem_cudagraph_pool = saved[1]
+        SleepModeBackendFactory._registry.clear()
+        SleepModeBackendFactory._registry.update(saved[2])
+        cumem.CuMemAllocator.instance = saved[3]
+        pynccl_allocator._graph_pool_id = saved[4]
+        predicate.forget_decisions()
+
+
+def torpor_model_config(tmp: Path) -> Any:
+    """A real ModelConfig selecting the torpor backend with graph offload."""
+    from vllm.config import ModelConfig
+
+    path = tmp / "tiny"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    config = ModelConfig(
+        model=str(path), skip_tokenizer_init=True, sleep_mode_backend="torpor", sleep_mode_offload_cudagraph=True
+    )
+    config.enable_sleep_mode = True
+    return config
+
+
+def fill(memory: TaggedAllocator, address: int, size: int, seed: int) -> bytes:
+    """Write a recognisable pattern; return it."""
+    data = bytes((seed + i) % 251 for i in range(size))
+    memory.write(address, data)
+    return data
+
+
+def test_full_lifecycle_through_vllm_interfaces(engine: Any) -> None:
+    """Load, capture, level-1 sleep, RL wake (weights then kv_cache), level-2 sleep and wake, discard: bytes intact."""
+    from vllm.compilation.cudagraph_pool import capture_pool
+    from vllm.config import CUDAGraphMode, VllmConfig
+    from vllm.device_allocator import get_mem_allocator_instance
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepModeBackendFactory
+    from vllm.distributed.device_communicators import pynccl_allocator
+
+    vllm_allocator = get_mem_allocator_instance()  # what vLLM's worker gets
+    assert vllm_allocator is engine.allocator
+    memory = engine.allocator.memory
+    assert vllm_allocator.get_current_usage() == 0  # gpu_worker asserts this before loading weights
+    size = 4 * MiB
+    content: dict[str, tuple[int, bytes]] = {}
+    for seed, tag in enumerate(("weights", "kv_cache", "runtime")):
+        with vllm_allocator.use_memory_pool(tag=tag):
+            address = memory.allocate(size)
+        content[tag] = (address, fill(memory, address, size, seed))
+    assert vllm_allocator.get_current_usage() == 3 * size
+
+    model_config = torpor_model_config(engine.tmp)
+    config_class = type("Config", (), {"use_cumem_cudagraph_pool": VllmConfig.__dict__["use_cumem_cudagraph_pool"]})
+    vllm_config = config_class()  # VllmConfig's predicate as installed now, on a config with CUDA graphs on
+    vllm_config.model_config = model_config
+    vllm_config.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    with capture_pool(None, vllm_config) as pool:  # vLLM's capture routing, through the extended predicate
+        assert pool is not None
+        assert pynccl_allocator._graph_pool_id == pool
+        graph_address = memory.allocate(2 * MiB)
+    content["cudagraph"] = (graph_address, fill(memory, graph_address, 2 * MiB, 7))
+
+    backend = SleepModeBackendFactory.create_backend(model_config)
+    assert isinstance(backend, SleepModeBackend)
+    assert backend.state() == "RUNNING"
+
+    backend.suspend(1)
+    assert backend.state() == "SUSPENDED"
+    assert engine.driver.used == 0  # every byte of device memory released
+    backend.resume(["weights"])
+    assert backend.state() == "RESUMING"  # partially awake: kv_cache still asleep
+    for tag in ("weights", "runtime", "cudagraph"):
+        address, data = content[tag]
+        assert memory.read(address, len(data)) == data, tag
+    backend.resume(["kv_cache"])
+    assert backend.state() == "RUNNING"
+
+    backend.suspend(2)
+    backend.resume(None)
+    assert backend.state() == "RUNNING"
+    address, data = content["cudagraph"]
+    assert memory.read(address, len(data)) == data  # graphs are offloaded at level 2 as well
+
+    with pytest.raises(InvalidTransition, match="cannot discard from 'awake'"):
+        backend.discard(("kv_cache",))
+    backend.suspend(1)
+    backend.discard(("weights",))
+    backend.resume(None)
+    assert backend.state() == "RUNNING"
+
+    kinds = [e.kind for e in read_events(engine.logs / "vllm.rank0.jsonl")]
+    assert kinds.count(EventKind.SLEEP_COMPLETED) == 3
+    assert EventKind.GRAPH_CAPTURED in kinds
+    assert EventKind.TAG_DISCARDED in kinds
+    assert EventKind.REFUSED in kinds
+    view = fleet(engine.logs)
+    assert view.state == "awake"
+    assert [r.rank for r in view.engine("vllm").ranks] == [0]
+
+
+def test_facade_meets_vllm_memallocator_protocol(engine: Any) -> None:
+    """Every method of vLLM's MemAllocator protocol exists on the facade with the same parameter names."""
+    import inspect
+
+    from vllm.device_allocator import MemAllocator
+
+    for name, member in vars(MemAllocator).items():
+        if name.startswith("_") or not callable(member):
+            continue
+        ours = getattr(engine.allocator, name)
+        theirs = list(inspect.signature(member).parameters)[1:]
+        assert list(inspect.signature(ours).parameters) == theirs, name
+
+
+def test_allocator_level_sleep_maps_offload_tags_to_levels(engine: Any) -> None:
+    """vLLM's allocator-level sleep(offload_tags) runs as a controller sleep: level 1 with weights, else level 2."""
+    vllm_allocator = engine.allocator
+    with vllm_allocator.use_memory_pool(tag="weights"):
+        vllm_allocator.memory.allocate(2 * MiB)
+    vllm_allocator.sleep(offload_tags=("weights", "runtime", "cudagraph"))
+    assert vllm_allocator.controller.state.value == "asleep_l1"
+    vllm_allocator.wake_up(None)
+    vllm_allocator.sleep(offload_tags=("runtime", "cudagraph"))
+    assert vllm_allocator.controller.state.value == "asleep_l2"
+    vllm_allocator.wake_up(["weights"])
+    assert vllm_allocator.controller.state.value == "awake"
+
+
+def test_capabilities_answer_for_torpor_mechanism(engine: Any) -> None:
+    """Capability classmethods: in-process memory sleep keeps communicators, compiled code and graphs; nothing durable."""
+    from torpor.hooks.vllm.backend import TorporSleepBackend
+
+    assert TorporSleepBackend.is_supported() is True  # a simulated device is configured
+    assert TorporSleepBackend.preserves_communicators() is True
+    assert TorporSleepBackend.preserves_compiled_artifacts() is True
+    assert TorporSleepBackend.preserves_graphs_with_communicators() is True
+    assert TorporSleepBackend.supports_durable_storage() is False
+
+
+def test_worker_records_hook_decisions_and_release_closes(engine: Any) -> None:
+    """A worker's log opens with the graph-pool, all-reduce and NCCL decisions and ends with closed at release_pools."""
+    engine.allocator.controller  # noqa: B018 - first use starts the worker's controller
+    engine.allocator.release_pools()
+    engine.allocator.release_pools()  # vLLM's shutdown and torpor's atexit may both call it
+    events = list(read_events(engine.logs / "vllm.rank0.jsonl"))
+    hooks = [e.data["hook"] for e in events if e.kind is EventKind.HOOK_DECISION]
+    assert hooks[:1] == ["cudagraph_pool"]
+    assert events[-1].kind is EventKind.CLOSED
+
+
+def test_restarted_worker_recovers_an_interrupted_log(engine: Any) -> None:
+    """A log left mid-sleep by a dead process is recovered by the next worker on that rank, not refused forever."""
+    from torpor.statemachine.events import make_event
+    from torpor.statemachine.log import EventLog
+
+    path = engine.logs / "vllm.rank0.jsonl"
+    engine.logs.mkdir(parents=True, exist_ok=True)
+    log = EventLog(path, fsync=False)
+    for seq, (kind, data) in enumerate(
+        [(EventKind.OPENED, {"usage": {}}), (EventKind.SLEEP_REQUESTED, {"level": 1, "plan": {}, "usage": {}})], 1
+    ):
+        event = make_event(kind, seq, "vllm", 0, data)
+        object.__setattr__(event, "pid", 1)  # a process that is gone
+        log.append(event)
+    log.close()
+    controller = engine.allocator.controller
+    assert controller.state.value == "awake"
+    assert EventKind.RECOVERED in [e.kind for e in read_events(path)]
