@@ -211,3 +211,18 @@ def test_to_dict_is_json_ready(tmp_path: Path) -> None:
     assert engine["state"] == "transitional"
     assert engine["lagging"] == [1]
     assert engine["ranks"][0]["residency"]["weights"]["host"] == 1 << 30
+
+
+def test_a_rank_with_only_rotated_segments_is_read(tmp_path: Path) -> None:
+    """A rank whose active file is missing (crash mid-rotation) is read from its segments."""
+    (c,) = _ranks(tmp_path, 1, max_bytes=1_500)
+    for _ in range(4):
+        c.sleep(1)
+        c.wake()
+    c.sleep(1)
+    c.log.close()  # type: ignore[union-attr]
+    active = log_path_for(tmp_path, "llm", 0)
+    active.rename(active.with_name(active.name + ".999999999999"))
+    engine = fleet(tmp_path).engine("llm")
+    assert engine.state == "asleep"
+    assert engine.ranks[0].path == active

@@ -248,3 +248,21 @@ def test_idle_timeout_ends_a_quiet_follow(tmp_path: Path) -> None:
     got = list(follow(c.log.path, poll=0.01, idle_timeout=0.1))  # type: ignore[union-attr]
     assert 0.1 <= time.monotonic() - start < 5
     assert [e.seq for e in got] == [1]
+
+
+def test_kinds_filter(tmp_path: Path) -> None:
+    """kinds keeps only the events of those kinds."""
+    c = _controller(tmp_path)
+    _cycle(c)
+    got = list(follow(c.log.path, kinds=["sleep_completed", EventKind.WAKE_COMPLETED], stop=lambda: True))  # type: ignore[union-attr]
+    assert [e.kind.value for e in got] == ["sleep_completed", "wake_completed", "wake_completed"]
+
+
+def test_after_beyond_the_end_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Resuming after a sequence number the log never reached warns once (a new log?) and waits."""
+    c = _controller(tmp_path)
+    with Follower(c.log.path, after=500) as f:  # type: ignore[union-attr]
+        assert f.read_available() == []
+        assert f.read_available() == []
+    warnings = [r.getMessage() for r in caplog.records if "before after=#500" in r.getMessage()]
+    assert len(warnings) == 1

@@ -119,3 +119,13 @@ def test_detect_platform_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert detect_platform() == "cuda"
     monkeypatch.setattr(torch.version, "hip", "7.0", raising=False)
     assert detect_platform() == "rocm"
+
+
+def test_platform_none_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """platform=None asks detect_platform (here: no CUDA, so cuda_platform is missing)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    decision = cudagraph_pool_decision(True, True, "torpor", True, None)
+    assert decision.missing == ("cuda_platform",)
+    assert decision.platform == "cpu"

@@ -25,7 +25,7 @@ from torpor.statemachine.projection import Projection, replay
 from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import ASLEEP, State
 
-_LOG_NAME = re.compile(r"^(?P<engine>.+)\.rank(?P<rank>\d+)\.jsonl$")
+_LOG_NAME = re.compile(r"^(?P<engine>.+)\.rank(?P<rank>\d+)\.jsonl(?:\.\d+)?$")
 
 #: Engine-wide states :func:`fleet` reports.
 ENGINE_STATES: tuple[str, ...] = ("awake", "asleep", "partially_awake", "transitional", "closed", "unknown")
@@ -187,7 +187,11 @@ class FleetView:
 
 
 def rank_logs(directory: str | os.PathLike[str]) -> dict[str, dict[int, Path]]:
-    """``{engine: {rank: path}}`` for the active per-rank logs in ``directory``."""
+    """``{engine: {rank: path of the active log}}`` for the per-rank logs in ``directory``.
+
+    A rank with only rotated segments (a crash between a rotation's rename and
+    its new file) is listed with the active path, which reads its segments.
+    """
     root = Path(directory)
     if not root.exists():
         msg = f"no such directory: {root}"
@@ -199,7 +203,8 @@ def rank_logs(directory: str | os.PathLike[str]) -> dict[str, dict[int, Path]]:
     for entry in sorted(root.iterdir()):
         match = _LOG_NAME.match(entry.name)
         if match and entry.is_file():
-            found.setdefault(match["engine"], {})[int(match["rank"])] = entry
+            active = root / f"{match['engine']}.rank{match['rank']}.jsonl"
+            found.setdefault(match["engine"], {})[int(match["rank"])] = active
     return found
 
 

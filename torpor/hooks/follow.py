@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -64,6 +64,7 @@ class Follower:
         self._lineno = 0
         self._first_in_file = False
         self._opened_before = False
+        self._checked_after = after <= 0
 
     # -- public -----------------------------------------------------------------
 
@@ -142,7 +143,18 @@ class Follower:
         self._pos += end
         for line in data[: end - 1].split(b"\n"):
             self._lineno += 1
-            self._accept(decode_line(line, str(self.path), self._lineno, self.max_line), out)
+            last = decode_line(line, str(self.path), self._lineno, self.max_line)
+            self._accept(last, out)
+        if not self._checked_after:
+            self._checked_after = True
+            if last.seq < self.last_seq:
+                logger.warning(
+                    "%s ends at event #%d, before after=#%d: is it a new log? waiting for #%d",
+                    self.path,
+                    last.seq,
+                    self.last_seq,
+                    self.last_seq + 1,
+                )
 
     def _accept(self, event: Event, out: list[Event]) -> None:
         if self._first_in_file:
@@ -193,10 +205,15 @@ class Follower:
                 self._take(event, out)
 
 
+def _wanted(kinds: Iterable[EventKind | str] | None) -> frozenset[EventKind] | None:
+    return None if kinds is None else frozenset(EventKind(k) for k in kinds)
+
+
 def follow(
     path: str | os.PathLike[str],
     after: int = 0,
     *,
+    kinds: Iterable[EventKind | str] | None = None,
     poll: float = 0.1,
     stop: Stop = None,
     idle_timeout: float | None = None,
@@ -208,8 +225,10 @@ def follow(
     checks for new lines every ``poll`` seconds. It ends once ``stop`` is set
     (an ``Event`` or a callable returning True), after yielding what was on
     disk at that moment, or after ``idle_timeout`` seconds without a new
-    event; otherwise it runs until the consumer stops iterating.
+    event; otherwise it runs until the consumer stops iterating. ``kinds``
+    keeps only events of those kinds.
     """
+    wanted = _wanted(kinds)
     follower = Follower(path, after, max_line=max_line)
     wait = getattr(stop, "wait", None)
     quiet_since = time.monotonic()
@@ -217,7 +236,7 @@ def follow(
         while True:
             stopping = _stopped(stop)
             events = follower.read_available()
-            yield from events
+            yield from (e for e in events if wanted is None or e.kind in wanted)
             if stopping:
                 return
             now = time.monotonic()
@@ -238,12 +257,14 @@ async def follow_async(
     path: str | os.PathLike[str],
     after: int = 0,
     *,
+    kinds: Iterable[EventKind | str] | None = None,
     poll: float = 0.1,
     stop: Stop = None,
     idle_timeout: float | None = None,
     max_line: int = DEFAULT_MAX_LINE,
 ) -> AsyncIterator[Event]:
     """Asyncio variant of :func:`follow`: ``async for event in follow_async(path): ...``."""
+    wanted = _wanted(kinds)
     follower = Follower(path, after, max_line=max_line)
     quiet_since = time.monotonic()
     try:
@@ -251,7 +272,8 @@ async def follow_async(
             stopping = _stopped(stop)
             events = follower.read_available()
             for event in events:
-                yield event
+                if wanted is None or event.kind in wanted:
+                    yield event
             if stopping:
                 return
             now = time.monotonic()

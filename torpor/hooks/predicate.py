@@ -87,7 +87,7 @@ def cudagraph_pool_decision(
     sleep_mode: bool,
     backend: str | None,
     cudagraphs: bool,
-    platform: str,
+    platform: str | None,
     *,
     controller: SleepController | None = None,
 ) -> CudagraphPoolDecision:
@@ -96,8 +96,11 @@ def cudagraph_pool_decision(
     Opted in (``offload_cudagraph``) but inactive logs exactly one warning per
     process for the same missing requirements; not opted in logs nothing. With
     a ``controller`` the decision is also recorded as a ``hook_decision`` event
-    (hook ``cudagraph_pool``), whatever it is.
+    (hook ``cudagraph_pool``), whatever it is. ``platform`` None means
+    :func:`detect_platform` (it imports torch only when the option is on).
     """
+    if platform is None:
+        platform = detect_platform() if offload_cudagraph else "unknown"
     unmet = _unmet(bool(offload_cudagraph), bool(sleep_mode), backend, bool(cudagraphs), platform)
     decision = CudagraphPoolDecision(
         active=not unmet,
