@@ -266,3 +266,19 @@ def test_after_beyond_the_end_warns(tmp_path: Path, caplog: pytest.LogCaptureFix
         assert f.read_available() == []
     warnings = [r.getMessage() for r in caplog.records if "before after=#500" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_events_before_a_bad_line_are_delivered_then_it_raises(tmp_path: Path) -> None:
+    """Good events before a corrupted line come out first; the next read raises, and keeps raising."""
+    c = _controller(tmp_path)
+    c.sleep(1)
+    path = c.log.path  # type: ignore[union-attr]
+    c.log.close()  # type: ignore[union-attr]
+    good = len(path.read_bytes().splitlines())
+    with open(path, "ab") as fh:
+        fh.write(b'{"crc":"00000000","schema":1}\n')
+    with Follower(path) as f:
+        assert [e.seq for e in f.read_available()] == list(range(1, good + 1))
+        for _ in range(2):
+            with pytest.raises(LogCorrupted, match=f":{good + 1}: "):
+                f.read_available()

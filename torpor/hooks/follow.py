@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+from torpor.errors import TorporError
 from torpor.statemachine.events import Event, EventKind
 from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_line, read_events_file, segments
 
@@ -74,10 +75,10 @@ class Follower:
         while True:
             if self._fd is None and not self._open(out):
                 return out
-            self._read(out)
-            if not self._replaced():
+            if not self._read(out) or not self._replaced():
                 return out
-            self._read(out)  # what the writer wrote before it renamed the file
+            if not self._read(out):  # what the writer wrote before it renamed the file
+                return out
             self._close()
 
     def close(self) -> None:
@@ -119,16 +120,19 @@ class Follower:
             return True
         return (st.st_dev, st.st_ino) != self._ident
 
-    def _read(self, out: list[Event]) -> None:
-        """Decode the complete lines after :attr:`_pos`; an incomplete last line is read again next time.
+    def _read(self, out: list[Event]) -> bool:
+        """Decode the complete lines after :attr:`_pos`; False when it stopped at a bad line.
 
-        Never consuming a partial line is what makes a writer that cuts a torn
-        line off and appends again safe to follow: the cut is always at the
-        start of the partial line, which is where the next read begins.
+        An incomplete last line is read again next time: never consuming a
+        partial line is what makes a writer that cuts a torn line off and
+        appends again safe to follow (the cut is always at the start of the
+        partial line, where the next read begins). A bad line raises, unless
+        events came before it in this call: then those are returned first and
+        the next call starts at the bad line and raises.
         """
         fd = self._fd
         if fd is None:
-            return
+            return True
         if os.fstat(fd).st_size < self._pos:
             logger.warning("%s shrank below what was read (%d bytes); reading it again", self.path, self._pos)
             self._pos, self._lineno, self._first_in_file = 0, 0, True
@@ -139,13 +143,20 @@ class Follower:
         data = b"".join(chunks)
         end = data.rfind(b"\n") + 1
         if not end:
-            return
-        self._pos += end
+            return True
+        last: Event | None = None
         for line in data[: end - 1].split(b"\n"):
+            try:
+                event = decode_line(line, str(self.path), self._lineno + 1, self.max_line)
+            except TorporError:
+                if out:
+                    return False
+                raise
+            self._accept(event, out)
+            self._pos += len(line) + 1
             self._lineno += 1
-            last = decode_line(line, str(self.path), self._lineno, self.max_line)
-            self._accept(last, out)
-        if not self._checked_after:
+            last = event
+        if not self._checked_after and last is not None:
             self._checked_after = True
             if last.seq < self.last_seq:
                 logger.warning(
@@ -155,6 +166,7 @@ class Follower:
                     self.last_seq,
                     self.last_seq + 1,
                 )
+        return True
 
     def _accept(self, event: Event, out: list[Event]) -> None:
         if self._first_in_file:
