@@ -1,0 +1,132 @@
+"""The /torpor/state and /torpor/events routes, loaded by vLLM's endpoint-plugin machinery, on a real ASGI client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+from fastapi import FastAPI  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from torpor.statemachine import SleepController  # noqa: E402
+from torpor.testing import FakeMemory  # noqa: E402
+
+
+def vllm_app(monkeypatch: pytest.MonkeyPatch, log_dir: Path, plugins: str | None = "torpor") -> FastAPI:
+    """A FastAPI app wired the way vLLM's build_app/init_app_state wire endpoint plugins."""
+    from vllm.plugins.endpoint_plugins.interface import attach_endpoint_plugins, init_endpoint_plugins_state
+
+    if plugins is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", plugins)
+    monkeypatch.setenv("TORPOR_LOG_DIR", str(log_dir))
+    app = FastAPI()
+    attach_endpoint_plugins(app, ("generate",))
+    asyncio.run(init_endpoint_plugins_state(None, app.state, Namespace()))
+    return app
+
+
+def ranks(log_dir: Path, n: int = 2) -> list[SleepController]:
+    """``n`` ranks of engine ``vllm`` logging into ``log_dir``."""
+    return [
+        SleepController(FakeMemory({"weights": 1 << 20, "kv_cache": 1 << 19}), log=log_dir, engine="vllm", rank=r)
+        for r in range(n)
+    ]
+
+
+def test_routes_answer_when_allowlisted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """VLLM_PLUGINS=torpor: /torpor/state merges the ranks' logs, /torpor/events returns a rank's events after SEQ."""
+    controllers = ranks(tmp_path)
+    for c in controllers:
+        c.sleep(1)
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    state = client.get("/torpor/state")
+    assert state.status_code == 200
+    body = state.json()
+    assert body["state"] == "asleep"
+    assert [r["rank"] for r in body["engines"][0]["ranks"]] == [0, 1]
+    controllers[1].wake(["weights"])
+    state = client.get("/torpor/state").json()
+    assert state["engines"][0]["state"] == "transitional"
+    events = client.get("/torpor/events", params={"rank": 1, "after": 2}).json()
+    seqs = [e["seq"] for e in events["events"]]
+    assert seqs[0] == 3
+    assert seqs == sorted(seqs)
+    assert events["events"][-1]["kind"] == "wake_completed"
+    limited = client.get("/torpor/events", params={"rank": 1, "limit": 2}).json()
+    assert [e["seq"] for e in limited["events"]] == [1, 2]
+
+
+def test_events_long_poll_waits_for_the_next_event(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """wait=S holds the request until a new event appears (or S passes), for RL controllers."""
+    (controller,) = ranks(tmp_path, 1)
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    last = controller.last_seq
+    start = time.monotonic()
+    empty = client.get("/torpor/events", params={"after": last, "wait": 0.5}).json()
+    assert empty["events"] == []
+    assert time.monotonic() - start >= 0.45
+
+    import threading
+
+    timer = threading.Timer(0.3, lambda: controller.sleep(1))
+    timer.start()
+    got = client.get("/torpor/events", params={"after": last, "wait": 10}).json()
+    timer.join()
+    assert got["events"][0]["kind"] == "sleep_requested"
+
+
+@pytest.mark.parametrize(
+    ("params", "reason"),
+    [
+        ({"rank": "x"}, "rank must be an integer"),
+        ({"after": -1}, "after must be between"),
+        ({"wait": 99}, "wait must be between"),
+        ({"limit": 0}, "limit must be between"),
+        ({"bogus": 1}, "unknown parameter"),
+    ],
+)
+def test_bad_parameters_get_400(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, params: dict[str, Any], reason: str
+) -> None:
+    """A bad query parameter is a 400 that names it."""
+    ranks(tmp_path, 1)
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    response = client.get("/torpor/events", params=params)
+    assert response.status_code == 400
+    assert reason in response.json()["error"]
+
+
+def test_missing_logs_get_404(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No logs in the directory, or no such rank: 404 with the reason."""
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    assert client.get("/torpor/state").status_code == 404
+    ranks(tmp_path, 1)
+    response = client.get("/torpor/events", params={"rank": 5})
+    assert response.status_code == 404
+    assert "no log for rank 5" in response.json()["error"]
+
+
+def test_routes_absent_without_allowlist(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Endpoint plugins are opt-in: without VLLM_PLUGINS vLLM does not load torpor's routes."""
+    ranks(tmp_path, 1)
+    client = TestClient(vllm_app(monkeypatch, tmp_path, plugins=None))
+    assert client.get("/torpor/state").status_code == 404
+    assert "error" not in client.get("/torpor/state").json()
+
+
+def test_routes_are_read_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """POST to the routes is not allowed: they change nothing."""
+    ranks(tmp_path, 1)
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    assert client.post("/torpor/state").status_code == 405
+    assert client.post("/torpor/events").status_code == 405
