@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from torpor.hooks import FleetError, fleet, wait_fleet
-from torpor.statemachine import EventLog, SleepController, log_path_for
+from torpor.hooks.fleet import project_rank
+from torpor.statemachine import EventKind, EventLog, SleepController, log_path_for, replay
+from torpor.statemachine.log import read_events_file
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 1 << 30, "kv_cache": 2 << 30}
@@ -159,6 +161,9 @@ def test_rotated_logs_are_read_whole(tmp_path: Path) -> None:
     engine = fleet(tmp_path).engine("llm")
     assert engine.state == "asleep"
     assert engine.ranks[0].last_seq == ranks[0].last_seq
+    path = log_path_for(tmp_path, "llm", 0)
+    assert project_rank(path).to_dict() == replay(path).to_dict()
+    assert next(read_events_file(path)).kind is EventKind.SNAPSHOT  # so the short path was taken
 
 
 @pytest.mark.parametrize("kind", ["missing", "file", "empty"])

@@ -12,6 +12,7 @@ makes the engine ``unknown``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import time
@@ -21,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from torpor.errors import TorporError
-from torpor.statemachine.projection import Projection, replay
+from torpor.statemachine.events import EventKind
+from torpor.statemachine.log import read_events_file
+from torpor.statemachine.projection import Projection, project, replay
 from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import ASLEEP, State
 
@@ -208,9 +211,23 @@ def rank_logs(directory: str | os.PathLike[str]) -> dict[str, dict[int, Path]]:
     return found
 
 
+def project_rank(path: Path) -> Projection:
+    """The projection of one rank's log; only the active file when it opens with a rotation snapshot.
+
+    The snapshot carries the whole projection at the rotation, so the cost of
+    a status query does not grow with the log's history.
+    """
+    if path.exists():
+        events = read_events_file(path)
+        first = next(events, None)
+        if first is not None and first.kind is EventKind.SNAPSHOT:
+            return project(itertools.chain([first], events))
+    return replay(path)
+
+
 def _rank_view(engine: str, rank: int, path: Path) -> RankView:
     try:
-        proj: Projection = replay(path)
+        proj = project_rank(path)
     except (TorporError, OSError, ValueError) as exc:
         return RankView(engine, rank, path, "unreadable", error=str(exc))
     if proj.last_seq == 0:
