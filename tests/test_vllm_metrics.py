@@ -1,0 +1,71 @@
+"""Worker metrics reach vLLM's API-server /metrics through PROMETHEUS_MULTIPROC_DIR (prometheus-client multiprocess mode)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+WORKER = textwrap.dedent(
+    """
+    import sys
+    from torpor.allocator import SimDriver, TaggedAllocator
+    from torpor.hooks.vllm.facade import TorporMemAllocator
+
+    rank = int(sys.argv[1])
+    allocator = TorporMemAllocator(
+        TaggedAllocator(SimDriver(capacity=64 << 20)), log_dir=sys.argv[2], engine="vllm", rank=rank, fsync=False
+    )
+    with allocator.use_memory_pool("weights"):
+        allocator.memory.allocate((rank + 1) << 21)
+    allocator.controller.sleep(1)
+    assert allocator.telemetry is not None, "telemetry was not attached"
+    """
+)
+
+
+def test_worker_metrics_reach_vllm_metrics_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two worker processes sleep; vLLM's /metrics (its multiprocess registry) shows each rank's state and bytes."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    metrics_dir = tmp_path / "prom"
+    metrics_dir.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
+    for rank in (0, 1):
+        done = subprocess.run(
+            [sys.executable, "-c", WORKER, str(rank), str(tmp_path / "logs")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir))
+    from vllm.entrypoints.serve.instrumentator import metrics
+
+    app = FastAPI()
+    metrics.attach_router(app)  # vLLM's /metrics: a MultiProcessCollector when the variable is set
+    text = TestClient(app).get("/metrics").text
+    for rank in ("0", "1"):
+        state = [
+            line
+            for line in text.splitlines()
+            if line.startswith("torpor_state{") and f'rank="{rank}"' in line and 'state="asleep_l1"' in line
+        ]
+        assert state, f"no asleep_l1 series for rank {rank} in /metrics"
+        assert state[0].endswith(" 1.0")
+    weights = [
+        line
+        for line in text.splitlines()
+        if line.startswith("torpor_tag_bytes{") and 'tag="weights"' in line and 'residency="host"' in line
+    ]
+    assert sorted(float(line.rsplit(" ", 1)[1]) for line in weights) == [2.0 * (1 << 20), 4.0 * (1 << 20)]
