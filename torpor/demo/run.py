@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -82,11 +84,23 @@ def _serve(controller: SleepController, port: int, host: str) -> tuple[Any, str]
     return server, f"{server.url.rstrip('/')}/metrics   (also /state and /events?after=SEQ)"
 
 
+def torpor_command() -> str:
+    """How the user runs torpor: ``torpor`` when that is on PATH, else the script as invoked (``.venv/bin/torpor``)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) != "torpor" or not os.path.exists(argv0):
+        return "torpor"
+    found = shutil.which("torpor")
+    if found and os.path.samefile(found, argv0):
+        return "torpor"
+    return argv0
+
+
 def _artifacts(log: Path, out_dir: Path) -> list[tuple[str, str, str]]:
     """Write the timeline PNG and the Grafana dashboard; (what, where, how to look) per artifact."""
+    torpor = torpor_command()
     found: list[tuple[str, str, str]] = [
-        ("event log", str(log), f"$ torpor log show {log}"),
-        ("replayed state", f"$ torpor log replay {log}", ""),
+        ("event log", str(log), f"$ {torpor} log show {log}"),
+        ("replayed state", f"$ {torpor} log replay {log}", ""),
     ]
     png = out_dir / "timeline.png"
     try:
