@@ -101,12 +101,14 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
         dist.all_reduce(probe)
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize()
+    # thread_local: the allocator's pinning thread may call the driver while this thread captures
+    mode = "thread_local"
     with capture_pool(decision, "allreduce", controller=ctl, plain_pool=None) as pool:
-        track = getattr(pool, "track", None)
-        if callable(track):
-            track(graph)
-        # the handle is a pool id (a tuple subclass); torch gets the plain tuple
-        with torch.cuda.graph(graph, pool=getattr(pool, "pool", pool)):
+        if hasattr(pool, "graph"):  # the allocator's handle: records the graph as a pool holder
+            ctx = pool.graph(graph, capture_error_mode=mode)
+        else:
+            ctx = torch.cuda.graph(graph, pool=pool, capture_error_mode=mode)
+        with ctx:
             out = weights * 2.0
             dist.all_reduce(out)
     result["hooked"] = hooked
@@ -120,7 +122,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
         return [float(out.min()), float(out.max())]
 
     result["before"] = replay()  # 2 * (1 + 2) = 6 on both ranks
-    torch.cuda.synchronize()
+    result["host_ready"] = allocator.wait_host_ready(60)
 
     states: list[str] = []
     result["states"] = states
