@@ -28,21 +28,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "status",
         help="engine-wide sleep state from per-rank event logs",
         description=(
-            "Merge the per-rank event logs (ENGINE.rankN.jsonl) in DIR into one state per engine: "
-            "asleep when every rank is asleep, awake when every rank is awake, otherwise transitional, "
-            "naming the ranks that lag."
+            "Merge the per-rank event logs (ENGINE.rankN.jsonl) in DIR into one state per engine:\n"
+            "asleep when every rank is asleep, awake when every rank is awake, otherwise\n"
+            "transitional, naming the rank that moved last and the ranks that lag."
         ),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("directory", metavar="DIR", help="the directory the ranks' SleepControllers log into")
     p.add_argument("--engine", help="only this engine")
-    p.add_argument("--world-size", type=int, help="ranks the engine has (missing logs count as lagging)")
+    p.add_argument("--world-size", type=int, metavar="N", help="ranks the engine has (missing logs count as lagging)")
     p.add_argument("--json", action="store_true", help="print the view as JSON")
     p.add_argument(
         "--wait", choices=WAIT_STATES, metavar="STATE", help=f"block until in STATE ({', '.join(WAIT_STATES)})"
     )
-    p.add_argument("--timeout", type=float, help="seconds --wait waits at most (default: forever)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds --wait waits at most (default: forever)")
     p.set_defaults(func=run)
 
 
