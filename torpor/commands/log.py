@@ -16,6 +16,8 @@ from torpor.statemachine.projection import project
 
 #: Payload fields that are summarized rather than printed whole.
 _BYTES_FIELDS = ("bytes", "freed", "offloaded", "discarded", "restored", "pinned")
+#: Longest field value printed whole on a timeline line.
+_MAX_FIELD = 160
 #: Payload fields printed first, in this order; the rest follow alphabetically.
 _FIRST = ("tag", "site", "command", "level", "tags", "action", "source", "bytes", "freed", "offloaded", "discarded")
 
@@ -128,11 +130,18 @@ def describe(event: Event) -> str:
         parts.append(f"resident={fmt_bytes(total)} in {len(usage)} tag(s)")
     data.pop("projection", None)
     order = [n for n in _FIRST if n in data] + sorted(n for n in data if n not in _FIRST)
+    if event.kind is EventKind.REFUSED:
+        data.pop("state", None)  # the state column says it
+        if data.get("holders") and len(str(data.get("reason", ""))) > _MAX_FIELD:
+            data.pop("reason")  # the holders say it shorter
     for name in order:
-        value = data[name]
-        if value is None or value == "":
+        value = data.get(name)
+        if value is None or value in ("", (), []):
             continue
-        parts.append(f"{name}={_value(name, value)}")
+        text = _value(name, value)
+        if len(text) > _MAX_FIELD:
+            text = text[: _MAX_FIELD - 1] + "…"
+        parts.append(f"{name}={text}")
     return " ".join(parts)
 
 
@@ -202,7 +211,7 @@ def replay_text(path: Path, proj: Projection) -> str:
     lines = [
         f"event log   {path}",
         f"engine      {proj.engine or '-'} rank {proj.rank} (pid {proj.pid})",
-        f"events      {proj.last_seq} (last: {proj.last_step or '-'})",
+        f"events      {proj.last_seq} (last: #{proj.last_seq} {proj.last_kind or '-'}; last step: {proj.last_step or '-'})",
         f"state       {proj.state.value} since event #{proj.since} ({since})"
         + (f", level {proj.level}" if proj.level else ""),
         f"transitions {proj.transitions}, refusals {proj.refusals}, pinned host backup {fmt_bytes(proj.pinned_bytes)}",
