@@ -193,3 +193,19 @@ def test_promtool_check_metrics_reports_nothing() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == b""
     assert result.stderr.strip() == b""
+
+
+def test_direct_rendering_is_the_same_text_as_generate_latest() -> None:
+    """exposition() renders byte-for-byte what generate_latest gives, escapes included, and follows new events."""
+    registry = CollectorRegistry()
+    controllers = [SleepController(FakeMemory(TAGS), engine='odd "name"\\with\nbreaks', rank=r) for r in range(3)]
+    handles = [attach(c, registry=registry, otel=False) for c in controllers]
+    for controller in controllers[:2]:
+        run_cycle(controller)
+    collector = handles[0].collector
+    assert collector is not None
+    assert collector.exposition() == generate_latest(registry)
+    controllers[2].sleep(2)
+    text = collector.exposition()
+    assert text == generate_latest(registry)
+    assert b'rank="2",state="asleep_l2"} 1.0' in text

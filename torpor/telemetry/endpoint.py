@@ -178,8 +178,10 @@ class Server:
         max_events: int,
         max_waiters: int,
         on_close: Callable[[], None] | None = None,
+        render: Callable[[], bytes] | None = None,
     ) -> None:
         self.source = source
+        self._render = render
         self.registry = registry
         self.max_wait = max_wait
         self.max_events = max_events
@@ -205,7 +207,11 @@ class Server:
     def _metrics(self, handler: _Handler, query: str) -> None:
         parse_query(query, ())
         encoder, content_type = choose_encoder(handler.headers.get("Accept", ""))
-        handler._send(200, encoder(self.registry), content_type)
+        if self._render is not None and content_type.startswith("text/plain"):
+            body = self._render()  # torpor's own registry: the collector renders the text format directly
+        else:
+            body = encoder(self.registry)
+        handler._send(200, body, content_type)
 
     def _state(self, handler: _Handler, query: str) -> None:
         parse_query(query, ())
@@ -278,6 +284,7 @@ def serve(
     from torpor.telemetry import attach, multiprocess
 
     on_close: Callable[[], None] | None = None
+    render: Callable[[], bytes] | None = None
     if registry is None:
         if multiprocess.enabled():
             registry = multiprocess.multiprocess_registry()
@@ -286,6 +293,7 @@ def serve(
             if source is not None:
                 handle = attach(source, registry=registry, otel=False, multiprocess=False)
                 on_close = handle.detach
+                render = handle.collector.exposition if handle.collector is not None else None
     return Server(
         source,
         port,
@@ -295,4 +303,5 @@ def serve(
         max_events=max_events,
         max_waiters=max_waiters,
         on_close=on_close,
+        render=render,
     )

@@ -23,7 +23,8 @@ from prometheus_client import multiprocess as _mp
 from prometheus_client.metrics import Counter, Gauge, Histogram
 from prometheus_client.registry import CollectorRegistry
 
-from torpor.statemachine.events import Event
+from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import State
 from torpor.telemetry.prometheus import BASE_LABELS, DURATION_BUCKETS, METRICS
 from torpor.telemetry.tracker import Observation, Tracker
@@ -106,6 +107,8 @@ class MultiprocessSink:
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._last: dict[tuple[str, tuple[str, ...]], float] = {}
         self._info: tuple[str, ...] | None = None
+        self._state: State | None = None
+        self._usage: dict[str, TagUsage] = {}
 
     def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         key = (metric, labels)
@@ -124,7 +127,7 @@ class MultiprocessSink:
         self._sync(tracker)
 
     def handle(self, tracker: Tracker, event: Event, observations: list[Observation]) -> None:
-        """Tracker sink: count, observe, and bring the gauges up to date."""
+        """Tracker sink: count, observe, and bring the gauges this event can change up to date."""
         base = (tracker.engine, str(tracker.rank))
         for obs in observations:
             counter = self.metrics.counters.get(obs.metric)
@@ -132,7 +135,30 @@ class MultiprocessSink:
                 self._child(counter, (*base, *obs.labels)).inc(obs.value)
             else:
                 self._child(self.metrics.histograms[obs.metric], (*base, *obs.labels)).observe(obs.value)
-        self._sync(tracker)
+        if event.kind in _TAG_KINDS:
+            tag = str(event.data["tag"])
+            usage = tracker.fold.residency.get(tag)
+            if usage is not None:
+                self._set_tag(base, tag, usage)
+            self._sync_state(tracker, base)
+        elif event.kind is not EventKind.REFUSED and event.kind is not EventKind.HOOK_DECISION:
+            self._sync(tracker)
+
+    def _set_tag(self, base: tuple[str, str], tag: str, usage: TagUsage) -> None:
+        if self._usage.get(tag) is usage:  # TagUsage is frozen: the same object means the same bytes
+            return
+        self._usage[tag] = usage
+        self._set("torpor_tag_bytes", (*base, tag, "resident"), float(usage.resident))
+        self._set("torpor_tag_bytes", (*base, tag, "host"), float(usage.host))
+        self._set("torpor_tag_bytes", (*base, tag, "discarded"), float(usage.discarded))
+
+    def _sync_state(self, tracker: Tracker, base: tuple[str, str]) -> None:
+        proj = tracker.fold
+        if proj.state is not self._state:
+            for state in State:
+                self._set("torpor_state", (*base, state.value), 1.0 if state is proj.state else 0.0)
+            self._state = proj.state
+        self._set("torpor_state_since_timestamp_seconds", base, proj.since_wall)
 
     def _sync(self, tracker: Tracker) -> None:
         proj = tracker.fold
@@ -143,15 +169,23 @@ class MultiprocessSink:
                 self._child(self.metrics.info, self._info).set(0)
             self._child(self.metrics.info, info).set(1)
             self._info = info
-        for state in State:
-            self._set("torpor_state", (*base, state.value), 1.0 if state is proj.state else 0.0)
-        self._set("torpor_state_since_timestamp_seconds", base, proj.since_wall)
+        self._sync_state(tracker, base)
         for tag, usage in proj.residency.items():
-            self._set("torpor_tag_bytes", (*base, tag, "resident"), float(usage.resident))
-            self._set("torpor_tag_bytes", (*base, tag, "host"), float(usage.host))
-            self._set("torpor_tag_bytes", (*base, tag, "discarded"), float(usage.discarded))
+            self._set_tag(base, tag, usage)
         self._set("torpor_pinned_host_bytes", base, float(proj.pinned_bytes))
         self._set("torpor_cudagraphs", base, float(len(proj.graphs)))
+
+
+#: Events that change one tag's residency and nothing else but, perhaps, the state.
+_TAG_KINDS = frozenset(
+    {
+        EventKind.TAG_BACKED_UP,
+        EventKind.TAG_RELEASED,
+        EventKind.TAG_RESTORED,
+        EventKind.TAG_ROLLED_BACK,
+        EventKind.TAG_DISCARDED,
+    }
+)
 
 
 def multiprocess_registry(path: str | None = None) -> CollectorRegistry:

@@ -14,7 +14,7 @@ all of this free; providers can be injected (tests pass the SDK's in-memory ones
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from opentelemetry import metrics, trace
@@ -29,6 +29,18 @@ SCOPE = "torpor"
 
 def _ns(wall: float) -> int:
     return int(wall * 1e9)
+
+
+def _live(injected: object, get_global: Callable[[], object], noop: type) -> bool:
+    """True when a provider would record: injected, or a global one set (not the API's proxy or no-op)."""
+    provider = injected if injected is not None else get_global()
+    return not isinstance(provider, noop) and type(provider).__name__ not in _PROXIES
+
+
+_PROXIES = frozenset({"ProxyTracerProvider", "_ProxyMeterProvider", "ProxyMeterProvider"})
+
+#: Events that begin something: the sink re-reads the global providers there (an SDK may have been set since).
+_STARTS = frozenset({EventKind.OPENED, EventKind.SLEEP_REQUESTED, EventKind.WAKE_REQUESTED, EventKind.REFUSED})
 
 
 class _Instruments:
@@ -114,6 +126,10 @@ class OtelSink:
         meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         self.tracer = trace.get_tracer(SCOPE, version, tracer_provider=tracer_provider)
+        self._tracer_provider = tracer_provider
+        self._meter_provider = meter_provider
+        self._metrics_on = _live(meter_provider, metrics.get_meter_provider, metrics.NoOpMeterProvider)
+        self._spans_on = _live(tracer_provider, trace.get_tracer_provider, trace.NoOpTracerProvider)
         self.instruments = _instruments_for(meter_provider, version)
         self.base: dict[str, Any] = {"torpor.engine": tracker.engine, "torpor.rank": tracker.rank}
         self.span: Span | None = None
@@ -132,9 +148,16 @@ class OtelSink:
             self.span = None
 
     def handle(self, tracker: Tracker, event: Event, observations: list[Observation]) -> None:
-        """Tracker sink: open, annotate and close spans; record metrics."""
-        self._record(observations)
-        kind, data, when = event.kind, event.data, _ns(event.wall)
+        """Tracker sink: open, annotate and close spans; record metrics (skipped while the providers are no-ops)."""
+        kind = event.kind
+        if kind in _STARTS:  # look at the providers once per command, not once per event
+            self._metrics_on = _live(self._meter_provider, metrics.get_meter_provider, metrics.NoOpMeterProvider)
+            self._spans_on = _live(self._tracer_provider, trace.get_tracer_provider, trace.NoOpTracerProvider)
+        if self._metrics_on and observations:
+            self._record(observations)
+        if not self._spans_on and self.span is None:
+            return
+        data, when = event.data, _ns(event.wall)
         if kind is EventKind.SLEEP_REQUESTED:
             self._open("torpor.sleep", when, {"torpor.level": int(data["level"])})
             self._backed_up = {}

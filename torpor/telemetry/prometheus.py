@@ -17,15 +17,8 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
@@ -86,6 +79,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 
 
+_LE: tuple[str, ...] = tuple(str(floatToGoString(b)) for b in (*DURATION_BUCKETS, float("inf")))  # type: ignore[no-untyped-call]
+
+
 @dataclass
 class Histogram:
     """Non-cumulative bucket counts, a sum and a count."""
@@ -101,9 +97,9 @@ class Histogram:
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative ``(le, count)`` pairs ending with ``+Inf``."""
         out, running = [], 0
-        for bound, count in zip((*DURATION_BUCKETS, float("inf")), self.counts, strict=True):
+        for bound, count in zip(_LE, self.counts, strict=True):
             running += count
-            out.append((str(floatToGoString(bound)), float(running)))  # type: ignore[no-untyped-call]
+            out.append((bound, float(running)))
         return out
 
 
@@ -116,6 +112,7 @@ class RankStats:
     )
     histograms: dict[str, dict[tuple[str, ...], Histogram]] = field(default_factory=lambda: defaultdict(dict))
     lock: threading.Lock = field(default_factory=threading.Lock)
+    version: int = 0
 
     def add(self, observations: Iterable[Observation]) -> None:
         """Fold observations in."""
@@ -149,25 +146,110 @@ _COUNTERS = {
 }
 _HISTOGRAMS = {"sleep_seconds": "torpor_sleep_duration_seconds", "wake_seconds": "torpor_wake_duration_seconds"}
 
+#: One sample: family, sample name, sorted (label, value) pairs, value.
+Sample = tuple[str, str, tuple[tuple[str, str], ...], float]
+
 
 def _family(name: str) -> Metric:
-    kind, extra, doc = METRICS[name]
-    labels = [*BASE_LABELS, *extra]
+    kind, _, doc = METRICS[name]
     if kind == "counter":
-        return CounterMetricFamily(name, doc, labels=labels)
-    if kind == "histogram":
-        return HistogramMetricFamily(name, doc, labels=labels)
+        return Metric(name.removesuffix("_total"), doc, "counter")
     if kind == "info":
-        return InfoMetricFamily(name.removesuffix("_info"), doc, labels=list(BASE_LABELS))
-    return GaugeMetricFamily(name, doc, labels=labels)
+        return Metric(name.removesuffix("_info"), doc, "info")
+    return Metric(name, doc, kind)
+
+
+def _family_header(name: str) -> str:
+    """``# HELP`` and ``# TYPE`` lines as the Prometheus text format (0.0.4) writes them."""
+    kind, _, doc = METRICS[name]
+    kind = "gauge" if kind == "info" else kind
+    doc = doc.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+_PREFIXES: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+_NUMBERS: dict[float, str] = {}
+_CACHE_LIMIT = 65_536
+
+
+def _render(sample: Sample) -> str:
+    """One sample line; the ``name{labels} `` part and the number's text are memoised (series are few)."""
+    _, name, labels, value = sample
+    key = (name, labels)
+    prefix = _PREFIXES.get(key)
+    if prefix is None:
+        if len(_PREFIXES) > _CACHE_LIMIT:
+            _PREFIXES.clear()
+        text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+        prefix = _PREFIXES[key] = f"{name}{{{text}}} "
+    number = _NUMBERS.get(value)
+    if number is None:
+        if len(_NUMBERS) > _CACHE_LIMIT:
+            _NUMBERS.clear()
+        number = _NUMBERS[value] = floatToGoString(value)  # type: ignore[no-untyped-call]
+    return prefix + number + "\n"
+
+
+def rank_samples(tracker: Tracker, stats: RankStats, version: str) -> list[Sample]:
+    """Every sample of one rank: gauges from the live projection, counters and histograms from ``stats``."""
+    proj = tracker.source.projection
+    base = (("engine", tracker.engine), ("rank", str(tracker.rank)))
+    out: list[Sample] = []
+
+    def add(family: str, name: str, extra: tuple[tuple[str, str], ...], value: float) -> None:
+        out.append((family, name, tuple(sorted(base + extra)), value))
+
+    add("torpor_info", "torpor_info", (("driver", tracker.driver), ("version", version)), 1.0)
+    current = proj.state
+    for state in State:
+        add("torpor_state", "torpor_state", (("state", state.value),), 1.0 if state is current else 0.0)
+    add("torpor_state_since_timestamp_seconds", "torpor_state_since_timestamp_seconds", (), proj.since_wall)
+    for tag, usage in sorted(dict(proj.residency).items()):
+        for residency in RESIDENCIES:
+            value = float(getattr(usage, residency))
+            add("torpor_tag_bytes", "torpor_tag_bytes", (("residency", residency), ("tag", tag)), value)
+    add("torpor_pinned_host_bytes", "torpor_pinned_host_bytes", (), float(proj.pinned_bytes))
+    add("torpor_cudagraphs", "torpor_cudagraphs", (), float(len(proj.graphs)))
+    counters, hists = stats.snapshot()
+    for metric, family in _COUNTERS.items():
+        names = METRICS[family][1]
+        for labels, value in sorted(counters.get(metric, {}).items()):
+            add(family, family, tuple(zip(names, labels, strict=True)), value)
+    for metric, family in _HISTOGRAMS.items():
+        names = METRICS[family][1]
+        for labels, hist in sorted(hists.get(metric, {}).items()):
+            extra = tuple(zip(names, labels, strict=True))
+            for le, count in hist.buckets():
+                add(family, f"{family}_bucket", (*extra, ("le", le)), count)
+            add(family, f"{family}_count", extra, float(sum(hist.counts)))
+            add(family, f"{family}_sum", extra, hist.total)
+    return out
+
+
+@dataclass
+class _Cached:
+    key: tuple[int, int, int] = (-1, -1, -1)
+    samples: list[Sample] = field(default_factory=list)
+    text: dict[str, str] = field(default_factory=dict)
 
 
 class TorporCollector:
-    """A ``prometheus_client`` collector for every tracker attached to one registry."""
+    """A ``prometheus_client`` collector for every tracker attached to one registry.
+
+    Each rank's samples are computed at scrape time and kept until its next
+    event, so scrapes between transitions cost almost nothing;
+    :meth:`exposition` renders the text format directly (what the endpoint
+    serves), :meth:`collect` feeds any registry.
+    """
 
     def __init__(self, version: str) -> None:
         self.version = version
         self._stats: dict[Tracker, RankStats] = {}
+        self._cache: dict[Tracker, _Cached] = {}
         self._lock = threading.Lock()
 
     def add(self, tracker: Tracker) -> None:
@@ -181,6 +263,7 @@ class TorporCollector:
         tracker.remove_sink(self)
         with self._lock:
             self._stats.pop(tracker, None)
+            self._cache.pop(tracker, None)
 
     def __len__(self) -> int:
         return len(self._stats)
@@ -190,6 +273,25 @@ class TorporCollector:
         stats = self._stats.get(tracker)
         if stats is not None:
             stats.add(observations)
+            stats.version += 1
+
+    def _ranks(self, render: bool) -> list[_Cached]:
+        with self._lock:
+            trackers = list(self._stats.items())
+        out = []
+        for tracker, stats in trackers:
+            key = (tracker.seq, tracker.source.projection.last_seq, stats.version)
+            cached = self._cache.get(tracker)
+            if cached is None or cached.key != key:
+                cached = _Cached(key, rank_samples(tracker, stats, self.version))
+                self._cache[tracker] = cached
+            if render and not cached.text:
+                text: dict[str, list[str]] = defaultdict(list)
+                for sample in cached.samples:
+                    text[sample[0]].append(_render(sample))
+                cached.text = {family: "".join(lines) for family, lines in text.items()}
+            out.append(cached)
+        return out
 
     def describe(self) -> Iterator[Metric]:
         """The families this collector exposes (names only), for the registry's duplicate check."""
@@ -197,40 +299,21 @@ class TorporCollector:
             yield _family(name)
 
     def collect(self) -> Iterator[Metric]:
-        """Compute every family from the projections and the accumulated counts."""
-        families: dict[str, Any] = {name: _family(name) for name in METRICS}
-        with self._lock:
-            trackers = list(self._stats.items())
-        for tracker, stats in trackers:
-            _collect_rank(families, tracker, stats, self.version)
+        """Every family, from the projections and the accumulated counts."""
+        families = {name: _family(name) for name in METRICS}
+        for cached in self._ranks(render=False):
+            for family, name, labels, value in cached.samples:
+                families[family].add_sample(name, dict(labels), value)
         yield from families.values()
 
-
-def _collect_rank(families: dict[str, Any], tracker: Tracker, stats: RankStats, version: str) -> None:
-    proj = tracker.source.projection
-    base = [tracker.engine, str(tracker.rank)]
-    families["torpor_info"].add_metric(base, {"version": version, "driver": tracker.driver})
-    current = proj.state
-    state_family = families["torpor_state"]
-    for state in State:
-        state_family.add_metric([*base, state.value], 1.0 if state is current else 0.0)
-    families["torpor_state_since_timestamp_seconds"].add_metric(base, proj.since_wall)
-    tag_family = families["torpor_tag_bytes"]
-    for tag, usage in sorted(dict(proj.residency).items()):
-        tag_family.add_metric([*base, tag, "resident"], float(usage.resident))
-        tag_family.add_metric([*base, tag, "host"], float(usage.host))
-        tag_family.add_metric([*base, tag, "discarded"], float(usage.discarded))
-    families["torpor_pinned_host_bytes"].add_metric(base, float(proj.pinned_bytes))
-    families["torpor_cudagraphs"].add_metric(base, float(len(proj.graphs)))
-    counters, hists = stats.snapshot()
-    for metric, name in _COUNTERS.items():
-        family = families[name]
-        for labels, value in sorted(counters.get(metric, {}).items()):
-            family.add_metric([*base, *labels], value)
-    for metric, name in _HISTOGRAMS.items():
-        family = families[name]
-        for labels, hist in sorted(hists.get(metric, {}).items()):
-            family.add_metric([*base, *labels], hist.buckets(), hist.total)
+    def exposition(self) -> bytes:
+        """The Prometheus text format (0.0.4) of every family, rendered directly (same text as ``generate_latest``)."""
+        ranks = self._ranks(render=True)
+        parts = []
+        for name in METRICS:
+            parts.append(_family_header(name))
+            parts.extend(cached.text.get(name, "") for cached in ranks)
+        return "".join(parts).encode()
 
 
 _collectors: weakref.WeakKeyDictionary[CollectorRegistry, TorporCollector] = weakref.WeakKeyDictionary()
