@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from torpor.errors import LogCorrupted
+from torpor.errors import LogCorrupted, TorporError
 from torpor.hooks import Follower, follow, follow_async
 from torpor.statemachine import EventKind, EventLog, SleepController, log_path_for, read_events, segments
 from torpor.testing import FakeMemory
@@ -282,3 +284,45 @@ def test_events_before_a_bad_line_are_delivered_then_it_raises(tmp_path: Path) -
         for _ in range(2):
             with pytest.raises(LogCorrupted, match=f":{good + 1}: "):
                 f.read_available()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=st.lists(st.sampled_from(["sleep1", "sleep2", "wake", "wake_weights", "read", "reopen"]), max_size=40),
+    max_bytes=st.integers(min_value=600, max_value=6_000),
+)
+def test_any_interleaving_yields_every_event_once(
+    tmp_path_factory: pytest.TempPathFactory, ops: list[str], max_bytes: int
+) -> None:
+    """Whatever the interleaving of commands, rotations, writer restarts and reads, each event comes out once, in order."""
+    directory = tmp_path_factory.mktemp("log")
+    path = log_path_for(directory, "llm", 0)
+    memory = FakeMemory(TAGS)
+
+    def open_controller() -> SleepController:
+        log = EventLog(path, fsync=False, max_bytes=max_bytes)
+        return SleepController(memory, log=log, engine="llm", rank=0)
+
+    c = open_controller()
+    f = Follower(path)
+    seen: list[int] = []
+    for op in ops:
+        try:
+            if op == "sleep1":
+                c.sleep(1)
+            elif op == "sleep2":
+                c.sleep(2)
+            elif op == "wake":
+                c.wake()
+            elif op == "wake_weights":
+                c.wake(["weights"])
+            elif op == "reopen":
+                c.log.close()  # type: ignore[union-attr]
+                c = open_controller()
+            else:
+                seen += [e.seq for e in f.read_available()]
+        except TorporError:
+            pass  # a command the state does not allow: refused and logged, which is an event too
+    seen += [e.seq for e in f.read_available()]
+    f.close()
+    assert seen == list(range(1, c.last_seq + 1))
