@@ -242,3 +242,40 @@ def test_demo_on_cuda_is_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "on device 'cuda'" in out and "every wake was bit-exact" in out
     assert out.count("outputs of 6 replayed graphs bit-exact") == 3
+
+
+def test_keep_serving_serves_metrics_until_ctrl_c() -> None:
+    """`--keep-serving` keeps /metrics up after the cycles (with torpor_ series) until SIGINT, then exits 0."""
+    import signal
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [*_torpor(), "demo", "--cycles", "1", "--device", "sim", "--port", "0", "--keep-serving"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = ""
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            found = re.match(r"serving (http://127\.0\.0\.1:\d+/metrics) until Ctrl-C", line)
+            if found:
+                url = found.group(1)
+                break
+        assert url, "the demo never said it was serving"
+        with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - loopback URL the demo printed
+            body = resp.read().decode()
+        assert "torpor_" in body and 'engine="demo"' in body
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "stopped serving" in out and "Traceback" not in err
