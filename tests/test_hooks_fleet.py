@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -231,3 +232,32 @@ def test_a_rank_with_only_rotated_segments_is_read(tmp_path: Path) -> None:
     engine = fleet(tmp_path).engine("llm")
     assert engine.state == "asleep"
     assert engine.ranks[0].path == active
+
+
+def test_a_line_being_written_is_not_an_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A rank log whose last line is still being written reads quietly, as of its last complete event."""
+    (c,) = _ranks(tmp_path, 1)
+    c.sleep(1)
+    with open(log_path_for(tmp_path, "llm", 0), "ab") as fh:
+        fh.write(b'{"crc":"1234abcd","data":{')
+    caplog.set_level(logging.WARNING)
+    engine = fleet(tmp_path).engine("llm")
+    assert engine.state == "asleep"
+    assert engine.ranks[0].last_seq == c.last_seq
+    assert [r.getMessage() for r in caplog.records] == []
+
+
+def test_pruned_history_still_gives_the_state(tmp_path: Path) -> None:
+    """With old segments pruned (keep=1), the snapshot at the head of the active file gives the state."""
+    ranks = _ranks(tmp_path, 2, max_bytes=1_200, keep=1)
+    for _ in range(10):
+        for c in ranks:
+            c.sleep(2)
+            c.wake()
+    ranks[0].sleep(1)
+    assert len(list(tmp_path.glob("llm.rank0.jsonl.*"))) == 1  # rotated many times, one segment kept
+    engine = fleet(tmp_path).engine("llm")
+    assert engine.state == "transitional"
+    assert engine.lagging == (1,)
+    assert engine.rank(0).level == 1
+    assert engine.rank(0).last_seq == ranks[0].last_seq

@@ -12,7 +12,6 @@ makes the engine ``unknown``.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import time
@@ -22,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from torpor.errors import TorporError
-from torpor.statemachine.events import EventKind
-from torpor.statemachine.log import read_events_file
-from torpor.statemachine.projection import Projection, project, replay
+from torpor.hooks.follow import Follower
+from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_line
+from torpor.statemachine.projection import Projection, project
 from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import ASLEEP, State
 
@@ -211,18 +211,30 @@ def rank_logs(directory: str | os.PathLike[str]) -> dict[str, dict[int, Path]]:
     return found
 
 
-def project_rank(path: Path) -> Projection:
-    """The projection of one rank's log; only the active file when it opens with a rotation snapshot.
+def _first_event(path: Path) -> Event | None:
+    """The first event of the active file, None when it is missing, empty or its first line is unfinished."""
+    try:
+        with open(path, "rb") as fh:
+            line = fh.readline(DEFAULT_MAX_LINE + 1)
+    except FileNotFoundError:
+        return None
+    if not line.endswith(b"\n"):
+        return None
+    return decode_line(line[:-1], str(path), 1)
 
-    The snapshot carries the whole projection at the rotation, so the cost of
-    a status query does not grow with the log's history.
+
+def project_rank(path: Path) -> Projection:
+    """The projection of one rank's log, read the way :class:`~torpor.hooks.Follower` reads it.
+
+    When the active file opens with a rotation snapshot only that file is read
+    (the snapshot carries the whole projection), so a status query costs the
+    same however long the history. A line being written is not an error, and
+    pruned segments are skipped with a warning; a corrupted line raises.
     """
-    if path.exists():
-        events = read_events_file(path)
-        first = next(events, None)
-        if first is not None and first.kind is EventKind.SNAPSHOT:
-            return project(itertools.chain([first], events))
-    return replay(path)
+    first = _first_event(path)
+    after = first.seq - 1 if first is not None and first.kind is EventKind.SNAPSHOT else 0
+    with Follower(path, after=after) as follower:
+        return project(follower.read_available())
 
 
 def _rank_view(engine: str, rank: int, path: Path) -> RankView:
@@ -231,7 +243,7 @@ def _rank_view(engine: str, rank: int, path: Path) -> RankView:
     except (TorporError, OSError, ValueError) as exc:
         return RankView(engine, rank, path, "unreadable", error=str(exc))
     if proj.last_seq == 0:
-        return RankView(engine, rank, path, "unreadable", error="the log is empty")
+        return RankView(engine, rank, path, "unreadable", error="the log holds no complete event yet")
     state = "closed" if proj.last_kind == "closed" else proj.state.value
     return RankView(
         engine=engine,
