@@ -124,10 +124,7 @@ def describe(event: Event) -> str:
     """The key fields of one event, ``name=value`` separated by spaces."""
     data = dict(event.data)
     parts: list[str] = []
-    if "usage" in data:
-        usage = data.pop("usage")
-        total = sum(int(v) for v in usage.values()) if isinstance(usage, Mapping) else 0
-        parts.append(f"resident={fmt_bytes(total)} in {len(usage)} tag(s)")
+    usage = data.pop("usage", None)
     data.pop("projection", None)
     order = [n for n in _FIRST if n in data] + sorted(n for n in data if n not in _FIRST)
     if event.kind is EventKind.REFUSED:
@@ -142,6 +139,9 @@ def describe(event: Event) -> str:
         if len(text) > _MAX_FIELD:
             text = text[: _MAX_FIELD - 1] + "…"
         parts.append(f"{name}={text}")
+    if isinstance(usage, Mapping):
+        total = sum(int(v) for v in usage.values())
+        parts.append(f"resident={fmt_bytes(total)} in {len(usage)} tag(s)")
     return " ".join(parts)
 
 
