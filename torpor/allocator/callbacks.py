@@ -12,6 +12,7 @@ call them at interpreter exit).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import logging
@@ -67,6 +68,7 @@ class TorchPools:
         self._pools: dict[str, Any] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
+        atexit.register(self.close)  # pools must go while the interpreter can still run the free callback
 
     def torch_allocator(self, tag: str) -> Any:
         """The ``_cuda_CUDAAllocator`` whose callbacks allocate under ``tag`` (made once per tag)."""
@@ -130,5 +132,21 @@ class TorchPools:
         mempool = pool.mempool
         pool.mempool = None
         torch.cuda.synchronize()
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:  # cuBLAS keeps a workspace per capture stream, allocated in the pool
+            clear()
         del mempool
         gc.collect()
+
+    def close(self) -> None:
+        """Drop every tag's MemPool so torch returns their cached segments (teardown)."""
+        import torch
+
+        if self._pools:
+            torch.cuda.synchronize()
+            self._pools.clear()
+            gc.collect()
+        graph = self.allocator._graph_pool
+        if graph is not None and graph.mempool is not None:
+            self.allocator._graph_pool = None
+            self.drop(graph)

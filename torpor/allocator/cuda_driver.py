@@ -82,6 +82,13 @@ class CudaDriver(Driver):
         if current is None or int(current) == 0:
             self._check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
 
+    def prepare_thread(self) -> None:
+        """Primary context current, and relaxed capture mode: pinning here must not break a capture in another thread."""
+        cu = _cu()
+        self.ensure_context(0)
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        self._check("cuThreadExchangeStreamCaptureMode", cu.cuThreadExchangeStreamCaptureMode(mode))
+
     def use_device(self, device: int) -> Any:
         """Make ``device``'s primary context current; return the previous one (for :meth:`restore_context`)."""
         cu = _cu()
@@ -149,8 +156,8 @@ class CudaDriver(Driver):
         self.ensure_context(device)
         return self._check("cuMemCreate", _cu().cuMemCreate(nbytes, self._prop(device), 0))
 
-    def _map(self, address: int, nbytes: int, handle: object) -> None:
-        self._check("cuMemMap", _cu().cuMemMap(address, nbytes, 0, handle, 0))
+    def _map(self, address: int, nbytes: int, handle: object, offset: int) -> None:
+        self._check("cuMemMap", _cu().cuMemMap(address, nbytes, offset, handle, 0))
 
     def _set_access(self, address: int, nbytes: int, device: int) -> None:
         self._prop(device)

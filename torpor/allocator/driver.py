@@ -62,9 +62,9 @@ class Driver(ABC):
         """Create ``nbytes`` of physical memory on ``device``; return its handle."""
         return self.invoke("create", nbytes, device)
 
-    def map(self, address: int, nbytes: int, handle: object) -> None:
-        """Map a physical handle at ``address`` (inside a reservation)."""
-        self.invoke("map", address, nbytes, handle)
+    def map(self, address: int, nbytes: int, handle: object, offset: int = 0) -> None:
+        """Map ``nbytes`` of a physical handle, from ``offset`` into it, at ``address`` (inside a reservation)."""
+        self.invoke("map", address, nbytes, handle, offset)
 
     def set_access(self, address: int, nbytes: int, device: int) -> None:
         """Make a mapped range readable and writable from ``device``."""
@@ -126,7 +126,7 @@ class Driver(ABC):
     def _create(self, nbytes: int, device: int) -> object: ...
 
     @abstractmethod
-    def _map(self, address: int, nbytes: int, handle: object) -> None: ...
+    def _map(self, address: int, nbytes: int, handle: object, offset: int) -> None: ...
 
     @abstractmethod
     def _set_access(self, address: int, nbytes: int, device: int) -> None: ...
@@ -165,6 +165,10 @@ class Driver(ABC):
 
     def ensure_context(self, device: int) -> None:
         """Make a context for ``device`` current in this thread when none is (no-op off CUDA)."""
+        return None
+
+    def prepare_thread(self) -> None:
+        """Set up a helper thread (pinning): a context, and no interference with graph captures elsewhere."""
         return None
 
     def read(self, address: int, nbytes: int) -> bytes:

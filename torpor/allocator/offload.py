@@ -98,6 +98,7 @@ class HostArena:
         self._closed = False
         self.last_error: BaseException | None = None
         self.pin_seconds = 0.0
+        self._paused = 0
 
     # -- reading ---------------------------------------------------------------------
 
@@ -146,17 +147,41 @@ class HostArena:
                 timeout,
             )
 
+    def pause(self) -> None:
+        """Hold background pinning (and wait for pins in flight): a graph capture is about to start."""
+        with self._cond:
+            self._paused += 1
+            self._cond.wait_for(lambda: self._inflight == 0, timeout=60)
+
+    def resume(self) -> None:
+        """Let background pinning go on after :meth:`pause`."""
+        with self._cond:
+            self._paused = max(self._paused - 1, 0)
+            self._cond.notify_all()
+
     def _pinned_locked(self) -> int:
         return sum(c.nbytes for c in self._chunks.values())
 
     def _pinner(self) -> None:
         chunk = self.policy.chunk_bytes
+        try:
+            self.driver.prepare_thread()
+        except Exception as exc:  # no pinning ahead; backups pin when they need to
+            logger.warning("the host pinning thread could not start: %s", exc)
+            with self._cond:
+                self.last_error = exc
+                self._cond.notify_all()
+            return
         while True:
             with self._cond:
                 self._cond.wait_for(
                     lambda: (
                         self._closed
-                        or (self.last_error is None and self._pinned_locked() + self._inflight < self._target)
+                        or (
+                            self.last_error is None
+                            and not self._paused
+                            and self._pinned_locked() + self._inflight < self._target
+                        )
                     )
                 )
                 if self._closed:
@@ -181,6 +206,7 @@ class HostArena:
 
         def one(_: int) -> None:
             try:
+                self.driver.prepare_thread()
                 host = self.driver.host_alloc(chunk)
             except Exception as exc:  # reported below, as one allocator error
                 errors.append(exc)

@@ -39,6 +39,7 @@ class _Mapping:
     start: int
     size: int
     handle: _Handle
+    offset: int = 0
     accessible: bool = False
 
 
@@ -188,12 +189,12 @@ class SimDriver(Driver):
         dev.used += nbytes
         return _Handle(next(self._ids), device, bytearray(nbytes))
 
-    def _map(self, address: int, nbytes: int, handle: object) -> None:
+    def _map(self, address: int, nbytes: int, handle: object, offset: int) -> None:
         h = self._handle(handle, "map")
         if h.released:
             raise DriverError("map", "handle already released", 1)
-        if nbytes != len(h.data):
-            msg = f"map of {nbytes} bytes with a handle of {len(h.data)}"
+        if offset < 0 or offset % self._granularity_bytes or offset + nbytes > len(h.data):
+            msg = f"map of {nbytes} bytes at offset {offset} of a handle of {len(h.data)}"
             raise DriverError("map", msg, 1)
         dev = self._devices[h.device]
         if not any(s <= address and address + nbytes <= s + n for s, n in dev.reservations.items()):
@@ -206,7 +207,7 @@ class SimDriver(Driver):
             msg = f"{address:#x}+{nbytes} overlaps a mapping"
             raise DriverError("map", msg, 1)
         self._starts.insert(i, address)
-        self._mappings[address] = _Mapping(address, nbytes, h)
+        self._mappings[address] = _Mapping(address, nbytes, h, offset)
         h.mapped += 1
 
     def _set_access(self, address: int, nbytes: int, device: int) -> None:
@@ -250,7 +251,7 @@ class SimDriver(Driver):
             msg = f"cannot pin {nbytes} host bytes: {self.host_used} of {self.host_capacity} pinned"
             raise DriverOutOfMemory("host_alloc", msg, 2)
         address = self._host_next
-        self._host_next += nbytes + 4096
+        self._host_next += nbytes  # adjacent buffers, as real pinned allocations often are
         self._host[address] = bytearray(nbytes)
         self.host_used += nbytes
         return address
@@ -308,7 +309,7 @@ class SimDriver(Driver):
             if m.start > pos or not m.accessible:
                 break
             take = min(end, m.start + m.size) - pos
-            out.append((m, pos - m.start, take))
+            out.append((m, m.offset + pos - m.start, take))
             pos += take
             if pos >= end:
                 break

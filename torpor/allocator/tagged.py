@@ -50,12 +50,15 @@ class _Alloc:
     backup: list[Extent] | None = None
 
 
+_Piece = tuple[_Alloc, int, int]  # an allocation, the start and size of one of its mappings
+
+
 @dataclass
 class _Tag:
     allocs: dict[int, _Alloc] = field(default_factory=dict)
     released: bool = False
     backed_up: bool = False
-    pending: list[tuple[object, list[_Alloc]]] = field(default_factory=list)
+    pending: list[tuple[object, list[_Piece]]] = field(default_factory=list)
 
     def bytes(self) -> int:
         return sum(a.size for a in self.allocs.values())
@@ -75,7 +78,7 @@ class TaggedAllocator:
         *,
         host: HostPolicy | None = None,
         group_bytes: int = 64 * MiB,
-        piece_bytes: int = 512 * MiB,
+        piece_bytes: int = 128 * MiB,
         default_device: int = 0,
     ) -> None:
         if driver is None:
@@ -215,9 +218,11 @@ class TaggedAllocator:
         call_graph_pool_hooks(pool.id)
         stack: list[str] = self._local.__dict__.setdefault("tags", [])
         stack.append(GRAPH_TAG)
+        self.host.pause()  # no pinning while a graph is captured
         try:
             yield pool.id
         finally:
+            self.host.resume()
             stack.pop()
 
     @contextmanager
@@ -406,6 +411,9 @@ class TaggedAllocator:
         with self._lock:
             for state in self._tags.values():
                 self._settle(state)
+            if self._torch is not None:
+                self._graph_pool = None
+                self._torch.close()  # torch frees its cached segments through the free callback
             for address in list(self._allocs):
                 try:
                     self.free(address)
@@ -449,19 +457,23 @@ class TaggedAllocator:
         skip = self.host.policy.prepin_exclude
         return sum(s.bytes() for t, s in self._tags.items() if t not in skip)
 
-    def _groups(self, allocs: list[_Alloc]) -> list[list[_Alloc]]:
-        groups: list[list[_Alloc]] = []
-        current: list[_Alloc] = []
+    def _batches(self, pieces: list[_Piece]) -> list[list[_Piece]]:
+        """Cut pieces (in address order) into batches of at least ``group_bytes``, one device each."""
+        batches: list[list[_Piece]] = []
+        current: list[_Piece] = []
         size = 0
-        for alloc in allocs:
-            current.append(alloc)
-            size += alloc.size
+        for piece in pieces:
+            if current and current[0][0].device != piece[0].device:
+                batches.append(current)
+                current, size = [], 0
+            current.append(piece)
+            size += piece[2]
             if size >= self.group_bytes:
-                groups.append(current)
+                batches.append(current)
                 current, size = [], 0
         if current:
-            groups.append(current)
-        return groups
+            batches.append(current)
+        return batches
 
     def _take_host(self, tag: str, state: _Tag) -> None:
         allocs = sorted(state.allocs.values(), key=lambda a: a.address)
@@ -476,11 +488,12 @@ class TaggedAllocator:
 
     def _enqueue_backup(self, tag: str, state: _Tag) -> None:
         allocs = sorted(state.allocs.values(), key=lambda a: a.address)
+        pieces = [(a, start, n) for a in allocs for start, n in sorted(a.maps)]
         try:
-            for group in self._groups(allocs):
-                for device, address, host, n in _copies(group):
+            for batch in self._batches(pieces):
+                for device, address, host, n in _piece_copies(batch):
                     self.driver.copy_d2h(host, address, n, device)
-                state.pending.append((self.driver.record(group[0].device), group))
+                state.pending.append((self.driver.record(batch[0][0].device), batch))
         except Exception as exc:
             self._settle(state)
             raise wrap("backup", tag, exc) from exc
@@ -495,8 +508,8 @@ class TaggedAllocator:
         state.pending.clear()
 
     def _wait_pending(self, state: _Tag, alloc: _Alloc) -> None:
-        for i, (_event, group) in enumerate(state.pending):
-            if alloc in group:
+        for i, (_event, batch) in enumerate(state.pending):
+            if any(p[0] is alloc for p in batch):
                 for ev, _ in state.pending[: i + 1]:
                     self.driver.wait(ev)
                 del state.pending[: i + 1]
@@ -517,23 +530,23 @@ class TaggedAllocator:
             if missing:
                 msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
                 raise AllocatorError("release", tag, msg)
-        order: list[tuple[object | None, list[_Alloc]]] = []
-        covered: set[int] = set()
-        for event, group in state.pending:
-            live = [a for a in group if state.allocs.get(a.address) is a]
+        order: list[tuple[object | None, list[_Piece]]] = []
+        covered: set[tuple[int, int]] = set()
+        for event, batch in state.pending:
+            live = [p for p in batch if state.allocs.get(p[0].address) is p[0] and (p[1], p[2]) in p[0].maps]
             order.append((event, live))
-            covered.update(id(a) for a in live)
-        order += [(None, g) for g in self._groups([a for a in allocs if id(a) not in covered])]
+            covered.update((id(p[0]), p[1]) for p in live)
+        rest = [(a, st, n) for a in allocs for st, n in sorted(a.maps) if (id(a), st) not in covered]
+        order += [(None, b) for b in self._batches(rest)]
         done: list[tuple[_Alloc, tuple[int, int]]] = []
         try:
-            for event, group in order:
+            for event, batch in order:
                 if event is not None:
                     self.driver.wait(event)
-                for alloc in group:
-                    for piece in list(alloc.maps):
-                        self.driver.unmap(*piece)
-                        alloc.maps.remove(piece)
-                        done.append((alloc, piece))
+                for alloc, start, n in batch:
+                    self.driver.unmap(start, n)
+                    alloc.maps.remove((start, n))
+                    done.append((alloc, (start, n)))
         except Exception as exc:
             self._settle(state)
             lost = self._remap_pieces(done, state.backed_up)
@@ -561,15 +574,24 @@ class TaggedAllocator:
         return [(alloc.address + off, min(step, alloc.size - off)) for off in range(0, alloc.size, step)]
 
     def _remap(self, allocs: list[_Alloc], with_backup: bool) -> None:
-        """Map ``allocs`` group by group, each group's copy enqueued as soon as it is mapped."""
-        for group in self._groups(allocs):
-            for alloc in group:
-                self._map_pieces(alloc, self._pieces(alloc))
-            for device, start, n in _spans(group):
-                self.driver.set_access(start, n, device)
+        """Map ``allocs`` batch by batch (one physical handle per batch), each batch's copy enqueued at once."""
+        pieces = [(a, start, n) for a in allocs for start, n in self._pieces(a)]
+        for batch in self._batches(pieces):
+            device = batch[0][0].device
+            handle = self.driver.create(sum(n for _, _, n in batch), device)
+            offset = 0
+            try:
+                for alloc, start, n in batch:
+                    self.driver.map(start, n, handle, offset)
+                    alloc.maps.append((start, n))
+                    offset += n
+            finally:
+                self.driver.release(handle)  # what is mapped lives on; the unmaps free it
+            for dev, start, n in _piece_spans(batch):
+                self.driver.set_access(start, n, dev)
             if with_backup:
-                for device, address, host, n in _copies(group):
-                    self.driver.copy_h2d(address, host, n, device)
+                for dev, address, host, n in _piece_copies(batch):
+                    self.driver.copy_h2d(address, host, n, dev)
 
     def _rollback_restore(self, allocs: list[_Alloc]) -> None:
         for device in {a.device for a in allocs}:
@@ -598,7 +620,7 @@ class TaggedAllocator:
                 self.driver.set_access(start, size, alloc.device)
                 if with_backup and alloc.backup:
                     offset = start - alloc.address
-                    for host, n, at in _host_range(alloc.backup, offset, size):
+                    for host, n, at, _ in _host_range(alloc.backup, offset, size):
                         self.driver.copy_h2d(start + at, host, n, alloc.device)
                 else:
                     lost += size
@@ -628,47 +650,46 @@ def _split(extents: list[Extent], nbytes: int) -> tuple[list[Extent], list[Exten
     return head, rest
 
 
-def _host_range(extents: list[Extent], offset: int, nbytes: int) -> list[tuple[int, int, int]]:
-    """(host address, bytes, offset from ``offset``) pieces covering ``[offset, offset + nbytes)`` of a backup."""
+def _host_range(extents: list[Extent], offset: int, nbytes: int) -> list[tuple[int, int, int, int]]:
+    """(host address, bytes, offset from ``offset``, chunk) pieces covering ``[offset, offset + nbytes)`` of a backup."""
     out = []
     pos = 0
     for e in extents:
         lo, hi = max(offset, pos), min(offset + nbytes, pos + e.nbytes)
         if lo < hi:
-            out.append((e.host + lo - pos, hi - lo, lo - offset))
+            out.append((e.host + lo - pos, hi - lo, lo - offset, e.chunk))
         pos += e.nbytes
     return out
 
 
-def _copies(group: list[_Alloc]) -> list[tuple[int, int, int, int]]:
-    """(device, device address, host address, bytes) copies for a group, merged where both sides are contiguous."""
-    out: list[tuple[int, int, int, int]] = []
-    for alloc in group:
-        pos = alloc.address
-        for e in alloc.backup or []:
-            if (
-                out
-                and out[-1][0] == alloc.device
-                and out[-1][1] + out[-1][3] == pos
-                and out[-1][2] + out[-1][3] == e.host
-            ):
-                d, a, h, n = out[-1]
-                out[-1] = (d, a, h, n + e.nbytes)
-            else:
-                out.append((alloc.device, pos, e.host, e.nbytes))
-            pos += e.nbytes
-    return out
+def _piece_copies(batch: list[_Piece]) -> list[tuple[int, int, int, int]]:
+    """(device, device address, host address, bytes) copies for a batch.
+
+    Merged where both sides are contiguous and the host side stays inside one
+    pinned chunk: a copy may span device mappings, never two pinned allocations.
+    """
+    out: list[tuple[int, int, int, int, int]] = []
+    for alloc, start, n in batch:
+        for host, m, at, chunk in _host_range(alloc.backup or [], start - alloc.address, n):
+            address = start + at
+            if out:
+                d, a, h, k, c = out[-1]
+                if d == alloc.device and a + k == address and h + k == host and c == chunk:
+                    out[-1] = (d, a, h, k + m, c)
+                    continue
+            out.append((alloc.device, address, host, m, chunk))
+    return [(d, a, h, k) for d, a, h, k, _ in out]
 
 
-def _spans(group: list[_Alloc]) -> list[tuple[int, int, int]]:
-    """(device, start, bytes) of the contiguous address spans of a group."""
+def _piece_spans(batch: list[_Piece]) -> list[tuple[int, int, int]]:
+    """(device, start, bytes) of the contiguous address spans of a batch."""
     out: list[tuple[int, int, int]] = []
-    for alloc in group:
-        if out and out[-1][0] == alloc.device and out[-1][1] + out[-1][2] == alloc.address:
-            d, s, n = out[-1]
-            out[-1] = (d, s, n + alloc.size)
+    for alloc, start, n in batch:
+        if out and out[-1][0] == alloc.device and out[-1][1] + out[-1][2] == start:
+            d, st, k = out[-1]
+            out[-1] = (d, st, k + n)
         else:
-            out.append((alloc.device, alloc.address, alloc.size))
+            out.append((alloc.device, start, n))
     return out
 
 
