@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor.hooks import FleetError, fleet, wait_fleet
+from torpor.hooks import FleetError, FleetView, fleet, wait_fleet, wait_fleet_async
 from torpor.hooks.fleet import project_rank
 from torpor.statemachine import EventKind, EventLog, SleepController, log_path_for, replay
 from torpor.statemachine.log import read_events_file
@@ -261,3 +262,30 @@ def test_pruned_history_still_gives_the_state(tmp_path: Path) -> None:
     assert engine.lagging == (1,)
     assert engine.rank(0).level == 1
     assert engine.rank(0).last_seq == ranks[0].last_seq
+
+
+def test_wait_fleet_async(tmp_path: Path) -> None:
+    """wait_fleet_async returns the view once the ranks arrive, without blocking the event loop."""
+    ranks = _ranks(tmp_path, 2)
+
+    async def main() -> tuple[FleetView | None, FleetView | None, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        tick_task = asyncio.create_task(ticker())
+        missed = await wait_fleet_async(tmp_path, "asleep", timeout=0.05, poll=0.01)
+        for c in ranks:
+            c.sleep(2)
+        reached = await wait_fleet_async(tmp_path, "asleep_l2", timeout=5, poll=0.01)
+        tick_task.cancel()
+        return missed, reached, ticks
+
+    missed, reached, ticks = asyncio.run(main())
+    assert missed is None
+    assert reached is not None and reached.engine("llm").level == 2
+    assert ticks >= 3  # the loop kept running while waiting

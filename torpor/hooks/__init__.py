@@ -23,7 +23,17 @@ from torpor.hooks.capture import (
     routes_to_cumem,
     set_nccl_graph_pool_hook,
 )
-from torpor.hooks.fleet import ENGINE_STATES, EngineView, FleetError, FleetView, RankView, fleet, rank_logs, wait_fleet
+from torpor.hooks.fleet import (
+    ENGINE_STATES,
+    EngineView,
+    FleetError,
+    FleetView,
+    RankView,
+    fleet,
+    rank_logs,
+    wait_fleet,
+    wait_fleet_async,
+)
 from torpor.hooks.follow import Follower, follow, follow_async
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, NcclDecision, apply_nccl_defaults
 from torpor.hooks.predicate import (
@@ -64,4 +74,5 @@ __all__ = [
     "routes_to_cumem",
     "set_nccl_graph_pool_hook",
     "wait_fleet",
+    "wait_fleet_async",
 ]

@@ -12,6 +12,7 @@ makes the engine ``unknown``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import time
@@ -327,3 +328,24 @@ def wait_fleet(
         if deadline is not None and time.monotonic() >= deadline:
             return None
         time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
+
+
+async def wait_fleet_async(
+    directory: str | os.PathLike[str],
+    state: str,
+    timeout: float | None = None,
+    *,
+    engine: str | None = None,
+    world_size: int | None = None,
+    poll: float = 0.2,
+) -> FleetView | None:
+    """Asyncio variant of :func:`wait_fleet`; the logs are read in a worker thread, never on the event loop."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    while True:
+        view = await asyncio.to_thread(fleet, directory, engine=engine, world_size=world_size)
+        if view.engines and all(e.matches(state) for e in view.engines):
+            return view
+        if deadline is not None and loop.time() >= deadline:
+            return None
+        await asyncio.sleep(poll if deadline is None else max(0.0, min(poll, deadline - loop.time())))
