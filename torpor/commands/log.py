@@ -163,9 +163,10 @@ def run_show(args: argparse.Namespace) -> int:
     """Print the timeline."""
     path = resolve_log(args.path)
     kinds = set(args.kind or ())
+    events = list(read_events(path))  # a corrupted line fails before anything is printed
     proj = Projection()
     _header(path, print)
-    for event in read_events(path):
+    for event in events:
         proj.apply(event)
         if event.seq <= args.after or (kinds and event.kind.value not in kinds):
             continue
