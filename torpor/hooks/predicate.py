@@ -74,9 +74,9 @@ def _unmet(
     if name not in CUMEM_BACKENDS:
         family = ", ".join(sorted(CUMEM_BACKENDS))
         shown = repr(backend) if backend else "none"
-        unmet.append(("cumem_backend", f"sleep backend {shown} is not a cuMem backend ({family})"))
+        unmet.append(("cumem_backend", f"sleep backend {shown} is not one of the cuMem backends {family}"))
     if not cudagraphs:
-        unmet.append(("cudagraphs", "CUDA graphs are off (eager mode)"))
+        unmet.append(("cudagraphs", "CUDA graphs are off: eager mode"))
     if platform.strip().lower() != "cuda":
         unmet.append(("cuda_platform", f"platform {platform!r} is not CUDA"))
     return unmet
@@ -111,10 +111,10 @@ def cudagraph_pool_decision(
         platform=platform,
     )
     if decision.opted_in and not decision.active:
-        what = "; ".join(f"{name} ({why})" for name, why in unmet)
+        what = "; ".join(f"{name}: {why}" for name, why in unmet)
         warn_once(
             f"cudagraph_pool:{','.join(decision.missing)}",
-            f"offload_cudagraph is on but the cuMem graph pool is not used: missing {what}. "
+            f"offload_cudagraph is on but the cuMem graph pool is not used. Missing {what}. "
             "CUDA graphs stay in plain pools, keep their memory while asleep, "
             "and NCCL and custom all-reduce settings are left as they are.",
         )
