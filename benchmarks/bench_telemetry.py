@@ -156,11 +156,11 @@ def _otel_sdk(c: SleepController) -> Any:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+    tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
     meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
     return attach(c, registry=CollectorRegistry(), tracer_provider=tracer_provider, meter_provider=meter_provider)
 
@@ -211,7 +211,7 @@ def main() -> None:
     rows = [
         ("Prometheus collector only", _prometheus),
         ("Prometheus + OpenTelemetry, no SDK (attach() default)", _default),
-        ("Prometheus + OpenTelemetry SDK, in-memory exporter/reader", _otel_sdk),
+        ("Prometheus + OpenTelemetry SDK (BatchSpanProcessor, in-memory exporter and reader)", _otel_sdk),
     ]
     print(f"python {platform.python_version()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     print(f"load average {os.getloadavg()[0]:.2f}, date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")

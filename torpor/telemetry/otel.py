@@ -6,8 +6,8 @@ one child span per tag (bytes, offload or discard, seconds), span events for
 rollbacks and refusals, and an error status when a sleep aborts or a wake
 fails. A refusal outside any transition gets a short span of its own named
 after the refused command. Metrics go through the meter: observable gauges for
-bytes and state, histograms for durations, counters for refusals, transitions
-and transferred bytes. With no SDK configured the API's no-op providers make
+bytes and state, histograms for durations, counters for refusals and
+transitions. With no SDK configured the API's no-op providers make
 all of this free; providers can be injected (tests pass the SDK's in-memory ones).
 """
 
@@ -67,9 +67,6 @@ class _Instruments:
         )
         self.transitions = meter.create_counter("torpor.transitions", unit="1", description="State transitions")
         self.refusals = meter.create_counter("torpor.refusals", unit="1", description="Commands refused by the guard")
-        self.transfer_bytes = meter.create_counter(
-            "torpor.tag.transfer", unit="By", description="Bytes copied per tag between device and host"
-        )
 
     def _each(self) -> Iterator[tuple[dict[str, Any], Tracker]]:
         with self.lock:
@@ -198,10 +195,6 @@ class OtelSink:
                 inst.transitions.add(1, attrs)
             elif obs.metric == "refusal":
                 inst.refusals.add(1, {**self.base, "torpor.command": obs.labels[0], "torpor.reason": obs.labels[1]})
-            elif obs.metric == "transfer_bytes":
-                inst.transfer_bytes.add(
-                    obs.value, {**self.base, "torpor.tag": obs.labels[0], "torpor.direction": obs.labels[1]}
-                )
 
     def _open(self, name: str, when: int, attrs: dict[str, Any]) -> None:
         if self.span is not None:  # a transition the events never closed (a crash): end it as unknown
@@ -227,8 +220,7 @@ class OtelSink:
         end = _ns(event.wall)
         seconds = float(data.get("seconds", 0.0))
         start = end - int(seconds * 1e9)
-        attrs: dict[str, Any] = {
-            **self.base,
+        attrs: dict[str, Any] = {  # engine and rank are on the parent span
             "torpor.tag": str(data["tag"]),
             "torpor.bytes": int(data["bytes"]),
             "torpor.seconds": seconds,
