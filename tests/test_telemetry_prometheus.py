@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from torpor import SleepController, State
+from torpor import EventKind, SleepController, State
 from torpor.errors import InvalidTransition, MemoryOperationFailed
 from torpor.telemetry import METRICS, attach
 from torpor.testing import FakeMemory
@@ -209,3 +210,80 @@ def test_direct_rendering_is_the_same_text_as_generate_latest() -> None:
     text = collector.exposition()
     assert text == generate_latest(registry)
     assert b'rank="2",state="asleep_l2"} 1.0' in text
+
+
+def test_scrapes_during_transitions_are_consistent() -> None:
+    """Scraping from another thread while the controller cycles never fails and always shows exactly one state."""
+    import threading
+
+    registry = CollectorRegistry()
+    controller = SleepController(FakeMemory(TAGS), engine="e")
+    handle = attach(controller, registry=registry, otel=False)
+    assert handle.collector is not None
+    collector = handle.collector
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def cycle() -> None:
+        try:
+            while not stop.is_set():
+                controller.sleep(1)
+                controller.wake()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=cycle)
+    worker.start()
+    try:
+        for _ in range(200):
+            text = collector.exposition().decode()
+            ones = [line for line in text.splitlines() if line.startswith("torpor_state{") and line.endswith(" 1.0")]
+            assert len(ones) == 1, ones
+    finally:
+        stop.set()
+        worker.join(timeout=30)
+    assert not errors
+
+
+def test_a_source_needs_only_projection_events_and_subscribe() -> None:
+    """Telemetry works with any object offering projection, events and subscribe: it calls no command."""
+
+    class ReadOnly:
+        def __init__(self, controller: SleepController) -> None:
+            self._c = controller
+            self.engine, self.rank = controller.engine, controller.rank
+
+        @property
+        def projection(self):  # type: ignore[no-untyped-def]
+            return self._c.projection
+
+        def events(self, after: int = 0):  # type: ignore[no-untyped-def]
+            return self._c.events(after)
+
+        def subscribe(self, callback, kinds=None):  # type: ignore[no-untyped-def]
+            return self._c.subscribe(callback, kinds)
+
+    registry = CollectorRegistry()
+    controller = SleepController(FakeMemory(TAGS), engine="ro", rank=4)
+    attach(ReadOnly(controller), registry=registry, otel=False)
+    controller.sleep(1)
+    got = samples(registry)
+    assert value(got, "torpor_state", engine="ro", rank="4", state="asleep_l1") == 1
+    assert value(got, "torpor_info", engine="ro", rank="4", version="0.1.0", driver="FakeMemory") == 1
+
+
+def test_an_interrupted_log_shows_the_transitional_state(tmp_path: Path) -> None:
+    """A controller reopened on a log that ends mid-sleep exposes 'suspending' until it recovers."""
+    controller = SleepController(FakeMemory(TAGS), log=tmp_path, engine="crash", fsync=False)
+    controller._emit(EventKind.SLEEP_REQUESTED, level=1, plan={}, usage={})  # what a crash mid-sleep leaves
+    controller.log.close()  # type: ignore[union-attr]
+    reopened = SleepController(FakeMemory(TAGS), log=tmp_path, engine="crash", fsync=False)
+    registry = CollectorRegistry()
+    attach(reopened, registry=registry, otel=False)
+    assert value(samples(registry), "torpor_state", engine="crash", rank="0", state="suspending") == 1
+    reopened.recover()
+    got = samples(registry)
+    assert value(got, "torpor_state", engine="crash", rank="0", state="awake") == 1
+    assert (
+        value(got, "torpor_transitions_total", engine="crash", rank="0", from_state="suspending", to_state="awake") == 1
+    )
