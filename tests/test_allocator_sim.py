@@ -1,0 +1,154 @@
+"""Tests of SimDriver: VMM rules, capacity, host memory, fault injection and the call record."""
+
+from __future__ import annotations
+
+import pytest
+
+from torpor.allocator import Driver, DriverError, DriverOutOfMemory, SimDriver
+from torpor.errors import OutOfMemory
+
+G = 64 * 1024
+
+
+def mapped(sim: SimDriver, nbytes: int = G) -> int:
+    """Reserve, create, map and enable ``nbytes``; return the address."""
+    va = sim.reserve(nbytes, 0)
+    h = sim.create(nbytes, 0)
+    sim.map(va, nbytes, h)
+    sim.set_access(va, nbytes, 0)
+    sim.release(h)
+    return va
+
+
+def test_calls_cover_every_driver_method() -> None:
+    """CALLS names exactly the public driver calls, so a fault matrix can enumerate them."""
+    for call in SimDriver.CALLS:
+        assert callable(getattr(SimDriver, call))
+        assert hasattr(SimDriver, "_" + call)
+    assert set(SimDriver.CALLS) == set(Driver.CALLS)
+
+
+def test_bytes_round_trip_through_a_mapping() -> None:
+    """Bytes written at a mapped address read back the same."""
+    sim = SimDriver(1 << 20, granularity=G)
+    va = mapped(sim)
+    sim.write(va + 10, b"hello")
+    assert sim.read(va + 10, 5) == b"hello"
+
+
+def test_capacity_is_enforced_as_out_of_memory() -> None:
+    """Creating past the capacity raises an out-of-memory driver error."""
+    sim = SimDriver(2 * G, granularity=G)
+    sim.create(2 * G, 0)
+    with pytest.raises(DriverOutOfMemory) as err:
+        sim.create(G, 0)
+    assert isinstance(err.value, OutOfMemory)
+
+
+def test_release_while_mapped_frees_at_unmap() -> None:
+    """A released handle keeps its memory while mapped; the unmap frees it."""
+    sim = SimDriver(4 * G, granularity=G)
+    va = mapped(sim)
+    assert sim.used == G
+    sim.unmap(va, G)
+    assert sim.used == 0
+
+
+def test_unmap_needs_the_whole_mapping() -> None:
+    """Unmapping part of a mapping is refused, as on CUDA."""
+    sim = SimDriver(4 * G, granularity=G)
+    va = sim.reserve(2 * G, 0)
+    h = sim.create(2 * G, 0)
+    sim.map(va, 2 * G, h)
+    with pytest.raises(DriverError):
+        sim.unmap(va, G)
+
+
+def test_map_at_an_offset_shares_one_handle() -> None:
+    """Two mappings of one handle at different offsets hold distinct bytes and free the handle after both unmaps."""
+    sim = SimDriver(4 * G, granularity=G)
+    va = sim.reserve(2 * G, 0)
+    h = sim.create(2 * G, 0)
+    sim.map(va, G, h, 0)
+    sim.map(va + G, G, h, G)
+    sim.set_access(va, 2 * G, 0)
+    sim.release(h)
+    sim.write(va, b"a" * G)
+    sim.write(va + G, b"b" * G)
+    assert sim.read(va + G - 1, 2) == b"ab"
+    sim.unmap(va, G)
+    assert sim.used == 2 * G
+    sim.unmap(va + G, G)
+    assert sim.used == 0
+
+
+def test_read_of_unmapped_memory_fails() -> None:
+    """Reading an address with no accessible mapping raises."""
+    sim = SimDriver(4 * G, granularity=G)
+    va = sim.reserve(G, 0)
+    with pytest.raises(DriverError):
+        sim.read(va, 1)
+
+
+def test_host_copies_and_host_capacity() -> None:
+    """Copies move bytes both ways; pinning past host capacity is out of memory."""
+    sim = SimDriver(4 * G, granularity=G, host_capacity=G)
+    va = mapped(sim)
+    sim.write(va, b"x" * G)
+    host = sim.host_alloc(G)
+    sim.copy_d2h(host, va, G, 0)
+    sim.write(va, b"y" * G)
+    sim.copy_h2d(va, host, G, 0)
+    assert sim.read(va, 3) == b"xxx"
+    with pytest.raises(DriverOutOfMemory):
+        sim.host_alloc(1)
+    sim.host_free(host)
+    assert sim.host_used == 0
+
+
+def test_fail_nth_call_then_recover() -> None:
+    """fail(call, nth) fails exactly the nth next invocation, records it, then calls succeed again."""
+    sim = SimDriver(8 * G, granularity=G)
+    sim.fail("create", nth=2)
+    sim.create(G, 0)
+    with pytest.raises(DriverError) as err:
+        sim.create(G, 0)
+    assert err.value.call == "create"
+    sim.create(G, 0)
+    assert [c.failed for c in sim.calls if c.call == "create"] == [False, True, False]
+    assert sim.count("create") == 3
+
+
+def test_fail_times_and_oom_flag() -> None:
+    """times repeats the failure; oom=True raises an OutOfMemory."""
+    sim = SimDriver(8 * G, granularity=G)
+    sim.fail("host_alloc", times=2, oom=True)
+    for _ in range(2):
+        with pytest.raises(DriverOutOfMemory):
+            sim.host_alloc(G)
+    sim.host_alloc(G)
+
+
+def test_fail_unknown_call_is_refused() -> None:
+    """Arming a call the driver does not make is a ValueError naming the calls."""
+    with pytest.raises(ValueError, match="reserve"):
+        SimDriver().fail("nonsense")
+
+
+def test_clear_faults_disarms() -> None:
+    """clear_faults removes armed failures."""
+    sim = SimDriver(8 * G, granularity=G)
+    sim.fail("reserve")
+    sim.clear_faults()
+    sim.reserve(G, 0)
+
+
+def test_several_devices_have_separate_capacity() -> None:
+    """Each simulated device has its own capacity and address range."""
+    sim = SimDriver(G, granularity=G, devices=2)
+    sim.create(G, 0)
+    sim.create(G, 1)
+    assert sim.used_on(1) == G
+    assert sim.reserve(G, 0) != sim.reserve(G, 1)
+    with pytest.raises(DriverError):
+        sim.create(G, 2)
