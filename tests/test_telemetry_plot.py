@@ -9,7 +9,8 @@ import pytest
 from torpor import SleepController, State
 from torpor.cli import main
 from torpor.statemachine.log import read_events
-from torpor.telemetry.plot import STATE_COLOURS, plot, resolve_log, timeline
+from torpor.telemetry.plot import STATE_COLOURS, plot, timeline
+from torpor.telemetry.replay import resolve_log
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4 << 20, "kv_cache": 8 << 20, "cudagraph": 1 << 20}

@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Draw the timeline and say where it went."""
     try:
-        from torpor.telemetry.plot import plot, resolve_log
+        from torpor.telemetry.plot import plot
+        from torpor.telemetry.replay import resolve_log
     except ImportError as exc:  # pragma: no cover - matplotlib missing
         msg = f"plotting needs matplotlib (pip install 'torpor[plot]'): {exc}"
         raise ValueError(msg) from None

@@ -19,6 +19,7 @@ from torpor.telemetry.endpoint import Server, serve
 from torpor.telemetry.multiprocess import MultiprocessSink, mark_process_dead, multiprocess_registry
 from torpor.telemetry.otel import OtelSink
 from torpor.telemetry.prometheus import METRICS, TorporCollector, collector_for, release_collector
+from torpor.telemetry.replay import LogSource
 from torpor.telemetry.tracker import Observation, Source, Tracker, interpret
 
 
@@ -89,6 +90,7 @@ def attach(
 
 __all__ = [
     "METRICS",
+    "LogSource",
     "MultiprocessSink",
     "Observation",
     "OtelSink",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -264,8 +265,13 @@ class Server:
         self.close()
 
 
+def _close_all(closers: list[Callable[[], None]]) -> None:
+    for close in closers:
+        close()
+
+
 def serve(
-    source: Source | None,
+    source: Source | str | os.PathLike[str] | None,
     port: int = 0,
     host: str = "127.0.0.1",
     *,
@@ -279,12 +285,17 @@ def serve(
     ``registry`` is exposed as given; by default the endpoint exposes a
     private registry with torpor's collector for ``source`` (or, in
     multiprocess mode, the merged files of ``PROMETHEUS_MULTIPROC_DIR``).
-    ``source`` None serves ``/metrics`` only (an API server in multiprocess mode).
+    ``source`` None serves ``/metrics`` only (an API server in multiprocess mode); a
+    path serves an event log written by another process (:class:`~torpor.telemetry.replay.LogSource`).
     """
     from torpor.telemetry import attach, multiprocess
+    from torpor.telemetry.replay import LogSource, resolve_log
 
-    on_close: Callable[[], None] | None = None
+    closers: list[Callable[[], None]] = []
     render: Callable[[], bytes] | None = None
+    if isinstance(source, str | os.PathLike):
+        source = LogSource(resolve_log(source))
+        closers.append(source.close)
     if registry is None:
         if multiprocess.enabled():
             registry = multiprocess.multiprocess_registry()
@@ -292,7 +303,7 @@ def serve(
             registry = CollectorRegistry()
             if source is not None:
                 handle = attach(source, registry=registry, otel=False, multiprocess=False)
-                on_close = handle.detach
+                closers.insert(0, handle.detach)
                 render = handle.collector.exposition if handle.collector is not None else None
     return Server(
         source,
@@ -302,6 +313,6 @@ def serve(
         max_wait=max_wait,
         max_events=max_events,
         max_waiters=max_waiters,
-        on_close=on_close,
+        on_close=lambda: _close_all(closers),
         render=render,
     )

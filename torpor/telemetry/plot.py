@@ -82,23 +82,6 @@ def _unit(peak: int) -> tuple[float, str]:
     return 1.0, "bytes"
 
 
-def resolve_log(path: str | os.PathLike[str], engine: str | None = None, rank: int | None = None) -> Path:
-    """The log file to plot: ``path`` itself, or the one ``ENGINE.rankN.jsonl`` in a log directory."""
-    path = Path(path)
-    if not path.is_dir():
-        return path
-    files = sorted(path.glob("*.rank*.jsonl"))
-    if engine is not None:
-        files = [f for f in files if f.name.startswith(f"{engine}.rank")]
-    if rank is not None:
-        files = [f for f in files if f.name.endswith(f".rank{rank}.jsonl")]
-    if len(files) != 1:
-        names = ", ".join(f.name for f in files) or "none"
-        msg = f"{path} holds {len(files)} matching event logs ({names}); pick one with --engine and --rank"
-        raise ValueError(msg)
-    return files[0]
-
-
 def plot(log: str | os.PathLike[str], output: str | os.PathLike[str], title: str | None = None) -> Path:
     """Draw the timeline of the event log at ``log`` into the PNG ``output``; return its path."""
     import matplotlib
