@@ -1,0 +1,251 @@
+"""Concurrency: threads issuing random commands at one controller never deadlock, every refusal is logged, replay equals live."""
+
+from __future__ import annotations
+
+import faulthandler
+import itertools
+import logging
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torpor.errors import TorporError
+from torpor.statemachine.controller import SleepController, _clip
+from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.log import EventLog, read_events
+from torpor.statemachine.projection import replay
+from torpor.statemachine.protocol import Transfer
+from torpor.statemachine.states import State
+from torpor.testing import FakeMemory
+
+TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024, "workspace": 512, "cudagraph": 0}
+THREADS = 6
+SECONDS = 2.0
+BOUND = 60.0  # no thread may still be running this long after the run ends
+STEP = 0.0005
+
+
+class SlowMemory(FakeMemory):
+    """FakeMemory whose steps take a little time, so commands overlap; usage() is safe to call from any thread."""
+
+    def __init__(self, tags: dict[str, int]) -> None:
+        super().__init__(tags)
+        self._mutex = threading.RLock()
+
+    def usage(self) -> Any:
+        """Usage, under the memory's own lock."""
+        with self._mutex:
+            return super().usage()
+
+    def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Back up, slowly."""
+        time.sleep(STEP)
+        with self._mutex:
+            return super().backup(tags)
+
+    def release(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Release, slowly."""
+        time.sleep(STEP)
+        with self._mutex:
+            return super().release(tags)
+
+    def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Restore, slowly."""
+        time.sleep(STEP)
+        with self._mutex:
+            return super().restore(tags)
+
+    def fail_once(self, operation: str, tag: str = "*") -> None:
+        """Arm a failure, under the lock."""
+        with self._mutex:
+            super().fail_once(operation, tag)
+
+
+class Caller:
+    """One thread's random commands and what they raised."""
+
+    def __init__(self, ctrl: SleepController, mem: SlowMemory, seed: int, stop: threading.Event) -> None:
+        self.ctrl, self.mem, self.rng, self.stop = ctrl, mem, random.Random(seed), stop
+        self.errors: list[TorporError] = []
+        self.unexpected: list[BaseException] = []
+        self.commands = 0
+        self.seen: list[list[int]] = []
+
+    def _capture(self) -> None:
+        site = f"site-{self.rng.randrange(1000)}"
+        with self.ctrl.capture(site):
+            time.sleep(STEP)
+        if self.rng.random() < 0.7:
+            with self.mem._mutex:
+                if site in self.mem.graphs:
+                    self.mem.drop_graph(site)
+
+    def _subscribe(self) -> None:
+        seqs: list[int] = []
+        self.seen.append(seqs)
+
+        def on_event(event: Event) -> None:
+            seqs.append(event.seq)
+            self.ctrl.projection.to_dict()  # a subscriber reading the projection must not deadlock
+            if self.rng.random() < 0.05:
+                msg = "a subscriber that fails"
+                raise RuntimeError(msg)
+
+        unsubscribe = self.ctrl.subscribe(on_event)
+        time.sleep(self.rng.uniform(0, 0.02))
+        unsubscribe()
+
+    def actions(self) -> list[Callable[[], object]]:
+        """The command mix."""
+        return [
+            lambda: self.ctrl.sleep(self.rng.choice([1, 2, 1, 2, 3])),
+            lambda: self.ctrl.wake(self.rng.choice([None, None, ["weights"], ["kv_cache"], ["nope"]])),
+            lambda: self.ctrl.discard([self.rng.choice(["weights", "kv_cache", "cudagraph", "nope"])]),
+            self._capture,
+            self.ctrl.release_cudagraph_pool,
+            self._subscribe,
+            self.ctrl.observe,
+            lambda: self.ctrl.wait_for(State.AWAKE, timeout=0.01),
+            lambda: self.ctrl.record(EventKind.HOOK_DECISION, hook="test", active=True, detail="concurrent"),
+        ]
+
+    def run(self) -> None:
+        """Issue random commands until told to stop."""
+        actions = self.actions()
+        while not self.stop.is_set():
+            try:
+                self.rng.choice(actions)()
+            except TorporError as exc:
+                self.errors.append(exc)
+            except BaseException as exc:  # anything else is a bug
+                self.unexpected.append(exc)
+            self.commands += 1
+
+
+@contextmanager
+def _threads(callers: list[Caller], stop: threading.Event) -> Iterator[None]:
+    threads = [threading.Thread(target=c.run, name=f"caller-{i}", daemon=True) for i, c in enumerate(callers)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        deadline = time.monotonic() + BOUND
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in threads if t.is_alive()]
+        if alive:
+            faulthandler.dump_traceback(sys.stderr)
+            pytest.fail(f"deadlock: {alive} still running {BOUND} s after the stop")
+
+
+def _chaos(mem: SlowMemory, stop: threading.Event, seed: int) -> None:
+    rng = random.Random(seed)
+    while not stop.is_set():
+        op = rng.choice(["backup", "release", "restore", "drop_backup"])
+        mem.fail_once(op, rng.choice([*TAGS, "*"]))
+        time.sleep(rng.uniform(0.005, 0.03))
+
+
+@pytest.mark.parametrize("chaos", [False, True], ids=["clean", "with-memory-faults"])
+def test_random_commands_from_threads(tmp_path: Path, chaos: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Six threads of random commands (and memory faults): no deadlock, every error logged, replay equals live, nothing offloaded lost."""
+    caplog.set_level(
+        logging.CRITICAL, logger="torpor"
+    )  # failing subscribers are logged by design; keep the output short
+    path = tmp_path / "e.jsonl"
+    mem = SlowMemory(TAGS)
+    ctrl = SleepController(mem, EventLog(path, fsync=False, max_bytes=64 * 1024))
+    runtime = mem.content("runtime")
+    stop = threading.Event()
+    callers = [Caller(ctrl, mem, seed, stop) for seed in range(THREADS)]
+    extra = [threading.Thread(target=_chaos, args=(mem, stop, 99), daemon=True)] if chaos else []
+    with _threads(callers, stop):
+        for t in extra:
+            t.start()
+        time.sleep(SECONDS)
+    for t in extra:
+        t.join(BOUND)
+    unexpected = [e for c in callers for e in c.unexpected]
+    assert not unexpected, f"non-torpor exceptions escaped: {unexpected[:3]!r}"
+    errors = [e for c in callers for e in c.errors]
+    assert sum(c.commands for c in callers) > 200, "the threads hardly ran"
+
+    events = list(read_events(path))
+    live = ctrl.projection.to_dict()
+    assert replay(path).to_dict() == live
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+
+    # every raised TorporError is in the log: a refusal, or the abort/failure of the command that raised it
+    logged: Counter[tuple[str, str]] = Counter()
+    for e in events:
+        if e.kind is EventKind.REFUSED:
+            logged[(e.data["error"], e.data["reason"])] += 1
+        elif e.kind in (EventKind.SLEEP_ABORTED, EventKind.WAKE_FAILED):
+            logged[(e.data["error"], "failed")] += 1
+        elif e.kind is EventKind.SLEEP_COMPLETED and "incomplete" in e.data:  # the rollback failed too
+            logged[("MemoryOperationFailed", "failed")] += 1
+    raised: Counter[tuple[str, str]] = Counter()
+    for err in errors:
+        refused = (type(err).__name__, _clip(str(err), 2048))
+        raised[refused if logged[refused] > raised[refused] else (type(err).__name__, "failed")] += 1
+    missing = raised - logged
+    assert not missing, f"raised but not logged: {dict(missing)}"
+    assert sum(logged.values()) == len(errors), "the log holds refusals or failures that nobody saw raised"
+    assert ctrl.projection.refusals == sum(1 for e in events if e.kind is EventKind.REFUSED)
+
+    # every subscriber saw a gap-free run of events
+    for seqs in (s for c in callers for s in c.seen):
+        gaps = [(a, b) for a, b in itertools.pairwise(seqs) if b != a + 1]
+        assert not gaps, gaps
+
+    # the controller still works and nothing offloaded was lost
+    mem._failures.clear()  # failures the chaos thread armed but nothing reached
+    if ctrl.state is not State.AWAKE:
+        ctrl.wake()
+    assert ctrl.state is State.AWAKE
+    assert mem.content("runtime") == runtime, "runtime (always offloaded) lost its content"
+    ctrl.sleep(1)
+    ctrl.wake()
+    assert mem.content("runtime") == runtime
+    assert replay(path).to_dict() == ctrl.projection.to_dict()
+
+
+def test_command_in_flight_is_refused_not_queued(tmp_path: Path) -> None:
+    """A command arriving while another is in flight is refused at once with CommandInFlight naming the other, and logged."""
+    from torpor.errors import CommandInFlight
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocking(FakeMemory):
+        def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
+            entered.set()
+            release.wait(10)
+            return super().backup(tags)
+
+    path = tmp_path / "e.jsonl"
+    ctrl = SleepController(Blocking(TAGS), EventLog(path, fsync=False))
+    sleeper = threading.Thread(target=ctrl.sleep, args=(1,))
+    sleeper.start()
+    try:
+        assert entered.wait(10)
+        start = time.monotonic()
+        with pytest.raises(CommandInFlight, match=r"sleep\(level=1\)") as info:
+            ctrl.wake()
+        assert time.monotonic() - start < 1.0
+        assert info.value.in_flight == "sleep(level=1)"
+        assert ctrl.events()[-1].kind is EventKind.REFUSED
+    finally:
+        release.set()
+        sleeper.join(10)
+    assert ctrl.state is State.ASLEEP_L1
+    assert replay(path).to_dict() == ctrl.projection.to_dict()
