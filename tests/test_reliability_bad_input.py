@@ -580,3 +580,134 @@ def test_fuzz_checksummed_json(tmp_path: Path, raw: Any) -> None:
     line = f'{{"crc":"{crc:08x}",{text[1:]}'.encode()
     with contextlib.suppress(*_ALLOWED):
         decode_line(line, "fuzz", 1)
+
+
+# -- the HTTP endpoint ------------------------------------------------------------------
+
+ROUTES = ("/events", "/state", "/metrics")
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SleepController, Any]]:
+    """A controller with some history, served on loopback with short long-polls and a small event limit."""
+    from torpor.telemetry import serve
+
+    path = tmp_path_factory.mktemp("http") / "e.jsonl"
+    ctrl = SleepController(_memory(), path, fsync=False)
+    for level in (1, 2):
+        ctrl.sleep(level)
+        ctrl.wake()
+    server = serve(ctrl, port=0, max_wait=0.05, max_events=5)
+    try:
+        yield ctrl, server
+    finally:
+        server.close()
+        ctrl.close()
+
+
+def _get(server: Any, target: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    import http.client
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    try:
+        conn.request(method, target)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def _check_response(ctrl: SleepController, before: dict[str, Any], route: str, query: str, server: Any) -> None:
+    status, _, body = _get(server, f"{route}?{query}" if query else route)
+    assert status in (200, 400), f"{route}?{query} -> {status}: {body[:200]!r}"
+    if status == 400:
+        reason = json.loads(body)["error"]
+        assert reason, "a 400 must say why"
+        assert len(body) < 1024
+    elif route == "/events":
+        lines = [json.loads(line) for line in body.splitlines()]
+        assert len(lines) <= 5
+        assert all(isinstance(line["seq"], int) for line in lines)
+    assert ctrl.projection.to_dict() == before, f"GET {route}?{query} changed the controller"
+
+
+_query_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+_param_value = st.one_of(
+    st.integers(-(2**70), 2**70).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["", "nan", "inf", "-0", "1e309", "0x10", "1_000", " 1", "1 ", "+1", "٣", "²", "0.01", "00001"]),
+    _query_text,
+)
+_pair = st.tuples(
+    st.sampled_from(["after", "timeout", "limit", "AFTER", "after[]", "", "x"]) | _query_text, _param_value
+)
+
+
+@_FUZZ
+@given(route=st.sampled_from(ROUTES), pairs=st.lists(_pair, max_size=4), sep=st.sampled_from(["&", ";", "&&"]))
+def test_fuzz_http_query_parameters(
+    endpoint: tuple[SleepController, Any], route: str, pairs: list[tuple[str, str]], sep: str
+) -> None:
+    """Any query parameters (unknown, repeated, malformed, huge, non-ASCII) get 200 or a 400 with a reason, never 500, and change nothing."""
+    from urllib.parse import quote
+
+    ctrl, server = endpoint
+    before = ctrl.projection.to_dict()
+    query = sep.join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in pairs)
+    _check_response(ctrl, before, route, query, server)
+
+
+@_FUZZ
+@given(route=st.sampled_from(ROUTES), raw=st.binary(max_size=200))
+def test_fuzz_http_raw_query_bytes(endpoint: tuple[SleepController, Any], route: str, raw: bytes) -> None:
+    """Arbitrary percent-encoded bytes as the query string: 200 or 400 with a reason, never 500."""
+    from urllib.parse import quote_from_bytes
+
+    ctrl, server = endpoint
+    before = ctrl.projection.to_dict()
+    _check_response(ctrl, before, route, quote_from_bytes(raw, safe="=&;+%"), server)
+
+
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        ("after=-1", "after"),
+        ("after=abc", "after"),
+        ("limit=0", "limit"),
+        ("limit=6", "limit"),
+        ("timeout=nan", "timeout"),
+        ("timeout=1", "timeout"),
+        ("after=1&after=2", "more than once"),
+        ("bogus=1", "unknown query parameter 'bogus'"),
+        ("after", "malformed"),
+    ],
+)
+def test_http_bad_parameter_names_what_was_wrong(
+    endpoint: tuple[SleepController, Any], query: str, needle: str
+) -> None:
+    """Each malformed /events parameter gets a 400 whose reason names the parameter."""
+    ctrl, server = endpoint
+    before = ctrl.projection.to_dict()
+    status, _, body = _get(server, f"/events?{query}")
+    assert status == 400, body
+    assert needle in json.loads(body)["error"]
+    assert ctrl.projection.to_dict() == before
+
+
+def test_http_endpoint_is_loopback_read_only_and_bounded(endpoint: tuple[SleepController, Any]) -> None:
+    """The endpoint binds loopback by default, refuses writes (405), bounds the URL (414) and the events per response."""
+    ctrl, server = endpoint
+    assert server.host == "127.0.0.1"
+    before = ctrl.projection.to_dict()
+    seq = ctrl.last_seq
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        status, headers, _ = _get(server, "/state", method)
+        assert status == 405
+        assert "GET" in headers["Allow"]
+    status, _, _ = _get(server, "/events?after=" + "1" * 5000)
+    assert status == 414
+    status, _, body = _get(server, "/events?after=0")
+    assert status == 200
+    assert len(body.splitlines()) == 5  # max_events, though the controller holds more
+    assert ctrl.last_seq == seq
+    assert ctrl.projection.to_dict() == before
