@@ -116,14 +116,15 @@ def test_release_without_backup_discards() -> None:
 
 
 def test_wake_batches_driver_calls() -> None:
-    """A wake creates one physical handle per batch, not one per allocation."""
+    """A wake sets access once per contiguous span and copies once per batch, not once per allocation."""
     sim, alloc = make()
     fill(alloc, "w", [G] * 16)
     alloc.backup(["w"])
     alloc.release(["w"])
-    before = sim.count("create")
+    sets, copies = sim.count("set_access"), sim.count("copy_h2d")
     alloc.restore(["w"])
-    assert sim.count("create") - before == 4  # 16 x 64 KiB in batches of 256 KiB
+    assert sim.count("set_access") - sets == 4  # 16 adjacent x 64 KiB in batches of 256 KiB: once per batch
+    assert sim.count("copy_h2d") - copies == 4  # one copy per batch (one pinned chunk, adjacent addresses)
 
 
 def test_allocate_into_a_released_tag_is_refused() -> None:

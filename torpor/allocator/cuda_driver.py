@@ -156,8 +156,8 @@ class CudaDriver(Driver):
         self.ensure_context(device)
         return self._check("cuMemCreate", _cu().cuMemCreate(nbytes, self._prop(device), 0))
 
-    def _map(self, address: int, nbytes: int, handle: object, offset: int) -> None:
-        self._check("cuMemMap", _cu().cuMemMap(address, nbytes, offset, handle, 0))
+    def _map(self, address: int, nbytes: int, handle: object) -> None:
+        self._check("cuMemMap", _cu().cuMemMap(address, nbytes, 0, handle, 0))
 
     def _set_access(self, address: int, nbytes: int, device: int) -> None:
         self._prop(device)

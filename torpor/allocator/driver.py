@@ -62,9 +62,9 @@ class Driver(ABC):
         """Create ``nbytes`` of physical memory on ``device``; return its handle."""
         return self.invoke("create", nbytes, device)
 
-    def map(self, address: int, nbytes: int, handle: object, offset: int = 0) -> None:
-        """Map ``nbytes`` of a physical handle, from ``offset`` into it, at ``address`` (inside a reservation)."""
-        self.invoke("map", address, nbytes, handle, offset)
+    def map(self, address: int, nbytes: int, handle: object) -> None:
+        """Map a whole physical handle at ``address`` (inside a reservation; CUDA maps no sub-range of a handle)."""
+        self.invoke("map", address, nbytes, handle)
 
     def set_access(self, address: int, nbytes: int, device: int) -> None:
         """Make a mapped range readable and writable from ``device``."""
@@ -126,7 +126,7 @@ class Driver(ABC):
     def _create(self, nbytes: int, device: int) -> object: ...
 
     @abstractmethod
-    def _map(self, address: int, nbytes: int, handle: object, offset: int) -> None: ...
+    def _map(self, address: int, nbytes: int, handle: object) -> None: ...
 
     @abstractmethod
     def _set_access(self, address: int, nbytes: int, device: int) -> None: ...

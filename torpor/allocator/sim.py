@@ -189,13 +189,13 @@ class SimDriver(Driver):
         dev.used += nbytes
         return _Handle(next(self._ids), device, bytearray(nbytes))
 
-    def _map(self, address: int, nbytes: int, handle: object, offset: int) -> None:
+    def _map(self, address: int, nbytes: int, handle: object) -> None:
         h = self._handle(handle, "map")
         if h.released:
             raise DriverError("map", "handle already released", 1)
-        if offset < 0 or offset % self._granularity_bytes or offset + nbytes > len(h.data):
-            msg = f"map of {nbytes} bytes at offset {offset} of a handle of {len(h.data)}"
-            raise DriverError("map", msg, 1)
+        if nbytes != len(h.data):  # cuMemMap's offset must be zero: a handle maps whole
+            msg = f"map of {nbytes} bytes with a handle of {len(h.data)}"
+            raise DriverError("map", msg, 801)
         dev = self._devices[h.device]
         if not any(s <= address and address + nbytes <= s + n for s, n in dev.reservations.items()):
             msg = f"{address:#x}+{nbytes} is outside every reservation on device {h.device}"
@@ -207,7 +207,7 @@ class SimDriver(Driver):
             msg = f"{address:#x}+{nbytes} overlaps a mapping"
             raise DriverError("map", msg, 1)
         self._starts.insert(i, address)
-        self._mappings[address] = _Mapping(address, nbytes, h, offset)
+        self._mappings[address] = _Mapping(address, nbytes, h)
         h.mapped += 1
 
     def _set_access(self, address: int, nbytes: int, device: int) -> None:

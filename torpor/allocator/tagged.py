@@ -7,13 +7,14 @@ per tag (release), and rolls back its own mappings when a step fails. It meets
 :class:`~torpor.allocator.cuda_driver.CudaDriver` and
 :class:`~torpor.allocator.sim.SimDriver`.
 
-Sleep pipeline: :meth:`backup` enqueues the copies of each group of adjacent
-allocations and records an event per group; :meth:`release` unmaps each group as
-soon as its copy is done, so unmapping overlaps the copies still in flight. Wake
-creates and maps group after group and enqueues each group's copy at once, so
-mapping overlaps the copies; it synchronizes once at the end. Physical handles
-are released right after mapping (the memory lives while mapped), so a sleep
-costs one unmap per mapping.
+Sleep pipeline: :meth:`backup` enqueues the copies of each batch of adjacent
+mappings and records an event per batch; :meth:`release` unmaps (and releases
+the handles of) each batch as soon as its copy is done, so that driver work
+overlaps the copies still in flight. Wake creates and maps batch after batch,
+sets access once per contiguous span, and enqueues each batch's copy at once, so
+mapping overlaps the copies; it synchronizes once at the end. Copies merge over
+contiguous device ranges but never cross two pinned host chunks. CUDA maps a
+physical handle only whole, so each mapping has its own handle.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class _Alloc:
     requested: int
     tag: str
     device: int
-    maps: list[tuple[int, int]] = field(default_factory=list)
+    maps: list[tuple[int, int, object]] = field(default_factory=list)  # (start, size, physical handle)
     backup: list[Extent] | None = None
 
 
@@ -164,9 +165,10 @@ class TaggedAllocator:
             self._wait_pending(state, alloc)
             if alloc.maps:
                 try:
-                    for start, size in list(alloc.maps):
-                        self.driver.unmap(start, size)
-                        alloc.maps.remove((start, size))
+                    for piece in list(alloc.maps):
+                        self.driver.unmap(piece[0], piece[1])
+                        alloc.maps.remove(piece)
+                        self._release_handle(piece)
                 except Exception as exc:
                     raise wrap("free", alloc.tag, exc) from exc
             del self._allocs[address]
@@ -488,7 +490,7 @@ class TaggedAllocator:
 
     def _enqueue_backup(self, tag: str, state: _Tag) -> None:
         allocs = sorted(state.allocs.values(), key=lambda a: a.address)
-        pieces = [(a, start, n) for a in allocs for start, n in sorted(a.maps)]
+        pieces = [(a, start, n) for a in allocs for start, n, _ in sorted(a.maps, key=lambda m: m[0])]
         try:
             for batch in self._batches(pieces):
                 for device, address, host, n in _piece_copies(batch):
@@ -533,10 +535,12 @@ class TaggedAllocator:
         order: list[tuple[object | None, list[_Piece]]] = []
         covered: set[tuple[int, int]] = set()
         for event, batch in state.pending:
-            live = [p for p in batch if state.allocs.get(p[0].address) is p[0] and (p[1], p[2]) in p[0].maps]
+            live = [p for p in batch if state.allocs.get(p[0].address) is p[0] and any(m[0] == p[1] for m in p[0].maps)]
             order.append((event, live))
             covered.update((id(p[0]), p[1]) for p in live)
-        rest = [(a, st, n) for a in allocs for st, n in sorted(a.maps) if (id(a), st) not in covered]
+        rest = [
+            (a, m[0], m[1]) for a in allocs for m in sorted(a.maps, key=lambda m: m[0]) if (id(a), m[0]) not in covered
+        ]
         order += [(None, b) for b in self._batches(rest)]
         done: list[tuple[_Alloc, tuple[int, int]]] = []
         try:
@@ -544,9 +548,11 @@ class TaggedAllocator:
                 if event is not None:
                     self.driver.wait(event)
                 for alloc, start, n in batch:
+                    piece = next(m for m in alloc.maps if m[0] == start)
                     self.driver.unmap(start, n)
-                    alloc.maps.remove((start, n))
+                    alloc.maps.remove(piece)
                     done.append((alloc, (start, n)))
+                    self._release_handle(piece)
         except Exception as exc:
             self._settle(state)
             lost = self._remap_pieces(done, state.backed_up)
@@ -559,6 +565,7 @@ class TaggedAllocator:
         state.released = True
 
     def _map_pieces(self, alloc: _Alloc, pieces: list[tuple[int, int]]) -> None:
+        """Create and map one physical handle per piece; the handle is kept until the piece is unmapped."""
         for start, size in pieces:
             handle = self.driver.create(size, alloc.device)
             try:
@@ -566,27 +573,26 @@ class TaggedAllocator:
             except Exception:
                 self.driver.release(handle)
                 raise
-            alloc.maps.append((start, size))
-            self.driver.release(handle)  # memory lives while mapped; the unmap frees it
+            alloc.maps.append((start, size, handle))
+
+    def _release_handle(self, piece: tuple[int, int, object]) -> None:
+        """Release the handle of an unmapped piece; a failure only leaks it (the range is already unmapped)."""
+        try:
+            self.driver.release(piece[2])
+        except Exception:  # the data is safe (backed up or discarded); report the leak
+            logger.exception("releasing the physical handle of %#x+%d failed; it leaks", piece[0], piece[1])
 
     def _pieces(self, alloc: _Alloc) -> list[tuple[int, int]]:
         step = max(self.piece_bytes // self.granularity(alloc.device), 1) * self.granularity(alloc.device)
         return [(alloc.address + off, min(step, alloc.size - off)) for off in range(0, alloc.size, step)]
 
     def _remap(self, allocs: list[_Alloc], with_backup: bool) -> None:
-        """Map ``allocs`` batch by batch (one physical handle per batch), each batch's copy enqueued at once."""
-        pieces = [(a, start, n) for a in allocs for start, n in self._pieces(a)]
+        """Map ``allocs`` batch by batch, each batch's access set once and its copy enqueued at once."""
+        by_alloc = [(a, self._pieces(a)) for a in allocs]
+        pieces = [(a, start, n) for a, ps in by_alloc for start, n in ps]
         for batch in self._batches(pieces):
-            device = batch[0][0].device
-            handle = self.driver.create(sum(n for _, _, n in batch), device)
-            offset = 0
-            try:
-                for alloc, start, n in batch:
-                    self.driver.map(start, n, handle, offset)
-                    alloc.maps.append((start, n))
-                    offset += n
-            finally:
-                self.driver.release(handle)  # what is mapped lives on; the unmaps free it
+            for alloc, start, n in batch:
+                self._map_pieces(alloc, [(start, n)])
             for dev, start, n in _piece_spans(batch):
                 self.driver.set_access(start, n, dev)
             if with_backup:
@@ -605,11 +611,12 @@ class TaggedAllocator:
     def _unmap_quietly(self, alloc: _Alloc) -> None:
         for piece in list(alloc.maps):
             try:
-                self.driver.unmap(*piece)
+                self.driver.unmap(piece[0], piece[1])
             except Exception:  # rollback continues; the range stays mapped and is reported
                 logger.exception("rollback: unmapping %#x+%d failed", piece[0], piece[1])
                 continue
             alloc.maps.remove(piece)
+            self._release_handle(piece)
 
     def _remap_pieces(self, done: list[tuple[_Alloc, tuple[int, int]]], with_backup: bool) -> int:
         """Map back pieces a failed release already unmapped; return the bytes that came back fresh."""
