@@ -279,3 +279,18 @@ def test_keep_serving_serves_metrics_until_ctrl_c() -> None:
             proc.wait()
     assert proc.returncode == 0, err
     assert "stopped serving" in out and "Traceback" not in err
+
+
+def test_port_in_use_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --port another process holds: exit 1, one line naming the port and what to do, the log closed."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        rc = main(["demo", "--device", "sim", "--port", str(port), "--log-dir", str(tmp_path)])
+    assert rc == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "pick another --port" in err[0]
+    assert [e.kind for e in read_events(tmp_path / "demo.rank0.jsonl")][-1] is EventKind.CLOSED

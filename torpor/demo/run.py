@@ -80,7 +80,13 @@ def _serve(controller: SleepController, port: int, host: str) -> tuple[Any, str]
         from torpor.telemetry.endpoint import serve
     except ImportError as exc:
         return None, f"not available in this build ({exc})"
-    server = serve(controller, port=port, host=host)
+    try:
+        server = serve(controller, port=port, host=host)
+    except OSError as exc:
+        msg = (
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; pick another --port, or 0 for any free one"
+        )
+        raise DemoError(msg) from exc
     return server, f"{server.url.rstrip('/')}/metrics   (also /state and /events?after=SEQ)"
 
 
@@ -153,11 +159,12 @@ def run_demo(opts: DemoOptions) -> int:
     if controller.projection.interrupted:
         say(f"  the log in {log_dir} ends mid-transition ({controller.projection.last_step}): recovering")
         controller.recover()
-    server, where = _serve(controller, opts.port, opts.host)
-    say(f"  metrics    {where}")
-    say(f"  event log  {log}")
-    say()
+    server: Any = None
     try:
+        server, where = _serve(controller, opts.port, opts.host)
+        say(f"  metrics    {where}")
+        say(f"  event log  {log}")
+        say()
         progress.step("allocating, filling and capturing graphs")
         start = time.perf_counter()
         workload.setup(controller)
