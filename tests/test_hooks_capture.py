@@ -184,3 +184,32 @@ def test_pool_is_shared_by_every_routed_capture(controller: SleepController) -> 
         pools.append(pool)
     assert len(set(pools)) == 1
     assert controller.projection.graphs == ["full bs=1", "full bs=8", "piecewise", "after wake"]
+
+
+def test_routing_with_the_real_allocator_on_the_simulated_device(nccl: list[object]) -> None:
+    """With TaggedAllocator (simulated driver) the route yields its capture handle, NCCL gets it, and a graph holds it."""
+    from torpor.allocator import SimDriver, TaggedAllocator
+    from torpor.errors import PoolBusy
+
+    allocator = TaggedAllocator(SimDriver(64 << 20))
+    with allocator.use_memory_pool("weights"):
+        allocator.allocate(4 << 20)
+    ctl = SleepController(allocator)
+
+    class Graph:
+        """Stands in for a CUDAGraph (held weakly by the pool)."""
+
+    graph = Graph()
+    with capture_pool(ACTIVE, "decode bs=4", controller=ctl, plain_pool=PLAIN) as pool:
+        pool.track(graph)  # type: ignore[attr-defined]
+        allocator.allocate(2 << 20)  # what the capture allocates lands in the graph pool
+    assert nccl == [pool]
+    assert str(pool) == ctl.projection.pool
+    assert ctl.projection.residency["cudagraph"].resident == 2 << 20
+    with pytest.raises(PoolBusy, match="decode bs=4"):
+        ctl.release_cudagraph_pool()
+    ctl.sleep(1)
+    assert ctl.projection.residency["cudagraph"].host == 2 << 20
+    ctl.wake()
+    del graph
+    assert ctl.release_cudagraph_pool() == 2 << 20
