@@ -20,7 +20,7 @@ def plot(data: dict, out: Path) -> list[Path]:
     written = []
     for axis, xkey, xlabel in (
         ("bytes", "GiB", "GiB backed up (128 MiB segments)"),
-        ("segments", "segments", "segments (4 GiB in total)"),
+        ("segments", "segments", "segments (2 GiB in total)"),
     ):
         rows = [r for r in data["sweeps"] if r.get("axis") == axis]
         if not rows:
@@ -32,7 +32,7 @@ def plot(data: dict, out: Path) -> list[Path]:
             ax.plot(xs, [p[1] for p in pts], "o-", color=color, label=f"{system} sleep (later)")
             ax.plot(xs, [p[2] for p in pts], "s--", color=color, label=f"{system} wake")
         xs = sorted({r[xkey] for r in rows})
-        floor = [(x * GiB if axis == "bytes" else 4 * GiB) / d2h for x in xs]
+        floor = [(x * GiB if axis == "bytes" else 2 * GiB) / d2h for x in xs]
         ax.plot(xs, floor, "k:", label=f"floor (D2H {d2h / 1e9:.0f} GB/s)")
         _ = h2d
         if axis == "segments":

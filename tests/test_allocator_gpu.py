@@ -92,8 +92,9 @@ def build(weights_mib: int = 512, kv_mib: int = 256, rt_mib: int = 64) -> Model:
 
 
 def free_bytes() -> int:
-    """Device free memory (driver's view)."""
+    """Device free memory (driver's view), after torch returns its unused default-pool cache."""
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()[0]
 
 
@@ -210,6 +211,7 @@ def test_release_and_recapture_five_times_on_new_streams_keeps_pool_size() -> No
             out = h + m.kv[:64] + m.rt[:64] + const
         const.copy_(m.const_ref)
         m.graph, m.out, m.const = g, out, const
+        del g, out, const, h
         assert m.replay_exact()
         sizes.append(m.alloc.usage()["cudagraph"].resident)
     assert len(set(sizes)) == 1, sizes

@@ -123,8 +123,29 @@ def test_wake_batches_driver_calls() -> None:
     alloc.release(["w"])
     sets, copies = sim.count("set_access"), sim.count("copy_h2d")
     alloc.restore(["w"])
-    assert sim.count("set_access") - sets == 4  # 16 adjacent x 64 KiB in batches of 256 KiB: once per batch
+    assert sim.count("set_access") - sets == 4  # 16 adjacent x 64 KiB in spans of 256 KiB: once per span
+    assert sim.count("create") == 16 + 4  # one handle per allocation at first, one per span after a wake
     assert sim.count("copy_h2d") - copies == 4  # one copy per batch (one pinned chunk, adjacent addresses)
+
+
+def test_free_in_a_shared_mapping_waits_for_the_last_user_or_the_next_sleep() -> None:
+    """After a wake adjacent allocations share a mapping: a free keeps it mapped for the others, and the range comes back later."""
+    sim, alloc = make()
+    data = fill(alloc, "w", [G] * 4)
+    alloc.backup(["w"])
+    alloc.release(["w"])
+    alloc.restore(["w"])
+    alloc.drop_backup(["w"])
+    first, *others = list(data)
+    alloc.free(first)
+    assert sim.used == 4 * G and intact(alloc, {a: data[a] for a in others})
+    assert alloc.allocate(G, "w") != first  # still mapped: not reused yet
+    alloc.backup(["w"])
+    alloc.release(["w"])
+    assert sim.used == 0
+    alloc.restore(["w"])
+    assert intact(alloc, {a: data[a] for a in others})
+    assert alloc.allocate(G, "w") == first  # the next sleep gave the range back
 
 
 def test_allocate_into_a_released_tag_is_refused() -> None:

@@ -242,8 +242,8 @@ class VllmStyle:
         self.allocs.clear()
 
 
-def run_baseline_raw(name: str, segments: int, seg_bytes: int, cycles: int) -> Result:
-    """The vLLM-style loop on ``segments`` x ``seg_bytes``."""
+def run_baseline_raw(name: str, segments: int, seg_bytes: int, cycles: int, keep_host_cache: bool = False) -> Result:
+    """The vLLM-style loop on ``segments`` x ``seg_bytes`` (torch's pinned cache emptied after, unless kept)."""
     import torch
 
     base = VllmStyle()
@@ -264,7 +264,8 @@ def run_baseline_raw(name: str, segments: int, seg_bytes: int, cycles: int) -> R
         res.exact = res.exact and _same(ranges, refs)
     del refs
     base.close()
-    torch._C._host_emptyCache()
+    if not keep_host_cache:
+        torch._C._host_emptyCache()
     return res
 
 
@@ -319,7 +320,7 @@ def run_torpor_graphs(cycles: int, batches: tuple[int, ...] = (1, 8, 32, 128), l
     graphs = []
     with alloc.use_memory_pool("runtime"):
         inputs = {b: torch.randn(b, 64, d, device="cuda") for b in batches}
-    with torch.inference_mode():
+    with torch.no_grad():
         s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -355,7 +356,7 @@ def run_torpor_graphs(cycles: int, batches: tuple[int, ...] = (1, 8, 32, 128), l
         ctl.wake()
         res.wakes.append(time.perf_counter() - t)
         for (g, out), ref in zip(graphs, refs, strict=True):
-            out.zero_()
+            out.zero_()  # a replay must write it again
             g.replay()
             torch.cuda.synchronize()
             res.exact = res.exact and bool(torch.equal(out, ref))
@@ -394,20 +395,19 @@ def run(cycles: int = 4, sweep: bool = True, tms: bool = True, log: Callable[[st
     sweeps: list[dict[str, Any]] = []
     if sweep:
         shared = TaggedAllocator()
-        points = [("bytes", GiB // 2 * k // (128 * MiB), 128 * MiB) for k in (1, 2, 4, 8, 16)]
-        points += [("segments", n, 4 * GiB // n) for n in (2, 16, 128, 512, 2048)]
+        points = [("bytes", GiB * k // (128 * MiB), 128 * MiB) for k in (1, 2, 4, 8)]
+        points += [("segments", n, 2 * GiB // n) for n in (16, 128, 1024)]
         for axis, n, size in points:
-            for system, runner in (("torpor", run_torpor_raw), ("vllm-style", run_baseline_raw)):
-                if system == "torpor":
-                    r = run_torpor_raw(f"sweep {axis}", n, size, 3, shared)
-                else:
-                    r = runner(f"sweep {axis}", n, size, 3)
-                row = r.row(d2h, h2d)
+            r = run_torpor_raw(f"sweep {axis}", n, size, 3, shared)
+            b = run_baseline_raw(f"sweep {axis}", n, size, 3, keep_host_cache=axis == "bytes")
+            for res in (r, b):
+                row = res.row(d2h, h2d)
                 row["axis"] = axis
                 sweeps.append(row)
                 log(_line(row))
             gc.collect()
             torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
         shared.close()
     return {
         "machine": torch.cuda.get_device_name(0),

@@ -146,6 +146,7 @@ class CudaDriver(Driver):
 
     def _reserve(self, nbytes: int, device: int) -> int:
         self.ensure_context(device)
+        self._stream(device)  # made now, not during a sleep: a stream holds a little device memory
         ptr = self._check("cuMemAddressReserve", _cu().cuMemAddressReserve(nbytes, self._granularity(device), 0, 0))
         return int(ptr)
 

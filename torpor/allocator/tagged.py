@@ -30,6 +30,7 @@ from typing import Any
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, wrap
 from torpor.allocator.graphpool import CaptureHandle, GraphPool, PoolId, call_graph_pool_hooks
+from torpor.allocator.mapping import MappedRange, Piece, batches, copies, parts, spans, split
 from torpor.allocator.offload import Extent, HostArena, HostPolicy
 from torpor.allocator.va import VaArena
 from torpor.errors import PoolBusy, UnknownTag
@@ -47,11 +48,8 @@ class _Alloc:
     requested: int
     tag: str
     device: int
-    maps: list[tuple[int, int, object]] = field(default_factory=list)  # (start, size, physical handle)
+    maps: list[MappedRange] = field(default_factory=list)
     backup: list[Extent] | None = None
-
-
-_Piece = tuple[_Alloc, int, int]  # an allocation, the start and size of one of its mappings
 
 
 @dataclass
@@ -59,7 +57,7 @@ class _Tag:
     allocs: dict[int, _Alloc] = field(default_factory=dict)
     released: bool = False
     backed_up: bool = False
-    pending: list[tuple[object, list[_Piece]]] = field(default_factory=list)
+    pending: list[tuple[object, list[MappedRange]]] = field(default_factory=list)
 
     def bytes(self) -> int:
         return sum(a.size for a in self.allocs.values())
@@ -142,10 +140,11 @@ class TaggedAllocator:
                 raise wrap("allocate", tag, exc) from exc
             alloc = _Alloc(address, size, nbytes, tag, dev)
             try:
-                self._map_pieces(alloc, [(address, size)])
+                alloc.maps.append(self._new_mapping(address, size, dev, 1))
                 self.driver.set_access(address, size, dev)
             except Exception as exc:
-                self._unmap_quietly(alloc)
+                self._unmap_all(alloc.maps)
+                alloc.maps.clear()
                 arena.give(address, size)
                 raise wrap("allocate", tag, exc) from exc
             state.allocs[address] = alloc
@@ -163,20 +162,27 @@ class TaggedAllocator:
                 raise AllocatorError("free", None, msg)
             state = self._tags[alloc.tag]
             self._wait_pending(state, alloc)
-            if alloc.maps:
-                try:
-                    for piece in list(alloc.maps):
-                        self.driver.unmap(piece[0], piece[1])
-                        alloc.maps.remove(piece)
-                        self._release_handle(piece)
-                except Exception as exc:
-                    raise wrap("free", alloc.tag, exc) from exc
+            arena = self._arenas[(alloc.device, alloc.tag)]
+            try:
+                for m in list(alloc.maps):
+                    lo, hi = max(alloc.address, m.start), min(alloc.address + alloc.size, m.end)
+                    if m.users <= 1 and m.handle is not None:
+                        self._unmap(m)
+                        for start, n in [*m.freed, (lo, hi - lo)]:
+                            arena.give(start, n)
+                    else:
+                        m.freed.append((lo, hi - lo))  # mapped with live neighbours: goes with the mapping
+                    m.users -= 1
+                    alloc.maps.remove(m)
+            except Exception as exc:
+                raise wrap("free", alloc.tag, exc) from exc
             del self._allocs[address]
             del state.allocs[address]
             if alloc.backup:
                 self.host.give(alloc.backup)
                 alloc.backup = None
-            self._arenas[(alloc.device, alloc.tag)].give(alloc.address, alloc.size)
+            if state.released:  # nothing mapped: only the address range goes
+                arena.give(alloc.address, alloc.size)
 
     def size_of(self, address: int) -> int:
         """Mapped size of the allocation at ``address``."""
@@ -459,24 +465,6 @@ class TaggedAllocator:
         skip = self.host.policy.prepin_exclude
         return sum(s.bytes() for t, s in self._tags.items() if t not in skip)
 
-    def _batches(self, pieces: list[_Piece]) -> list[list[_Piece]]:
-        """Cut pieces (in address order) into batches of at least ``group_bytes``, one device each."""
-        batches: list[list[_Piece]] = []
-        current: list[_Piece] = []
-        size = 0
-        for piece in pieces:
-            if current and current[0][0].device != piece[0].device:
-                batches.append(current)
-                current, size = [], 0
-            current.append(piece)
-            size += piece[2]
-            if size >= self.group_bytes:
-                batches.append(current)
-                current, size = [], 0
-        if current:
-            batches.append(current)
-        return batches
-
     def _take_host(self, tag: str, state: _Tag) -> None:
         allocs = sorted(state.allocs.values(), key=lambda a: a.address)
         total = sum(a.size for a in allocs)
@@ -485,17 +473,16 @@ class TaggedAllocator:
         except AllocatorError as exc:
             raise wrap("backup", tag, exc) from exc
         for alloc in allocs:
-            alloc.backup, extents = _split(extents, alloc.size)
+            alloc.backup, extents = split(extents, alloc.size)
         state.backed_up = True
 
     def _enqueue_backup(self, tag: str, state: _Tag) -> None:
-        allocs = sorted(state.allocs.values(), key=lambda a: a.address)
-        pieces = [(a, start, n) for a in allocs for start, n, _ in sorted(a.maps, key=lambda m: m[0])]
         try:
-            for batch in self._batches(pieces):
-                for device, address, host, n in _piece_copies(batch):
+            for batch in batches(parts(state.allocs.values()), self.group_bytes):
+                pieces = [p for _, ps in batch for p in ps]
+                for device, address, host, n in copies(pieces):
                     self.driver.copy_d2h(host, address, n, device)
-                state.pending.append((self.driver.record(batch[0][0].device), batch))
+                state.pending.append((self.driver.record(batch[0][0].device), [m for m, _ in batch]))
         except Exception as exc:
             self._settle(state)
             raise wrap("backup", tag, exc) from exc
@@ -510,8 +497,9 @@ class TaggedAllocator:
         state.pending.clear()
 
     def _wait_pending(self, state: _Tag, alloc: _Alloc) -> None:
+        mine = {id(m) for m in alloc.maps}
         for i, (_event, batch) in enumerate(state.pending):
-            if any(p[0] is alloc for p in batch):
+            if any(id(m) in mine for m in batch):
                 for ev, _ in state.pending[: i + 1]:
                     self.driver.wait(ev)
                 del state.pending[: i + 1]
@@ -532,71 +520,90 @@ class TaggedAllocator:
             if missing:
                 msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
                 raise AllocatorError("release", tag, msg)
-        order: list[tuple[object | None, list[_Piece]]] = []
-        covered: set[tuple[int, int]] = set()
-        for event, batch in state.pending:
-            live = [p for p in batch if state.allocs.get(p[0].address) is p[0] and any(m[0] == p[1] for m in p[0].maps)]
-            order.append((event, live))
-            covered.update((id(p[0]), p[1]) for p in live)
-        rest = [
-            (a, m[0], m[1]) for a in allocs for m in sorted(a.maps, key=lambda m: m[0]) if (id(a), m[0]) not in covered
-        ]
-        order += [(None, b) for b in self._batches(rest)]
-        done: list[tuple[_Alloc, tuple[int, int]]] = []
+        entries = parts(allocs)
+        live = {id(m) for m, _ in entries}
+        order: list[tuple[object | None, list[MappedRange]]] = []
+        covered: set[int] = set()
+        for event, maps in state.pending:
+            keep = [m for m in maps if id(m) in live and m.handle is not None]
+            order.append((event, keep))
+            covered.update(id(m) for m in keep)
+        rest = [e for e in entries if id(e[0]) not in covered]
+        order += [(None, [m for m, _ in b]) for b in batches(rest, self.group_bytes)]
+        done: list[MappedRange] = []
         try:
-            for event, batch in order:
+            for event, maps in order:
                 if event is not None:
                     self.driver.wait(event)
-                for alloc, start, n in batch:
-                    piece = next(m for m in alloc.maps if m[0] == start)
-                    self.driver.unmap(start, n)
-                    alloc.maps.remove(piece)
-                    done.append((alloc, (start, n)))
-                    self._release_handle(piece)
+                for m in maps:
+                    self._unmap(m)
+                    done.append(m)
         except Exception as exc:
             self._settle(state)
-            lost = self._remap_pieces(done, state.backed_up)
+            lost = self._map_back(done, dict((id(m), ps) for m, ps in entries), state.backed_up)
             detail = f"; {lost} bytes mapped back fresh (no backup)" if lost else ""
             error = wrap("release", tag, exc)
             error.reason += f" (tag left resident{detail})"
             error.args = (f"{error.args[0]} (tag left resident{detail})",)
             raise error from exc
         state.pending.clear()
+        for alloc in allocs:
+            alloc.maps.clear()
+        for m in done:
+            for start, n in m.freed:  # ranges of allocations freed while they shared this mapping
+                self._arenas[(m.device, tag)].give(start, n)
+            m.freed.clear()
         state.released = True
 
-    def _map_pieces(self, alloc: _Alloc, pieces: list[tuple[int, int]]) -> None:
-        """Create and map one physical handle per piece; the handle is kept until the piece is unmapped."""
-        for start, size in pieces:
-            handle = self.driver.create(size, alloc.device)
-            try:
-                self.driver.map(start, size, handle)
-            except Exception:
-                self.driver.release(handle)
-                raise
-            alloc.maps.append((start, size, handle))
-
-    def _release_handle(self, piece: tuple[int, int, object]) -> None:
-        """Release the handle of an unmapped piece; a failure only leaks it (the range is already unmapped)."""
+    def _new_mapping(self, start: int, size: int, device: int, users: int) -> MappedRange:
+        """Create a handle of ``size`` and map it at ``start``."""
+        handle = self.driver.create(size, device)
         try:
-            self.driver.release(piece[2])
-        except Exception:  # the data is safe (backed up or discarded); report the leak
-            logger.exception("releasing the physical handle of %#x+%d failed; it leaks", piece[0], piece[1])
+            self.driver.map(start, size, handle)
+        except Exception:
+            self.driver.release(handle)
+            raise
+        return MappedRange(start, size, handle, device, users)
+
+    def _unmap(self, m: MappedRange) -> None:
+        """Unmap a mapping, then release its handle (a failed release only leaks the handle)."""
+        self.driver.unmap(m.start, m.size)
+        handle, m.handle = m.handle, None
+        try:
+            self.driver.release(handle)
+        except Exception:  # the range is unmapped and its data safe; report the leak
+            logger.exception("releasing the physical handle of %#x+%d failed; it leaks", m.start, m.size)
+
+    def _unmap_all(self, maps: list[MappedRange]) -> None:
+        """Unmap every still-mapped mapping, logging failures (rollback paths)."""
+        for m in maps:
+            if m.handle is None:
+                continue
+            try:
+                self._unmap(m)
+            except Exception:  # rollback continues; the range stays mapped
+                logger.exception("rollback: unmapping %#x+%d failed", m.start, m.size)
 
     def _pieces(self, alloc: _Alloc) -> list[tuple[int, int]]:
         step = max(self.piece_bytes // self.granularity(alloc.device), 1) * self.granularity(alloc.device)
         return [(alloc.address + off, min(step, alloc.size - off)) for off in range(0, alloc.size, step)]
 
     def _remap(self, allocs: list[_Alloc], with_backup: bool) -> None:
-        """Map ``allocs`` batch by batch, each batch's access set once and its copy enqueued at once."""
-        by_alloc = [(a, self._pieces(a)) for a in allocs]
-        pieces = [(a, start, n) for a, ps in by_alloc for start, n in ps]
-        for batch in self._batches(pieces):
-            for alloc, start, n in batch:
-                self._map_pieces(alloc, [(start, n)])
-            for dev, start, n in _piece_spans(batch):
-                self.driver.set_access(start, n, dev)
+        """Map ``allocs`` span by span (adjacent allocations share one handle), each span's copy enqueued at once."""
+        pieces: list[Piece] = [(a, start, n) for a in allocs for start, n in self._pieces(a)]
+        for span in spans(pieces, self.group_bytes):
+            start, device = span[0][1], span[0][0].device
+            size = sum(n for _, _, n in span)
+            users: list[_Alloc] = []
+            for a, _, _ in span:
+                if not users or users[-1] is not a:
+                    users.append(a)  # type: ignore[arg-type]
+            m = self._new_mapping(start, size, device, len(users))
+            for a in users:
+                a.maps.append(m)
+            self.driver.set_access(start, size, device)
             if with_backup:
-                for dev, address, host, n in _piece_copies(batch):
+                for dev, address, host, n in copies(span):
                     self.driver.copy_h2d(address, host, n, dev)
 
     def _rollback_restore(self, allocs: list[_Alloc]) -> None:
@@ -605,99 +612,31 @@ class TaggedAllocator:
                 self.driver.synchronize(device)
             except Exception:  # the wake failed already; unmap what we can
                 logger.exception("synchronizing before rolling back a wake failed")
+        self._unmap_all([e[0] for e in parts(allocs)])
         for alloc in allocs:
-            self._unmap_quietly(alloc)
+            alloc.maps.clear()
 
-    def _unmap_quietly(self, alloc: _Alloc) -> None:
-        for piece in list(alloc.maps):
-            try:
-                self.driver.unmap(piece[0], piece[1])
-            except Exception:  # rollback continues; the range stays mapped and is reported
-                logger.exception("rollback: unmapping %#x+%d failed", piece[0], piece[1])
-                continue
-            alloc.maps.remove(piece)
-            self._release_handle(piece)
-
-    def _remap_pieces(self, done: list[tuple[_Alloc, tuple[int, int]]], with_backup: bool) -> int:
-        """Map back pieces a failed release already unmapped; return the bytes that came back fresh."""
+    def _map_back(self, done: list[MappedRange], pieces: dict[int, list[Piece]], with_backup: bool) -> int:
+        """Map back what a failed release unmapped (from the backup); return the bytes that came back fresh."""
         lost = 0
-        for alloc, (start, size) in done:
+        for m in done:
             try:
-                self._map_pieces(alloc, [(start, size)])
-                self.driver.set_access(start, size, alloc.device)
-                if with_backup and alloc.backup:
-                    offset = start - alloc.address
-                    for host, n, at, _ in _host_range(alloc.backup, offset, size):
-                        self.driver.copy_h2d(start + at, host, n, alloc.device)
+                fresh = self._new_mapping(m.start, m.size, m.device, m.users)
+                m.handle = fresh.handle
+                self.driver.set_access(m.start, m.size, m.device)
+                if with_backup:
+                    for dev, address, host, n in copies(pieces.get(id(m), [])):
+                        self.driver.copy_h2d(address, host, n, dev)
                 else:
-                    lost += size
-            except Exception:  # cannot do more: the piece stays unmapped and the error above is raised
-                logger.exception("rollback: mapping %#x+%d back failed", start, size)
-        for device in {a.device for a, _ in done}:
+                    lost += m.size
+            except Exception:  # cannot do more: the range stays unmapped and the error above is raised
+                logger.exception("rollback: mapping %#x+%d back failed", m.start, m.size)
+        for device in {m.device for m in done}:
             try:
                 self.driver.wait(self.driver.record(device))
             except Exception:
                 logger.exception("rollback: waiting for copies back failed")
         return lost
-
-
-def _split(extents: list[Extent], nbytes: int) -> tuple[list[Extent], list[Extent]]:
-    """The first ``nbytes`` of ``extents`` and the rest."""
-    head: list[Extent] = []
-    rest = list(extents)
-    while nbytes and rest:
-        e = rest.pop(0)
-        if e.nbytes <= nbytes:
-            head.append(e)
-            nbytes -= e.nbytes
-        else:
-            head.append(Extent(e.host, nbytes, e.chunk))
-            rest.insert(0, Extent(e.host + nbytes, e.nbytes - nbytes, e.chunk))
-            nbytes = 0
-    return head, rest
-
-
-def _host_range(extents: list[Extent], offset: int, nbytes: int) -> list[tuple[int, int, int, int]]:
-    """(host address, bytes, offset from ``offset``, chunk) pieces covering ``[offset, offset + nbytes)`` of a backup."""
-    out = []
-    pos = 0
-    for e in extents:
-        lo, hi = max(offset, pos), min(offset + nbytes, pos + e.nbytes)
-        if lo < hi:
-            out.append((e.host + lo - pos, hi - lo, lo - offset, e.chunk))
-        pos += e.nbytes
-    return out
-
-
-def _piece_copies(batch: list[_Piece]) -> list[tuple[int, int, int, int]]:
-    """(device, device address, host address, bytes) copies for a batch.
-
-    Merged where both sides are contiguous and the host side stays inside one
-    pinned chunk: a copy may span device mappings, never two pinned allocations.
-    """
-    out: list[tuple[int, int, int, int, int]] = []
-    for alloc, start, n in batch:
-        for host, m, at, chunk in _host_range(alloc.backup or [], start - alloc.address, n):
-            address = start + at
-            if out:
-                d, a, h, k, c = out[-1]
-                if d == alloc.device and a + k == address and h + k == host and c == chunk:
-                    out[-1] = (d, a, h, k + m, c)
-                    continue
-            out.append((alloc.device, address, host, m, chunk))
-    return [(d, a, h, k) for d, a, h, k, _ in out]
-
-
-def _piece_spans(batch: list[_Piece]) -> list[tuple[int, int, int]]:
-    """(device, start, bytes) of the contiguous address spans of a batch."""
-    out: list[tuple[int, int, int]] = []
-    for alloc, start, n in batch:
-        if out and out[-1][0] == alloc.device and out[-1][1] + out[-1][2] == start:
-            d, st, k = out[-1]
-            out[-1] = (d, st, k + n)
-        else:
-            out.append((alloc.device, start, n))
-    return out
 
 
 def capture_context(allocator: TaggedAllocator, site: str) -> AbstractContextManager[CaptureHandle]:
