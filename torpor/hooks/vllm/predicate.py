@@ -48,7 +48,7 @@ def selects_torpor(model_config: Any) -> bool:
     return (
         model_config is not None
         and bool(getattr(model_config, "enable_sleep_mode", False))
-        and str(getattr(model_config, "sleep_mode_backend", "")).strip().lower() == BACKEND
+        and getattr(model_config, "sleep_mode_backend", None) == BACKEND  # exact, as vLLM's factory looks it up
     )
 
 
