@@ -19,6 +19,9 @@ from torpor.errors import PoolBusy, TorporError
 from torpor.statemachine import SleepController, log_path_for
 
 DEVICES = ("auto", "cuda", "sim")
+GRAFANA_CURL = (
+    "$ curl -u admin:admin -H 'Content-Type: application/json' -d @{} http://localhost:3000/api/dashboards/db"
+)
 ENGINE = "demo"
 
 
@@ -121,8 +124,12 @@ def _artifacts(log: Path, out_dir: Path) -> list[tuple[str, str, str]]:
     try:
         from torpor.telemetry.dashboard import render_dashboard
 
-        dash.write_text(render_dashboard())
-        found.append(("Grafana dashboard", str(dash), "import it in Grafana (Dashboards > New > Import)"))
+        text = render_dashboard()
+        dash.write_text(text)
+        # the same, wrapped for Grafana's HTTP API, so one curl line loads it
+        api = out_dir / "grafana-import.json"
+        api.write_text('{"overwrite": true, "dashboard": ' + text.strip() + "}\n")
+        found.append(("Grafana dashboard", f"{dash}   (Dashboards > New > Import, or:)", GRAFANA_CURL.format(api)))
     except ImportError as exc:
         found.append(("Grafana dashboard", f"not written ({exc})", ""))
     return found
@@ -232,6 +239,7 @@ def _keep_serving(server: Any, keep: bool, say: Callable[[str], None]) -> None:
         say(f"  {'metrics'.ljust(17)}  {url} (closed now; --keep-serving keeps it up for a Prometheus)")
         return
     say(f"serving {url} until Ctrl-C; point a Prometheus scrape job at it (static_configs: ['{url.split('/')[2]}'])")
+    say(f"  $ curl -s {url} | grep '^torpor_'")
     try:
         while True:
             time.sleep(3600)
