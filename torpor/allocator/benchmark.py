@@ -276,10 +276,13 @@ def run_tms_raw(name: str, segments: int, seg_bytes: int, cycles: int) -> Result
     res = Result("torch_memory_saver", name, segments * seg_bytes, segments)
     try:
         from torch_memory_saver import torch_memory_saver as tms
+
+        tms.hook_mode = "torch"  # its pluggable-allocator mode: no LD_PRELOAD needed
     except Exception as exc:  # not installed: reported, not fatal
         res.note = f"not importable ({type(exc).__name__})"
         res.exact = False
         return res
+    res.note = "torch's caching allocator packs tensors < 10 MiB into 20 MiB segments"
     with tms.region(tag="bench", enable_cpu_backup=True):
         tensors = [torch.empty(seg_bytes, dtype=torch.uint8, device="cuda") for _ in range(segments)]
     for t in tensors:
