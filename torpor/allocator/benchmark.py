@@ -371,8 +371,14 @@ def run_torpor_graphs(cycles: int, batches: tuple[int, ...] = (1, 8, 32, 128), l
 # -- the whole run ----------------------------------------------------------------------------
 
 
-def run(cycles: int = 4, sweep: bool = True, tms: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every workload on every system, plus the sweeps for the plots; returns a JSON-ready dict."""
+def run(
+    cycles: int = 4,
+    sweep: bool = True,
+    tms: bool = True,
+    log: Callable[[str], None] = print,
+    save: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every workload on every system, plus the sweeps for the plots; returns a JSON-ready dict (``save``: after each part)."""
     import torch
 
     d2h, h2d = measure_floor()
@@ -381,7 +387,7 @@ def run(cycles: int = 4, sweep: bool = True, tms: bool = True, log: Callable[[st
     main = [("8 GiB / 64", 64, 128 * MiB), ("4 GiB / 2048 x 2 MiB", 2048, 2 * MiB)]
     for name, n, size in main:
         for runner in (run_torpor_raw, run_baseline_raw) + ((run_tms_raw,) if tms else ()):
-            r = runner(name, n, size, cycles)
+            r = runner(name, n, size, 2 if runner is run_tms_raw else cycles)
             results.append(r)
             log(_line(r.row(d2h, h2d)))
             gc.collect()
@@ -396,6 +402,22 @@ def run(cycles: int = 4, sweep: bool = True, tms: bool = True, log: Callable[[st
     results.append(r)
     log(_line(r.row(d2h, h2d)))
     sweeps: list[dict[str, Any]] = []
+
+    def snapshot() -> dict[str, Any]:
+        return {
+            "machine": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "floor_d2h_Bps": d2h,
+            "floor_h2d_Bps": h2d,
+            "cycles": cycles,
+            "rows": [r.row(d2h, h2d) for r in results],
+            "raw": [asdict(r) for r in results],
+            "sweeps": sweeps,
+        }
+
+    if save is not None:
+        save(snapshot())
     if sweep:
         shared = TaggedAllocator()
         points = [("bytes", GiB * k // (128 * MiB), 128 * MiB) for k in (1, 2, 4, 8)]
@@ -412,17 +434,7 @@ def run(cycles: int = 4, sweep: bool = True, tms: bool = True, log: Callable[[st
             torch.cuda.empty_cache()
         torch._C._host_emptyCache()
         shared.close()
-    return {
-        "machine": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "floor_d2h_Bps": d2h,
-        "floor_h2d_Bps": h2d,
-        "cycles": cycles,
-        "rows": [r.row(d2h, h2d) for r in results],
-        "raw": [asdict(r) for r in results],
-        "sweeps": sweeps,
-    }
+    return snapshot()
 
 
 def _line(row: dict[str, Any]) -> str:

@@ -39,11 +39,18 @@ def run(args: argparse.Namespace) -> int:
 
     out = args.out or Path(os.environ.get("OUT") or "out/bench")
     out.mkdir(parents=True, exist_ok=True)
+
+    def save(data: dict[str, object]) -> None:
+        (out / "bench.json").write_text(json.dumps(data, indent=1, default=str))
+        (out / "bench.md").write_text(markdown(data))
+
     data = run_bench(
-        cycles=args.cycles, sweep=not args.no_sweep, tms=not args.no_tms, log=lambda s: print(s, flush=True)
+        cycles=args.cycles,
+        sweep=not args.no_sweep,
+        tms=not args.no_tms,
+        log=lambda s: print(s, flush=True),
+        save=save,
     )
-    (out / "bench.json").write_text(json.dumps(data, indent=1, default=str))
-    table = markdown(data)
-    (out / "bench.md").write_text(table)
-    print(table)
+    save(data)
+    print(markdown(data))
     return 0
