@@ -222,14 +222,34 @@ def test_capabilities_answer_for_torpor_mechanism(engine: Any) -> None:
 
 
 def test_worker_records_hook_decisions_and_release_closes(engine: Any) -> None:
-    """A worker's log opens with the graph-pool, all-reduce and NCCL decisions and ends with closed at release_pools."""
+    """Decisions unknown at start are recorded at the first capture (graph pool, all-reduce, NCCL); release closes the log."""
+    from vllm.config import CUDAGraphMode
+
+    def kinds_and_hooks() -> list[str]:
+        return [
+            e.data["hook"] if e.kind is EventKind.HOOK_DECISION else e.kind.value
+            for e in read_events(engine.logs / "vllm.rank0.jsonl")
+        ]
+
     engine.allocator.controller  # noqa: B018 - first use starts the worker's controller
+    assert "cudagraph_pool" not in kinds_and_hooks()  # no config visible: nothing guessed
+    config = SimpleNamespace(
+        model_config=torpor_model_config(engine.tmp),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+    )
+    state = activation.current()
+    assert state is not None
+    state.decisions.append(predicate.decision_for(config))  # what the probe keeps when a config selects torpor
+    with engine.allocator.cudagraph_pool():
+        pass
     engine.allocator.release_pools()
     engine.allocator.release_pools()  # vLLM's shutdown and torpor's atexit may both call it
-    events = list(read_events(engine.logs / "vllm.rank0.jsonl"))
-    hooks = [e.data["hook"] for e in events if e.kind is EventKind.HOOK_DECISION]
-    assert hooks[:1] == ["cudagraph_pool"]
-    assert events[-1].kind is EventKind.CLOSED
+    seen = kinds_and_hooks()
+    decisions = seen.index("cudagraph_pool")
+    assert seen[decisions : decisions + 3] == ["cudagraph_pool", "custom_allreduce", "nccl_graph_register"]
+    assert seen.index("graph_captured") > decisions
+    assert seen[-1] == "closed"
+    assert seen.count("closed") == 1
 
 
 def test_restarted_worker_recovers_an_interrupted_log(engine: Any) -> None:

@@ -369,3 +369,29 @@ def test_import_torpor_does_not_import_vllm() -> None:
     code = "import sys, torpor, torpor.hooks, torpor.hooks.vllm; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+SPAWNED = """
+import os, sys
+from vllm.plugins import load_general_plugins
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+from vllm.config import VllmConfig
+from torpor.hooks.vllm import activation
+load_general_plugins()
+print("registered", "torpor" in SleepModeBackendFactory._registry)
+print("active", activation.is_active())
+print("extended", hasattr(VllmConfig.__dict__["use_cumem_cudagraph_pool"].fget, "__torpor_original__"))
+"""
+
+
+def test_spawned_worker_activates_through_vllms_loader(tmp_path: Path) -> None:
+    """A fresh process (a spawned worker) with TORPOR_VLLM_ACTIVE=1: vLLM's loader registers and activates torpor."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env[activation.ENV_ACTIVE] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", SPAWNED], env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["registered", "True", "active", "True", "extended", "True"]

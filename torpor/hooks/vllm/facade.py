@@ -128,6 +128,7 @@ class TorporMemAllocator:
         self._lock = threading.RLock()
         self._sites = itertools.count(1)
         self._closed = False
+        self._decisions_recorded = False
         self.telemetry: Any = None
 
     # -- the lazy parts ---------------------------------------------------------
@@ -177,7 +178,7 @@ class TorporMemAllocator:
             controller.recover()
         from torpor.hooks.vllm.wiring import on_controller_started
 
-        on_controller_started(controller, self)
+        self._decisions_recorded = on_controller_started(controller, self)
         logger.info("torpor: engine %s rank %d logs to %s", engine, rank, log_dir)
         return controller
 
@@ -232,7 +233,12 @@ class TorporMemAllocator:
     def cudagraph_pool(self) -> Iterator[Any]:
         """Tag graph-capture allocations ``cudagraph`` and yield the graph pool's id (``SleepController.capture``)."""
         site = f"{_capture_site()} #{next(self._sites)}"
-        with self.controller.capture(site) as pool:
+        controller = self.controller
+        if not self._decisions_recorded:
+            from torpor.hooks.vllm.wiring import record_when_known
+
+            self._decisions_recorded = record_when_known(controller)
+        with controller.capture(site) as pool:
             yield pool
 
     def release_pools(self) -> None:

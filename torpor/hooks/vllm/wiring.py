@@ -51,16 +51,10 @@ def _vllm_imported() -> bool:
     return "vllm.config" in sys.modules
 
 
-def record_decisions(controller: SleepController, decision: CudagraphPoolDecision | None) -> None:
-    """Append the graph-pool, all-reduce and NCCL decisions to ``controller``'s log."""
+def record_decisions(controller: SleepController, decision: CudagraphPoolDecision | None) -> bool:
+    """Append the graph-pool, all-reduce and NCCL decisions to ``controller``'s log; False when none is known yet."""
     if decision is None:
-        controller.record(
-            EventKind.HOOK_DECISION,
-            hook="cudagraph_pool",
-            active=False,
-            detail="no vLLM config visible in this process yet; vLLM's predicate decides at each capture",
-        )
-        return
+        return False
     controller.record(
         EventKind.HOOK_DECISION, hook="cudagraph_pool", active=decision.active, detail=decision.describe()
     )
@@ -73,6 +67,16 @@ def record_decisions(controller: SleepController, decision: CudagraphPoolDecisio
         active=decision.active,
         detail=f"{NCCL_GRAPH_REGISTER} is {shown} in this worker (set before its first communicator)",
     )
+    return True
+
+
+def record_when_known(controller: SleepController) -> bool:
+    """Record the decisions if this process knows them now (vLLM's current config, or the activation's)."""
+    try:
+        return record_decisions(controller, known_decision())
+    except Exception:  # recording is informative; it must not stop the engine
+        logger.exception("torpor: recording hook decisions failed")
+        return True
 
 
 def attach_telemetry(controller: SleepController) -> Any:
@@ -90,10 +94,13 @@ def attach_telemetry(controller: SleepController) -> Any:
         return None
 
 
-def on_controller_started(controller: SleepController, allocator: TorporMemAllocator) -> None:
-    """Called once per worker by the facade right after its controller exists."""
-    try:
-        record_decisions(controller, known_decision())
-    except Exception:  # recording is informative; it must not stop the engine
-        logger.exception("torpor: recording hook decisions failed")
+def on_controller_started(controller: SleepController, allocator: TorporMemAllocator) -> bool:
+    """Called once per worker by the facade right after its controller exists; True when the decisions were recorded.
+
+    A spawned worker knows no config when its controller starts (vLLM sets the
+    current config only around later steps); the facade tries again at the
+    first capture.
+    """
+    recorded = record_when_known(controller)
     allocator.telemetry = attach_telemetry(controller)
+    return recorded
