@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -251,7 +251,11 @@ class SleepController:
             memory = self._graph_memory("capture")
             first = self.projection.pool is None
             start = time.perf_counter()
-            with memory.capture_into_pool(site) as pool:
+            with ExitStack() as stack:
+                try:
+                    pool = stack.enter_context(memory.capture_into_pool(site))
+                except TorporError as exc:  # the pool could not be set up: nothing captured, say why
+                    self._refuse("capture", exc)
                 yield pool
             pool_name = str(pool)
             if first:
@@ -279,7 +283,10 @@ class SleepController:
                 reason = f"cudagraph pool is referenced by {len(holders)} holder(s) ({'; '.join(holders)}); release the graphs first"
                 self._refuse("release_pool", PoolBusy(reason, holders))
             pool = self.projection.pool
-            freed = memory.release_cudagraph_pool()
+            try:
+                freed = memory.release_cudagraph_pool()
+            except TorporError as exc:
+                self._refuse("release_pool", exc)
             self._emit(EventKind.POOL_RELEASED, pool=pool, bytes=freed, usage=self._resident_usage())
             return freed
 
