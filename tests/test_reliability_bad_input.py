@@ -517,7 +517,9 @@ _mutation = st.one_of(
 
 def _mutate(data: bytes, op: tuple[str, int, Any]) -> bytes:
     name, at, arg = op
-    at %= max(1, len(data))
+    if not data:
+        return arg if name == "insert" else data
+    at %= len(data)
     lines = data.splitlines(keepends=True)
     if name == "flip":
         out = bytearray(data)

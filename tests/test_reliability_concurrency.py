@@ -203,10 +203,12 @@ def test_random_commands_from_threads(tmp_path: Path, chaos: bool, caplog: pytes
     assert sum(logged.values()) == len(errors), "the log holds refusals or failures that nobody saw raised"
     assert ctrl.projection.refusals == sum(1 for e in events if e.kind is EventKind.REFUSED)
 
-    # every subscriber saw a gap-free run of events
+    # every subscriber saw every fact in order; the only numbers it may miss are the log's rotation snapshots
+    snapshots = {e.seq for e in events if e.kind is EventKind.SNAPSHOT}
     for seqs in (s for c in callers for s in c.seen):
-        gaps = [(a, b) for a, b in itertools.pairwise(seqs) if b != a + 1]
-        assert not gaps, gaps
+        missed = {n for a, b in itertools.pairwise(seqs) for n in range(a + 1, b)}
+        assert all(b > a for a, b in itertools.pairwise(seqs)), "a subscriber saw events out of order"
+        assert missed <= snapshots, f"a subscriber missed events {sorted(missed - snapshots)[:5]}"
 
     # the controller still works and nothing offloaded was lost
     mem._failures.clear()  # failures the chaos thread armed but nothing reached
