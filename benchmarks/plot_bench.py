@@ -27,18 +27,21 @@ def plot(data: dict, out: Path) -> list[Path]:
             continue
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for system, color in (("torpor", "tab:blue"), ("vllm-style", "tab:orange")):
-            pts = sorted((r[xkey], r["later_sleep_s"], r["wake_s"]) for r in rows if r["system"] == system)
+            pts = sorted(
+                (r[xkey], r["later_sleep_s"], r["wake_s"], r["first_sleep_s"]) for r in rows if r["system"] == system
+            )
             xs = [p[0] for p in pts]
+            ax.plot(xs, [p[3] for p in pts], "^:", color=color, alpha=0.6, label=f"{system} first sleep")
             ax.plot(xs, [p[1] for p in pts], "o-", color=color, label=f"{system} sleep (later)")
             ax.plot(xs, [p[2] for p in pts], "s--", color=color, label=f"{system} wake")
         xs = sorted({r[xkey] for r in rows})
         floor = [(x * GiB if axis == "bytes" else 2 * GiB) / d2h for x in xs]
         ax.plot(xs, floor, "k:", label=f"floor (D2H {d2h / 1e9:.0f} GB/s)")
         _ = h2d
-        if axis == "segments":
-            ax.set_xscale("log", base=2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("seconds")
+        ax.set_ylabel("seconds (log)")
         ax.set_title(f"sleep/wake time vs {axis} ({data['machine']})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

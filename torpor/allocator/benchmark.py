@@ -277,7 +277,9 @@ def run_tms_raw(name: str, segments: int, seg_bytes: int, cycles: int) -> Result
     try:
         from torch_memory_saver import torch_memory_saver as tms
 
-        tms.hook_mode = "torch"  # its pluggable-allocator mode: no LD_PRELOAD needed
+        if not getattr(run_tms_raw, "configured", False):
+            tms.hook_mode = "torch"  # its pluggable-allocator mode (no LD_PRELOAD); settable once per process
+            run_tms_raw.configured = True  # type: ignore[attr-defined]
     except Exception as exc:  # not installed: reported, not fatal
         res.note = f"not importable ({type(exc).__name__})"
         res.exact = False
@@ -336,18 +338,27 @@ def run_torpor_graphs(cycles: int, batches: tuple[int, ...] = (1, 8, 32, 128), l
                 const = torch.empty(b, 64, d, device="cuda")
                 out = model(inputs[b]) + const
             const.fill_(0.5)  # written once after capture, read by every replay
-            graphs.append((g, out))
+            graphs.append((g, out, const))  # const stays alive: dropped, the next capture would reuse its memory
     refs = []
-    for g, out in graphs:
+    for g, out, _ in graphs:
         g.replay()
         torch.cuda.synchronize()
         refs.append(out.clone())
+    deterministic = True
+    for (g, out, _), ref in zip(graphs, refs, strict=True):  # control: a second replay before any sleep
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        deterministic = deterministic and bool(torch.equal(out, ref))
     alloc.wait_host_ready(600)
     usage = alloc.usage()
     tagged = sum(u.resident for u in usage.values())
     res = Result("torpor", "transformer graphs", tagged, sum(u.allocations for u in usage.values()))
     res.prepare_s = time.perf_counter() - t0
-    res.note = f"batches {list(batches)}; cudagraph {usage['cudagraph'].resident / MiB:.0f} MiB"
+    res.note = (
+        f"batches {list(batches)}; cudagraph {usage['cudagraph'].resident / MiB:.0f} MiB; "
+        f"replay deterministic before sleep: {deterministic}"
+    )
     for _ in range(cycles):
         before = _free_device()
         t = time.perf_counter()
@@ -358,7 +369,7 @@ def run_torpor_graphs(cycles: int, batches: tuple[int, ...] = (1, 8, 32, 128), l
         t = time.perf_counter()
         ctl.wake()
         res.wakes.append(time.perf_counter() - t)
-        for (g, out), ref in zip(graphs, refs, strict=True):
+        for (g, out, _), ref in zip(graphs, refs, strict=True):
             out.zero_()  # a replay must write it again
             g.replay()
             torch.cuda.synchronize()
