@@ -38,7 +38,7 @@ def test_extents_stay_inside_chunks_and_come_back() -> None:
     arena = HostArena(sim, HostPolicy(prepin=False, chunk_bytes=C))
     extents = arena.take(5 * C // 2)
     for e in extents:
-        chunk = [k for k in arena._chunks if k == e.chunk][0]
+        chunk = next(k for k in arena._chunks if k == e.chunk)
         assert chunk <= e.host and e.host + e.nbytes <= chunk + C
     arena.give(extents)
     assert arena.used_bytes() == 0
