@@ -21,6 +21,9 @@ from torpor.hooks import fleet, reset_warnings  # noqa: E402
 from torpor.hooks.vllm import activation, facade, predicate  # noqa: E402
 from torpor.statemachine import EventKind, read_events  # noqa: E402
 
+# vLLM's GPU worker module, imported before any test makes the platform answer as CUDA (its import runs CUDA ops then).
+gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
+
 MiB = 1 << 20
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -270,3 +273,43 @@ def test_restarted_worker_recovers_an_interrupted_log(engine: Any) -> None:
     controller = engine.allocator.controller
     assert controller.state.value == "awake"
     assert EventKind.RECOVERED in [e.kind for e in read_events(path)]
+
+
+def test_vllm_worker_sleep_wake_and_discard(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own Worker.sleep/wake_up/discard reach torpor's backend; vLLM's memory check sees the simulated device."""
+    import torch
+
+    capacity = engine.driver.capacity
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda *args: (capacity - engine.driver.used, capacity))
+    model_config = torpor_model_config(engine.tmp)
+    model_config.enable_cumem_allocator = True  # what vLLM's ModelConfig sets for sleep mode
+    worker = gpu_worker.Worker.__new__(gpu_worker.Worker)  # the worker's sleep path, without a model
+    worker.vllm_config = SimpleNamespace(model_config=model_config)
+    worker.model_config = model_config
+    worker.model_runner = SimpleNamespace(model=torch.nn.Linear(2, 2), get_draft_model=lambda: None)
+    worker._sleep_mode_backend = None
+    worker._sleep_saved_buffers, worker._sleep_saved_parameters, worker._sleep_saved_draft_buffers = {}, {}, {}
+    monkeypatch.setattr(worker, "synchronize_device", lambda: None)
+
+    memory = engine.allocator.memory
+    with worker._maybe_get_memory_pool_context(tag="weights"):
+        weights = memory.allocate(8 * MiB)
+    with worker._maybe_get_memory_pool_context(tag="kv_cache"):
+        memory.allocate(16 * MiB)
+    data = fill(memory, weights, 8 * MiB, 3)
+    from torpor.hooks.vllm.backend import TorporSleepBackend
+
+    assert isinstance(worker.sleep_mode_backend, TorporSleepBackend)
+    worker.sleep(1)  # vLLM asserts that free memory did not drop and logs what sleep freed
+    assert engine.driver.used == 0
+    worker.wake_up(["weights"])
+    assert worker.sleep_mode_backend.state() == "RESUMING"
+    assert memory.read(weights, len(data)) == data
+    worker.wake_up(["kv_cache"])
+    assert worker.sleep_mode_backend.state() == "RUNNING"
+    worker.sleep(2)
+    worker.discard(("kv_cache",))
+    worker.wake_up(None)
+    assert engine.allocator.controller.state.value == "awake"
+    assert engine.driver.used == 24 * MiB

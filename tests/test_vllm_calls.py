@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,12 @@ def vllm_allocator_calls(root: Path) -> set[tuple[str, str]]:
     return found
 
 
+@functools.cache
+def installed_calls() -> frozenset[tuple[str, str]]:
+    """The scan of the installed vllm, once per test session."""
+    return frozenset(vllm_allocator_calls(Path(vllm.__file__).parent))
+
+
 def documented_calls() -> set[tuple[str, str]]:
     """The rows of the table between the ``vllm-calls`` markers in docs/vllm.md."""
     text = DOC.read_text(encoding="utf-8")
@@ -91,16 +98,14 @@ def documented_calls() -> set[tuple[str, str]]:
 
 def test_documented_call_list_matches_installed_vllm() -> None:
     """Every call vLLM 0.33 makes on the allocator instance is in docs/vllm.md, and nothing else is."""
-    root = Path(vllm.__file__).parent
-    found = vllm_allocator_calls(root)
+    found = set(installed_calls())
     assert found, "the scan found no calls at all: the scanner is broken"
     assert documented_calls() == found
 
 
 def test_facade_answers_every_call() -> None:
     """torpor's facade has a callable for every attribute vLLM reads on the allocator instance."""
-    root = Path(vllm.__file__).parent
-    for attr, where in sorted(vllm_allocator_calls(root)):
+    for attr, where in sorted(installed_calls()):
         assert callable(getattr(TorporMemAllocator, attr, None)), f"{attr} (called in {where})"
 
 
