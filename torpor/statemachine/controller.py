@@ -438,7 +438,7 @@ class SleepController:
             try:
                 done = self.memory.release([tag])[tag]
             except TorporError as exc:
-                self._abort_sleep(level, start, "release", exc, released, plan)
+                self._abort_sleep(level, start, "release", exc, released, plan, failed=tag)
             released.append(done)
             self._emit(EventKind.TAG_RELEASED, tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds)
         seconds = time.perf_counter() - start
@@ -471,11 +471,15 @@ class SleepController:
         exc: TorporError,
         released: list[Transfer],
         plan: Mapping[str, Action] | None = None,
+        failed: str | None = None,
     ) -> None:
         """Undo a sleep that failed: map back what was released, drop backups, stay awake."""
         rollback_error: TorporError | None = None
         # A discarded tag had no backup: rolling it back maps fresh memory, its content is gone. Say so.
+        # The tag whose release failed may be partly released already (some allocations unmapped).
         lost = [t.tag for t in released if plan is not None and plan.get(t.tag) is Action.DISCARD]
+        if failed is not None and plan is not None and plan.get(failed) is Action.DISCARD:
+            lost.append(failed)
         for done in reversed(released):
             try:
                 back = self.memory.restore([done.tag])[done.tag]
@@ -513,7 +517,7 @@ class SleepController:
             except TorporError:
                 logger.exception("dropping backups after an aborted sleep failed")
         lost_txt = (
-            f"; content of {', '.join(lost)} was discarded before the failure and is not restored" if lost else ""
+            f"; content of {', '.join(lost)} may be lost (discarded, or partly, before the failure)" if lost else ""
         )
         self._emit(
             EventKind.SLEEP_ABORTED,
