@@ -62,7 +62,13 @@ def sandbox(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         "loaded": plugins.plugins_loaded,
         "facade": facade.configure(None),
     }
-    for name in (activation.ENV_ACTIVE, "NCCL_GRAPH_REGISTER", "VLLM_PLUGINS", "PROMETHEUS_MULTIPROC_DIR"):
+    for name in (
+        activation.ENV_ACTIVE,
+        activation.ENV_PROBE,
+        "NCCL_GRAPH_REGISTER",
+        "VLLM_PLUGINS",
+        "PROMETHEUS_MULTIPROC_DIR",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(current_platform, "device_type", "cpu")  # vLLM's DeviceConfig needs one here
     predicate.forget_decisions()
@@ -395,3 +401,16 @@ def test_spawned_worker_activates_through_vllms_loader(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["registered", "True", "active", "True", "extended", "True"]
+
+
+def test_probe_can_be_turned_off(sandbox: Any, monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    """TORPOR_VLLM_PROBE=0: loading the plugin registers the backend and changes nothing in VllmConfig."""
+    from vllm.config import VllmConfig
+
+    monkeypatch.setenv(activation.ENV_PROBE, "0")
+    activation.remove_probe()
+    before = VllmConfig.__dict__["__post_init__"]
+    activation.register()
+    assert VllmConfig.__dict__["__post_init__"] is before
+    vllm_config(tiny_model, "torpor")
+    assert not activation.is_active()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from torpor.hooks.vllm.activation import (
     ENV_ACTIVE,
+    ENV_PROBE,
     Activation,
     ActivationError,
     activate,
@@ -47,6 +48,7 @@ __all__ = [
     "ENV_ACTIVE",
     "ENV_ENGINE",
     "ENV_LOG_DIR",
+    "ENV_PROBE",
     "ENV_RANK",
     "Activation",
     "ActivationError",

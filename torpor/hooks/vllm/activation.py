@@ -49,6 +49,8 @@ logger = logging.getLogger("torpor.vllm")
 
 #: Set by :func:`activate`; a process that loads the plugin with it set activates at once (spawned workers).
 ENV_ACTIVE = "TORPOR_VLLM_ACTIVE"
+#: ``0`` leaves ``VllmConfig`` untouched at load (no probe); torpor then activates only with ``TORPOR_VLLM_ACTIVE=1``.
+ENV_PROBE = "TORPOR_VLLM_PROBE"
 BACKEND_MODULE = "torpor.hooks.vllm.backend"
 BACKEND_CLASS = "TorporSleepBackend"
 
@@ -89,7 +91,8 @@ def _vllm_config_class() -> Any:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register the backend, install the probe, activate if told to."""
     register_backend()
-    install_probe()
+    if os.environ.get(ENV_PROBE, "1") != "0":
+        install_probe()
     if os.environ.get(ENV_ACTIVE) == "1":
         activate()
 
