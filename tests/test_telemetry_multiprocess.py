@@ -34,6 +34,8 @@ for step in script.split(","):
         controller.sleep(2)
     elif step == "wake_weights":
         controller.wake(["weights"])
+    elif step == "wake":
+        controller.wake()
     elif step == "refuse":
         try:
             controller.wake(["weights"]) if controller.state.value == "awake" else controller.sleep(1)
@@ -113,3 +115,40 @@ def test_a_restarted_rank_shows_its_latest_state_and_keeps_its_counts(tmp_path: 
     assert get(got, "torpor_state", **r0, state="asleep_l1") == 0
     assert get(got, "torpor_tag_bytes", **r0, tag="weights", residency="resident") == 1000
     assert get(got, "torpor_sleep_duration_seconds_count", **r0, level="1") == 2
+
+
+def _shape(text: bytes) -> set[tuple[str, tuple[str, ...]]]:
+    """(sample name, label names) of every sample: what a dashboard query can select on."""
+    return {
+        (s.name, tuple(sorted(s.labels)))
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
+
+
+@pytest.mark.prometheus
+def test_multiprocess_exposition_is_promtool_clean_and_shaped_like_the_collector(tmp_path: Path) -> None:
+    """The merged files pass promtool and expose the same names and labels as the scrape-time collector."""
+    from prometheus_client import CollectorRegistry
+
+    from torpor import InvalidTransition, SleepController
+    from torpor.telemetry import attach
+    from torpor.testing import FakeMemory
+
+    run_worker(tmp_path, 0, "sleep1,refuse,wake_weights,wake")
+    merged = generate_latest(multiprocess_registry(str(tmp_path)))
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=merged, capture_output=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == b""
+    assert result.stderr.strip() == b""
+    registry = CollectorRegistry()
+    controller = SleepController(FakeMemory({"weights": 1000, "kv_cache": 2000, "cudagraph": 30}), engine="mp")
+    attach(controller, registry=registry, otel=False, multiprocess=False)
+    controller.sleep(1)
+    with pytest.raises(InvalidTransition):
+        controller.sleep(1)
+    controller.wake(["weights"])
+    controller.wake()
+    assert _shape(merged) == _shape(generate_latest(registry))
