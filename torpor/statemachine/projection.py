@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from torpor.errors import LogCorrupted
 from torpor.statemachine.events import Event, EventKind, thaw
 from torpor.statemachine.log import read_events
 from torpor.statemachine.protocol import TagUsage
@@ -235,18 +236,26 @@ def _describe(event: Event) -> str:
     return f"#{event.seq} {event.kind.value}{detail}"
 
 
-def project(events: Iterable[Event], start: Projection | None = None) -> Projection:
-    """Fold ``events`` into a projection (a fresh one unless ``start`` is given)."""
+def project(events: Iterable[Event], start: Projection | None = None, where: str = "events") -> Projection:
+    """Fold ``events`` into a projection (a fresh one unless ``start`` is given).
+
+    An event whose payload does not fit its kind (a checksummed line from a
+    buggy writer or a hand edit) raises ``LogCorrupted`` naming its number.
+    """
     proj = start or Projection()
     for event in events:
-        proj.apply(event)
+        try:
+            proj.apply(event)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            reason = f"event #{event.seq} ({event.kind.value}) has a malformed payload: {type(exc).__name__}: {exc}"
+            raise LogCorrupted(where, event.seq, reason) from None
     return proj
 
 
 def replay(source: str | os.PathLike[str] | Iterable[Event]) -> Projection:
     """The projection of a log file (all its segments) or of an iterable of events."""
     if isinstance(source, str | os.PathLike):
-        return project(read_events(source))
+        return project(read_events(source), where=str(source))
     return project(source)
 
 
