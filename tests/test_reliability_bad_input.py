@@ -713,3 +713,25 @@ def test_http_endpoint_is_loopback_read_only_and_bounded(endpoint: tuple[SleepCo
     assert len(body.splitlines()) == 5  # max_events, though the controller holds more
     assert ctrl.last_seq == seq
     assert ctrl.projection.to_dict() == before
+
+
+@_FUZZ
+@given(
+    kind=st.sampled_from([k.value for k in EventKind]),
+    data=st.dictionaries(
+        st.sampled_from(["tag", "bytes", "action", "level", "usage", "pool", "site", "projection", "tags", "x"]),
+        _json,
+        max_size=4,
+    ),
+)
+def test_fuzz_replay_of_checksummed_payloads(tmp_path: Path, kind: str, data: dict[str, Any]) -> None:
+    """A checksummed event with a malformed payload makes replay raise LogCorrupted naming the line, never a KeyError or TypeError."""
+    path = tmp_path / "payload.jsonl"
+    opened = _event(1, data={"usage": {"weights": 4096}})
+    path.write_bytes(_line(opened) + _line(_event(2, kind=kind, data=data)))
+    try:
+        proj = replay(path)
+    except _ALLOWED as exc:
+        assert str(path) in str(exc)
+        return
+    assert proj.last_seq == 2
