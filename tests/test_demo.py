@@ -329,3 +329,24 @@ def test_fmt_bytes(nbytes: int, text: str) -> None:
     from torpor.demo.report import fmt_bytes
 
     assert fmt_bytes(nbytes) == text
+
+
+def test_auto_falls_back_to_sim_when_cuda_cannot_be_used(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--device auto with CUDA present but unusable runs on the simulated device and says why; --device cuda fails."""
+    real = demo_run.make_workload
+
+    def broken_cuda(device: str):  # type: ignore[no-untyped-def]
+        if device == "cuda":
+            msg = "cuInit failed: CUDA_ERROR_NO_DEVICE"
+            raise demo_run.DemoError(msg)
+        return real(device)
+
+    monkeypatch.setattr(demo_run, "cuda_available", lambda: True)
+    monkeypatch.setattr(demo_run, "make_workload", broken_cuda)
+    assert main(["demo", "--cycles", "1", "--log-dir", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "on device 'sim' (CUDA is available, but torpor cannot use it here: cuInit failed" in out
+    assert main(["demo", "--cycles", "1", "--device", "cuda", "--log-dir", str(tmp_path / "b")]) == 1
+    assert "cuInit failed" in capsys.readouterr().err

@@ -157,9 +157,15 @@ def run_demo(opts: DemoOptions) -> int:
     kinds = [CYCLE_KINDS[i % len(CYCLE_KINDS)] for i in range(opts.cycles)]
     progress = Progress(out, total=3 + sum(1 + 2 * len(k.wakes) for k in kinds))
 
-    say(f"torpor demo: {opts.cycles} sleep/wake cycle(s) on device '{device}' ({why})")
     progress.step("building the workload")
-    workload = make_workload(device)
+    try:
+        workload = make_workload(device)
+    except (TorporError, RuntimeError, OSError) as exc:
+        if opts.device != "auto":
+            raise
+        why = f"CUDA is available, but torpor cannot use it here: {exc}"
+        device, workload = "sim", make_workload("sim")
+    say(f"torpor demo: {opts.cycles} sleep/wake cycle(s) on device '{device}' ({why})")
     for line in workload.describe():
         say("  " + line)
     controller = SleepController(workload.memory, log=log, engine=ENGINE, rank=0)
