@@ -253,3 +253,50 @@ def test_follow_prints_events_as_they_are_appended(tmp_path: Path, capsys: pytes
     assert [int(r.split()[0][1:]) for r in rows] == list(range(first, ctrl.last_seq + 1))
     assert "asleep_l1" in "\n".join(rows) and rows[-1].split()[2] == "awake"
     ctrl.close()
+
+
+# -- the README a new user reads first ---------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _slug(heading: str) -> str:
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_readme_has_the_two_fresh_machine_commands() -> None:
+    """The README's first screen holds the run command and the test command, and .ci/run is executable."""
+    readme = (ROOT / "README.md").read_text()
+    first_screen = readme[: readme.index("## ")]
+    assert "    python3 -m venv .venv && .venv/bin/pip install '.[plot]' && .venv/bin/torpor demo\n" in first_screen
+    assert "    .ci/run\n" in first_screen
+    assert os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+def test_readme_links_resolve() -> None:
+    """Every relative link in the README names a file that exists, and its #anchor a heading there."""
+    readme = (ROOT / "README.md").read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = ROOT / path if path else ROOT / "README.md"
+        if not file.exists():
+            broken.append(target)
+            continue
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), re.MULTILINE)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    assert not broken, f"README links that do not resolve: {broken}"
+
+
+def test_readme_python_examples_compile() -> None:
+    """Every ```python block in the README is valid Python."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    assert blocks
+    for block in blocks:
+        compile(block.replace("\n...\n", "\npass\n"), "README.md", "exec")
