@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import zlib
 from collections.abc import Iterator
@@ -140,6 +141,20 @@ def _tail_state(file: Path, max_line: int) -> tuple[int, int]:
     return last, end
 
 
+def _make_private(directory: Path) -> None:
+    """Make the log's directory 0700, unless it is shared (sticky, like /tmp, or someone else's): then only warn."""
+    st = directory.stat()
+    if st.st_mode & stat.S_ISVTX or st.st_uid != os.geteuid():
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            logger.warning(
+                "%s is a shared directory (mode %o): torpor leaves its mode as it is; the log files in it are 0600",
+                directory,
+                stat.S_IMODE(st.st_mode),
+            )
+        return
+    os.chmod(directory, 0o700)
+
+
 class EventLog:
     """Append-only, checksummed JSON Lines event log for one engine rank.
 
@@ -164,7 +179,7 @@ class EventLog:
         self.keep = keep
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.path.parent, 0o700)
+        _make_private(self.path.parent)
         self.last_seq = 0
         if self.path.exists():
             self.last_seq, valid = _tail_state(self.path, max_line)
