@@ -454,6 +454,20 @@ def test_existing_open_directory_is_made_private(tmp_path: Path) -> None:
     assert path.stat().st_mode & 0o777 == 0o600
 
 
+def test_shared_sticky_directory_is_left_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A log put in a shared sticky directory (like /tmp) keeps that directory's mode, warns, and is itself 0600."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # noqa: S103 - /tmp's mode, on purpose
+    path = shared / "e.jsonl"
+    with caplog.at_level("WARNING"):
+        ctrl = SleepController(_memory(), path, fsync=False)
+        ctrl.close()
+    assert shared.stat().st_mode & 0o7777 == 0o1777, "torpor changed the mode of a shared directory"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert str(shared) in caplog.text
+
+
 def test_log_reader_never_executes_or_unpickles(tmp_path: Path) -> None:
     """A checksummed line carrying a pickle or code stays inert data: nothing is imported or run."""
     import pickle
