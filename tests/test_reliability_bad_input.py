@@ -484,6 +484,45 @@ def test_log_reader_never_executes_or_unpickles(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+_FORBIDDEN_CALLS = {
+    ("pickle", "load"),
+    ("pickle", "loads"),
+    ("marshal", "load"),
+    ("marshal", "loads"),
+    ("shelve", "open"),
+    ("yaml", "load"),
+    ("yaml", "unsafe_load"),
+    ("torch", "load"),
+    ("os", "system"),
+    ("", "eval"),
+    ("", "exec"),
+    ("", "__import__"),
+}
+
+
+def test_no_torpor_code_unpickles_or_evaluates() -> None:
+    """No module of torpor calls pickle/marshal/yaml/torch loaders, eval, exec or os.system (static check of the source)."""
+    import ast
+
+    import torpor
+
+    found = []
+    for file in sorted(Path(torpor.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name):
+                key = ("", func.id)
+            elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                key = (func.value.id, func.attr)
+            else:
+                continue
+            if key in _FORBIDDEN_CALLS:
+                found.append(f"{file.name}:{node.lineno} {'.'.join(k for k in key if k)}")
+    assert not found, found
+
+
 # -- fuzzing the log reader -----------------------------------------------------------
 
 _ALLOWED = (LogCorrupted, UnknownSchemaVersion)
