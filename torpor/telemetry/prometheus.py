@@ -146,8 +146,10 @@ _COUNTERS = {
 }
 _HISTOGRAMS = {"sleep_seconds": "torpor_sleep_duration_seconds", "wake_seconds": "torpor_wake_duration_seconds"}
 
-#: One sample: family, sample name, sorted (label, value) pairs, value.
-Sample = tuple[str, str, tuple[tuple[str, str], ...], float]
+#: One sample: family, sample name, sorted (label, value) pairs, value, and its ``name{labels} `` text.
+Sample = tuple[str, str, tuple[tuple[str, str], ...], float, str]
+#: Per-rank memo of each series' labels and line prefix, keyed by (sample name, extra labels).
+SeriesCache = dict[tuple[str, tuple[tuple[str, str], ...]], tuple[tuple[tuple[str, str], ...], str]]
 
 
 def _family(name: str) -> Metric:
@@ -171,37 +173,37 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
-_PREFIXES: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
 _NUMBERS: dict[float, str] = {}
 _CACHE_LIMIT = 65_536
 
 
-def _render(sample: Sample) -> str:
-    """One sample line; the ``name{labels} `` part and the number's text are memoised (series are few)."""
-    _, name, labels, value = sample
-    key = (name, labels)
-    prefix = _PREFIXES.get(key)
-    if prefix is None:
-        if len(_PREFIXES) > _CACHE_LIMIT:
-            _PREFIXES.clear()
-        text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-        prefix = _PREFIXES[key] = f"{name}{{{text}}} "
-    number = _NUMBERS.get(value)
-    if number is None:
+def _number(value: float) -> str:
+    """The Go-style text of a float, memoised (counts and byte sizes repeat)."""
+    text = _NUMBERS.get(value)
+    if text is None:
         if len(_NUMBERS) > _CACHE_LIMIT:
             _NUMBERS.clear()
-        number = _NUMBERS[value] = floatToGoString(value)  # type: ignore[no-untyped-call]
-    return prefix + number + "\n"
+        text = _NUMBERS[value] = floatToGoString(value)  # type: ignore[no-untyped-call]
+    return text
 
 
-def rank_samples(tracker: Tracker, stats: RankStats, version: str) -> list[Sample]:
-    """Every sample of one rank: gauges from the live projection, counters and histograms from ``stats``."""
+def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: SeriesCache | None = None) -> list[Sample]:
+    """Every sample of one rank: gauges from the live projection, counters and histograms from ``stats``.
+
+    ``series`` memoises each series' sorted labels and line prefix across scrapes (a rank's series are few).
+    """
     proj = tracker.source.projection
     base = (("engine", tracker.engine), ("rank", str(tracker.rank)))
     out: list[Sample] = []
+    memo: SeriesCache = {} if series is None else series
 
     def add(family: str, name: str, extra: tuple[tuple[str, str], ...], value: float) -> None:
-        out.append((family, name, tuple(sorted(base + extra)), value))
+        known = memo.get((name, extra))
+        if known is None:
+            labels = tuple(sorted(base + extra))
+            text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+            known = memo[(name, extra)] = (labels, f"{name}{{{text}}} ")
+        out.append((family, name, known[0], value, known[1]))
 
     add("torpor_info", "torpor_info", (("driver", tracker.driver), ("version", version)), 1.0)
     current = proj.state
@@ -250,6 +252,7 @@ class TorporCollector:
         self.version = version
         self._stats: dict[Tracker, RankStats] = {}
         self._cache: dict[Tracker, _Cached] = {}
+        self._series: dict[Tracker, SeriesCache] = {}
         self._lock = threading.Lock()
 
     def add(self, tracker: Tracker) -> None:
@@ -264,6 +267,7 @@ class TorporCollector:
         with self._lock:
             self._stats.pop(tracker, None)
             self._cache.pop(tracker, None)
+            self._series.pop(tracker, None)
 
     def __len__(self) -> int:
         return len(self._stats)
@@ -283,12 +287,15 @@ class TorporCollector:
             key = (tracker.seq, tracker.source.projection.last_seq, stats.version)
             cached = self._cache.get(tracker)
             if cached is None or cached.key != key:
-                cached = _Cached(key, rank_samples(tracker, stats, self.version))
+                series = self._series.setdefault(tracker, {})
+                if len(series) > _CACHE_LIMIT:
+                    series.clear()
+                cached = _Cached(key, rank_samples(tracker, stats, self.version, series))
                 self._cache[tracker] = cached
             if render and not cached.text:
                 text: dict[str, list[str]] = defaultdict(list)
                 for sample in cached.samples:
-                    text[sample[0]].append(_render(sample))
+                    text[sample[0]].append(sample[4] + _number(sample[3]) + "\n")
                 cached.text = {family: "".join(lines) for family, lines in text.items()}
             out.append(cached)
         return out
@@ -302,7 +309,7 @@ class TorporCollector:
         """Every family, from the projections and the accumulated counts."""
         families = {name: _family(name) for name in METRICS}
         for cached in self._ranks(render=False):
-            for family, name, labels, value in cached.samples:
+            for family, name, labels, value, _ in cached.samples:
                 families[family].add_sample(name, dict(labels), value)
         yield from families.values()
 
