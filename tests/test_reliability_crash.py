@@ -255,6 +255,7 @@ def test_sigkill_at_random_points_always_replays(tmp_path: Path) -> None:
             if kill % 2:
                 _recover_and_cycle(ctrl, path)  # else the next worker recovers, as a restarted engine would
             ctrl.log.close()  # type: ignore[union-attr]
+    print(f"{interrupted}/{KILLS} kills landed mid-transition")
     assert interrupted >= KILLS // 4, f"only {interrupted} of {KILLS} kills landed mid-transition"
     assert len(segments(path)) > 1, "the log never rotated under the kills"
     recovered = [e for e in read_events(path) if e.kind is EventKind.RECOVERED]
