@@ -287,3 +287,19 @@ def test_an_interrupted_log_shows_the_transitional_state(tmp_path: Path) -> None
     assert (
         value(got, "torpor_transitions_total", engine="crash", rank="0", from_state="suspending", to_state="awake") == 1
     )
+
+
+def test_exposition_of_a_registry_renders_torpor_families_only() -> None:
+    """exposition(registry) gives torpor's text for that registry, and nothing for a registry without torpor."""
+    from prometheus_client import Gauge
+
+    from torpor.telemetry import exposition
+
+    registry = CollectorRegistry()
+    Gauge("someone_else", "not torpor", registry=registry).set(1)
+    assert exposition(registry) == b""
+    attach(SleepController(FakeMemory(TAGS), engine="x"), registry=registry, otel=False)
+    text = exposition(registry)
+    assert b'torpor_state{engine="x",rank="0",state="awake"} 1.0' in text
+    assert b"someone_else" not in text
+    assert text in generate_latest(registry)

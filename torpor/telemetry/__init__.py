@@ -18,7 +18,7 @@ from torpor.telemetry.dashboard import dashboard, render_dashboard
 from torpor.telemetry.endpoint import Server, serve
 from torpor.telemetry.multiprocess import MultiprocessSink, mark_process_dead, multiprocess_registry
 from torpor.telemetry.otel import OtelSink
-from torpor.telemetry.prometheus import METRICS, TorporCollector, collector_for, release_collector
+from torpor.telemetry.prometheus import METRICS, TorporCollector, collector_for, exposition, release_collector
 from torpor.telemetry.replay import LogSource
 from torpor.telemetry.tracker import Observation, Source, Tracker, interpret
 
@@ -101,6 +101,7 @@ __all__ = [
     "Tracker",
     "attach",
     "dashboard",
+    "exposition",
     "interpret",
     "mark_process_dead",
     "multiprocess_registry",

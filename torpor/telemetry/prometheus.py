@@ -345,3 +345,15 @@ def release_collector(registry: CollectorRegistry) -> None:
         if collector is not None and not len(collector):
             registry.unregister(collector)  # type: ignore[arg-type]
             del _collectors[registry]
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """torpor's families in ``registry`` as Prometheus text, rendered directly (empty when none is attached).
+
+    The same text ``generate_latest`` gives for torpor's collector, several
+    times faster: for a route of its own (say ``/torpor/metrics``) beside a
+    shared registry's ``/metrics``.
+    """
+    with _collectors_lock:
+        collector = _collectors.get(registry)
+    return collector.exposition() if collector is not None else b""
