@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import hashlib
 import itertools
 import logging
 import random
@@ -69,24 +71,105 @@ class SlowMemory(FakeMemory):
             super().fail_once(operation, tag)
 
 
+class FakeSide:
+    """FakeMemory (slowed down) under the controller; faults per operation and tag."""
+
+    def __init__(self) -> None:
+        self.mem = SlowMemory(TAGS)
+        self.memory: Any = self.mem
+
+    def capture_body(self, ctrl: SleepController, rng: random.Random, site: str) -> None:
+        """Capture at ``site``; usually drop the graph afterwards so the pool can be released."""
+        with ctrl.capture(site):
+            time.sleep(STEP)
+        if rng.random() < 0.7:
+            with self.mem._mutex:
+                if site in self.mem.graphs:
+                    self.mem.drop_graph(site)
+
+    def arm(self, rng: random.Random) -> None:
+        """Arm one memory failure."""
+        self.mem.fail_once(rng.choice(["backup", "release", "restore", "drop_backup"]), rng.choice([*TAGS, "*"]))
+
+    def clear_faults(self) -> None:
+        """Disarm what nothing reached."""
+        with self.mem._mutex:
+            self.mem._failures.clear()
+
+    def runtime(self) -> object:
+        """The runtime tag's content."""
+        return self.mem.content("runtime")
+
+    def close(self) -> None:
+        """Nothing to free."""
+
+
+class _Graph:
+    """Stands for a captured CUDA graph (the allocator holds it weakly)."""
+
+
+class SimSide:
+    """The real TaggedAllocator on SimDriver; faults at driver calls; runtime's real bytes checked."""
+
+    CHAOS_CALLS = ("unmap", "map", "create", "set_access", "copy_d2h", "copy_h2d", "host_alloc", "record", "wait")
+
+    def __init__(self) -> None:
+        from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
+
+        kib = 1 << 10
+        self.driver = SimDriver(capacity=64 << 20, host_capacity=64 << 20, granularity=16 * kib)
+        self.alloc = TaggedAllocator(driver=self.driver, host=HostPolicy(chunk_bytes=128 * kib, threads=1))
+        self.memory: Any = self.alloc
+        sizes = {"weights": 96 * kib, "kv_cache": 128 * kib, "runtime": 32 * kib, "workspace": 16 * kib}
+        self.blocks = {tag: (self.alloc.allocate(n, tag), n) for tag, n in sizes.items()}
+        self.driver.write(self.blocks["runtime"][0], random.Random(7).randbytes(sizes["runtime"]))
+        self.graphs: list[_Graph] = []
+        self.lock = threading.Lock()
+
+    def capture_body(self, ctrl: SleepController, rng: random.Random, site: str) -> None:
+        """Capture at ``site`` (an allocation lands in the graph pool); keep some graphs alive a while."""
+        graph = _Graph()
+        with ctrl.capture(site) as cap:
+            with contextlib.suppress(TorporError):  # a driver fault inside the body is the body's failure
+                self.alloc.allocate(16 << 10)
+            cap.track(graph)  # type: ignore[attr-defined]
+        with self.lock:
+            self.graphs.append(graph)
+            while self.graphs and rng.random() < 0.7:
+                self.graphs.pop(rng.randrange(len(self.graphs)))
+
+    def arm(self, rng: random.Random) -> None:
+        """Arm one driver failure, a few calls ahead."""
+        self.driver.fail(rng.choice(self.CHAOS_CALLS), nth=rng.randint(1, 3))
+
+    def clear_faults(self) -> None:
+        """Disarm what nothing reached."""
+        self.driver.clear_faults()
+
+    def runtime(self) -> object:
+        """The runtime tag's real bytes (None while released)."""
+        if not self.alloc.usage()["runtime"].resident:
+            return None
+        address, n = self.blocks["runtime"]
+        return hashlib.sha256(self.driver.read(address, n)).hexdigest()
+
+    def close(self) -> None:
+        """Free the device, the pinned host memory and the pinning thread."""
+        self.alloc.close()
+
+
 class Caller:
     """One thread's random commands and what they raised."""
 
-    def __init__(self, ctrl: SleepController, mem: SlowMemory, seed: int, stop: threading.Event) -> None:
-        self.ctrl, self.mem, self.rng, self.stop = ctrl, mem, random.Random(seed), stop
+    def __init__(self, ctrl: SleepController, side: FakeSide | SimSide, seed: int, stop: threading.Event) -> None:
+        self.ctrl, self.side, self.rng, self.stop = ctrl, side, random.Random(seed), stop
         self.errors: list[TorporError] = []
         self.unexpected: list[BaseException] = []
         self.commands = 0
         self.seen: list[list[int]] = []
 
     def _capture(self) -> None:
-        site = f"site-{self.rng.randrange(1000)}"
-        with self.ctrl.capture(site):
-            time.sleep(STEP)
-        if self.rng.random() < 0.7:
-            with self.mem._mutex:
-                if site in self.mem.graphs:
-                    self.mem.drop_graph(site)
+        self.side.capture_body(self.ctrl, self.rng, f"site-{self.rng.randrange(1000)}")
 
     def _subscribe(self) -> None:
         seqs: list[int] = []
@@ -148,27 +231,47 @@ def _threads(callers: list[Caller], stop: threading.Event) -> Iterator[None]:
             pytest.fail(f"deadlock: {alive} still running {BOUND} s after the stop")
 
 
-def _chaos(mem: SlowMemory, stop: threading.Event, seed: int) -> None:
+def _chaos(side: FakeSide | SimSide, stop: threading.Event, seed: int) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
-        op = rng.choice(["backup", "release", "restore", "drop_backup"])
-        mem.fail_once(op, rng.choice([*TAGS, "*"]))
+        side.arm(rng)
         time.sleep(rng.uniform(0.005, 0.03))
 
 
+def _sim_available() -> bool:
+    try:
+        from torpor.allocator import SimDriver, TaggedAllocator  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("chaos", [False, True], ids=["clean", "with-memory-faults"])
-def test_random_commands_from_threads(tmp_path: Path, chaos: bool, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "memory",
+    ["fake", pytest.param("sim", marks=pytest.mark.skipif(not _sim_available(), reason="TaggedAllocator missing"))],
+)
+def test_random_commands_from_threads(
+    tmp_path: Path, memory: str, chaos: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """Six threads of random commands (and memory faults): no deadlock, every error logged, replay equals live, nothing offloaded lost."""
+    side = FakeSide() if memory == "fake" else SimSide()
+    try:
+        _random_commands(tmp_path, side, chaos, caplog)
+    finally:
+        side.close()
+
+
+def _random_commands(tmp_path: Path, side: FakeSide | SimSide, chaos: bool, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(
         logging.CRITICAL, logger="torpor"
     )  # failing subscribers are logged by design; keep the output short
     path = tmp_path / "e.jsonl"
-    mem = SlowMemory(TAGS)
-    ctrl = SleepController(mem, EventLog(path, fsync=False, max_bytes=64 * 1024))
-    runtime = mem.content("runtime")
+    ctrl = SleepController(side.memory, EventLog(path, fsync=False, max_bytes=64 * 1024))
+    runtime = side.runtime()
     stop = threading.Event()
-    callers = [Caller(ctrl, mem, seed, stop) for seed in range(THREADS)]
-    extra = [threading.Thread(target=_chaos, args=(mem, stop, 99), daemon=True)] if chaos else []
+    callers = [Caller(ctrl, side, seed, stop) for seed in range(THREADS)]
+    extra = [threading.Thread(target=_chaos, args=(side, stop, 99), daemon=True)] if chaos else []
     with _threads(callers, stop):
         for t in extra:
             t.start()
@@ -181,6 +284,8 @@ def test_random_commands_from_threads(tmp_path: Path, chaos: bool, caplog: pytes
     assert sum(c.commands for c in callers) > 200, "the threads hardly ran"
 
     events = list(read_events(path))
+    kinds = Counter(e.kind.value for e in events)
+    print(f"{sum(c.commands for c in callers)} commands, {len(errors)} errors; events: {dict(kinds)}")
     live = ctrl.projection.to_dict()
     assert replay(path).to_dict() == live
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
@@ -211,14 +316,14 @@ def test_random_commands_from_threads(tmp_path: Path, chaos: bool, caplog: pytes
         assert missed <= snapshots, f"a subscriber missed events {sorted(missed - snapshots)[:5]}"
 
     # the controller still works and nothing offloaded was lost
-    mem._failures.clear()  # failures the chaos thread armed but nothing reached
+    side.clear_faults()  # failures the chaos thread armed but nothing reached
     if ctrl.state is not State.AWAKE:
         ctrl.wake()
     assert ctrl.state is State.AWAKE
-    assert mem.content("runtime") == runtime, "runtime (always offloaded) lost its content"
+    assert side.runtime() == runtime, "runtime (always offloaded) lost its content"
     ctrl.sleep(1)
     ctrl.wake()
-    assert mem.content("runtime") == runtime
+    assert side.runtime() == runtime
     assert replay(path).to_dict() == ctrl.projection.to_dict()
 
 
