@@ -152,3 +152,19 @@ def test_multiprocess_exposition_is_promtool_clean_and_shaped_like_the_collector
     controller.wake(["weights"])
     controller.wake()
     assert _shape(merged) == _shape(generate_latest(registry))
+
+
+def test_one_process_writes_each_rank_once() -> None:
+    """In multiprocess mode a second controller with the same engine and rank in one process is refused until the first detaches."""
+    from torpor import SleepController
+    from torpor.telemetry import DuplicateRank, attach
+    from torpor.testing import FakeMemory
+
+    first = SleepController(FakeMemory({"weights": 10}), engine="mp-dup", rank=3)
+    second = SleepController(FakeMemory({"weights": 10}), engine="mp-dup", rank=3)
+    handle = attach(first, otel=False, multiprocess=True)
+    with pytest.raises(DuplicateRank, match="multiprocess directory"):
+        attach(second, otel=False, multiprocess=True)
+    assert second._subscribers == []
+    handle.detach()
+    attach(second, otel=False, multiprocess=True).detach()

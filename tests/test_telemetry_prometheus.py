@@ -303,3 +303,21 @@ def test_exposition_of_a_registry_renders_torpor_families_only() -> None:
     assert b'torpor_state{engine="x",rank="0",state="awake"} 1.0' in text
     assert b"someone_else" not in text
     assert text in generate_latest(registry)
+
+
+def test_a_second_controller_with_the_same_rank_is_refused() -> None:
+    """Attaching another controller with the same engine and rank to one registry raises DuplicateRank and changes nothing."""
+    from torpor.telemetry import DuplicateRank
+
+    registry = CollectorRegistry()
+    first = SleepController(FakeMemory(TAGS), engine="dup", rank=0)
+    second = SleepController(FakeMemory(TAGS), engine="dup", rank=0)
+    handle = attach(first, registry=registry, otel=False)
+    with pytest.raises(DuplicateRank, match="engine 'dup' rank 0"):
+        attach(second, registry=registry, otel=False)
+    assert second._subscribers == []
+    first.sleep(1)
+    assert value(samples(registry), "torpor_state", engine="dup", rank="0", state="asleep_l1") == 1
+    handle.detach()
+    attach(second, registry=registry, otel=False)
+    assert value(samples(registry), "torpor_state", engine="dup", rank="0", state="awake") == 1

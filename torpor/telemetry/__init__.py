@@ -16,6 +16,7 @@ from prometheus_client.registry import REGISTRY, CollectorRegistry
 from torpor.telemetry import multiprocess as _multiprocess
 from torpor.telemetry.dashboard import dashboard, render_dashboard
 from torpor.telemetry.endpoint import Server, serve
+from torpor.telemetry.errors import DuplicateRank, TelemetryError
 from torpor.telemetry.multiprocess import MultiprocessSink, mark_process_dead, multiprocess_registry
 from torpor.telemetry.otel import OtelSink
 from torpor.telemetry.prometheus import METRICS, TorporCollector, collector_for, exposition, release_collector
@@ -49,6 +50,8 @@ class Telemetry:
         if self.collector is not None and self.registry is not None:
             self.collector.remove(self.tracker)
             release_collector(self.registry)
+        if self.multiprocess is not None:
+            self.multiprocess.close()
         if self.otel is not None:
             self.otel.close()
 
@@ -74,22 +77,27 @@ def attach(
     version = _version()
     tracker = Tracker(controller)
     handle = Telemetry(tracker)
-    if prometheus:
-        if _multiprocess.enabled() if multiprocess is None else multiprocess:
-            handle.multiprocess = MultiprocessSink(version)
-            tracker.add_sink(handle.multiprocess)
-        else:
-            handle.registry = registry
-            handle.collector = collector_for(registry, version)
-            handle.collector.add(tracker)
-    if otel:
-        handle.otel = OtelSink(tracker, version, tracer_provider, meter_provider)
-        tracker.add_sink(handle.otel)
+    try:
+        if prometheus:
+            if _multiprocess.enabled() if multiprocess is None else multiprocess:
+                handle.multiprocess = MultiprocessSink(version, tracker.engine, tracker.rank)
+                tracker.add_sink(handle.multiprocess)
+            else:
+                handle.registry = registry
+                handle.collector = collector_for(registry, version)
+                handle.collector.add(tracker)
+        if otel:
+            handle.otel = OtelSink(tracker, version, tracer_provider, meter_provider)
+            tracker.add_sink(handle.otel)
+    except BaseException:
+        handle.detach()
+        raise
     return handle
 
 
 __all__ = [
     "METRICS",
+    "DuplicateRank",
     "LogSource",
     "MultiprocessSink",
     "Observation",
@@ -97,6 +105,7 @@ __all__ = [
     "Server",
     "Source",
     "Telemetry",
+    "TelemetryError",
     "TorporCollector",
     "Tracker",
     "attach",

@@ -26,6 +26,7 @@ from prometheus_client.registry import CollectorRegistry
 from torpor.statemachine.events import Event, EventKind
 from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import State
+from torpor.telemetry.errors import DuplicateRank
 from torpor.telemetry.prometheus import BASE_LABELS, DURATION_BUCKETS, METRICS
 from torpor.telemetry.tracker import Observation, Tracker
 
@@ -88,6 +89,7 @@ class _Metrics:
 
 _metrics: _Metrics | None = None
 _metrics_lock = threading.Lock()
+_ranks: set[tuple[str, int]] = set()  # (engine, rank) pairs this process writes
 
 
 def _process_metrics() -> _Metrics:
@@ -101,7 +103,13 @@ def _process_metrics() -> _Metrics:
 class MultiprocessSink:
     """Tracker sink that writes one rank's metrics to the multiprocess files on every event."""
 
-    def __init__(self, version: str) -> None:
+    def __init__(self, version: str, engine: str, rank: int) -> None:
+        key = (engine, rank)
+        with _metrics_lock:
+            if key in _ranks:
+                raise DuplicateRank(engine, rank, f"the multiprocess directory of process {os.getpid()}")
+            _ranks.add(key)
+        self._key = key
         self.version = version
         self.metrics = _process_metrics()
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
@@ -109,6 +117,11 @@ class MultiprocessSink:
         self._info: tuple[str, ...] | None = None
         self._state: State | None = None
         self._usage: dict[str, TagUsage] = {}
+
+    def close(self) -> None:
+        """Let another controller with this engine and rank attach in this process (the files keep their values)."""
+        with _metrics_lock:
+            _ranks.discard(self._key)
 
     def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         key = (metric, labels)

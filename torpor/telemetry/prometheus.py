@@ -24,6 +24,7 @@ from prometheus_client.utils import floatToGoString
 
 from torpor.statemachine.events import Event
 from torpor.statemachine.states import State
+from torpor.telemetry.errors import DuplicateRank
 from torpor.telemetry.tracker import Observation, Tracker
 
 #: Histogram buckets for sleep and wake durations (seconds): a cached wake on a
@@ -256,8 +257,14 @@ class TorporCollector:
         self._lock = threading.Lock()
 
     def add(self, tracker: Tracker) -> None:
-        """Expose ``tracker``'s source from the next scrape on; count its events from now on."""
+        """Expose ``tracker``'s source from the next scrape on; count its events from now on.
+
+        Raises :class:`~torpor.telemetry.errors.DuplicateRank` when another
+        tracker with the same engine and rank is already exposed here.
+        """
         with self._lock:
+            if any((t.engine, t.rank) == (tracker.engine, tracker.rank) for t in self._stats if t is not tracker):
+                raise DuplicateRank(tracker.engine, tracker.rank, "this Prometheus registry")
             self._stats.setdefault(tracker, RankStats())
         tracker.add_sink(self)
 
