@@ -31,6 +31,14 @@ def fetch(url: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
         return exc.code, dict(exc.headers), exc.read()
 
 
+def wait_for_waiters(server: Server, n: int) -> None:
+    """Block until ``n`` long-polls are waiting on ``server`` (fails after 10 s)."""
+    deadline = time.monotonic() + 10
+    while server.waiting < n:
+        assert time.monotonic() < deadline, "the long-poll never started waiting"
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def controller() -> SleepController:
     """A controller over a FakeMemory."""
@@ -114,7 +122,8 @@ def test_events_long_poll_returns_when_an_event_arrives(server: Server, controll
 
     thread = threading.Thread(target=poll)
     thread.start()
-    time.sleep(0.3)
+    wait_for_waiters(server, 1)
+    time.sleep(0.2)
     controller.sleep(1)
     thread.join(timeout=15)
     status, _, body = got["response"]
@@ -184,7 +193,7 @@ def test_too_many_waiters_get_503(controller: SleepController) -> None:
         url = f"{srv.url}/events?after={controller.last_seq}&timeout=5"
         first = threading.Thread(target=fetch, args=(url,))
         first.start()
-        time.sleep(0.3)
+        wait_for_waiters(srv, 1)
         status, headers, _ = fetch(url)
         controller.sleep(1)
         first.join(timeout=10)

@@ -187,6 +187,9 @@ class Server:
         self.max_wait = max_wait
         self.max_events = max_events
         self._waiters = threading.BoundedSemaphore(max_waiters)
+        self._count_lock = threading.Lock()
+        #: ``/events`` long-polls waiting right now.
+        self.waiting = 0
         self._on_close = on_close
         self.feed = _Feed(source) if source is not None else None
         self.routes: dict[str, Callable[[_Handler, str], None]] = {"/metrics": self._metrics}
@@ -235,9 +238,13 @@ class Server:
             if not self._waiters.acquire(blocking=False):
                 handler._error(503, "too many /events requests are waiting; retry later", {"Retry-After": "1"})
                 return
+            with self._count_lock:
+                self.waiting += 1
             try:
                 self.feed.wait_after(after, timeout)
             finally:
+                with self._count_lock:
+                    self.waiting -= 1
                 self._waiters.release()
             events = self.source.events(after)
         events = events[:limit]
