@@ -245,7 +245,7 @@ def test_demo_on_cuda_is_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_keep_serving_serves_metrics_until_ctrl_c() -> None:
-    """`--keep-serving` keeps /metrics up after the cycles (with torpor_ series) until SIGINT, then exits 0."""
+    """`--keep-serving` keeps /metrics up after the cycles (torpor_ series) until SIGINT, even one inherited as ignored."""
     import signal
     import urllib.request
 
@@ -254,6 +254,8 @@ def test_keep_serving_serves_metrics_until_ctrl_c() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # started as a background job of a shell would be: SIGINT ignored (the demo must still stop on it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509 - no threads in the child yet
     )
     try:
         assert proc.stdout is not None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -246,8 +248,19 @@ def _keep_serving(server: Any, keep: bool, say: Callable[[str], None]) -> None:
         return
     say(f"serving {url} until Ctrl-C; point a Prometheus scrape job at it (static_configs: ['{url.split('/')[2]}'])")
     say(f"  $ curl -s {url} | grep '^torpor_'")
+    stop = threading.Event()
+    restore: list[tuple[signal.Signals, Any]] = []
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C and SIGTERM (docker stop, systemd) end the serving, also when the shell that started
+        # the demo in the background left SIGINT ignored.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            restore.append((signum, signal.signal(signum, lambda *_: stop.set())))
     try:
-        while True:
-            time.sleep(3600)
+        while not stop.wait(0.5):
+            pass
     except KeyboardInterrupt:
-        say("stopped serving")
+        pass
+    finally:
+        for sig, handler in restore:
+            signal.signal(sig, handler)
+    say("stopped serving")
