@@ -177,6 +177,25 @@ def test_unreadable_log_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr and "Permission denied" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["plot", "{tmp}/nope.jsonl", "-o", "{tmp}/x.png"], "no event log"),
+        (["status", "{tmp}/nowhere"], "no such directory"),
+        (["dashboard", "-o", "/proc/nope/x.json"], "No such file or directory"),
+        (["diagram", "-o", "{tmp}/missing/x.md"], "No such file or directory"),
+        (["demo", "--device", "sim", "--log-dir", "/proc/nope"], "/proc/nope"),
+    ],
+)
+def test_every_command_fails_on_bad_input_in_one_line(args: list[str], needle: str, tmp_path: Path) -> None:
+    """Each command given an unreadable or unwritable path: non-zero, one line naming it, no traceback."""
+    proc = _run(*(a.format(tmp=tmp_path) for a in args))
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith(f"torpor {args[0]}: ")
+
+
 # -- torpor log show / replay / follow --------------------------------------------------------
 
 
