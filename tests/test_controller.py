@@ -288,3 +288,24 @@ def test_unknown_tag_names_known_tags(ctl: SleepController) -> None:
     ctl.sleep(1)
     with pytest.raises(UnknownTag, match="known tags: cudagraph, kv_cache, runtime, weights"):
         ctl.wake(["wieghts"])
+
+
+def test_discard_resident_kv_cache_while_awake(ctl: SleepController, memory: FakeMemory) -> None:
+    """discard(kv_cache) while awake releases it without backup and leaves the engine partially_awake."""
+    weights = memory.content("weights")
+    ctl.discard(["kv_cache"])
+    assert ctl.state is State.PARTIALLY_AWAKE
+    assert memory.content("kv_cache") is None
+    assert ctl.projection.residency["kv_cache"].discarded == SIZES["kv_cache"]
+    ctl.wake(["kv_cache"])
+    assert ctl.state is State.AWAKE
+    assert memory.content("weights") == weights
+    assert replay(ctl.log.path).to_dict() == ctl.projection.to_dict()  # type: ignore[union-attr]
+
+
+def test_discard_resident_nondeferrable_refused(ctl: SleepController) -> None:
+    """A resident tag that every wake restores (runtime) cannot be discarded; nothing changes."""
+    with pytest.raises(InvalidTransition, match="only kv_cache, weights can be discarded while resident"):
+        ctl.discard(["runtime"])
+    assert ctl.state is State.AWAKE
+    assert ctl.projection.residency["runtime"].resident == SIZES["runtime"]

@@ -49,7 +49,12 @@ class ControllerMachine(RuleBasedStateMachine):
                 for key in ("state", "residency", "since", "pool", "graphs"):
                     assert after[key] == before[key], key
             else:
-                assert kinds & {EventKind.SLEEP_ABORTED, EventKind.WAKE_FAILED, EventKind.SLEEP_COMPLETED}
+                assert kinds & {
+                    EventKind.SLEEP_ABORTED,
+                    EventKind.WAKE_FAILED,
+                    EventKind.SLEEP_COMPLETED,
+                    EventKind.DISCARD_COMPLETED,
+                }
 
     @rule(level=st.integers(0, 3))
     def sleep(self, level: int) -> None:

@@ -298,7 +298,9 @@ def _random_commands(tmp_path: Path, side: FakeSide | SimSide, chaos: bool, capl
     for e in events:
         if e.kind is EventKind.REFUSED:
             logged[(e.data["error"], e.data["reason"])] += 1
-        elif e.kind in (EventKind.SLEEP_ABORTED, EventKind.WAKE_FAILED):
+        elif e.kind in (EventKind.SLEEP_ABORTED, EventKind.WAKE_FAILED) or (
+            e.kind is EventKind.DISCARD_COMPLETED and e.data["error"]
+        ):
             logged[(e.data["error"], "failed")] += 1
         elif e.kind is EventKind.SLEEP_COMPLETED and "incomplete" in e.data:  # the rollback failed too
             logged[("MemoryOperationFailed", "failed")] += 1

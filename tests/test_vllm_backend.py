@@ -168,8 +168,12 @@ def test_full_lifecycle_through_vllm_interfaces(engine: Any) -> None:
     address, data = content["cudagraph"]
     assert memory.read(address, len(data)) == data  # graphs are offloaded at level 2 as well
 
-    with pytest.raises(InvalidTransition, match="cannot discard from 'awake'"):
-        backend.discard(("kv_cache",))
+    with pytest.raises(InvalidTransition, match="only kv_cache, weights can be discarded while resident"):
+        backend.discard(("runtime",))
+    backend.discard(("kv_cache",))  # release_kv_cache_memory(): kv_cache released while awake
+    assert backend.state() == "RESUMING"
+    backend.resume(["kv_cache"])
+    assert backend.state() == "RUNNING"
     backend.suspend(1)
     backend.discard(("weights",))
     backend.resume(None)

@@ -219,21 +219,30 @@ class SleepController:
             return self._wake(None if tags is None else list(tags))
 
     def discard(self, tags: Sequence[str]) -> Projection:
-        """Drop the host backup of asleep ``tags``; their next wake maps fresh memory."""
+        """Discard ``tags``; the next wake that restores them maps fresh memory.
+
+        An asleep tag loses its host backup. A resident deferrable tag (``weights``,
+        ``kv_cache``) is released without a backup, as vLLM's
+        ``release_kv_cache_memory()`` asks, and an awake engine becomes
+        ``partially_awake``. ``cudagraph`` is never discarded, and a resident tag
+        that every wake restores cannot be discarded either.
+        """
         with self._command("discard", tags=tags):
             self._guard("discard")
             tags = list(tags)
             self._check_tags("discard", tags)
+            resident = [t for t in tags if t not in self.projection.asleep]
             for tag in tags:
+                why = ""
                 if tag == "cudagraph":
-                    err = InvalidTransition(
-                        "discard",
-                        self.state.value,
-                        self.projection.since,
-                        (),
-                        "cudagraph is never discarded: graphs hold write-once state",
+                    why = "cudagraph is never discarded: graphs hold write-once state"
+                elif tag in resident and tag not in self.policy.deferrable:
+                    deferrable = ", ".join(sorted(self.policy.deferrable))
+                    why = f"{tag!r} is resident and every wake restores it; only {deferrable} can be discarded while resident"
+                if why:
+                    self._refuse(
+                        "discard", InvalidTransition("discard", self.state.value, self.projection.since, (), why)
                     )
-                    self._refuse("discard", err)
             host = [t for t in tags if t in self.projection.asleep and self.projection.residency[t].host]
             for tag in host:
                 try:
@@ -241,7 +250,41 @@ class SleepController:
                 except TorporError as exc:
                     self._refuse("discard", exc)
                 self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
+            if resident:
+                self._discard_resident(resident)
             return self.projection
+
+    def _discard_resident(self, tags: list[str]) -> None:
+        """Release resident tags without a backup (each tag fully or not at all)."""
+        start = time.perf_counter()
+        try:
+            self.memory.drop_backup(tags)  # a stale backup must never come back as their content
+        except TorporError as exc:
+            self._refuse("discard", exc)
+        was_awake = self.state is State.AWAKE
+        done: list[str] = []
+        error: TorporError | None = None
+        for tag in tags:
+            try:
+                released = self.memory.release([tag])[tag]
+            except TorporError as exc:
+                error = exc
+                break
+            done.append(tag)
+            self._emit(
+                EventKind.TAG_RELEASED, tag=tag, bytes=released.bytes, action="discard", seconds=released.seconds
+            )
+        self._emit(
+            EventKind.DISCARD_COMPLETED,
+            tags=done,
+            error=type(error).__name__ if error else None,
+            reason=str(error) if error else None,
+            seconds=time.perf_counter() - start,
+        )
+        if was_awake and done:
+            self._step("discard")
+        if error is not None:
+            raise error
 
     @contextmanager
     def capture(self, site: str) -> Iterator[object]:

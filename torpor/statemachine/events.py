@@ -32,6 +32,7 @@ class EventKind(enum.StrEnum):
     - ``wake_completed``: ``tags``, ``seconds``, ``restored``
     - ``wake_failed``: ``tags``, ``reason``, ``error``, ``seconds``
     - ``tag_discarded``: ``tag``, ``bytes`` (a host backup dropped while asleep)
+    - ``discard_completed``: ``tags`` (resident tags released without backup), ``error``, ``reason``, ``seconds``
     - ``refused``: ``command``, ``reason``, ``error``, ``holders``
     - ``pool_created``: ``pool``
     - ``graph_captured``: ``site``, ``pool``, ``seconds``, ``usage``
@@ -55,6 +56,7 @@ class EventKind(enum.StrEnum):
     WAKE_COMPLETED = "wake_completed"
     WAKE_FAILED = "wake_failed"
     TAG_DISCARDED = "tag_discarded"
+    DISCARD_COMPLETED = "discard_completed"
     REFUSED = "refused"
     POOL_CREATED = "pool_created"
     GRAPH_CAPTURED = "graph_captured"
@@ -76,6 +78,7 @@ BOUNDARY_KINDS: frozenset[EventKind] = frozenset(
         EventKind.WAKE_REQUESTED,
         EventKind.WAKE_COMPLETED,
         EventKind.WAKE_FAILED,
+        EventKind.DISCARD_COMPLETED,
         EventKind.SNAPSHOT,
         EventKind.CLOSED,
     }

@@ -199,6 +199,9 @@ class Projection:
             self._set_state(State.AWAKE if full else State.PARTIALLY_AWAKE, event)
             if full:
                 self.level = None
+        elif kind is EventKind.DISCARD_COMPLETED:
+            if self.state is State.AWAKE and self.asleep:
+                self._set_state(State.PARTIALLY_AWAKE, event)
         elif kind is EventKind.WAKE_FAILED:
             self._set_state(self.resume_from or State.ASLEEP_L1, event)
         elif kind is EventKind.REFUSED:

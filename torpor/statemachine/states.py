@@ -47,6 +47,7 @@ TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "fail_wake", "source": R, "dest": L2, "conditions": "came_from_l2"},
     {"trigger": "fail_wake", "source": R, "dest": P, "conditions": "came_from_partial"},
     {"trigger": "discard", "source": [L1, L2, P], "dest": None},
+    {"trigger": "discard", "source": A, "dest": P},
     {"trigger": "capture", "source": A, "dest": None},
     {"trigger": "release_pool", "source": [A, P], "dest": None},
     {"trigger": "recover", "source": [S, R], "dest": A},
