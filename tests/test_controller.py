@@ -309,3 +309,25 @@ def test_discard_resident_nondeferrable_refused(ctl: SleepController) -> None:
         ctl.discard(["runtime"])
     assert ctl.state is State.AWAKE
     assert ctl.projection.residency["runtime"].resident == SIZES["runtime"]
+
+
+def test_wake_accepts_one_tag_as_string(ctl: SleepController) -> None:
+    """wake("weights") means the tag weights, not the letters w, e, i, ..."""
+    ctl.sleep(1)
+    ctl.wake("weights")
+    assert ctl.state is State.PARTIALLY_AWAKE
+    assert ctl.projection.asleep_tags() == ["kv_cache"]
+
+
+def test_float_level_is_refused(ctl: SleepController) -> None:
+    """sleep(1.0) is refused: the level is the integer 1 or 2."""
+    with pytest.raises(InvalidLevel, match=r"1\.0"):
+        ctl.sleep(1.0)  # type: ignore[arg-type]
+    assert ctl.state is State.AWAKE
+
+
+def test_repeated_tags_are_one(ctl: SleepController) -> None:
+    """A wake naming a tag many times names it once (and its event stays small)."""
+    ctl.sleep(1)
+    ctl.wake(["weights"] * 10_000)
+    assert ctl.events(after=ctl.last_seq - 20)[-1].data["tags"] == ("weights",)

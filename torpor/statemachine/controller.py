@@ -81,6 +81,11 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
 
 
+def _tag_list(tags: Sequence[str] | str) -> list[str]:
+    """Tags as a list without repeats; one tag may be given as a plain string."""
+    return list(dict.fromkeys([tags] if isinstance(tags, str) else tags))
+
+
 def log_path_for(directory: str | Path, engine: str, rank: int) -> Path:
     """The file of ``engine``'s rank ``rank`` inside a shared log directory."""
     return Path(directory) / f"{engine}.rank{rank}.jsonl"
@@ -207,18 +212,18 @@ class SleepController:
     def sleep(self, level: int = 1) -> Projection:
         """Put the engine to sleep at ``level`` (1 or 2); return the resulting projection."""
         with self._command("sleep", level=level):
-            if level not in (1, 2) or isinstance(level, bool):
+            if type(level) is not int or level not in (1, 2):  # not True, not 1.0
                 self._refuse("sleep", InvalidLevel(level))
             self._guard("sleep")
             return self._sleep(level)
 
-    def wake(self, tags: Sequence[str] | None = None) -> Projection:
+    def wake(self, tags: Sequence[str] | str | None = None) -> Projection:
         """Wake ``tags`` (None: all); every non-deferrable tag is restored by any wake."""
         with self._command("wake", tags=tags):
             self._guard("wake")
-            return self._wake(None if tags is None else list(tags))
+            return self._wake(None if tags is None else _tag_list(tags))
 
-    def discard(self, tags: Sequence[str]) -> Projection:
+    def discard(self, tags: Sequence[str] | str) -> Projection:
         """Discard ``tags``; the next wake that restores them maps fresh memory.
 
         An asleep tag loses its host backup. A resident deferrable tag (``weights``,
@@ -229,7 +234,7 @@ class SleepController:
         """
         with self._command("discard", tags=tags):
             self._guard("discard")
-            tags = list(tags)
+            tags = _tag_list(tags)
             self._check_tags("discard", tags)
             resident = [t for t in tags if t not in self.projection.asleep]
             for tag in tags:
