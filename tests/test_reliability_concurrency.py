@@ -111,10 +111,7 @@ class _Graph:
 class SimSide:
     """The real TaggedAllocator on SimDriver; faults at driver calls; runtime's real bytes checked."""
 
-    # "unmap" is left out while the allocator cannot wake after a rollback whose unmap failed (a random double fault
-    # here hit it): test_reliability_faults.py::test_wake_succeeds_after_a_rollback_that_could_not_unmap (xfail) pins it.
-    # Put it back when that test passes.
-    CHAOS_CALLS = ("map", "create", "set_access", "copy_d2h", "copy_h2d", "host_alloc", "record", "wait")
+    CHAOS_CALLS = ("map", "create", "set_access", "copy_d2h", "copy_h2d", "host_alloc", "record", "wait", "unmap")
 
     def __init__(self) -> None:
         from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator

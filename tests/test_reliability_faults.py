@@ -461,12 +461,6 @@ def test_failed_pool_release_is_logged_and_keeps_the_pool(tmp_path: Path) -> Non
 
 
 @pytest.mark.skipif(not _sim_available(), reason="TaggedAllocator not built yet")
-@pytest.mark.xfail(
-    strict=True,
-    reason="allocator bug: when a failed wake's rollback cannot unmap a piece, the tag stays 'released' with that "
-    "piece still mapped, and every later restore fails with 'overlaps a mapping' (TaggedAllocator._remap maps every "
-    "piece again); found by the concurrency test, reported to the lead",
-)
 def test_wake_succeeds_after_a_rollback_that_could_not_unmap(tmp_path: Path) -> None:
     """A wake fails, and undoing it fails too (an unmap): once the faults are gone, the next wake restores every byte."""
     rig = SimRig()

@@ -590,6 +590,11 @@ class TaggedAllocator:
 
     def _remap(self, allocs: list[_Alloc], with_backup: bool) -> None:
         """Map ``allocs`` span by span (adjacent allocations share one handle), each span's copy enqueued at once."""
+        leftovers = {id(m): m for a in allocs for m in a.maps if m.handle is not None}
+        for m in leftovers.values():  # left mapped by a rollback that could not unmap: unmap before mapping anew
+            self._unmap(m)
+        for a in allocs:
+            a.maps.clear()
         pieces: list[Piece] = [(a, start, n) for a in allocs for start, n in self._pieces(a)]
         for span in spans(pieces, self.group_bytes):
             start, device = span[0][1], span[0][0].device
@@ -613,8 +618,8 @@ class TaggedAllocator:
             except Exception:  # the wake failed already; unmap what we can
                 logger.exception("synchronizing before rolling back a wake failed")
         self._unmap_all([e[0] for e in parts(allocs)])
-        for alloc in allocs:
-            alloc.maps.clear()
+        for alloc in allocs:  # a mapping that would not unmap stays listed; the next wake unmaps it first
+            alloc.maps[:] = [m for m in alloc.maps if m.handle is not None]
 
     def _map_back(self, done: list[MappedRange], pieces: dict[int, list[Piece]], with_backup: bool) -> int:
         """Map back what a failed release unmapped (from the backup); return the bytes that came back fresh."""
