@@ -590,11 +590,11 @@ class TaggedAllocator:
 
     def _remap(self, allocs: list[_Alloc], with_backup: bool) -> None:
         """Map ``allocs`` span by span (adjacent allocations share one handle), each span's copy enqueued at once."""
-        leftovers = {id(m): m for a in allocs for m in a.maps if m.handle is not None}
+        leftovers = {id(m): m for alloc in allocs for m in alloc.maps if m.handle is not None}
         for m in leftovers.values():  # left mapped by a rollback that could not unmap: unmap before mapping anew
             self._unmap(m)
-        for a in allocs:
-            a.maps.clear()
+        for alloc in allocs:
+            alloc.maps.clear()
         pieces: list[Piece] = [(a, start, n) for a in allocs for start, n in self._pieces(a)]
         for span in spans(pieces, self.group_bytes):
             start, device = span[0][1], span[0][0].device
