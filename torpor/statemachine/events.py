@@ -88,6 +88,17 @@ _KINDS = {k.value: k for k in EventKind}
 _FIELDS: dict[str, type] = {"seq": int, "wall": float, "mono": float, "pid": int, "engine": str, "rank": int}
 
 
+def _freeze_parsed(value: dict[str, Any]) -> MappingProxyType[str, Any]:
+    """Freeze a dict fresh from ``json.loads`` in place (nobody else holds it): no copy of the top level."""
+    for key, item in value.items():
+        kind = type(item)
+        if kind is dict:
+            value[key] = _freeze_parsed(item)
+        elif kind is list:
+            value[key] = tuple(_freeze(v) for v in item)
+    return MappingProxyType(value)
+
+
 def _freeze(value: Any) -> Any:
     kind = type(value)
     if kind is dict or (kind is not str and isinstance(value, Mapping)):
@@ -123,7 +134,8 @@ class Event:
     schema: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "data", _freeze(self.data))
+        if type(self.data) is not MappingProxyType:  # from_dict hands over data it froze itself
+            object.__setattr__(self, "data", _freeze(self.data))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready form written to the log."""
@@ -168,7 +180,8 @@ class Event:
         if not isinstance(data, dict):
             msg = f"field 'data' must be an object, got {type(data).__name__}"
             raise ValueError(msg)
-        return cls(kind=_KINDS[kind], data=data, schema=int(raw.get("schema", SCHEMA_VERSION)), **values)
+        frozen = _freeze_parsed({str(k): v for k, v in data.items()})
+        return cls(kind=_KINDS[kind], data=frozen, schema=int(raw.get("schema", SCHEMA_VERSION)), **values)
 
 
 def make_event(kind: EventKind, seq: int, engine: str, rank: int, data: Mapping[str, Any]) -> Event:

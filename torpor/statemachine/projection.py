@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.errors import LogCorrupted
@@ -133,8 +133,8 @@ class Projection:
         for tag, nbytes in usage.items():
             if tag in asleep:
                 continue
-            old = self.residency.get(tag, TagUsage())
-            self.residency[tag] = replace(old, resident=int(nbytes), host=0, discarded=0)
+            old = self.residency.get(tag)
+            self.residency[tag] = TagUsage(int(nbytes), 0, 0, old.allocations if old else 0)
 
     def apply(self, event: Event) -> Projection:
         """Fold one event into this projection (in place); return self."""
