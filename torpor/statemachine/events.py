@@ -162,26 +162,48 @@ class Event:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Event:
         """Build an event from its log form; ``ValueError`` names what is wrong."""
+        return cls._from_parsed(dict(raw), copy_data=True)
+
+    @classmethod
+    def _from_parsed(cls, raw: dict[str, Any], copy_data: bool = False) -> Event:
+        """from_dict for a dict fresh from the JSON decoder: its payload is frozen in place."""
         kind = raw.get("kind")
         if not isinstance(kind, str) or kind not in _KINDS:
             msg = f"unknown event kind {kind!r}"
             raise ValueError(msg)
-        values: dict[str, Any] = {name: raw.get(name) for name in _FIELDS}
-        for name, typ in _FIELDS.items():
-            value = values[name]
-            if type(value) is typ:
-                continue
-            if typ is float and type(value) is int:
-                values[name] = float(value)
-                continue
-            msg = f"field {name!r} must be {typ.__name__}, got {value!r}"
-            raise ValueError(msg)
+        get = raw.get
+        seq, wall, mono, pid, engine, rank = (
+            get("seq"),
+            get("wall"),
+            get("mono"),
+            get("pid"),
+            get("engine"),
+            get("rank"),
+        )
+        if type(wall) is not float or type(mono) is not float:
+            wall, mono = _float_field("wall", wall), _float_field("mono", mono)
+        if type(seq) is not int or type(pid) is not int or type(rank) is not int or type(engine) is not str:
+            for name, value in (("seq", seq), ("pid", pid), ("rank", rank), ("engine", engine)):
+                if type(value) is not _FIELDS[name]:
+                    msg = f"field {name!r} must be {_FIELDS[name].__name__}, got {value!r}"
+                    raise ValueError(msg)
         data = raw.get("data", {})
         if not isinstance(data, dict):
             msg = f"field 'data' must be an object, got {type(data).__name__}"
             raise ValueError(msg)
-        frozen = _freeze_parsed({str(k): v for k, v in data.items()})
-        return cls(kind=_KINDS[kind], data=frozen, schema=int(raw.get("schema", SCHEMA_VERSION)), **values)
+        frozen = _freeze_parsed({str(k): v for k, v in data.items()} if copy_data else data)
+        schema = get("schema", SCHEMA_VERSION)
+        version = schema if type(schema) is int else int(schema)
+        return cls(_KINDS[kind], seq, wall, mono, pid, engine, rank, frozen, version)
+
+
+def _float_field(name: str, value: Any) -> float:
+    if type(value) is float:
+        return value
+    if type(value) is int:
+        return float(value)
+    msg = f"field {name!r} must be float, got {value!r}"
+    raise ValueError(msg)
 
 
 def make_event(kind: EventKind, seq: int, engine: str, rank: int, data: Mapping[str, Any]) -> Event:

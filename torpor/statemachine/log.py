@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = '{"crc":"'
 _PREFIX_B = _PREFIX.encode()
+_DECODER = json.JSONDecoder()
 _HEAD = len(_PREFIX) + 8 + 2  # '{"crc":"' + 8 hex + '",'
 DEFAULT_MAX_LINE = 64 * 1024
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -58,18 +59,21 @@ def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX
     if zlib.crc32(body) != expected:
         raise LogCorrupted(path, lineno, "checksum mismatch")
     try:
-        raw = json.loads(body)
+        text = body.decode()
+        raw, end = _DECODER.raw_decode(text)
     except ValueError as exc:
         raise LogCorrupted(path, lineno, f"not JSON ({exc})") from None
     except RecursionError:
         raise LogCorrupted(path, lineno, "JSON nested too deeply") from None
+    if end != len(text):
+        raise LogCorrupted(path, lineno, f"text after the JSON object at byte {end + _HEAD - 1}")
     if not isinstance(raw, dict):
         raise LogCorrupted(path, lineno, "line is not a JSON object")
     schema = raw.get("schema")
     if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
         raise UnknownSchemaVersion(path, lineno, schema, SCHEMA_VERSION)
     try:
-        return Event.from_dict(raw)
+        return Event._from_parsed(raw)
     except ValueError as exc:
         raise LogCorrupted(path, lineno, str(exc)) from None
     except RecursionError:

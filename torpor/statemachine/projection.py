@@ -140,10 +140,12 @@ class Projection:
         """Fold one event into this projection (in place); return self."""
         kind, data = event.kind, event.data
         self.last_seq = event.seq
-        self.last_kind = kind.value
+        self.last_kind = kind  # a StrEnum: equal to its value
         self.engine, self.rank, self.pid = event.engine, event.rank, event.pid
         if kind not in _SIDE_FACTS:  # a refusal or rotation mid-transition must not hide the interrupted step
             self._last_event = event
+        if kind in _NO_STATE:
+            return self
         if kind is EventKind.SNAPSHOT:
             snap = Projection.from_dict(thaw(data["projection"]))
             snap.last_seq, snap.last_kind = event.seq, kind.value
@@ -220,6 +222,9 @@ class Projection:
             self._observe(data["usage"])
         return self
 
+
+#: Facts that change nothing the projection holds beyond the last event.
+_NO_STATE = frozenset({EventKind.TAG_BACKED_UP, EventKind.HOOK_DECISION, EventKind.CLOSED})
 
 #: Facts recorded beside a transition; they never become its ``last_step``.
 _SIDE_FACTS = frozenset(
