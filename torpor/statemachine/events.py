@@ -172,14 +172,12 @@ class Event:
             msg = f"unknown event kind {kind!r}"
             raise ValueError(msg)
         get = raw.get
-        seq, wall, mono, pid, engine, rank = (
-            get("seq"),
-            get("wall"),
-            get("mono"),
-            get("pid"),
-            get("engine"),
-            get("rank"),
-        )
+        seq: Any = get("seq")
+        wall: Any = get("wall")
+        mono: Any = get("mono")
+        pid: Any = get("pid")
+        engine: Any = get("engine")
+        rank: Any = get("rank")
         if type(wall) is not float or type(mono) is not float:
             wall, mono = _float_field("wall", wall), _float_field("mono", mono)
         if type(seq) is not int or type(pid) is not int or type(rank) is not int or type(engine) is not str:
