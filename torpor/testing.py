@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from torpor.allocator.graphpool import call_graph_pool_hooks
 from torpor.errors import MemoryOperationFailed, PoolBusy
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import Event, EventKind
@@ -153,6 +154,7 @@ class FakeMemory:
         if self.pool is None:
             self.pool = f"pool-{next(self._pool_ids)}"
             self._tags.setdefault("cudagraph", _Tag(0))
+        call_graph_pool_hooks(self.pool)  # as TaggedAllocator does: NCCL's graph allocator follows the pool
         yield self.pool
         self.graphs.append(site)
         self._tags["cudagraph"].size += 1 << 20

@@ -19,7 +19,8 @@ from typing import Any
 logger = logging.getLogger("torpor.allocator")
 
 PoolId = tuple[int, int]
-_hooks: list[Callable[[PoolId], None]] = []
+_hooks: list[Callable[[Any], None]] = []
+_slot: list[Callable[[Any], None] | None] = [None]
 _hooks_lock = threading.Lock()
 
 
@@ -28,6 +29,7 @@ def set_graph_pool_hook(hook: Callable[[PoolId], None] | None) -> None:
     with _hooks_lock:
         if hook is None:
             _hooks.clear()
+            _slot[0] = None
         elif hook not in _hooks:
             _hooks.append(hook)
 
@@ -39,7 +41,30 @@ def remove_graph_pool_hook(hook: Callable[[PoolId], None]) -> None:
             _hooks.remove(hook)
 
 
-def call_graph_pool_hooks(pool_id: PoolId) -> None:
+def exchange_graph_pool_hook(hook: Callable[[Any], None] | None) -> Callable[[Any], None] | None:
+    """Put ``hook`` in the integration's one slot (replacing and returning the previous one; None empties it).
+
+    The slot's hook is one of the registered hooks: it is called for every
+    capture into the graph pool and, through ``torpor.hooks.capture_pool``,
+    for captures into a plain pool too. ``torpor.hooks.set_nccl_graph_pool_hook``
+    is this function.
+    """
+    with _hooks_lock:
+        previous = _slot[0]
+        if previous is not None and previous in _hooks:
+            _hooks.remove(previous)
+        _slot[0] = hook
+        if hook is not None and hook not in _hooks:
+            _hooks.append(hook)
+    return previous
+
+
+def slot_graph_pool_hook() -> Callable[[Any], None] | None:
+    """The hook in the integration's slot (None when empty)."""
+    return _slot[0]
+
+
+def call_graph_pool_hooks(pool_id: object) -> None:
     """Call every registered hook with ``pool_id``; a failing hook is logged, never raised."""
     with _hooks_lock:
         hooks = list(_hooks)

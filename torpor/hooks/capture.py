@@ -14,12 +14,12 @@ and are freed with their graphs, as without sleep mode.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
+from torpor.allocator.graphpool import call_graph_pool_hooks, exchange_graph_pool_hook, slot_graph_pool_hook
 from torpor.errors import TorporError
 from torpor.hooks.predicate import CudagraphPoolDecision
 
@@ -34,26 +34,16 @@ class CaptureRoutingError(TorporError, RuntimeError):
     """A capture could not be routed (the pool is active but no controller was given)."""
 
 
-_hook_lock = threading.Lock()
-_nccl_hook: NcclGraphPoolHook | None = None
 _plain: ContextVar[bool] = ContextVar("torpor_plain_capture", default=False)
 
+#: Register ``hook(pool)``, called before each routed capture; None empties the slot. Returns the previous hook.
+#: vLLM's integration registers a function that calls its NCCL allocator's ``set_graph_pool_id``; a plain
+#: PyTorch user needs none. The hook lives in the allocator's one registry (hooks hold no state): the
+#: memory's ``capture_into_pool`` calls it for the cuMem pool, :func:`capture_pool` for a plain pool.
+set_nccl_graph_pool_hook = exchange_graph_pool_hook
 
-def set_nccl_graph_pool_hook(hook: NcclGraphPoolHook | None) -> NcclGraphPoolHook | None:
-    """Register ``hook(pool)``, called before each routed capture; None restores the no-op. Returns the previous hook.
-
-    vLLM's integration registers a function that calls its NCCL allocator's
-    ``set_graph_pool_id``; a plain PyTorch user needs none.
-    """
-    global _nccl_hook  # the registry is process-wide by design
-    with _hook_lock:
-        previous, _nccl_hook = _nccl_hook, hook
-    return previous
-
-
-def nccl_graph_pool_hook() -> NcclGraphPoolHook | None:
-    """The registered NCCL graph-pool hook (None: none registered)."""
-    return _nccl_hook
+#: The registered NCCL graph-pool hook (None: none registered).
+nccl_graph_pool_hook = slot_graph_pool_hook
 
 
 @contextmanager
@@ -81,12 +71,6 @@ def routes_to_cumem(decision: CudagraphPoolDecision) -> bool:
     return decision.active and not _plain.get()
 
 
-def _point_nccl(pool: object) -> None:
-    hook = _nccl_hook
-    if hook is not None:
-        hook(pool)
-
-
 @contextmanager
 def capture_pool(
     decision: CudagraphPoolDecision,
@@ -104,7 +88,7 @@ def capture_pool(
     so it is refused unless the engine is awake and is recorded as an event.
     """
     if not routes_to_cumem(decision):
-        _point_nccl(plain_pool)
+        call_graph_pool_hooks(plain_pool)
         yield plain_pool
         return
     if controller is None:
@@ -113,6 +97,5 @@ def capture_pool(
             "but no SleepController was given (pass controller=..., or wrap profiling captures in plain_capture())"
         )
         raise CaptureRoutingError(msg)
-    with controller.capture(site) as pool:
-        _point_nccl(pool)
+    with controller.capture(site) as pool:  # the memory's capture_into_pool calls the hooks with its pool
         yield pool
