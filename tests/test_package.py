@@ -46,3 +46,14 @@ def test_every_error_derives_from_torpor_error() -> None:
         obj = getattr(torpor.errors, name)
         if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == "torpor.errors":
             assert issubclass(obj, torpor.TorporError), name
+
+
+def test_subpackage_names_load_on_first_use() -> None:
+    """torpor.TaggedAllocator, torpor.attach and torpor.follow resolve to their subpackages' objects."""
+    from torpor.allocator import TaggedAllocator
+    from torpor.hooks import follow
+    from torpor.telemetry import attach
+
+    assert torpor.TaggedAllocator is TaggedAllocator
+    assert torpor.attach is attach
+    assert torpor.follow is follow

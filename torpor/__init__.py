@@ -33,12 +33,48 @@ from torpor.statemachine import (
 
 __version__ = "0.1.0"
 
+#: Names of the other subpackages, importable from ``torpor`` and loaded on first use, so that
+#: ``import torpor`` stays light (no torch, no Prometheus registry touched).
+_LAZY = {
+    "TaggedAllocator": "torpor.allocator",
+    "SimDriver": "torpor.allocator",
+    "CudaDriver": "torpor.allocator",
+    "HostPolicy": "torpor.allocator",
+    "attach": "torpor.telemetry",
+    "serve": "torpor.telemetry",
+    "cudagraph_pool_decision": "torpor.hooks",
+    "apply_nccl_defaults": "torpor.hooks",
+    "register_graph_buffers": "torpor.hooks",
+    "capture_pool": "torpor.hooks",
+    "follow": "torpor.hooks",
+    "fleet": "torpor.hooks",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module 'torpor' has no attribute {name!r}"
+        raise AttributeError(msg)
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "Action",
     "CommandInFlight",
+    "CudaDriver",
     "Event",
     "EventKind",
     "EventLog",
+    "HostPolicy",
     "InvalidLevel",
     "InvalidTransition",
     "LogCorrupted",
@@ -49,14 +85,24 @@ __all__ = [
     "Policy",
     "PoolBusy",
     "Projection",
+    "SimDriver",
     "SleepController",
     "State",
     "TagUsage",
+    "TaggedAllocator",
     "TorporError",
     "Transfer",
     "UnknownSchemaVersion",
     "UnknownTag",
     "__version__",
+    "apply_nccl_defaults",
+    "attach",
+    "capture_pool",
+    "cudagraph_pool_decision",
     "errors",
+    "fleet",
+    "follow",
+    "register_graph_buffers",
     "replay",
+    "serve",
 ]

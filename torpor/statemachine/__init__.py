@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, thaw
-from torpor.statemachine.log import EventLog, read_events, segments
+from torpor.statemachine.log import EventLog, decode_line, read_events, read_events_file, segments
 from torpor.statemachine.policy import DEFAULT_POLICY, Action, Policy
 from torpor.statemachine.projection import Projection, project, replay
 from torpor.statemachine.protocol import GraphPoolMemory, Memory, TagUsage, Transfer
@@ -32,11 +32,13 @@ __all__ = [
     "TagUsage",
     "Transfer",
     "allowed_sources",
+    "decode_line",
     "diagram_markdown",
     "log_path_for",
     "mermaid",
     "project",
     "read_events",
+    "read_events_file",
     "replay",
     "segments",
     "thaw",
