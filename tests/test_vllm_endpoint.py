@@ -88,8 +88,8 @@ def test_events_long_poll_waits_for_the_next_event(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize(
     ("params", "reason"),
     [
-        ({"rank": "x"}, "rank must be an integer"),
-        ({"after": -1}, "after must be between"),
+        ({"rank": "x"}, "rank must be a non-negative integer"),
+        ({"after": -1}, "after must be a non-negative integer"),
         ({"wait": 99}, "wait must be between"),
         ({"limit": 0}, "limit must be between"),
         ({"bogus": 1}, "unknown parameter"),

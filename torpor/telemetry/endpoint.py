@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -35,7 +35,8 @@ class BadRequest(ValueError):
     """A query the endpoint refuses; the message is the 400 body's reason."""
 
 
-def _int_param(params: dict[str, str], name: str, default: int, low: int, high: int) -> int:
+def int_param(params: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    """The integer query parameter ``name`` within ``low..high`` (``default`` when absent), else :class:`BadRequest`."""
     raw = params.get(name)
     if raw is None:
         return default
@@ -49,7 +50,8 @@ def _int_param(params: dict[str, str], name: str, default: int, low: int, high: 
     return value
 
 
-def _float_param(params: dict[str, str], name: str, default: float, high: float) -> float:
+def seconds_param(params: Mapping[str, str], name: str, default: float, high: float) -> float:
+    """The seconds query parameter ``name`` within ``0..high`` (``default`` when absent), else :class:`BadRequest`."""
     raw = params.get(name)
     if raw is None:
         return default
@@ -227,9 +229,9 @@ class Server:
 
     def _events(self, handler: _Handler, query: str) -> None:
         params = parse_query(query, ("after", "timeout", "limit"))
-        after = _int_param(params, "after", 0, 0, 2**63 - 1)
-        timeout = _float_param(params, "timeout", 0.0, self.max_wait)
-        limit = _int_param(params, "limit", self.max_events, 1, self.max_events)
+        after = int_param(params, "after", 0, 0, 2**63 - 1)
+        timeout = seconds_param(params, "timeout", 0.0, self.max_wait)
+        limit = int_param(params, "limit", self.max_events, 1, self.max_events)
         if self.source is None or self.feed is None:
             handler._error(404, "no source: this endpoint serves /metrics only")
             return

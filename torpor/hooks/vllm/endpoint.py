@@ -31,44 +31,11 @@ from torpor.errors import TorporError
 from torpor.hooks.fleet import FleetError, fleet, rank_logs
 from torpor.hooks.vllm.facade import default_log_dir
 from torpor.statemachine.log import read_events
+from torpor.telemetry.endpoint import BadRequest, int_param, seconds_param
 
 MAX_WAIT = 30.0
 MAX_LIMIT = 10_000
 POLL = 0.2
-
-
-class BadParameter(ValueError):
-    """A query parameter the routes cannot use; the message names it."""
-
-
-def _int(params: Any, name: str, default: int | None, low: int, high: int) -> int | None:
-    raw = params.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        msg = f"{name} must be an integer, got {raw!r}"
-        raise BadParameter(msg) from None
-    if not low <= value <= high:
-        msg = f"{name} must be between {low} and {high}, got {value}"
-        raise BadParameter(msg)
-    return value
-
-
-def _wait(params: Any) -> float:
-    raw = params.get("wait")
-    if raw is None or raw == "":
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        msg = f"wait must be a number of seconds, got {raw!r}"
-        raise BadParameter(msg) from None
-    if not 0.0 <= value <= MAX_WAIT:
-        msg = f"wait must be between 0 and {MAX_WAIT:g} seconds, got {raw}"
-        raise BadParameter(msg)
-    return value
 
 
 def _rank_log(directory: Path, engine: str | None, rank: int) -> Path:
@@ -79,7 +46,7 @@ def _rank_log(directory: Path, engine: str | None, rank: int) -> Path:
     if engine is None:
         if len(logs) > 1:
             msg = f"several engines log into {directory} ({', '.join(sorted(logs))}); pass engine="
-            raise BadParameter(msg)
+            raise BadRequest(msg)
         engine = next(iter(logs))
     if engine not in logs:
         msg = f"no engine {engine!r} in {directory}; engines: {', '.join(sorted(logs))}"
@@ -142,17 +109,17 @@ class TorporEndpointPlugin:
             try:
                 if unknown:
                     msg = f"unknown parameter(s) {', '.join(unknown)}; known: engine, rank, after, limit, wait"
-                    raise BadParameter(msg)
-                rank = _int(params, "rank", 0, 0, 1 << 20) or 0
-                after = _int(params, "after", 0, 0, 1 << 62) or 0
-                limit = _int(params, "limit", 1000, 1, MAX_LIMIT) or 1000
-                wait = _wait(params)
-            except BadParameter as exc:
+                    raise BadRequest(msg)
+                rank = int_param(params, "rank", 0, 0, 1 << 20)
+                after = int_param(params, "after", 0, 0, 1 << 62)
+                limit = int_param(params, "limit", 1000, 1, MAX_LIMIT)
+                wait = seconds_param(params, "wait", 0.0, MAX_WAIT)
+            except BadRequest as exc:
                 return error(400, str(exc))
             directory = self.directory(request)
             try:
                 path = _rank_log(directory, params.get("engine") or None, rank)
-            except BadParameter as exc:
+            except BadRequest as exc:
                 return error(400, str(exc))
             except FleetError as exc:
                 return error(404, str(exc))
