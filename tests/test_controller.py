@@ -331,3 +331,15 @@ def test_repeated_tags_are_one(ctl: SleepController) -> None:
     ctl.sleep(1)
     ctl.wake(["weights"] * 10_000)
     assert ctl.events(after=ctl.last_seq - 20)[-1].data["tags"] == ("weights",)
+
+
+def test_rotation_snapshot_reaches_subscribers(memory: FakeMemory, tmp_path: Path) -> None:
+    """Subscribers and events() see the rotation's snapshot: sequence numbers have no gaps."""
+    ctl = SleepController(memory, log=EventLog(tmp_path / "e.jsonl", max_bytes=1500, fsync=False))
+    with capture_events(ctl) as seen:
+        for _ in range(3):
+            ctl.sleep(1)
+            ctl.wake()
+    seqs = [e.seq for e in seen]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert EventKind.SNAPSHOT in {e.kind for e in seen}

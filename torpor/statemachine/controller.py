@@ -444,24 +444,27 @@ class SleepController:
                 self.log.append(event)
             self._seq = event.seq
             self.projection.apply(event)
-            self._recent.append(event)
-            if len(self._recent) > self._keep_events:
-                del self._recent[: len(self._recent) - self._keep_events]
-            if self.log is not None and kind not in (EventKind.SNAPSHOT,) and self.log.needs_rotation():
+            delivered = [event]
+            if self.log is not None and kind is not EventKind.SNAPSHOT and self.log.needs_rotation():
                 snap = make_event(
                     EventKind.SNAPSHOT, self._seq + 1, self.engine, self.rank, {"projection": self.projection.to_dict()}
                 )
                 self.log.rotate(snap)
                 self._seq = snap.seq
                 self.projection.apply(snap)
+                delivered.append(snap)  # subscribers and events() see every sequence number, as the log does
+            self._recent.extend(delivered)
+            if len(self._recent) > self._keep_events:
+                del self._recent[: len(self._recent) - self._keep_events]
             self._changed.notify_all()
-            for callback, kinds in list(self._subscribers):
-                if kinds is not None and kind not in kinds:
-                    continue
-                try:
-                    callback(event)
-                except Exception:  # a subscriber must never break the controller
-                    logger.exception("torpor subscriber %r failed on event #%d %s", callback, event.seq, kind.value)
+            for sent in delivered:
+                for callback, kinds in list(self._subscribers):
+                    if kinds is not None and sent.kind not in kinds:
+                        continue
+                    try:
+                        callback(sent)
+                    except Exception:  # a subscriber must never break the controller
+                        logger.exception("torpor subscriber %r failed on event #%d %s", callback, sent.seq, sent.kind)
             return event
 
     def _sleep(self, level: int) -> Projection:
