@@ -319,3 +319,14 @@ def test_readme_python_examples_compile() -> None:
     assert blocks
     for block in blocks:
         compile(block.replace("\n...\n", "\npass\n"), "README.md", "exec")
+
+
+def test_usage_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad argument prints exactly one line on stderr and exits 2."""
+    from torpor.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--cycles", "x"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--cycles" in err

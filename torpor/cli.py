@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from torpor.errors import TorporError
 
@@ -18,9 +20,16 @@ from torpor.errors import TorporError
 COMMANDS: tuple[str, ...] = ("demo", "log", "status", "diagram", "dashboard", "plot", "bench")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (subparsers inherit the class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every available subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="torpor",
         description="Put a GPU inference engine to sleep and wake it without losing a byte, and watch it.",
         epilog="example: torpor demo --cycles 3",
@@ -46,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `torpor log show X | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (TorporError, OSError, ValueError) as exc:
         print(f"torpor {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("torpor bench: no CUDA device here; run it on a GPU machine (docs/allocator.md)")
+        print("torpor bench: no CUDA device here; run it on a GPU machine (docs/allocator.md)", file=sys.stderr)
         return 2
     from torpor.allocator.benchmark import markdown
     from torpor.allocator.benchmark import run as run_bench
