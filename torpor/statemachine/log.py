@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 _PREFIX = '{"crc":"'
 _PREFIX_B = _PREFIX.encode()
 _DECODER = json.JSONDecoder()
+_CRC_OPEN = zlib.crc32(b"{")
 _HEAD = len(_PREFIX) + 8 + 2  # '{"crc":"' + 8 hex + '",'
 DEFAULT_MAX_LINE = 64 * 1024
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -55,18 +56,17 @@ def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX
         expected = int(line[len(_PREFIX) : len(_PREFIX) + 8], 16)
     except ValueError:
         raise LogCorrupted(path, lineno, "checksum is not hexadecimal") from None
-    body = b"{" + line[_HEAD:]
-    if zlib.crc32(body) != expected:
+    if zlib.crc32(memoryview(line)[_HEAD:], _CRC_OPEN) != expected:  # the CRC of "{" + the rest, no copy
         raise LogCorrupted(path, lineno, "checksum mismatch")
     try:
-        text = body.decode()
-        raw, end = _DECODER.raw_decode(text)
+        text = line.decode()
+        raw, end = _DECODER.raw_decode(text)  # the whole line: its "crc" member is one more key
     except ValueError as exc:
         raise LogCorrupted(path, lineno, f"not JSON ({exc})") from None
     except RecursionError:
         raise LogCorrupted(path, lineno, "JSON nested too deeply") from None
     if end != len(text):
-        raise LogCorrupted(path, lineno, f"text after the JSON object at byte {end + _HEAD - 1}")
+        raise LogCorrupted(path, lineno, f"text after the JSON object at byte {end}")
     if not isinstance(raw, dict):
         raise LogCorrupted(path, lineno, "line is not a JSON object")
     schema = raw.get("schema")
