@@ -561,8 +561,8 @@ class SleepController:
             raise MemoryOperationFailed(
                 "sleep rollback", None, f"{exc}; rolling back failed too: {rollback_error}"
             ) from exc
-        backed = [t for t, a in (plan or {}).items() if a is Action.OFFLOAD] if plan else []
-        if backed or phase == "backup":
+        backed = [t for t, a in (plan or {}).items() if a is Action.OFFLOAD]  # backup() cleans up its own failure
+        if backed:
             try:
                 self.memory.drop_backup(backed)
             except TorporError:
