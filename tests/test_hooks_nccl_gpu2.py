@@ -13,6 +13,7 @@ NVSHMEM_DISABLE_NVLS=1).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -47,6 +48,10 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
     """The worker's steps; ``result`` fills in as they pass, so a failure shows how far it got."""
     warnings = _Collect()
     logging.getLogger("torpor.hooks").addHandler(warnings)
+
+    def say(step: str) -> None:
+        print(f"[rank {rank}] {step}", flush=True)  # progress in the worker's log
+
     from torpor.hooks import apply_nccl_defaults, capture_pool, cudagraph_pool_decision, set_nccl_graph_pool_hook
     from torpor.hooks.predicate import detect_platform
 
@@ -72,6 +77,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, device_id=device
     )
+    say("process group up")
     warm = torch.ones(4, device=device)
     dist.all_reduce(warm)
     torch.cuda.synchronize()
@@ -80,6 +86,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
         dist.destroy_process_group()
         return
 
+    say("eager all-reduce done")
     allocator = TaggedAllocator()
     ctl = SleepController(allocator, log=logdir, engine="gpu2", rank=rank, fsync=False)
     cudagraph_pool_decision(True, True, "torpor", True, detect_platform(), controller=ctl)
@@ -93,6 +100,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
         kv = torch.zeros(4 * N, device=device)
     torch.cuda.synchronize()
 
+    say("tensors allocated in the tagged pools")
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -102,6 +110,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize()
     # thread_local: the allocator's pinning thread may call the driver while this thread captures
+    say("side-stream warm-up done")
     mode = "thread_local"
     with capture_pool(decision, "allreduce", controller=ctl, plain_pool=None) as pool:
         if hasattr(pool, "graph"):  # the allocator's handle: records the graph as a pool holder
@@ -111,6 +120,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
         with ctx:
             out = weights * 2.0
             dist.all_reduce(out)
+    say("captured")
     result["hooked"] = hooked
     result["pool"] = str(ctl.projection.pool)
     graph_usage = ctl.projection.residency.get("cudagraph")
@@ -122,6 +132,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
         return [float(out.min()), float(out.max())]
 
     result["before"] = replay()  # 2 * (1 + 2) = 6 on both ranks
+    say("replayed before sleep")
     result["host_ready"] = allocator.wait_host_ready(60)
 
     states: list[str] = []
@@ -132,6 +143,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
     result["asleep"] = {
         t: {"resident": u.resident, "host": u.host, "discarded": u.discarded} for t, u in asleep.items()
     }
+    say("asleep")
     dist.barrier(device_ids=[rank])
     ctl.wake(["weights"])
     states.append(ctl.state.value)
@@ -142,6 +154,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
     result["kv_sum"] = float(kv.sum())
     dist.barrier(device_ids=[rank])
     result["after_rl_wake"] = replay()  # 2 * (2 + 3) = 10
+    say("replayed after the RL wake")
 
     ctl.sleep(1)
     states.append(ctl.state.value)
@@ -164,6 +177,8 @@ def _main() -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     result: dict[str, Any] = {}
+    # a hung worker prints every thread's Python stack and exits before the parent's kill
+    faulthandler.dump_traceback_later(WORKER_TIMEOUT - 30, exit=True)
     try:
         _worker(args.rank, args.port, args.logdir, args.mode, result)
     except BaseException as exc:
@@ -211,7 +226,7 @@ def _spawn(tmp_path: Path, mode: str, extra_env: dict[str, str]) -> tuple[list[d
         finally:
             log.close()
     outputs = "\n".join(
-        f"--- rank {r} (exit {c}):\n" + (tmp_path / f"rank{r}.log").read_text()[-3000:] for r, c in enumerate(codes)
+        f"--- rank {r} (exit {c}):\n" + (tmp_path / f"rank{r}.log").read_text()[-8000:] for r, c in enumerate(codes)
     )
     missing = [r for r in range(WORLD) if not (tmp_path / f"rank{r}.json").exists()]
     if missing:
