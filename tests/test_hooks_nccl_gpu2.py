@@ -134,6 +134,10 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
     result["before"] = replay()  # 2 * (1 + 2) = 6 on both ranks
     say("replayed before sleep")
     result["host_ready"] = allocator.wait_host_ready(60)
+    from cuda.bindings import driver as cu
+
+    other = cu.cuDeviceGet(1 - rank)[1]
+    result["context_on_other_gpu"] = bool(cu.cuDevicePrimaryCtxGetState(other)[2])  # pinning made none there
 
     states: list[str] = []
     result["states"] = states
@@ -254,6 +258,7 @@ def test_captured_allreduce_replays_right_after_level1_sleep_and_wake(tmp_path: 
         assert r["hooked"] and r["hooked"][0] == r["pool"]
         assert r["graph_bytes"] > 0
         assert r["before"] == [6.0, 6.0]
+        assert r["context_on_other_gpu"] is False
         assert r["asleep"]["weights"]["host"] > 0
         assert r["asleep"]["kv_cache"]["discarded"] > 0
         assert r["asleep"]["cudagraph"]["host"] > 0

@@ -82,10 +82,19 @@ class CudaDriver(Driver):
         if current is None or int(current) == 0:
             self._check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
 
+    def _host_device(self) -> int:
+        """The device whose context pinned-memory calls use when a thread has none: the first one worked on (else 0).
+
+        A process driving GPU 1 (one rank of several) must not create a context
+        on GPU 0 just to pin host memory (it would take device memory there).
+        """
+        with self._lock:
+            return next(iter(self._ctx), 0)
+
     def prepare_thread(self) -> None:
         """Primary context current, and relaxed capture mode: pinning here must not break a capture in another thread."""
         cu = _cu()
-        self.ensure_context(0)
+        self.ensure_context(self._host_device())
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         self._check("cuThreadExchangeStreamCaptureMode", cu.cuThreadExchangeStreamCaptureMode(mode))
 
@@ -172,11 +181,11 @@ class CudaDriver(Driver):
 
     def _host_alloc(self, nbytes: int) -> int:
         cu = _cu()
-        self.ensure_context(0)
+        self.ensure_context(self._host_device())
         return int(self._check("cuMemHostAlloc", cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE)))
 
     def _host_free(self, host: int) -> None:
-        self.ensure_context(0)
+        self.ensure_context(self._host_device())
         self._check("cuMemFreeHost", _cu().cuMemFreeHost(host))
 
     def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
