@@ -43,3 +43,43 @@ def test_bad_field_type_is_rejected() -> None:
     raw["seq"] = "one"
     with pytest.raises(ValueError, match="seq"):
         Event.from_dict(raw)
+
+
+def test_parsed_event_is_an_ordinary_frozen_event() -> None:
+    """An event built from its log form is of class Event, equal to the original, and frozen."""
+    event = make_event(EventKind.SLEEP_REQUESTED, 3, "e", 1, {"level": 1, "usage": {"weights": 5}, "tags": ["a"]})
+    again = Event.from_dict(event.to_dict())
+    assert type(again) is Event
+    assert again == event
+    assert again.data["usage"] == {"weights": 5} and again.data["tags"] == ("a",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        again.kind = EventKind.CLOSED  # type: ignore[misc]
+    assert dataclasses.replace(again, seq=4).seq == 4
+
+
+def test_from_dict_does_not_share_the_callers_objects() -> None:
+    """from_dict copies nested objects: changing the caller's dict afterwards leaves the event as it was."""
+    raw = make_event(EventKind.OPENED, 1, "e", 0, {"usage": {"weights": 5}, "tags": ["a"]}).to_dict()
+    event = Event.from_dict(raw)
+    raw["data"]["usage"]["weights"] = 6
+    raw["data"]["tags"].append("b")
+    assert event.data["usage"]["weights"] == 5 and event.data["tags"] == ("a",)
+    assert type(raw["data"]["usage"]) is dict  # the caller's dict is not frozen in place either
+
+
+def test_missing_data_is_an_empty_payload() -> None:
+    """A log form without "data" gives an empty, read-only payload."""
+    raw = make_event(EventKind.CLOSED, 1, "e", 0, {}).to_dict()
+    del raw["data"]
+    event = Event.from_dict(raw)
+    assert dict(event.data) == {}
+    with pytest.raises(TypeError):
+        event.data["x"] = 1  # type: ignore[index]
+
+
+def test_data_that_is_not_an_object_is_rejected() -> None:
+    """from_dict names the type of a payload that is not a JSON object."""
+    raw = make_event(EventKind.OPENED, 1, "e", 0, {}).to_dict()
+    raw["data"] = [1]
+    with pytest.raises(ValueError, match="'data' must be an object, got list"):
+        Event.from_dict(raw)

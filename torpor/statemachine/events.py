@@ -167,11 +167,11 @@ class Event:
     @classmethod
     def _from_parsed(cls, raw: dict[str, Any], copy_data: bool = False) -> Event:
         """from_dict for a dict fresh from the JSON decoder: its payload is frozen in place."""
-        kind = raw.get("kind")
+        get = raw.get
+        kind: Any = get("kind")
         if not isinstance(kind, str) or kind not in _KINDS:
             msg = f"unknown event kind {kind!r}"
             raise ValueError(msg)
-        get = raw.get
         seq: Any = get("seq")
         wall: Any = get("wall")
         mono: Any = get("mono")
@@ -185,14 +185,65 @@ class Event:
                 if type(value) is not _FIELDS[name]:
                     msg = f"field {name!r} must be {_FIELDS[name].__name__}, got {value!r}"
                     raise ValueError(msg)
-        data = raw.get("data", {})
-        if not isinstance(data, dict):
-            msg = f"field 'data' must be an object, got {type(data).__name__}"
-            raise ValueError(msg)
-        frozen = _freeze_parsed({str(k): v for k, v in data.items()} if copy_data else data)
+        data: Any = get("data", _EMPTY)
+        if type(data) is not dict or copy_data or data is _EMPTY:
+            if not isinstance(data, dict):
+                msg = f"field 'data' must be an object, got {type(data).__name__}"
+                raise ValueError(msg)
+            data = {str(k): _freeze(v) for k, v in data.items()}  # a copy, nested objects and arrays too
+        else:  # fresh from the decoder, nobody else holds it: freeze nested objects and arrays in place
+            for key, item in data.items():
+                if type(item) is dict:
+                    data[key] = _freeze_parsed(item)
+                elif type(item) is list:
+                    data[key] = tuple(_freeze(v) for v in item)
         schema = get("schema", SCHEMA_VERSION)
-        version = schema if type(schema) is int else int(schema)
-        return cls(_KINDS[kind], seq, wall, mono, pid, engine, rank, frozen, version)
+        if type(schema) is not int:
+            schema = int(schema)
+        event = _EventBuilder(_KINDS[kind], seq, wall, mono, pid, engine, rank, MappingProxyType(data), schema)
+        event.__class__ = cls  # type: ignore[assignment]  # same slots: now an ordinary frozen Event
+        return event  # type: ignore[return-value]
+
+
+class _EventBuilder:
+    """Event's slot layout without the frozen ``__setattr__``: fills a new event with plain stores.
+
+    A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``
+    (nine calls); replay builds one event per line, so :meth:`Event._from_parsed`
+    fills one of these and then switches its class to :class:`Event`, which
+    CPython allows because the two classes have the same ``__slots__``. Nothing
+    else ever sees an ``_EventBuilder``.
+    """
+
+    __slots__ = ("data", "engine", "kind", "mono", "pid", "rank", "schema", "seq", "wall")  # Event's, sorted
+
+    def __init__(
+        self,
+        kind: EventKind,
+        seq: int,
+        wall: float,
+        mono: float,
+        pid: int,
+        engine: str,
+        rank: int,
+        data: Mapping[str, Any],
+        schema: int,
+    ) -> None:
+        self.kind = kind
+        self.seq = seq
+        self.wall = wall
+        self.mono = mono
+        self.pid = pid
+        self.engine = engine
+        self.rank = rank
+        self.data = data
+        self.schema = schema
+
+
+_EMPTY: dict[str, Any] = {}  # "data" absent: never wrapped, _from_parsed copies it
+if sorted(_EventBuilder.__slots__) != sorted(Event.__slots__):  # a field added to Event must be added to the builder
+    msg = f"_EventBuilder slots {_EventBuilder.__slots__} differ from Event's {Event.__slots__}"
+    raise TypeError(msg)
 
 
 def _float_field(name: str, value: Any) -> float:
