@@ -64,3 +64,33 @@ def test_transitions_counted() -> None:
     ctl.sleep(1)
     ctl.wake()
     assert ctl.projection.transitions == 4
+
+
+def test_every_kind_has_a_step_and_no_state_kinds_change_nothing_else() -> None:
+    """Each event kind folds without error; a no-state kind changes only the last-event fields."""
+    from torpor.statemachine.projection import _NO_STATE, _STEPS
+
+    assert set(_STEPS) == set(EventKind)
+    ctl = SleepController(FakeMemory(SIZES))
+    ctl.sleep(1)
+    before = ctl.projection.to_dict()
+    last_event_fields = ("last_seq", "last_kind", "engine", "rank", "pid", "last_step")
+    for kind in sorted(_NO_STATE):
+        proj = Projection.from_dict(before)
+        proj.apply(make_event(kind, before["last_seq"] + 1, "x", 7, {"tag": "weights", "bytes": 1, "state": "awake"}))
+        after = proj.to_dict()
+        assert (after["last_kind"], after["engine"], after["rank"]) == (kind.value, "x", 7)
+        assert {k: v for k, v in after.items() if k not in last_event_fields} == {
+            k: v for k, v in before.items() if k not in last_event_fields
+        }
+
+
+def test_residency_stays_exact_past_the_shared_usage_bound() -> None:
+    """Replaying more distinct byte counts than the shared-usage bound still gives each tag its own figures."""
+    events = [make_event(EventKind.OPENED, 1, "e", 0, {"usage": {}})]
+    for i in range(5000):
+        usage = {"weights": 1000 + i, "kv_cache": 2 * i}
+        events.append(make_event(EventKind.USAGE_OBSERVED, len(events) + 1, "e", 0, {"usage": usage}))
+    proj = project(events)
+    assert (proj.residency["weights"].resident, proj.residency["kv_cache"].resident) == (5999, 9998)
+    assert proj.residency["weights"] != proj.residency["kv_cache"]

@@ -7,7 +7,7 @@ from the same events; the controller never keeps state of its own beside it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,99 +129,146 @@ class Projection:
 
     def _observe(self, usage: Mapping[str, Any]) -> None:
         """Take resident bytes of awake tags from a usage snapshot."""
-        asleep = set(self.asleep_tags())
+        asleep, residency = self.asleep, self.residency
         for tag, nbytes in usage.items():
             if tag in asleep:
                 continue
-            old = self.residency.get(tag)
-            self.residency[tag] = TagUsage(int(nbytes), 0, 0, old.allocations if old else 0)
+            old = residency.get(tag)
+            residency[tag] = _usage(int(nbytes), 0, 0, old.allocations if old is not None else 0)
 
     def apply(self, event: Event) -> Projection:
         """Fold one event into this projection (in place); return self."""
-        kind, data = event.kind, event.data
+        kind = event.kind
         self.last_seq = event.seq
         self.last_kind = kind  # a StrEnum: equal to its value
-        self.engine, self.rank, self.pid = event.engine, event.rank, event.pid
-        if kind not in _SIDE_FACTS:  # a refusal or rotation mid-transition must not hide the interrupted step
+        self.engine = event.engine
+        self.rank = event.rank
+        self.pid = event.pid
+        side_fact, step = _STEPS[kind]
+        if not side_fact:  # a refusal or rotation mid-transition must not hide the interrupted step
             self._last_event = event
-        if kind in _NO_STATE:
-            return self
-        if kind is EventKind.SNAPSHOT:
-            snap = Projection.from_dict(thaw(data["projection"]))
-            snap.last_seq, snap.last_kind = event.seq, kind.value
-            self.__dict__.update(snap.__dict__)
-        elif kind in (EventKind.OPENED, EventKind.RECOVERED):
-            self.residency, self.asleep = {}, set()
-            self.graphs, self.pool, self.level, self.resume_from = [], None, None, None
-            self._observe(data.get("usage", {}))
-            self._set_state(State.AWAKE, event)
-        elif kind is EventKind.SLEEP_REQUESTED:
-            self._observe(data.get("usage", {}))
-            self.resume_from = self.state
-            self.level = int(data["level"])
-            self._set_state(State.SUSPENDING, event)
-        elif kind is EventKind.TAG_RELEASED:
-            tag, nbytes = data["tag"], int(data["bytes"])
-            allocs = self.residency.get(tag, TagUsage()).allocations
-            self.asleep.add(tag)
-            if data["action"] == "offload":
-                self.residency[tag] = TagUsage(0, nbytes, 0, allocs)
-            else:
-                self.residency[tag] = TagUsage(0, 0, nbytes, allocs)
-        elif kind in (EventKind.TAG_RESTORED, EventKind.TAG_ROLLED_BACK):
-            tag, nbytes = data["tag"], int(data["bytes"])
-            old = self.residency.get(tag, TagUsage())
-            if kind is EventKind.TAG_RESTORED:
-                self.asleep.discard(tag)
-                self.residency[tag] = TagUsage(nbytes, 0, 0, old.allocations)
-            elif data.get("action") == "offload":
-                self.asleep.add(tag)
-                self.residency[tag] = TagUsage(0, nbytes, 0, old.allocations)
-            else:
-                self.asleep.add(tag)
-                self.residency[tag] = TagUsage(0, 0, nbytes, old.allocations)
-        elif kind is EventKind.TAG_DISCARDED:
-            tag, nbytes = data["tag"], int(data["bytes"])
-            old = self.residency.get(tag, TagUsage())
-            self.residency[tag] = TagUsage(0, 0, nbytes, old.allocations)
-        elif kind is EventKind.SLEEP_COMPLETED:
-            self.pinned_bytes = int(data.get("pinned", self.pinned_bytes))
-            self._set_state(State.ASLEEP_L1 if self.level == 1 else State.ASLEEP_L2, event)
-        elif kind is EventKind.SLEEP_ABORTED:
-            self._set_state(self.resume_from or State.AWAKE, event)
-            self.level = None if self.state is State.AWAKE else self.level
-        elif kind is EventKind.WAKE_REQUESTED:
-            self.resume_from = self.state
-            self._set_state(State.RESUMING, event)
-        elif kind is EventKind.WAKE_COMPLETED:
-            self.pinned_bytes = int(data.get("pinned", self.pinned_bytes))
-            if "usage" in data:
-                self._observe(data["usage"])
-            full = not self.asleep_tags()
-            self._set_state(State.AWAKE if full else State.PARTIALLY_AWAKE, event)
-            if full:
-                self.level = None
-        elif kind is EventKind.DISCARD_COMPLETED:
-            if self.state is State.AWAKE and self.asleep:
-                self._set_state(State.PARTIALLY_AWAKE, event)
-        elif kind is EventKind.WAKE_FAILED:
-            self._set_state(self.resume_from or State.ASLEEP_L1, event)
-        elif kind is EventKind.REFUSED:
-            self.refusals += 1
-        elif kind is EventKind.POOL_CREATED:
-            self.pool = str(data["pool"])
-        elif kind is EventKind.GRAPH_CAPTURED:
-            self.pool = str(data["pool"])
-            self.graphs.append(str(data["site"]))
-            self._observe(data.get("usage", {}))
-        elif kind is EventKind.POOL_RELEASED:
-            self.pool, self.graphs = None, []
-            if "usage" in data:
-                self._observe(data["usage"])
-        elif kind is EventKind.USAGE_OBSERVED:
-            self._observe(data["usage"])
+        if step is not None:
+            step(self, event, event.data)
         return self
 
+
+# -- one step per kind (the fold's dispatch table) ---------------------------------
+
+
+def _snapshot(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    snap = Projection.from_dict(thaw(data["projection"]))
+    snap.last_seq, snap.last_kind = event.seq, event.kind.value
+    p.__dict__.update(snap.__dict__)
+
+
+def _opened(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p.residency, p.asleep = {}, set()
+    p.graphs, p.pool, p.level, p.resume_from = [], None, None, None
+    p._observe(data.get("usage", {}))
+    p._set_state(State.AWAKE, event)
+
+
+def _sleep_requested(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p._observe(data.get("usage", {}))
+    p.resume_from = p.state
+    p.level = int(data["level"])
+    p._set_state(State.SUSPENDING, event)
+
+
+def _tag_released(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    tag, nbytes = data["tag"], int(data["bytes"])
+    old = p.residency.get(tag)
+    allocs = old.allocations if old is not None else 0
+    p.asleep.add(tag)
+    if data["action"] == "offload":
+        p.residency[tag] = _usage(0, nbytes, 0, allocs)
+    else:
+        p.residency[tag] = _usage(0, 0, nbytes, allocs)
+
+
+def _tag_restored(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    tag, nbytes = data["tag"], int(data["bytes"])
+    old = p.residency.get(tag)
+    p.asleep.discard(tag)
+    p.residency[tag] = _usage(nbytes, 0, 0, old.allocations if old is not None else 0)
+
+
+def _tag_rolled_back(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    tag, nbytes = data["tag"], int(data["bytes"])
+    old = p.residency.get(tag)
+    allocs = old.allocations if old is not None else 0
+    p.asleep.add(tag)
+    if data.get("action") == "offload":
+        p.residency[tag] = _usage(0, nbytes, 0, allocs)
+    else:
+        p.residency[tag] = _usage(0, 0, nbytes, allocs)
+
+
+def _tag_discarded(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    tag, nbytes = data["tag"], int(data["bytes"])
+    old = p.residency.get(tag)
+    p.residency[tag] = _usage(0, 0, nbytes, old.allocations if old is not None else 0)
+
+
+def _sleep_completed(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p.pinned_bytes = int(data.get("pinned", p.pinned_bytes))
+    p._set_state(State.ASLEEP_L1 if p.level == 1 else State.ASLEEP_L2, event)
+
+
+def _sleep_aborted(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p._set_state(p.resume_from or State.AWAKE, event)
+    p.level = None if p.state is State.AWAKE else p.level
+
+
+def _wake_requested(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p.resume_from = p.state
+    p._set_state(State.RESUMING, event)
+
+
+def _wake_completed(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p.pinned_bytes = int(data.get("pinned", p.pinned_bytes))
+    if "usage" in data:
+        p._observe(data["usage"])
+    full = not p.asleep
+    p._set_state(State.AWAKE if full else State.PARTIALLY_AWAKE, event)
+    if full:
+        p.level = None
+
+
+def _discard_completed(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    if p.state is State.AWAKE and p.asleep:
+        p._set_state(State.PARTIALLY_AWAKE, event)
+
+
+def _wake_failed(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p._set_state(p.resume_from or State.ASLEEP_L1, event)
+
+
+def _refused(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p.refusals += 1
+
+
+def _pool_created(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p.pool = str(data["pool"])
+
+
+def _graph_captured(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p.pool = str(data["pool"])
+    p.graphs.append(str(data["site"]))
+    p._observe(data.get("usage", {}))
+
+
+def _pool_released(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p.pool, p.graphs = None, []
+    if "usage" in data:
+        p._observe(data["usage"])
+
+
+def _usage_observed(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    p._observe(data["usage"])
+
+
+_Step = Callable[[Projection, Event, Mapping[str, Any]], None]
 
 #: Facts that change nothing the projection holds beyond the last event.
 _NO_STATE = frozenset({EventKind.TAG_BACKED_UP, EventKind.HOOK_DECISION, EventKind.CLOSED})
@@ -230,6 +277,47 @@ _NO_STATE = frozenset({EventKind.TAG_BACKED_UP, EventKind.HOOK_DECISION, EventKi
 _SIDE_FACTS = frozenset(
     {EventKind.REFUSED, EventKind.HOOK_DECISION, EventKind.USAGE_OBSERVED, EventKind.SNAPSHOT, EventKind.CLOSED}
 )
+
+_STEP_OF: dict[EventKind, _Step] = {
+    EventKind.SNAPSHOT: _snapshot,
+    EventKind.OPENED: _opened,
+    EventKind.RECOVERED: _opened,
+    EventKind.SLEEP_REQUESTED: _sleep_requested,
+    EventKind.TAG_RELEASED: _tag_released,
+    EventKind.TAG_RESTORED: _tag_restored,
+    EventKind.TAG_ROLLED_BACK: _tag_rolled_back,
+    EventKind.TAG_DISCARDED: _tag_discarded,
+    EventKind.SLEEP_COMPLETED: _sleep_completed,
+    EventKind.SLEEP_ABORTED: _sleep_aborted,
+    EventKind.WAKE_REQUESTED: _wake_requested,
+    EventKind.WAKE_COMPLETED: _wake_completed,
+    EventKind.DISCARD_COMPLETED: _discard_completed,
+    EventKind.WAKE_FAILED: _wake_failed,
+    EventKind.REFUSED: _refused,
+    EventKind.POOL_CREATED: _pool_created,
+    EventKind.GRAPH_CAPTURED: _graph_captured,
+    EventKind.POOL_RELEASED: _pool_released,
+    EventKind.USAGE_OBSERVED: _usage_observed,
+}
+
+#: Per kind: (a side fact?, its step or None when it changes no state). Every kind has an entry.
+_STEPS: dict[EventKind, tuple[bool, _Step | None]] = {
+    kind: (kind in _SIDE_FACTS, None if kind in _NO_STATE else _STEP_OF[kind]) for kind in EventKind
+}
+
+_USAGES: dict[tuple[int, int, int, int], TagUsage] = {}
+_MAX_USAGES = 4096
+
+
+def _usage(resident: int, host: int, discarded: int, allocations: int) -> TagUsage:
+    """A TagUsage with these figures; equal ones are shared (frozen values, mostly the same few in a replay)."""
+    key = (resident, host, discarded, allocations)
+    usage = _USAGES.get(key)
+    if usage is None:
+        if len(_USAGES) >= _MAX_USAGES:
+            _USAGES.clear()
+        usage = _USAGES[key] = TagUsage(resident, host, discarded, allocations)
+    return usage
 
 
 def _describe(event: Event) -> str:
