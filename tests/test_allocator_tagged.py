@@ -10,7 +10,7 @@ import pytest
 from torpor import SleepController, State
 from torpor.allocator import AllocatorError, HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import MemoryOperationFailed, OutOfMemory, PoolBusy, TorporError, UnknownTag
-from torpor.statemachine.protocol import GraphPoolMemory, Memory
+from torpor.statemachine.protocol import GraphPoolMemory, Memory, TagUsage
 
 G = 64 * 1024
 MiB = 1 << 20
@@ -19,7 +19,9 @@ MiB = 1 << 20
 def make(capacity: int = 64 * MiB, **kw: object) -> tuple[SimDriver, TaggedAllocator]:
     """A small simulated device and an allocator batching in 256 KiB."""
     sim = SimDriver(capacity, granularity=G, devices=int(kw.pop("devices", 1)))  # type: ignore[call-overload]
-    alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=MiB, threads=2), group_bytes=4 * G, piece_bytes=2 * G)
+    slab = int(kw.pop("slab_bytes", 8 * G))  # type: ignore[call-overload]
+    policy = HostPolicy(chunk_bytes=MiB, threads=2)
+    alloc = TaggedAllocator(sim, host=policy, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=slab)
     return sim, alloc
 
 
@@ -56,7 +58,7 @@ def test_allocate_rounds_up_and_usage_counts() -> None:
 
 def test_tag_allocations_are_adjacent() -> None:
     """Allocations of one tag sit side by side in address space (what batching relies on)."""
-    _, alloc = make()
+    _, alloc = make(slab_bytes=0)
     a = alloc.allocate(G, "w")
     alloc.allocate(G, "kv")
     b = alloc.allocate(2 * G, "w")
@@ -117,7 +119,7 @@ def test_release_without_backup_discards() -> None:
 
 def test_wake_batches_driver_calls() -> None:
     """A wake sets access once per contiguous span and copies once per batch, not once per allocation."""
-    sim, alloc = make()
+    sim, alloc = make(slab_bytes=0)
     fill(alloc, "w", [G] * 16)
     alloc.backup(["w"])
     alloc.release(["w"])
@@ -130,7 +132,7 @@ def test_wake_batches_driver_calls() -> None:
 
 def test_free_in_a_shared_mapping_waits_for_the_last_user_or_the_next_sleep() -> None:
     """After a wake adjacent allocations share a mapping: a free keeps it mapped for the others, and the range comes back later."""
-    sim, alloc = make()
+    sim, alloc = make(slab_bytes=0)
     data = fill(alloc, "w", [G] * 4)
     alloc.backup(["w"])
     alloc.release(["w"])
@@ -146,6 +148,70 @@ def test_free_in_a_shared_mapping_waits_for_the_last_user_or_the_next_sleep() ->
     alloc.restore(["w"])
     assert intact(alloc, {a: data[a] for a in others})
     assert alloc.allocate(G, "w") == first  # the next sleep gave the range back
+
+
+def test_one_granule_allocations_share_slabs_that_double_up_to_the_limit() -> None:
+    """Sixteen one-granule allocations cost four mappings (slabs of 2, 4, 8 and 8 granules), adjacent inside each."""
+    sim, alloc = make(slab_bytes=8 * G)
+    data = fill(alloc, "w", [G] * 16)
+    assert sim.count("create") == 4 and sim.count("set_access") == 4
+    starts = sorted(data)
+    assert starts[1] == starts[0] + G and starts[3] == starts[2] + G
+    assert alloc.usage()["w"] == TagUsage(16 * G, 0, 0, 16)
+    assert sim.used == 22 * G and alloc.slabs.spare_bytes() == 6 * G
+    assert alloc.allocate(2 * G, "w") and sim.count("create") == 5  # larger: a mapping of its own
+
+
+def test_a_freed_slab_granule_is_reused_without_a_driver_call() -> None:
+    """A granule freed inside a live slab goes to the next one-granule allocation of the tag, with no driver call."""
+    sim, alloc = make(slab_bytes=8 * G)
+    data = fill(alloc, "w", [G] * 6)
+    first = sorted(data)[2]
+    alloc.free(first)
+    calls = len(sim.calls)
+    again = alloc.allocate(G, "w")
+    assert again == first and len(sim.calls) == calls
+    assert intact(alloc, {a: b for a, b in data.items() if a != first})
+
+
+def test_a_slab_goes_when_its_last_allocation_is_freed() -> None:
+    """Freeing every allocation of a slab unmaps it and returns its device memory; other slabs stay."""
+    sim, alloc = make(slab_bytes=8 * G)
+    addresses = sorted(fill(alloc, "w", [G] * 3))  # a slab of 2 granules, then one of 4 (1 used)
+    alloc.free(addresses[0])
+    assert sim.used == 6 * G and alloc.slabs.count() == 2
+    alloc.free(addresses[1])
+    assert sim.used == 4 * G and alloc.slabs.count() == 1
+    alloc.free(addresses[2])
+    assert sim.used == 0 and alloc.slabs.count() == 0 and sim.mapped_ranges() == []
+
+
+def test_sleep_releases_slab_spares_and_wake_maps_only_allocations() -> None:
+    """A sleep unmaps whole slabs (spares too); the wake maps the allocations alone and keeps every byte."""
+    sim, alloc = make(slab_bytes=8 * G)
+    data = fill(alloc, "w", [G] * 5)  # slabs of 2 and 4 granules: 6 mapped, 1 spare
+    assert sim.used == 6 * G
+    ctl = SleepController(alloc)
+    ctl.sleep(1)
+    assert sim.used == 0 and alloc.slabs.count() == 0 and sim.count("unmap") == 2
+    ctl.wake()
+    assert sim.used == 5 * G and intact(alloc, data)
+    fresh = alloc.allocate(G, "w")  # a new slab after the wake
+    assert fresh not in data and alloc.slabs.count() == 1
+    ctl.sleep(1)
+    ctl.wake()
+    assert intact(alloc, data)
+
+
+def test_slab_failure_at_creation_leaves_nothing_behind() -> None:
+    """A slab whose mapping fails is refused whole: no device memory, no slab, the address range reusable."""
+    sim, alloc = make(slab_bytes=8 * G)
+    sim.fail("set_access", nth=1)
+    with pytest.raises(TorporError):
+        alloc.allocate(G, "w")
+    assert sim.used == 0 and alloc.slabs.count() == 0
+    a = alloc.allocate(G, "w")
+    assert alloc.usage()["w"].resident == G and alloc.read(a, 4) == bytes(4)
 
 
 def test_allocate_into_a_released_tag_is_refused() -> None:
@@ -203,10 +269,10 @@ def test_backup_host_out_of_memory_is_clean() -> None:
     assert alloc.usage()["w"].resident == 2 * MiB
 
 
-@pytest.mark.parametrize("nth", [1, 3, 6])
-def test_release_failure_leaves_the_tag_resident_and_intact(nth: int) -> None:
+@pytest.mark.parametrize(("slab", "nth"), [(0, 1), (0, 3), (0, 6), (8 * G, 1), (8 * G, 2)])
+def test_release_failure_leaves_the_tag_resident_and_intact(slab: int, nth: int) -> None:
     """An unmap failing mid-release maps back what was unmapped, from the backup: the tag stays whole."""
-    sim, alloc = make()
+    sim, alloc = make(slab_bytes=slab)
     data = fill(alloc, "w", [G] * 6)
     alloc.backup(["w"])
     sim.fail("unmap", nth=nth)

@@ -14,7 +14,10 @@ overlaps the copies still in flight. Wake creates and maps batch after batch,
 sets access once per contiguous span, and enqueues each batch's copy at once, so
 mapping overlaps the copies; it synchronizes once at the end. Copies merge over
 contiguous device ranges but never cross two pinned host chunks. CUDA maps a
-physical handle only whole, so each mapping has its own handle.
+physical handle only whole, so each mapping has its own handle. Allocations of
+one granule (torch's 2 MiB small-pool segments) share slabs
+(:mod:`torpor.allocator.slabs`), so thousands of them cost a few mappings to
+make and to unmap.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torpor.allocator.errors import AllocatorError, wrap
 from torpor.allocator.graphpool import CaptureHandle, GraphPool, PoolId, call_graph_pool_hooks
 from torpor.allocator.mapping import MappedRange, Piece, batches, copies, parts, spans, split
 from torpor.allocator.offload import Extent, HostArena, HostPolicy
+from torpor.allocator.slabs import Slabs
 from torpor.allocator.va import VaArena
 from torpor.errors import PoolBusy, UnknownTag
 from torpor.statemachine.protocol import TagUsage, Transfer
@@ -69,6 +73,8 @@ class TaggedAllocator:
     ``driver``: None means :class:`~torpor.allocator.cuda_driver.CudaDriver`.
     ``host``: the pinned-host policy. ``group_bytes``: bytes per pipelined
     copy group. ``piece_bytes``: the largest single mapping made on wake.
+    ``slab_bytes``: the largest slab shared by one-granule allocations (see
+    :mod:`torpor.allocator.slabs`; 0 maps each allocation on its own).
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class TaggedAllocator:
         host: HostPolicy | None = None,
         group_bytes: int = 64 * MiB,
         piece_bytes: int = 128 * MiB,
+        slab_bytes: int = 64 * MiB,
         default_device: int = 0,
     ) -> None:
         if driver is None:
@@ -88,6 +95,7 @@ class TaggedAllocator:
         self.host = HostArena(driver, host)
         self.group_bytes = group_bytes
         self.piece_bytes = piece_bytes
+        self.slabs = Slabs(slab_bytes)
         self.default_device = default_device
         self._lock = threading.RLock()
         self._tags: dict[str, _Tag] = {}
@@ -134,19 +142,28 @@ class TaggedAllocator:
             arena = self._arenas.get((dev, tag))
             if arena is None:
                 arena = self._arenas[(dev, tag)] = VaArena(self.driver, dev)
-            try:
-                address = arena.take(size)
-            except Exception as exc:
-                raise wrap("allocate", tag, exc) from exc
-            alloc = _Alloc(address, size, nbytes, tag, dev)
-            try:
-                alloc.maps.append(self._new_mapping(address, size, dev, 1))
-                self.driver.set_access(address, size, dev)
-            except Exception as exc:
-                self._unmap_all(alloc.maps)
-                alloc.maps.clear()
-                arena.give(address, size)
-                raise wrap("allocate", tag, exc) from exc
+            slab = self.slabs.enabled(size, gran)
+            spare = self.slabs.take((dev, tag), size) if slab else None
+            if spare is not None:  # a granule of a live slab: mapped already
+                address, m = spare
+                alloc = _Alloc(address, size, nbytes, tag, dev, [m])
+            else:
+                span = self.slabs.next_size((dev, tag), gran) if slab else size
+                try:
+                    address = arena.take(span)
+                except Exception as exc:
+                    raise wrap("allocate", tag, exc) from exc
+                alloc = _Alloc(address, size, nbytes, tag, dev)
+                try:
+                    alloc.maps.append(self._new_mapping(address, span, dev, 1))
+                    self.driver.set_access(address, span, dev)
+                except Exception as exc:
+                    self._unmap_all(alloc.maps)
+                    alloc.maps.clear()
+                    arena.give(address, span)
+                    raise wrap("allocate", tag, exc) from exc
+                if slab:
+                    self.slabs.add((dev, tag), alloc.maps[0], size)
             state.allocs[address] = alloc
             self._allocs[address] = alloc
             if tag not in self.host.policy.prepin_exclude:
@@ -170,6 +187,8 @@ class TaggedAllocator:
                         self._unmap(m)
                         for start, n in [*m.freed, (lo, hi - lo)]:
                             arena.give(start, n)
+                        m.freed.clear()
+                        self.slabs.forget((alloc.device, alloc.tag), m)
                     else:
                         m.freed.append((lo, hi - lo))  # mapped with live neighbours: goes with the mapping
                     m.users -= 1
@@ -550,9 +569,11 @@ class TaggedAllocator:
         for alloc in allocs:
             alloc.maps.clear()
         for m in done:
-            for start, n in m.freed:  # ranges of allocations freed while they shared this mapping
+            for start, n in m.freed:  # ranges no live allocation uses (freed ones, a slab's spare granules)
                 self._arenas[(m.device, tag)].give(start, n)
             m.freed.clear()
+        for device in {m.device for m in done}:
+            self.slabs.close((device, tag))
         state.released = True
 
     def _new_mapping(self, start: int, size: int, device: int, users: int) -> MappedRange:
