@@ -379,6 +379,67 @@ def run_torpor_graphs(cycles: int, batches: tuple[int, ...] = (1, 8, 32, 128), l
     return res
 
 
+# -- does pinning ahead slow the awake engine? ----------------------------------------------
+
+
+def measure_pinning_interference(pin_bytes: int = 8 * GiB, steps: int = 300) -> dict[str, Any]:
+    """Step times of engine-like work (a bf16 matmul, 32 small kernels, a 16 MiB input copy) idle and during pinning.
+
+    The background pinning thread competes with the engine for the driver and
+    host memory bandwidth; this measures the step time (median and 99th
+    percentile, each step synchronized) with no pinning, then while a
+    :class:`HostArena` pins ``pin_bytes`` ahead, as after a model load.
+    """
+    import torch
+
+    from torpor.allocator.cuda_driver import CudaDriver
+    from torpor.allocator.offload import HostArena
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    small = torch.zeros(1 << 18, device="cuda")
+    host_in = torch.randn(4 << 20, pin_memory=True)
+    dev_in = torch.empty_like(host_in, device="cuda")
+
+    def step() -> float:
+        t = time.perf_counter()
+        dev_in.copy_(host_in, non_blocking=True)
+        a @ a
+        for _ in range(32):
+            small.add_(1.0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    for _ in range(20):
+        step()
+    idle = [step() for _ in range(steps)]
+    arena = HostArena(CudaDriver(), HostPolicy())
+    t0 = time.perf_counter()
+    arena.want(pin_bytes)
+    busy: list[float] = []
+    while not arena.wait_ready(0) or len(busy) < 20:
+        busy.append(step())
+        if time.perf_counter() - t0 > 120:
+            break
+    pin_s = time.perf_counter() - t0
+    pinned = arena.pinned_bytes()
+    arena.close()
+
+    def pct(xs: list[float], q: float) -> float:
+        return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+    return {
+        "pin_bytes": pinned,
+        "pin_s": pin_s,
+        "idle_steps": len(idle),
+        "busy_steps": len(busy),
+        "idle_median_ms": 1e3 * statistics.median(idle),
+        "idle_p99_ms": 1e3 * pct(idle, 0.99),
+        "busy_median_ms": 1e3 * statistics.median(busy),
+        "busy_p99_ms": 1e3 * pct(busy, 0.99),
+        "slowdown_median": statistics.median(busy) / statistics.median(idle),
+    }
+
+
 # -- the whole run ----------------------------------------------------------------------------
 
 
@@ -409,9 +470,23 @@ def run(
     cold.close()
     results.append(r)
     log(_line(r.row(d2h, h2d)))
+    flat = TaggedAllocator(slab_bytes=0)
+    r = run_torpor_raw("4 GiB / 2048 x 2 MiB", 2048, 2 * MiB, cycles, flat)
+    r.system = "torpor (no slabs)"
+    flat.close()
+    results.append(r)
+    log(_line(r.row(d2h, h2d)))
     r = run_torpor_graphs(cycles)
     results.append(r)
     log(_line(r.row(d2h, h2d)))
+    gc.collect()
+    torch.cuda.empty_cache()
+    interference = measure_pinning_interference()
+    log(
+        "awake step while pinning {pin_bytes} B ahead ({pin_s:.1f} s): median {busy_median_ms:.3f} ms "
+        "vs idle {idle_median_ms:.3f} ms ({slowdown_median:.2f}x), p99 {busy_p99_ms:.3f} vs {idle_p99_ms:.3f} ms "
+        "({busy_steps} and {idle_steps} steps)".format(**interference)
+    )
     sweeps: list[dict[str, Any]] = []
 
     def snapshot() -> dict[str, Any]:
@@ -425,6 +500,7 @@ def run(
             "rows": [r.row(d2h, h2d) for r in results],
             "raw": [asdict(r) for r in results],
             "sweeps": sweeps,
+            "awake_interference": interference,
         }
 
     if save is not None:
