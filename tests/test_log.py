@@ -6,13 +6,18 @@ import json
 import logging
 import os
 import stat
+import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import torpor.statemachine.log as log_module
 from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
-from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.log import EventLog, encode_line, read_events, read_events_file, segments
+from torpor.statemachine.events import Event, EventKind, make_event
+from torpor.statemachine.log import EventLog, decode_line, encode_line, read_events, read_events_file, segments
 
 
 def _fill(log: EventLog, n: int, kind: EventKind = EventKind.USAGE_OBSERVED) -> None:
@@ -141,3 +146,168 @@ def test_pruned_segments_replay_from_snapshot(tmp_path: Path) -> None:
     events = list(read_events(path))
     assert events[0].kind is EventKind.SNAPSHOT
     assert events[-1].seq == 12
+
+
+# -- the fast path of read_events against decode_line (the reference) -------------------------
+
+_PAYLOADS: list[tuple[EventKind, dict[str, Any]]] = [
+    (EventKind.TAG_RELEASED, {"tag": "weights", "bytes": 2**34, "action": "offload", "seconds": 0.25}),
+    (EventKind.SLEEP_REQUESTED, {"level": 1, "plan": {"weights": "offload"}, "usage": {"weights": 5, "kv": 0}}),
+    (EventKind.WAKE_COMPLETED, {"tags": ["weights", "kv_cache"], "seconds": 1e-9, "restored": {"w": [1, {"x": 2}]}}),
+    (EventKind.REFUSED, {"command": "sleep", "reason": 'busy \u00e9 "q" {[', "holders": []}),
+    (EventKind.CLOSED, {}),
+]
+
+
+def _sign(rest: bytes) -> bytes:
+    """A line whose checksum is right for ``rest`` (the text after the crc member)."""
+    return b'{"crc":"%08x",' % zlib.crc32(rest, zlib.crc32(b"{")) + rest
+
+
+def _outcome(fn: Any) -> tuple[str, Any]:
+    """What fn() gives: ("ok", value) or ("error", (exception class, message))."""
+    try:
+        return "ok", fn()
+    except (LogCorrupted, UnknownSchemaVersion) as exc:
+        return "error", (type(exc), str(exc))
+
+
+_MUTATIONS = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 400), st.integers(1, 255)),
+    st.tuples(st.just("insert"), st.integers(0, 400), st.sampled_from([b" ", b"}", b"{", b'"', b",", b"\xff", b"NaN"])),
+    st.tuples(st.just("delete"), st.integers(0, 400), st.integers(1, 8)),
+    st.tuples(
+        st.just("replace"),
+        st.sampled_from([b'"schema":1', b'"seq":', b'"kind":"', b'"wall":', b'"data":{', b'"engine":"', b"}"]),
+        st.sampled_from(
+            [b'"schema":1.0', b'"schema":true', b'"schema":2', b'"seq":-', b'"kind":"x', b'"wall":"', b"", b"]"]
+        ),
+    ),
+    st.tuples(st.just("append"), st.sampled_from([b" ", b"x", b"{}", b"\r"])),
+)
+
+
+def _mutate(rest: bytes, op: tuple[Any, ...]) -> bytes:
+    if op[0] == "flip":
+        i = op[1] % max(1, len(rest))
+        return rest[:i] + bytes([rest[i] ^ op[2]]) + rest[i + 1 :] if rest else rest
+    if op[0] == "insert":
+        i, text = op[1] % (len(rest) + 1), bytes(op[2])
+        return rest[:i] + text + rest[i:]
+    if op[0] == "delete":
+        i = op[1] % (len(rest) + 1)
+        return rest[:i] + rest[i + op[2] :]
+    if op[0] == "replace":
+        return rest.replace(op[1], op[2], 1)
+    return rest + bytes(op[1])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    which=st.integers(0, len(_PAYLOADS) - 1),
+    ops=st.lists(_MUTATIONS, max_size=3),
+    resign=st.booleans(),
+    max_line=st.sampled_from([log_module.DEFAULT_MAX_LINE, 200]),
+)
+def test_fast_path_gives_what_decode_line_gives(
+    tmp_path: Path, which: int, ops: list[tuple[Any, ...]], resign: bool, max_line: int
+) -> None:
+    """For any line, well-formed or mutated, read_events_file gives decode_line's event or its exact error."""
+    kind, data = _PAYLOADS[which]
+    line = encode_line(Event(kind, 1, 1795996185.3145685, 8354.51769916, 4242, "e", 0, data))[:-1]
+    rest = line[len(b'{"crc":"00000000",') :]
+    for op in ops:
+        rest = _mutate(rest, op)
+    rest = rest.replace(b"\n", b"\\n")  # one line: a newline would end it
+    line = _sign(rest) if resign else line[: len(b'{"crc":"00000000",')] + rest
+    path = tmp_path / "one.jsonl"
+    path.write_bytes(line + b"\n")
+    expected = _outcome(lambda: decode_line(line, str(path), 1, max_line))
+    got = _outcome(lambda: list(read_events_file(path, max_line)))
+    if expected[0] == "ok":
+        assert got == ("ok", [expected[1]])
+        assert type(got[1][0]) is Event
+    else:
+        assert got == expected
+
+
+def test_well_formed_lines_never_reach_decode_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clean log is read by the fast path alone; one bad line goes to decode_line, which names it."""
+    path = tmp_path / "l.jsonl"
+    with EventLog(path, fsync=False) as log:
+        for kind, data in _PAYLOADS:
+            log.append(make_event(kind, log.next_seq(), "e", 0, data))
+    calls: list[int] = []
+
+    def counting(line: bytes, where: str, lineno: int, max_line: int = log_module.DEFAULT_MAX_LINE) -> Event:
+        calls.append(lineno)
+        return decode_line(line, where, lineno, max_line)
+
+    monkeypatch.setattr(log_module, "decode_line", counting)
+    events = list(read_events(path))
+    assert [e.kind for e in events] == [k for k, _ in _PAYLOADS] and calls == []
+    lines = path.read_bytes().split(b"\n")
+    lines[2] = _sign(lines[2][len(b'{"crc":"00000000",') :].replace(b'"schema":1', b'"schema":7'))
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(UnknownSchemaVersion, match=r"l\.jsonl:3"):
+        list(read_events(path))
+    assert calls == [3]
+
+
+def test_read_events_equals_decode_line_over_a_whole_log(tmp_path: Path) -> None:
+    """Every event read_events gives over a rotated log equals decode_line's for the same line."""
+    path = tmp_path / "l.jsonl"
+    with EventLog(path, fsync=False, max_bytes=2000) as log:
+        for i in range(60):
+            kind, data = _PAYLOADS[i % len(_PAYLOADS)]
+            log.append(make_event(kind, log.next_seq(), "e", 0, data))
+            if log.needs_rotation():
+                log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": {}}))
+    reference = [
+        decode_line(line, str(file), n)
+        for file in segments(path)
+        for n, line in enumerate(file.read_bytes().split(b"\n")[:-1], 1)
+    ]
+    assert len(segments(path)) > 2
+    assert list(read_events(path)) == reference
+
+
+_GOOD_REST = (
+    b'"data":{"tag":"w"},"engine":"e","kind":"tag_released","mono":1.5,"pid":7,"rank":0,"schema":1,"seq":1,"wall":2.5}'
+)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b"", b""),
+        (b'"schema":1', b'"schema":1.0'),
+        (b'"schema":1', b'"schema":true'),
+        (b'"schema":1', b'"schema":"1"'),
+        (b'"schema":1', b'"schema":2'),
+        (b'"schema":1,', b""),
+        (b"2.5}", b"2.5} "),
+        (b"2.5}", b"2.5}{}"),
+        (b'{"tag":"w"}', b"[1]"),
+        (b'"kind":"tag_released"', b'"kind":"exploded"'),
+        (b'"kind":"tag_released"', b'"kind":["tag_released"]'),
+        (b'"wall":2.5', b'"wall":NaN'),
+        (b'"wall":2.5', b'"wall":2'),
+        (b'"seq":1', b'"seq":1.0'),
+        (b'"seq":1,', b""),
+        (b'"engine":"e"', b'"engine":"\xff"'),
+        (b'"engine":"e"', b'"engine":"\\u00e9"'),
+        (b'"data":{"tag":"w"},', b'"data":{"tag":"w","tag":"v"},'),
+        (b'"data":{"tag":"w"},', b'"data":{"a":{"b":[1,[2]]}},'),
+        (b'"rank":0', b'"rank":0,"rank":1'),
+    ],
+)
+def test_fast_path_edge_lines(tmp_path: Path, old: bytes, new: bytes) -> None:
+    """Lines at each check of decode_line give the same event or error through read_events_file."""
+    line = _sign(_GOOD_REST.replace(old, new, 1))
+    path = tmp_path / "one.jsonl"
+    for candidate in (line, line.upper()[:18] + line[18:], line[:18], line[:8] + b"+" + line[9:]):
+        path.write_bytes(candidate + b"\n")
+        expected = _outcome(lambda: decode_line(candidate, str(path), 1))  # noqa: B023 - called at once
+        got = _outcome(lambda: list(read_events_file(path)))
+        assert got == (("ok", [expected[1]]) if expected[0] == "ok" else expected)

@@ -339,9 +339,10 @@ def project(events: Iterable[Event], start: Projection | None = None, where: str
     buggy writer or a hand edit) raises ``LogCorrupted`` naming its number.
     """
     proj = start or Projection()
+    apply = proj.apply
     for event in events:
         try:
-            proj.apply(event)
+            apply(event)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             reason = f"event #{event.seq} ({event.kind.value}) has a malformed payload: {type(exc).__name__}: {exc}"
             raise LogCorrupted(where, event.seq, reason) from None
