@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
-from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, make_event
+from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, make_event, plain_event
 
 
 def test_event_is_frozen() -> None:
@@ -83,3 +84,23 @@ def test_data_that_is_not_an_object_is_rejected() -> None:
     raw["data"] = [1]
     with pytest.raises(ValueError, match="'data' must be an object, got list"):
         Event.from_dict(raw)
+
+
+def test_plain_event_matches_from_parsed_or_declines() -> None:
+    """plain_event builds what _from_parsed builds for the log's plain form and declines anything else."""
+    event = make_event(EventKind.WAKE_COMPLETED, 9, "e", 2, {"tags": ["w"], "usage": {"w": 1}, "seconds": 0.5})
+    assert plain_event(json.loads(event.to_json())) == Event._from_parsed(json.loads(event.to_json())) == event
+    assert type(plain_event(json.loads(event.to_json()))) is Event
+    for name, value in (("wall", 2), ("seq", 1.0), ("pid", True), ("engine", 3), ("rank", None), ("data", [])):
+        raw = json.loads(event.to_json())
+        raw[name] = value
+        assert plain_event(raw) is None
+    for name in ("kind", "seq", "data"):
+        raw = json.loads(event.to_json())
+        del raw[name]
+        with pytest.raises(KeyError):
+            plain_event(raw)
+    raw = json.loads(event.to_json())
+    raw["kind"] = "exploded"
+    with pytest.raises(KeyError):
+        plain_event(raw)

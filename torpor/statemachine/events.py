@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import operator
 import os
 import time
 from collections.abc import Mapping
@@ -244,6 +245,41 @@ _EMPTY: dict[str, Any] = {}  # "data" absent: never wrapped, _from_parsed copies
 if sorted(_EventBuilder.__slots__) != sorted(Event.__slots__):  # a field added to Event must be added to the builder
     msg = f"_EventBuilder slots {_EventBuilder.__slots__} differ from Event's {Event.__slots__}"
     raise TypeError(msg)
+
+
+_LOG_FIELDS = operator.itemgetter("kind", "seq", "wall", "mono", "pid", "engine", "rank", "data")
+
+
+def plain_event(raw: dict[str, Any]) -> Event | None:
+    """The event of a decoded log line in its plain form (what the log writes), else None.
+
+    Plain form: every field present with its exact type (``wall`` and ``mono``
+    floats, ``data`` an object), a known kind; the caller has checked the schema.
+    It builds the same event as ``Event._from_parsed`` (payload frozen in place);
+    for anything else it returns None or raises (KeyError, TypeError), and the
+    caller falls back to the full checks, which accept what they can and name
+    what is wrong.
+    """
+    kind, seq, wall, mono, pid, engine, rank, data = _LOG_FIELDS(raw)
+    if (
+        type(seq) is not int
+        or type(wall) is not float
+        or type(mono) is not float
+        or type(pid) is not int
+        or type(engine) is not str
+        or type(rank) is not int
+        or type(data) is not dict
+    ):
+        return None
+    known = _KINDS[kind]
+    for key, item in data.items():
+        if type(item) is dict:
+            data[key] = _freeze_parsed(item)
+        elif type(item) is list:
+            data[key] = tuple(_freeze(v) for v in item)
+    event = _EventBuilder(known, seq, wall, mono, pid, engine, rank, MappingProxyType(data), SCHEMA_VERSION)
+    event.__class__ = Event  # type: ignore[assignment]  # see _EventBuilder
+    return event  # type: ignore[return-value]
 
 
 def _float_field(name: str, value: Any) -> float:

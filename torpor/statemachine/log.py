@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
-from torpor.statemachine.events import BOUNDARY_KINDS, SCHEMA_VERSION, Event
+from torpor.statemachine.events import BOUNDARY_KINDS, SCHEMA_VERSION, Event, plain_event
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def _events(path: str | os.PathLike[str], max_line: int, *, one_file: bool) -> I
             msg = f"no event log at {path}"
             raise FileNotFoundError(msg)
     scan = _SCAN
-    from_parsed = Event._from_parsed
+    plain = plain_event
     crc32 = zlib.crc32
     expected: int | None = None  # the next sequence number, once an event has been read (whole log only)
     for index, file in enumerate(files):
@@ -135,7 +135,7 @@ def _events(path: str | os.PathLike[str], max_line: int, *, one_file: bool) -> I
                         if end == len(text) and type(raw) is dict:
                             schema = raw.get("schema")
                             if schema == SCHEMA_VERSION and type(schema) is int:
-                                event = from_parsed(raw)
+                                event = plain(raw)
                 except Exception:  # decode_line below names what is wrong
                     event = None
             if event is None:
