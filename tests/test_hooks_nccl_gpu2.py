@@ -169,7 +169,13 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
     result["awake"] = ctl.wait_for(State.AWAKE, timeout=1)
     result["warnings"] = warnings.messages
     dist.barrier(device_ids=[rank])
+    say("replayed after the full wake")
+    # teardown: a live graph that captured an NCCL collective holds the communicator, and
+    # destroy_process_group() then waits for ever (seen on the H200 x2): drop the graph first
+    graph.reset()
+    torch.cuda.synchronize()
     dist.destroy_process_group()
+    say("process group destroyed")
 
 
 def _main() -> int:
