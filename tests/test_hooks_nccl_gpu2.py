@@ -123,6 +123,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
     say("captured")
     result["hooked"] = hooked
     result["pool"] = str(ctl.projection.pool)
+    result["pool_id"] = str(allocator.cudagraph_pool_id())
     graph_usage = ctl.projection.residency.get("cudagraph")
     result["graph_bytes"] = graph_usage.resident if graph_usage is not None else 0
 
@@ -261,7 +262,8 @@ def test_captured_allreduce_replays_right_after_level1_sleep_and_wake(tmp_path: 
         assert (r["nccl_action"], r["nccl_env"]) == ("set", "0")
         assert r["warnings"] == []
         assert r["eager_warmup"] == [2.0] * 4
-        assert r["hooked"] and r["hooked"][0] == r["pool"]
+        assert r["hooked"] == [r["pool_id"]]  # NCCL's graph allocator was pointed at the cuMem graph pool
+        assert r["pool"] == "cudagraph-pool-" + r["pool_id"].strip("()").replace(", ", ".")
         assert r["graph_bytes"] > 0
         assert r["before"] == [6.0, 6.0]
         assert r["context_on_other_gpu"] is False
