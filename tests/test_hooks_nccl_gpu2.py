@@ -88,7 +88,7 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
 
     say("eager all-reduce done")
     allocator = TaggedAllocator()
-    ctl = SleepController(allocator, log=logdir, engine="gpu2", rank=rank, fsync=False)
+    ctl = SleepController(allocator, log=logdir + "/", engine="gpu2", rank=rank, fsync=False)  # a directory
     cudagraph_pool_decision(True, True, "torpor", True, detect_platform(), controller=ctl)
     apply_nccl_defaults(decision, controller=ctl)  # already set: recorded as kept
     hooked: list[str] = []
