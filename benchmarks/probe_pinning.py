@@ -82,7 +82,7 @@ def main() -> None:
         t0 = time.perf_counter()
         took = [0.0]
 
-        def pinner(fn=fn, chunk=chunk, threads=threads, got=got, done=done, took=took) -> None:  # type: ignore[no-untyped-def]
+        def pinner(fn=fn, chunk=chunk, threads=threads, got=got, done=done, took=took, t0=t0) -> None:  # type: ignore[no-untyped-def]
             with ThreadPoolExecutor(threads) as pool:
                 got.extend(pool.map(lambda _: fn(chunk), range(total // chunk)))
             took[0] = time.perf_counter() - t0
