@@ -8,6 +8,10 @@ context of the device it works on (callbacks run on threads torch picks).
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
+import os
 import threading
 from typing import Any
 
@@ -23,6 +27,39 @@ def _cu() -> Any:
     return cu
 
 
+_PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_PRIVATE_ANONYMOUS_POPULATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _host_pages(nbytes: int) -> int:
+    """Anonymous private pages, faulted in by the kernel (``MAP_POPULATE``) outside any driver lock."""
+    libc = _libc()
+    address = libc.mmap(None, nbytes, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_POPULATE, -1, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        reason = f"mapping {nbytes} bytes of host memory failed: {os.strerror(err)}"
+        if err == errno.ENOMEM:
+            raise DriverOutOfMemory("mmap", reason, 2)
+        raise DriverError("mmap", reason, err)
+    return int(address)
+
+
+def _free_pages(address: int, nbytes: int) -> None:
+    if _libc().munmap(address, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise DriverError("munmap", f"unmapping {nbytes} host bytes at {address:#x} failed: {os.strerror(err)}", err)
+
+
 class CudaDriver(Driver):
     """The real device: cuMemAddressReserve/Create/Map/SetAccess/Unmap/Release, cuMemHostAlloc, cuMemcpy*Async."""
 
@@ -36,6 +73,7 @@ class CudaDriver(Driver):
         self._props: dict[int, Any] = {}
         self._access: dict[int, list[Any]] = {}
         self._gran: dict[int, int] = {}
+        self._host_sizes: dict[int, int] = {}
 
     def _check(self, call: str, result: Any) -> Any:
         """Unpack a cuda-bindings result tuple; raise a DriverError on a failed call."""
@@ -180,13 +218,31 @@ class CudaDriver(Driver):
         self._check("cuMemRelease", _cu().cuMemRelease(handle))
 
     def _host_alloc(self, nbytes: int) -> int:
+        """Pinned host memory: mapped and faulted in by the kernel first, then registered with the driver.
+
+        Not ``cuMemHostAlloc``: it holds the driver's lock while the pages are
+        made, which stalled every CUDA call of the engine for the whole pinning
+        time on the H200 here (benchmarks/probe_pinning.py); registering pages
+        already faulted in holds it briefly per chunk.
+        """
         cu = _cu()
         self.ensure_context(self._host_device())
-        return int(self._check("cuMemHostAlloc", cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE)))
+        host = _host_pages(nbytes)
+        try:
+            self._check("cuMemHostRegister", cu.cuMemHostRegister(host, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE))
+        except BaseException:
+            _free_pages(host, nbytes)
+            raise
+        with self._lock:
+            self._host_sizes[host] = nbytes
+        return host
 
     def _host_free(self, host: int) -> None:
         self.ensure_context(self._host_device())
-        self._check("cuMemFreeHost", _cu().cuMemFreeHost(host))
+        self._check("cuMemHostUnregister", _cu().cuMemHostUnregister(host))
+        with self._lock:
+            nbytes = self._host_sizes.pop(host)
+        _free_pages(host, nbytes)
 
     def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
         self._check("cuMemcpyDtoHAsync", _cu().cuMemcpyDtoHAsync(host, address, nbytes, self._stream(device)))

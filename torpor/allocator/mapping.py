@@ -10,6 +10,7 @@ goes (at the last user's free or at the next sleep).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -96,20 +97,19 @@ def spans(pieces: list[Piece], nbytes: int) -> list[list[Piece]]:
     return out
 
 
-def split(extents: list[Extent], nbytes: int) -> tuple[list[Extent], list[Extent]]:
-    """The first ``nbytes`` of ``extents`` and the rest."""
+def take_front(extents: deque[Extent], nbytes: int) -> list[Extent]:
+    """Take the first ``nbytes`` off ``extents`` (cutting an extent when needed); linear in what is taken."""
     head: list[Extent] = []
-    rest = list(extents)
-    while nbytes and rest:
-        e = rest.pop(0)
+    while nbytes and extents:
+        e = extents.popleft()
         if e.nbytes <= nbytes:
             head.append(e)
             nbytes -= e.nbytes
         else:
             head.append(Extent(e.host, nbytes, e.chunk))
-            rest.insert(0, Extent(e.host + nbytes, e.nbytes - nbytes, e.chunk))
+            extents.appendleft(Extent(e.host + nbytes, e.nbytes - nbytes, e.chunk))
             nbytes = 0
-    return head, rest
+    return head
 
 
 def host_range(extents: list[Extent], offset: int, nbytes: int) -> list[tuple[int, int, int, int]]:

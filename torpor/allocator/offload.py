@@ -33,14 +33,19 @@ class HostPolicy:
     ahead (``kv_cache`` is discarded at every level of the default policy).
     ``keep_after_wake``: keep chunks pinned after a wake for the next sleep
     (False gives them back once no backup uses them). ``chunk_bytes``: pinning
-    unit. ``threads``: pinning threads.
+    unit. ``threads``: threads pinning what a sleep needs now.
+    ``background_threads``: threads pinning ahead. Small chunks and one thread
+    in the background keep the awake engine's CUDA calls from waiting on the
+    pinning (measured: 32 MiB x 1 thread stalled engine steps 13 % of the
+    pinning time, at most 2.5 ms each; 256 MiB x 4 threads stalled them all).
     """
 
     prepin: bool = True
     prepin_exclude: frozenset[str] = frozenset({"kv_cache"})
     keep_after_wake: bool = True
-    chunk_bytes: int = 256 * MiB
+    chunk_bytes: int = 32 * MiB
     threads: int = 4
+    background_threads: int = 1
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,7 @@ class HostArena:
                 if self._closed:
                     return
                 missing = self._target - self._pinned_locked() - self._inflight
-                count = min(max(1, -(-missing // chunk)), self.policy.threads)
+                count = min(max(1, -(-missing // chunk)), self.policy.background_threads)
                 self._inflight += count * chunk
             try:
                 self._pin(count, chunk)

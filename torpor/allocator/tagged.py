@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from typing import Any
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, wrap
 from torpor.allocator.graphpool import CaptureHandle, GraphPool, PoolId, call_graph_pool_hooks
-from torpor.allocator.mapping import MappedRange, Piece, batches, copies, parts, spans, split
+from torpor.allocator.mapping import MappedRange, Piece, batches, copies, parts, spans, take_front
 from torpor.allocator.offload import Extent, HostArena, HostPolicy
 from torpor.allocator.slabs import Slabs
 from torpor.allocator.va import VaArena
@@ -491,8 +492,9 @@ class TaggedAllocator:
             extents = self.host.take(total) if total else []
         except AllocatorError as exc:
             raise wrap("backup", tag, exc) from exc
+        rest = deque(extents)
         for alloc in allocs:
-            alloc.backup, extents = split(extents, alloc.size)
+            alloc.backup = take_front(rest, alloc.size)
         state.backed_up = True
 
     def _enqueue_backup(self, tag: str, state: _Tag) -> None:
