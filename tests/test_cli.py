@@ -330,3 +330,12 @@ def test_usage_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--cycles" in err
+
+
+def test_python_dash_m_torpor_runs_the_cli() -> None:
+    """``python -m torpor diagram`` prints the state diagram, like the ``torpor`` script."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torpor", "diagram"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("stateDiagram-v2")
