@@ -1,8 +1,8 @@
 """GPU probe: how much does pinning host memory in a background thread stall an awake engine, per chunk size, thread count and method?
 
 Run on a CUDA machine: ``python benchmarks/probe_pinning.py [GiB]``. The
-"engine" is a loop of steps (a 16 MiB pinned input copy, a bf16 matmul, 32
-small kernels, synchronize). For each configuration a background pool pins
+"engine" is a loop of ``torpor.allocator.benchmark.engine_step`` (a 16 MiB
+pinned input copy, a bf16 matmul, 32 small kernels, synchronize). For each configuration a background pool pins
 GiB of host memory while the loop runs; printed: pinning time, step median,
 p99 and max, and the stall (time the steps took beyond the idle median).
 Methods: ``alloc`` (cuMemHostAlloc) and ``register`` (mmap'd memory, touched
@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from cuda.bindings import driver as cu
 
+from torpor.allocator.benchmark import engine_step
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -36,22 +38,7 @@ def main() -> None:
     total = int(float(sys.argv[1]) * GiB) if len(sys.argv) > 1 else 4 * GiB
     torch.zeros(1, device="cuda")
     ctx = ck(cu.cuCtxGetCurrent())
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    small = torch.zeros(1 << 18, device="cuda")
-    host_in = torch.randn(4 << 20, pin_memory=True)
-    dev_in = torch.empty_like(host_in, device="cuda")
-
-    def step() -> float:
-        t = time.perf_counter()
-        dev_in.copy_(host_in, non_blocking=True)
-        a @ a
-        for _ in range(32):
-            small.add_(1.0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    for _ in range(50):
-        step()
+    step = engine_step()
     idle = [step() for _ in range(300)]
     base = statistics.median(idle)
     print(f"idle step: median {base * 1e3:.3f} ms, max {max(idle) * 1e3:.3f} ms")

@@ -382,18 +382,13 @@ def run_torpor_graphs(cycles: int, batches: tuple[int, ...] = (1, 8, 32, 128), l
 # -- does pinning ahead slow the awake engine? ----------------------------------------------
 
 
-def measure_pinning_interference(pin_bytes: int = 8 * GiB, steps: int = 300) -> dict[str, Any]:
-    """Step times of engine-like work (a bf16 matmul, 32 small kernels, a 16 MiB input copy) idle and during pinning.
+def engine_step() -> Callable[[], float]:
+    """A warmed-up engine-like step that returns its seconds: the awake work background pinning must not hold up.
 
-    The background pinning thread competes with the engine for the driver and
-    host memory bandwidth; this measures the step time (median and 99th
-    percentile, each step synchronized) with no pinning, then while a
-    :class:`HostArena` pins ``pin_bytes`` ahead, as after a model load.
+    One step: a 16 MiB pinned input copy, a 4096x4096 bf16 matmul, 32 small
+    kernels, synchronize.
     """
     import torch
-
-    from torpor.allocator.cuda_driver import CudaDriver
-    from torpor.allocator.offload import HostArena
 
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     small = torch.zeros(1 << 18, device="cuda")
@@ -403,14 +398,29 @@ def measure_pinning_interference(pin_bytes: int = 8 * GiB, steps: int = 300) -> 
     def step() -> float:
         t = time.perf_counter()
         dev_in.copy_(host_in, non_blocking=True)
-        a @ a
+        torch.mm(a, a)
         for _ in range(32):
             small.add_(1.0)
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    for _ in range(20):
+    for _ in range(50):
         step()
+    return step
+
+
+def measure_pinning_interference(pin_bytes: int = 8 * GiB, steps: int = 300) -> dict[str, Any]:
+    """Step times of engine-like work (a bf16 matmul, 32 small kernels, a 16 MiB input copy) idle and during pinning.
+
+    The background pinning thread competes with the engine for the driver and
+    host memory bandwidth; this measures the step time (median and 99th
+    percentile, each step synchronized) with no pinning, then while a
+    :class:`HostArena` pins ``pin_bytes`` ahead, as after a model load.
+    """
+    from torpor.allocator.cuda_driver import CudaDriver
+    from torpor.allocator.offload import HostArena
+
+    step = engine_step()
     idle = [step() for _ in range(steps)]
     arena = HostArena(CudaDriver(), HostPolicy())
     t0 = time.perf_counter()

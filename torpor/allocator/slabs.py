@@ -19,6 +19,7 @@ tag's allocations sit in the wake's spans and new small ones open new slabs.
 from __future__ import annotations
 
 from torpor.allocator.mapping import MappedRange
+from torpor.allocator.va import carve
 
 Key = tuple[int, str]  # (device, tag)
 
@@ -40,14 +41,10 @@ class Slabs:
         for m in self._live.get(key, ()):
             if m.handle is None:
                 continue
-            for i, (start, n) in enumerate(m.freed):
-                if n >= size:
-                    if n == size:
-                        m.freed.pop(i)
-                    else:
-                        m.freed[i] = (start + size, n - size)
-                    m.users += 1
-                    return start, m
+            start = carve(m.freed, size)
+            if start is not None:
+                m.users += 1
+                return start, m
         return None
 
     def next_size(self, key: Key, granularity: int) -> int:

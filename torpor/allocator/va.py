@@ -13,6 +13,18 @@ from torpor.allocator.driver import Driver
 GiB = 1 << 30
 
 
+def carve(free: list[tuple[int, int]], nbytes: int) -> int | None:
+    """Take ``nbytes`` first-fit off a list of (start, size) ranges, in place; the start, or None when none fits."""
+    for i, (start, size) in enumerate(free):
+        if size >= nbytes:
+            if size == nbytes:
+                free.pop(i)
+            else:
+                free[i] = (start + nbytes, size - nbytes)
+            return start
+    return None
+
+
 class VaArena:
     """Address ranges for one device and tag, carved from reservations of ``block`` bytes."""
 
@@ -25,13 +37,9 @@ class VaArena:
 
     def take(self, nbytes: int) -> int:
         """An address range of ``nbytes`` (a multiple of the granularity); reserves more when needed."""
-        for i, (start, size) in enumerate(self._free):
-            if size >= nbytes:
-                if size == nbytes:
-                    self._free.pop(i)
-                else:
-                    self._free[i] = (start + nbytes, size - nbytes)
-                return start
+        found = carve(self._free, nbytes)
+        if found is not None:
+            return found
         block = max(self.block, nbytes)
         start = self.driver.reserve(block, self.device)
         self.reservations.append((start, block))
