@@ -192,18 +192,11 @@ class Event:
                 msg = f"field 'data' must be an object, got {type(data).__name__}"
                 raise ValueError(msg)
             data = {str(k): _freeze(v) for k, v in data.items()}  # a copy, nested objects and arrays too
-        else:  # fresh from the decoder, nobody else holds it: freeze nested objects and arrays in place
-            for key, item in data.items():
-                if type(item) is dict:
-                    data[key] = _freeze_parsed(item)
-                elif type(item) is list:
-                    data[key] = tuple(_freeze(v) for v in item)
+        # else: fresh from the decoder, nobody else holds it: _built freezes it in place
         schema = get("schema", SCHEMA_VERSION)
         if type(schema) is not int:
             schema = int(schema)
-        event = _EventBuilder(_KINDS[kind], seq, wall, mono, pid, engine, rank, MappingProxyType(data), schema)
-        event.__class__ = cls  # type: ignore[assignment]  # same slots: now an ordinary frozen Event
-        return event  # type: ignore[return-value]
+        return _built(cls, _KINDS[kind], seq, wall, mono, pid, engine, rank, data, schema)
 
 
 class _EventBuilder:
@@ -271,14 +264,29 @@ def plain_event(raw: dict[str, Any]) -> Event | None:
         or type(data) is not dict
     ):
         return None
-    known = _KINDS[kind]
+    return _built(Event, _KINDS[kind], seq, wall, mono, pid, engine, rank, data, SCHEMA_VERSION)
+
+
+def _built(
+    cls: type[Event],
+    kind: EventKind,
+    seq: int,
+    wall: float,
+    mono: float,
+    pid: int,
+    engine: str,
+    rank: int,
+    data: dict[str, Any],
+    schema: int,
+) -> Event:
+    """An event over ``data``, whose nested objects and arrays are frozen in place (the caller owns it)."""
     for key, item in data.items():
         if type(item) is dict:
             data[key] = _freeze_parsed(item)
         elif type(item) is list:
             data[key] = tuple(_freeze(v) for v in item)
-    event = _EventBuilder(known, seq, wall, mono, pid, engine, rank, MappingProxyType(data), SCHEMA_VERSION)
-    event.__class__ = Event  # type: ignore[assignment]  # see _EventBuilder
+    event = _EventBuilder(kind, seq, wall, mono, pid, engine, rank, MappingProxyType(data), schema)
+    event.__class__ = cls  # type: ignore[assignment]  # same slots: now an ordinary frozen Event (see _EventBuilder)
     return event  # type: ignore[return-value]
 
 
