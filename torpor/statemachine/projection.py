@@ -176,11 +176,12 @@ def _sleep_requested(p: Projection, event: Event, data: Mapping[str, Any]) -> No
 
 
 def _tag_released(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    """A tag released, or put back to sleep by a wake's rollback: on the host when offloaded, else discarded."""
     tag, nbytes = data["tag"], int(data["bytes"])
     old = p.residency.get(tag)
     allocs = old.allocations if old is not None else 0
     p.asleep.add(tag)
-    if data["action"] == "offload":
+    if data.get("action") == "offload":
         p.residency[tag] = _usage(0, nbytes, 0, allocs)
     else:
         p.residency[tag] = _usage(0, 0, nbytes, allocs)
@@ -191,17 +192,6 @@ def _tag_restored(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
     old = p.residency.get(tag)
     p.asleep.discard(tag)
     p.residency[tag] = _usage(nbytes, 0, 0, old.allocations if old is not None else 0)
-
-
-def _tag_rolled_back(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
-    tag, nbytes = data["tag"], int(data["bytes"])
-    old = p.residency.get(tag)
-    allocs = old.allocations if old is not None else 0
-    p.asleep.add(tag)
-    if data.get("action") == "offload":
-        p.residency[tag] = _usage(0, nbytes, 0, allocs)
-    else:
-        p.residency[tag] = _usage(0, 0, nbytes, allocs)
 
 
 def _tag_discarded(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
@@ -285,7 +275,7 @@ _STEP_OF: dict[EventKind, _Step] = {
     EventKind.SLEEP_REQUESTED: _sleep_requested,
     EventKind.TAG_RELEASED: _tag_released,
     EventKind.TAG_RESTORED: _tag_restored,
-    EventKind.TAG_ROLLED_BACK: _tag_rolled_back,
+    EventKind.TAG_ROLLED_BACK: _tag_released,
     EventKind.TAG_DISCARDED: _tag_discarded,
     EventKind.SLEEP_COMPLETED: _sleep_completed,
     EventKind.SLEEP_ABORTED: _sleep_aborted,
