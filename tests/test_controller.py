@@ -241,6 +241,33 @@ def test_discard_while_asleep_drops_backup(ctl: SleepController, memory: FakeMem
     assert memory.content("weights") != before
 
 
+def test_discard_failing_after_a_first_backup_went_ends_partly_done(ctl: SleepController, memory: FakeMemory) -> None:
+    """A discard of two asleep tags whose second backup drop fails records the first as discarded and says why."""
+    ctl.sleep(1)
+    memory.fail_once("drop_backup", "weights")
+    seq = ctl.last_seq
+    with pytest.raises(MemoryOperationFailed):
+        ctl.discard(["runtime", "weights"])
+    kinds = [e.kind for e in ctl.events(after=seq)]
+    assert kinds == [EventKind.TAG_DISCARDED, EventKind.DISCARD_COMPLETED]
+    done = ctl.events(after=seq)[-1].data
+    assert done["tags"] == ("runtime",) and done["error"] and "weights" in done["reason"]
+    assert ctl.projection.residency["runtime"].discarded and ctl.projection.residency["weights"].host
+    assert ctl.state is State.ASLEEP_L1 and replay(ctl.events()).residency == ctl.projection.residency
+
+
+def test_discard_failing_first_is_a_refusal_that_changes_nothing(ctl: SleepController, memory: FakeMemory) -> None:
+    """A discard whose first backup drop fails is refused: logged, nothing discarded."""
+    ctl.sleep(1)
+    before = ctl.projection.to_dict()
+    memory.fail_once("drop_backup", "runtime")
+    seq = ctl.last_seq
+    with pytest.raises(MemoryOperationFailed):
+        ctl.discard(["runtime", "weights"])
+    assert [e.kind for e in ctl.events(after=seq)] == [EventKind.REFUSED]
+    assert ctl.projection.to_dict()["residency"] == before["residency"]
+
+
 def test_reopened_log_continues(memory: FakeMemory, tmp_path: Path) -> None:
     """A controller opened on an existing clean log continues its sequence."""
     first = SleepController(memory, log=tmp_path)

@@ -249,11 +249,23 @@ class SleepController:
                         "discard", InvalidTransition("discard", self.state.value, self.projection.since, (), why)
                     )
             host = [t for t in tags if t in self.projection.asleep and self.projection.residency[t].host]
+            start = time.perf_counter()
+            dropped: list[str] = []
             for tag in host:
                 try:
                     self.memory.drop_backup([tag])
                 except TorporError as exc:
-                    self._refuse("discard", exc)
+                    if not dropped:  # nothing changed yet: a refusal
+                        self._refuse("discard", exc)
+                    self._emit(  # some backups went already: the discard ends, partly done, and says why
+                        EventKind.DISCARD_COMPLETED,
+                        tags=dropped,
+                        error=type(exc).__name__,
+                        reason=str(exc),
+                        seconds=time.perf_counter() - start,
+                    )
+                    raise
+                dropped.append(tag)
                 self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
             if resident:
                 self._discard_resident(resident)
