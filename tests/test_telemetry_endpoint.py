@@ -224,3 +224,22 @@ def test_parse_query_accepts_known_parameters() -> None:
     assert parse_query("", ("after",)) == {}
     with pytest.raises(BadRequest):
         parse_query("after", ("after",))
+
+
+@pytest.mark.parametrize("raw", ["²", "١٢", "-1", "1e3", " 7", ""])
+def test_int_param_refuses_anything_but_ascii_digits(raw: str) -> None:
+    """Superscripts, other scripts' digits, signs, exponents and blanks are a BadRequest, never a server error."""
+    from torpor.telemetry.endpoint import BadRequest, int_param
+
+    with pytest.raises(BadRequest, match="non-negative integer"):
+        int_param({"after": raw}, "after", 0, 0, 10**9)
+
+
+def test_int_param_refuses_huge_numbers_before_converting() -> None:
+    """A 5000-digit value is out of range (a BadRequest), not int()'s digit-limit ValueError; zeros pad fine."""
+    from torpor.telemetry.endpoint import BadRequest, int_param
+
+    with pytest.raises(BadRequest, match="between 0 and 1000"):
+        int_param({"after": "9" * 5000}, "after", 0, 0, 1000)
+    assert int_param({"after": "0" * 5000 + "12"}, "after", 0, 0, 1000) == 12
+    assert int_param({"after": "1000"}, "after", 0, 0, 1000) == 1000

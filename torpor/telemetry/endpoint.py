@@ -40,10 +40,14 @@ def int_param(params: Mapping[str, str], name: str, default: int, low: int, high
     raw = params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):  # str.isdigit alone takes "²", which int() refuses
         msg = f"{name} must be a non-negative integer, got {raw[:40]!r}"
         raise BadRequest(msg)
-    value = int(raw)
+    digits = raw.lstrip("0") or "0"
+    if len(digits) > len(str(high)):  # beyond the range; and int() refuses over 4300 digits
+        msg = f"{name} must be between {low} and {high}, got {raw[:40]}{'...' if len(raw) > 40 else ''}"
+        raise BadRequest(msg)
+    value = int(digits)
     if not low <= value <= high:
         msg = f"{name} must be between {low} and {high}, got {value}"
         raise BadRequest(msg)
