@@ -1,4 +1,10 @@
-"""Shared pytest setup: GPU tests skip themselves where CUDA (or a second GPU) is absent."""
+"""Shared pytest setup: GPU tests skip themselves where CUDA (or a second GPU) is absent; hypothesis profiles.
+
+Hypothesis explores new random examples on every run by default, which is how
+bugs are found. ``TORPOR_HYPOTHESIS=ci`` (set by ``.ci/run``) derandomizes
+it, so that CI tests the same examples each time and a landing never depends
+on the luck of a draw; bugs found locally become unit tests.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,11 @@ import os
 import shutil
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("TORPOR_HYPOTHESIS", "explore"))
 
 
 @functools.cache
