@@ -96,3 +96,19 @@ def test_pause_holds_the_pinner() -> None:
     arena.resume()
     assert arena.wait_ready(10)
     arena.close()
+
+
+def test_pinned_bytes_track_the_driver_through_pins_takes_trims_and_close() -> None:
+    """pinned_bytes() equals the host memory the driver holds after background pins, takes, trims and close."""
+    sim = SimDriver(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=C, threads=3, keep_after_wake=True))
+    arena.want(40 * C)
+    assert arena.wait_ready(10)
+    assert arena.pinned_bytes() == sim.host_used == 40 * C
+    held = arena.take(45 * C)  # pins five more now
+    assert arena.pinned_bytes() == sim.host_used == 45 * C
+    arena.give(held[: len(held) // 2])
+    arena.trim()
+    assert arena.pinned_bytes() == sim.host_used < 45 * C
+    arena.close()
+    assert arena.pinned_bytes() == sim.host_used == 0

@@ -96,6 +96,7 @@ class HostArena:
         self.driver = driver
         self.policy = policy or HostPolicy()
         self._chunks: dict[int, _Chunk] = {}
+        self._pinned = 0  # sum of the chunks' sizes, kept as they come and go (thousands of 32 MiB chunks)
         self._cond = threading.Condition()
         self._target = 0
         self._inflight = 0
@@ -110,7 +111,7 @@ class HostArena:
     def pinned_bytes(self) -> int:
         """Bytes of pinned host memory held."""
         with self._cond:
-            return sum(c.nbytes for c in self._chunks.values())
+            return self._pinned
 
     def used_bytes(self) -> int:
         """Bytes of pinned host memory holding backups."""
@@ -165,7 +166,7 @@ class HostArena:
             self._cond.notify_all()
 
     def _pinned_locked(self) -> int:
-        return sum(c.nbytes for c in self._chunks.values())
+        return self._pinned
 
     def _pinner(self) -> None:
         chunk = self.policy.chunk_bytes
@@ -218,6 +219,7 @@ class HostArena:
                 return
             with self._cond:
                 self._chunks[host] = _Chunk(host, chunk)
+                self._pinned += chunk
 
         try:
             if count == 1:
@@ -288,6 +290,7 @@ class HostArena:
             empty = [c for c in self._chunks.values() if c.used() == 0]
             for c in empty:
                 del self._chunks[c.host]
+                self._pinned -= c.nbytes
             self._target = min(self._target, self._pinned_locked())
         freed = 0
         for c in empty:
@@ -305,6 +308,7 @@ class HostArena:
             self._cond.notify_all()
             chunks = list(self._chunks.values())
             self._chunks.clear()
+            self._pinned = 0
         if self._thread is not None:
             self._thread.join(timeout=30)
         for c in chunks:

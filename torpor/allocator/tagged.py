@@ -528,10 +528,12 @@ class TaggedAllocator:
 
     def _drop(self, state: _Tag) -> None:
         self._settle(state)
+        extents: list[Extent] = []
         for alloc in state.allocs.values():
-            if alloc.backup:
-                self.host.give(alloc.backup)
+            extents += alloc.backup or ()
             alloc.backup = None
+        if extents:  # one give: with keep_after_wake off each give trims, and a tag has thousands of allocations
+            self.host.give(extents)
         state.backed_up = False
 
     def _release_tag(self, tag: str, state: _Tag) -> None:
