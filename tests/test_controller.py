@@ -268,6 +268,19 @@ def test_discard_failing_first_is_a_refusal_that_changes_nothing(ctl: SleepContr
     assert ctl.projection.to_dict()["residency"] == before["residency"]
 
 
+def test_log_path_names_a_file_or_a_directory(memory: FakeMemory, tmp_path: Path) -> None:
+    """log=: a new path with a suffix is the file; a new path without one, or ending in /, is a directory."""
+    SleepController(memory, log=tmp_path / "a" / "events.jsonl", engine="e").close()
+    assert (tmp_path / "a" / "events.jsonl").is_file()
+    SleepController(memory, log=tmp_path / "logs", engine="e", rank=3).close()
+    assert (tmp_path / "logs" / "e.rank3.jsonl").is_file()
+    SleepController(memory, log=f"{tmp_path}/more.d/", engine="e").close()
+    assert (tmp_path / "more.d" / "e.rank0.jsonl").is_file()
+    (tmp_path / "plain").write_text("")  # an existing file without a suffix stays a file
+    SleepController(memory, log=tmp_path / "plain", engine="e").close()
+    assert (tmp_path / "plain").is_file()
+
+
 def test_reopened_log_continues(memory: FakeMemory, tmp_path: Path) -> None:
     """A controller opened on an existing clean log continues its sequence."""
     first = SleepController(memory, log=tmp_path)

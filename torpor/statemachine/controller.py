@@ -86,6 +86,13 @@ def _tag_list(tags: Sequence[str] | str) -> list[str]:
     return list(dict.fromkeys([tags] if isinstance(tags, str) else tags))
 
 
+def _names_a_directory(path: Path, given: str) -> bool:
+    """Whether a ``log`` path names a directory: existing, ending in a separator, or new and without a suffix."""
+    if path.is_dir() or given.endswith(("/", "\\")):
+        return True
+    return not path.exists() and not path.suffix
+
+
 def log_path_for(directory: str | Path, engine: str, rank: int) -> Path:
     """The file of ``engine``'s rank ``rank`` inside a shared log directory."""
     return Path(directory) / f"{engine}.rank{rank}.jsonl"
@@ -95,8 +102,10 @@ class SleepController:
     """Guards, plans and records every memory command of one engine rank.
 
     ``memory`` meets :class:`~torpor.statemachine.protocol.Memory`; ``log`` is
-    an :class:`EventLog`, a file path, a directory (the file is
-    ``ENGINE.rankN.jsonl`` inside it) or None (events kept in memory only).
+    an :class:`EventLog`, a file path (an existing file, or a new path with a
+    suffix such as ``.jsonl``), a directory (an existing one, a path ending in
+    ``/``, or a new path without a suffix; the file is ``ENGINE.rankN.jsonl``
+    inside it) or None (events kept in memory only).
     """
 
     def __init__(
@@ -116,7 +125,7 @@ class SleepController:
         self.rank = rank
         if isinstance(log, str | Path):
             path = Path(log)
-            if path.is_dir() or str(log).endswith(("/", "\\")):
+            if _names_a_directory(path, str(log)):
                 path = log_path_for(path, engine, rank)
             log = EventLog(path, fsync=fsync)
         self.log: EventLog | None = log
