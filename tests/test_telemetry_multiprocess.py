@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support import Samples, samples
+from support import value as get
 
 from torpor.telemetry import multiprocess_registry
 from torpor.telemetry.multiprocess import enabled
@@ -58,19 +60,9 @@ def run_worker(directory: Path, rank: int, script: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def read(directory: Path) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def read(directory: Path) -> Samples:
     """Merge the directory's files the way an API server's /metrics does."""
-    text = generate_latest(multiprocess_registry(str(directory))).decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def get(got: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    """One merged sample (KeyError when absent)."""
-    return got[(name, frozenset(labels.items()))]
+    return samples(multiprocess_registry(str(directory)))
 
 
 def test_enabled_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from support import samples, value
 
 from torpor import EventKind, SleepController, State
 from torpor.errors import InvalidTransition, MemoryOperationFailed
@@ -15,21 +15,6 @@ from torpor.telemetry import METRICS, attach
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4000, "kv_cache": 8000, "cudagraph": 300, "runtime": 50}
-
-
-def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """Every sample of the registry's exposition keyed by (name, labels)."""
-    text = generate_latest(registry).decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(got: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    """One sample's value (KeyError when absent)."""
-    return got[(name, frozenset(labels.items()))]
 
 
 def run_cycle(controller: SleepController) -> None:

@@ -15,6 +15,8 @@ import pytest
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
+from support import TINY_LLAMA  # noqa: E402
+
 from torpor.allocator import SimDriver, TaggedAllocator  # noqa: E402
 from torpor.errors import InvalidTransition  # noqa: E402
 from torpor.hooks import fleet, reset_warnings  # noqa: E402
@@ -25,17 +27,6 @@ from torpor.statemachine import EventKind, read_events  # noqa: E402
 gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
 
 MiB = 1 << 20
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 4,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-}
 
 
 def import_cumem() -> Any:

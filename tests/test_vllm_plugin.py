@@ -17,23 +17,13 @@ import pytest
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
+from support import TINY_LLAMA as SHARED_TINY_LLAMA  # noqa: E402
+
 from torpor.hooks import register_graph_buffers, reset_warnings  # noqa: E402
 from torpor.hooks.vllm import activation, facade, predicate  # noqa: E402
 from torpor.testing import FakeMemory  # noqa: E402
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 4,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-    "torch_dtype": "float32",
-    "rms_norm_eps": 1e-5,
-}
+TINY_LLAMA = {**SHARED_TINY_LLAMA, "torch_dtype": "float32", "rms_norm_eps": 1e-5}
 
 
 def import_cumem() -> Any:
