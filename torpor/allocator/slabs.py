@@ -4,7 +4,7 @@ Unmapping costs the driver about 25-50 us per mapping on an H200, however the
 calls are grouped (one ``cuMemUnmap`` over 2048 adjacent mappings took as long
 as 2048 calls), and those calls do not overlap the copies of a sleep. A tag
 allocated as 2048 segments of 2 MiB (torch's small-pool segments) therefore
-paid 50-100 ms of unmapping on its first sleep, on top of an 78 ms copy. So
+paid 50-100 ms of unmapping on its first sleep, on top of a 78 ms copy. So
 allocations of one granule are placed in slabs: a slab is a
 :class:`~torpor.allocator.mapping.MappedRange` of several granules, created and
 mapped once; its ``freed`` list holds the granules no live allocation uses,
