@@ -339,3 +339,48 @@ def test_python_dash_m_torpor_runs_the_cli() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("stateDiagram-v2")
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor --version` prints `torpor X.Y.Z` (torpor.__version__, the one source of the version) and exits 0."""
+    import torpor
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"torpor {torpor.__version__}\n"
+    done = _run("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"torpor {torpor.__version__}"
+
+
+def test_demo_host_binds_the_metrics_endpoint_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor demo --host ADDR` serves its metrics on ADDR and prints that address."""
+    assert main(["demo", "--cycles", "1", "--device", "sim", "--host", "127.0.0.2", "--log-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"metrics\s+http://127\.0\.0\.2:\d+/metrics", out), out
+
+
+def test_bench_progress_goes_to_stderr(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor bench > bench.md` is clean: progress lines go to stderr, stdout is the Markdown report alone."""
+    import types
+
+    import torpor.allocator.benchmark as benchmark
+    import torpor.commands.bench as bench
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
+    monkeypatch.setattr(bench, "require", lambda module, feature: fake_torch)
+
+    def fake_run(**kwargs: object) -> dict[str, object]:
+        log = kwargs["log"]
+        assert callable(log)
+        log("workload 8 GiB/64: cycle 1/4")
+        return {"rows": []}
+
+    monkeypatch.setattr(benchmark, "run", fake_run)
+    monkeypatch.setattr(benchmark, "markdown", lambda data: "| workload | sleep |\n")
+    assert main(["bench", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "| workload | sleep |\n\n"
+    assert "workload 8 GiB/64: cycle 1/4" in captured.err
+    assert (tmp_path / "bench.md").read_text() == "| workload | sleep |\n"

@@ -106,3 +106,13 @@ def test_help_has_an_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert "example" in out
     assert "torpor status /var/run/torpor" in out
     assert "lag" in out
+
+
+def test_sizes_are_formatted_like_the_other_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Sizes use the unit that fits (512.00 MiB, 3.00 KiB, 0 B), as `torpor log` and the demo print them, not 0.50 GiB."""
+    memory = FakeMemory({"weights": 512 << 20, "kv_cache": 3 << 10})
+    c = SleepController(memory, log=EventLog(log_path_for(tmp_path, "small", 0), fsync=False), engine="small", rank=0)
+    c.sleep(1)
+    assert main(["status", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.endswith("kv_cache 3.00 KiB discarded, weights 512.00 MiB on host"), line

@@ -9,6 +9,7 @@ from torpor.errors import (
     InvalidTransition,
     LogCorrupted,
     MemoryOperationFailed,
+    MissingExtra,
     NotRecovered,
     OutOfMemory,
     PoolBusy,
@@ -31,7 +32,7 @@ from torpor.statemachine import (
     replay,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject reads it: tool.setuptools.dynamic)
 
 #: Names of the other subpackages, importable from ``torpor`` and loaded on first use, so that
 #: ``import torpor`` stays light (no torch, no Prometheus registry touched).
@@ -80,6 +81,7 @@ __all__ = [
     "LogCorrupted",
     "Memory",
     "MemoryOperationFailed",
+    "MissingExtra",
     "NotRecovered",
     "OutOfMemory",
     "Policy",

@@ -147,3 +147,22 @@ class NotRecovered(TorporError, RuntimeError):
             "was interrupted mid-transition and memory may be partly released; call "
             "controller.recover() after restarting the engine, or start a new log"
         )
+
+
+class MissingExtra(TorporError, ImportError):
+    """A GPU feature was used where its optional dependencies are not installed.
+
+    ``feature`` says what was asked for, ``module`` which import failed, and
+    ``extra`` the ``pip install`` extra that brings it.
+    """
+
+    def __init__(self, feature: str, module: str, extra: str = "cuda", cause: str = "") -> None:
+        self.feature = feature
+        self.module = module
+        self.extra = extra
+        why = f" ({cause})" if cause else ""
+        msg = (
+            f"{feature} needs {module}, which cannot be imported here{why}; "
+            f"install the {extra!r} extra: pip install 'torpor[{extra}]' (or 'torpor[vllm]', which brings vLLM's torch)"
+        )
+        super().__init__(msg, name=module)

@@ -6,9 +6,8 @@ import argparse
 import json
 import sys
 
+from torpor.demo.report import fmt_bytes
 from torpor.hooks.fleet import EngineView, FleetView, fleet, wait_fleet
-
-GiB = 1024**3
 
 #: States ``--wait`` accepts.
 WAIT_STATES = ("awake", "asleep", "asleep_l1", "asleep_l2", "partially_awake", "closed")
@@ -50,11 +49,11 @@ def _tags(engine: EngineView, rank: int) -> str:
     parts = []
     for tag, u in sorted(engine.rank(rank).residency.items()):
         if u.resident:
-            parts.append(f"{tag} {u.resident / GiB:.2f} GiB resident")
+            parts.append(f"{tag} {fmt_bytes(u.resident)} resident")
         elif u.host:
-            parts.append(f"{tag} {u.host / GiB:.2f} GiB on host")
+            parts.append(f"{tag} {fmt_bytes(u.host)} on host")
         elif u.discarded:
-            parts.append(f"{tag} {u.discarded / GiB:.2f} GiB discarded")
+            parts.append(f"{tag} {fmt_bytes(u.discarded)} discarded")
     return ", ".join(parts)
 
 

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from torpor.demo.cycles import CYCLE_KINDS, render, run_cycle
 from torpor.demo.report import Progress, fmt_bytes
 from torpor.demo.workload import DemoError, Workload
-from torpor.errors import PoolBusy, TorporError
+from torpor.errors import MissingExtra, PoolBusy, TorporError
 from torpor.statemachine import SleepController, log_path_for
 
 DEVICES = ("auto", "cuda", "sim")
@@ -58,6 +58,12 @@ def pick_device(requested: str) -> tuple[str, str]:
         return "sim", "asked for with --device sim"
     if cuda_available():
         return "cuda", "CUDA is available" if requested == "auto" else "asked for with --device cuda"
+    from torpor.extras import available
+
+    if not available("torch"):
+        if requested == "cuda":
+            raise MissingExtra("the GPU demo (--device cuda)", "torch")
+        return "sim", "torch is not installed; pip install 'torpor[cuda]' for the GPU demo"
     if requested == "cuda":
         msg = "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device sim"
         raise ValueError(msg)
