@@ -361,12 +361,14 @@ def test_demo_host_binds_the_metrics_endpoint_there(tmp_path: Path, capsys: pyte
     assert re.search(r"metrics\s+http://127\.0\.0\.2:\d+/metrics", out), out
 
 
-def test_bench_progress_goes_to_stderr(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_progress_goes_to_stderr(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`torpor bench > bench.md` is clean: progress lines go to stderr, stdout is the Markdown report alone."""
     import types
 
-    import torpor.allocator.benchmark as benchmark
-    import torpor.commands.bench as bench
+    from torpor.allocator import benchmark
+    from torpor.commands import bench
 
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
     monkeypatch.setattr(bench, "require", lambda module, feature: fake_torch)

@@ -149,6 +149,10 @@ def test_gpu_allocator_without_the_extra_names_it(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("pools: TaggedAllocator's CUDA memory pools (use_memory_pool, capture) needs torch"), lines
-    assert lines[1].startswith("driver: the CUDA driver (CudaDriver, TaggedAllocator on a GPU) needs cuda-bindings"), lines
+    assert lines[0].startswith("pools: TaggedAllocator's CUDA memory pools (use_memory_pool, capture) needs torch"), (
+        lines
+    )
+    assert lines[1].startswith("driver: the CUDA driver (CudaDriver, TaggedAllocator on a GPU) needs cuda-bindings"), (
+        lines
+    )
     assert all("pip install 'torpor[cuda]'" in line for line in lines)

@@ -118,10 +118,23 @@ def test_built_wheel_metadata(tmp_path: Path) -> None:
 
     src = tmp_path / "src"
     shutil.copytree(
-        ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".gpu", ".whl", "out")
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".gpu", ".whl", "out"),
     )
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
         capture_output=True,
         text=True,
         timeout=240,

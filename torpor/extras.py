@@ -26,9 +26,9 @@ def require(module: str, feature: str, extra: str = "cuda") -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        if exc.name is not None and exc.name.split(".")[0] != module.split(".")[0]:
+        if exc.name is not None and exc.name.split(".")[0] != module.split(".", maxsplit=1)[0]:
             raise  # the module is there but one of its own imports failed: not a missing extra
-        top = module.split(".")[0]
+        top = module.split(".", maxsplit=1)[0]
         raise MissingExtra(feature, CUDA_MODULES.get(top, top), extra, str(exc)) from exc
 
 
