@@ -65,7 +65,7 @@ def test_metrics_serves_the_exposition(server: Server, controller: SleepControll
     status, headers, body = fetch(server.url + "/metrics")
     assert status == 200
     assert headers["Content-Type"].startswith("text/plain")
-    assert b'torpor_state{engine="e",rank="0",state="asleep_l1"} 1.0' in body
+    assert b'torpor_state{state="asleep_l1",torpor_engine="e",torpor_rank="0"} 1.0' in body
     assert b"torpor_tag_bytes" in body
 
 
