@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -249,25 +250,45 @@ def test_replay_names_the_interrupted_step(tmp_path: Path, capsys: pytest.Captur
     assert "controller.recover()" in out and "suspending" in out
 
 
-def test_follow_prints_events_as_they_are_appended(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+class _Rows(io.StringIO):
+    """Captured stdout that signals when the first timeline row (``#SEQ ...``) has been written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_row = threading.Event()
+
+    def write(self, text: str) -> int:
+        """Keep the text; signal on a row."""
+        written = super().write(text)
+        if text.startswith("#"):
+            self.first_row.set()
+        return written
+
+
+def test_follow_prints_events_as_they_are_appended(tmp_path: Path) -> None:
     """`log follow` prints the last N events, then events another writer appends, then stops on --timeout."""
     path = tmp_path / "eng.rank0.jsonl"
     ctrl = SleepController(FakeMemory(TAGS), log=path, engine="eng", fsync=False)
     first = ctrl.last_seq
+    out = _Rows()
+    got: dict[str, int] = {}
 
-    def writer() -> None:
-        time.sleep(0.4)
-        ctrl.sleep(1)
-        ctrl.wake()
+    def follower() -> None:
+        with contextlib.redirect_stdout(out):
+            got["rc"] = main(["log", "follow", str(path), "-n", "1", "--timeout", "3", "--interval", "0.05"])
 
-    thread = threading.Thread(target=writer)
+    thread = threading.Thread(target=follower)
     thread.start()
     try:
-        rc = main(["log", "follow", str(path), "-n", "1", "--timeout", "1.5", "--interval", "0.05"])
+        # Append only once the follower is following (it printed the old event), not after a fixed delay.
+        assert out.first_row.wait(60)
+        ctrl.sleep(1)
+        ctrl.wake()
     finally:
-        thread.join()
-    assert rc == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")]
+        thread.join(60)
+    assert not thread.is_alive()
+    assert got["rc"] == 0
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("#")]
     assert rows[0].startswith(f"#{first} ")
     assert [int(r.split()[0][1:]) for r in rows] == list(range(first, ctrl.last_seq + 1))
     assert "asleep_l1" in "\n".join(rows) and rows[-1].split()[2] == "awake"
