@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torpor import SleepController
 from torpor.errors import InvalidTransition, MemoryOperationFailed
 from torpor.telemetry import METRICS, attach
-from torpor.telemetry.otel import OTEL_INSTRUMENTS
+from torpor.telemetry.otel import OTEL_INSTRUMENTS, otel_instrument
 from torpor.telemetry.prometheus import BASE_LABELS, DURATION_BUCKETS
 from torpor.testing import FakeMemory
 
@@ -244,7 +244,16 @@ def test_instruments_translate_to_torpor_s_prometheus_names_and_labels(otel: Any
                     assert all(list(p.explicit_bounds) == list(DURATION_BUCKETS) for p in m.data.data_points)
                 seen.add(name)
     assert seen == set(METRICS), set(METRICS) - seen
-    assert OTEL_INSTRUMENTS.keys() == METRICS.keys()
+
+
+def test_every_family_has_an_instrument_that_translates_back() -> None:
+    """Every Prometheus family (a new one too, through the derived name) has an OTel name and unit that translate back."""
+    kinds = {"info": "gauge"}
+    for family, (kind, _, _) in {**METRICS, "torpor_host_budget_bytes": ("gauge", (), "")}.items():
+        name, unit = otel_instrument(family)
+        assert collector_name(name, unit, kinds.get(kind, kind)) == family, (family, name, unit)
+    assert set(OTEL_INSTRUMENTS) <= set(METRICS)
+    assert otel_instrument("torpor_host_budget_bytes") == ("torpor.host.budget.bytes", "By")
 
 
 def _samples(text: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

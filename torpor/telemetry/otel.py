@@ -15,15 +15,22 @@ providers make all of this free; providers can be injected (tests pass the SDK's
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.states import State
-from torpor.telemetry.prometheus import _COUNTERS, _HISTOGRAMS, BASE_LABELS, DURATION_BUCKETS, METRICS, RESIDENCIES
+from torpor.telemetry.prometheus import (
+    _COUNTERS,
+    _HISTOGRAMS,
+    BASE_LABELS,
+    DURATION_BUCKETS,
+    METRICS,
+    RankStats,
+    rank_samples,
+)
 from torpor.telemetry.tracker import Observation, Tracker, woken_label
 
 SCOPE = "torpor"
@@ -87,30 +94,44 @@ def _attributes(family: str, values: tuple[str, ...]) -> dict[str, Any]:
     return {attribute(label): value for label, value in zip(METRICS[family][1], values, strict=True)}
 
 
+def otel_instrument(family: str) -> tuple[str, str]:
+    """(name, unit) of the OpenTelemetry instrument for a Prometheus family of torpor's.
+
+    From :data:`OTEL_INSTRUMENTS`, else derived so that the translation gives the family back:
+    ``torpor_x_y_bytes`` -> ``torpor.x.y.bytes`` in ``By``, ``..._seconds`` in ``s``, ``_total`` dropped.
+    """
+    known = OTEL_INSTRUMENTS.get(family)
+    if known is not None:
+        return known
+    base = family.removesuffix("_total")
+    unit = "By" if base.endswith("_bytes") else "s" if base.endswith("_seconds") else ""
+    return base.replace("_", "."), unit
+
+
+def _attribute_value(label: str, value: str) -> Any:
+    return int(value) if label == BASE_LABELS[1] else value
+
+
 class _Instruments:
-    """The meter's instruments for one meter provider, shared by every tracker attached to it."""
+    """The meter's instruments for one meter provider, shared by every tracker attached to it.
+
+    Gauges read the same samples Prometheus does (:func:`rank_samples` of the live projection),
+    so every gauge family has its instrument; counters and histograms record the tracker's
+    observations as they come.
+    """
 
     def __init__(self, meter_provider: metrics.MeterProvider | None, version: str) -> None:
         meter = metrics.get_meter(SCOPE, version, meter_provider=meter_provider)
         self.version = version
         self.trackers: list[Tracker] = []
         self.lock = threading.Lock()
-        gauges: dict[str, Callable[[metrics.CallbackOptions], Iterable[metrics.Observation]]] = {
-            "torpor_info": self._info,
-            "torpor_state": self._state,
-            "torpor_state_since_timestamp_seconds": self._since,
-            "torpor_tag_bytes": self._tag_bytes,
-            "torpor_pinned_host_bytes": self._pinned,
-            "torpor_last_sleep_duration_seconds": self._last("sleep_seconds"),
-            "torpor_last_wake_duration_seconds": self._last("wake_seconds"),
-            "torpor_cudagraphs": self._graphs,
-        }
-        for family, callback in gauges.items():
-            name, unit = OTEL_INSTRUMENTS[family]
-            meter.create_observable_gauge(name, [callback], unit=unit, description=METRICS[family][2])
+        for family, (kind, _, doc) in METRICS.items():
+            if kind in ("gauge", "info"):
+                name, unit = otel_instrument(family)
+                meter.create_observable_gauge(name, [self._gauge(family)], unit=unit, description=doc)
         self.histograms: dict[str, metrics.Histogram] = {}
         for metric, family in _HISTOGRAMS.items():
-            name, unit = OTEL_INSTRUMENTS[family]
+            name, unit = otel_instrument(family)
             self.histograms[metric] = meter.create_histogram(
                 name,
                 unit=unit,
@@ -119,50 +140,22 @@ class _Instruments:
             )
         self.counters: dict[str, metrics.Counter] = {}
         for metric, family in _COUNTERS.items():
-            name, unit = OTEL_INSTRUMENTS[family]
+            name, unit = otel_instrument(family)
             self.counters[metric] = meter.create_counter(name, unit=unit, description=METRICS[family][2])
 
-    def _each(self) -> Iterator[tuple[dict[str, Any], Tracker]]:
-        with self.lock:
-            trackers = list(self.trackers)
-        for tracker in trackers:
-            yield {attribute(BASE_LABELS[0]): tracker.engine, attribute(BASE_LABELS[1]): tracker.rank}, tracker
-
-    def _info(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        return [
-            metrics.Observation(1, {**base, "version": self.version, "driver": t.driver}) for base, t in self._each()
-        ]
-
-    def _tag_bytes(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        out: list[metrics.Observation] = []
-        for base, tracker in self._each():
-            for tag, usage in sorted(dict(tracker.source.projection.residency).items()):
-                for residency in RESIDENCIES:
-                    attrs = {**base, "tag": tag, "residency": residency}
-                    out.append(metrics.Observation(getattr(usage, residency), attrs))
-        return out
-
-    def _pinned(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        return [metrics.Observation(t.source.projection.pinned_bytes, base) for base, t in self._each()]
-
-    def _since(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        return [metrics.Observation(t.source.projection.since_wall, base) for base, t in self._each()]
-
-    def _graphs(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        return [metrics.Observation(len(t.source.projection.graphs), base) for base, t in self._each()]
-
-    def _last(self, metric: str) -> Callable[[metrics.CallbackOptions], Iterable[metrics.Observation]]:
+    def _gauge(self, family: str) -> Callable[[metrics.CallbackOptions], Iterable[metrics.Observation]]:
         def observe(_options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-            return [metrics.Observation(t.last[metric], base) for base, t in self._each() if metric in t.last]
+            with self.lock:
+                trackers = list(self.trackers)
+            out: list[metrics.Observation] = []
+            for tracker in trackers:
+                for sample in rank_samples(tracker, RankStats(), self.version):
+                    if sample[0] == family:
+                        attrs = {attribute(k): _attribute_value(k, v) for k, v in sample[2]}
+                        out.append(metrics.Observation(sample[3], attrs))
+            return out
 
         return observe
-
-    def _state(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        out: list[metrics.Observation] = []
-        for base, tracker in self._each():
-            current = tracker.source.projection.state
-            out.extend(metrics.Observation(1 if s is current else 0, {**base, "state": s.value}) for s in State)
-        return out
 
 
 _instruments: dict[int, tuple[object, _Instruments]] = {}
