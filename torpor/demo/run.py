@@ -252,16 +252,19 @@ def _keep_serving(server: Any, keep: bool, say: Callable[[str], None]) -> None:
     if not keep:
         say(f"  {'metrics'.ljust(17)}  {url} (closed now; --keep-serving keeps it up for a Prometheus)")
         return
-    say(f"serving {url} until Ctrl-C; point a Prometheus scrape job at it (static_configs: ['{url.split('/')[2]}'])")
-    say(f"  $ curl -s {url} | grep '^torpor_'")
     stop = threading.Event()
     restore: list[tuple[signal.Signals, Any]] = []
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C and SIGTERM (docker stop, systemd) end the serving, also when the shell that started
-        # the demo in the background left SIGINT ignored.
+        # the demo in the background left SIGINT ignored. Installed before saying so: whoever reads
+        # the line below may signal at once.
         for signum in (signal.SIGINT, signal.SIGTERM):
             restore.append((signum, signal.signal(signum, lambda *_: stop.set())))
     try:
+        say(
+            f"serving {url} until Ctrl-C; point a Prometheus scrape job at it (static_configs: ['{url.split('/')[2]}'])"
+        )
+        say(f"  $ curl -s {url} | grep '^torpor_'")
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:
