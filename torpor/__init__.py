@@ -5,6 +5,7 @@ from __future__ import annotations
 from torpor import errors
 from torpor.errors import (
     CommandInFlight,
+    HostBudgetExceeded,
     InvalidLevel,
     InvalidTransition,
     LogCorrupted,
@@ -18,6 +19,10 @@ from torpor.errors import (
 )
 from torpor.statemachine import (
     Action,
+    AfterWake,
+    DeviceMemory,
+    HostMemoryPolicy,
+    PinWhen,
     Event,
     EventKind,
     EventLog,
@@ -69,6 +74,11 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Action",
+    "AfterWake",
+    "DeviceMemory",
+    "HostBudgetExceeded",
+    "HostMemoryPolicy",
+    "PinWhen",
     "CommandInFlight",
     "CudaDriver",
     "Event",

@@ -128,6 +128,7 @@ class HostArena:
         self._pinned = 0  # bytes of registered chunks
         self._pending = 0  # bytes of chunks reserved, not yet registered
         self._pinning = 0  # pins in progress (pause waits for them)
+        self._unpinning = 0  # bytes a background trim is still unpinning
         self._failed: dict[int, _Chunk] = {}  # chunks whose pinning failed, for the backup waiting on them
         self._cond = threading.Condition()
         self._target = 0
@@ -304,7 +305,7 @@ class HostArena:
                 if self._closed:
                     return
                 limit = self.policy.limit_bytes
-                if limit is not None and self._pinned + self._pending + chunk > limit:
+                if limit is not None and self._pinned + self._pending + self._unpinning + chunk > limit:
                     self._target = self._pinned + self._pending  # the limit is reached: pin no more ahead
                     self._cond.notify_all()
                     continue
@@ -335,7 +336,7 @@ class HostArena:
             missing = nbytes - self._free_locked()
             count = -(-missing // chunk) if missing > 0 else 0
             limit = self.policy.limit_bytes
-            held = self._pinned + self._pending
+            held = self._pinned + self._pending + self._unpinning
             if count and limit is not None and held + count * chunk > limit:
                 used = sum(c.used() for c in self._chunks.values())
                 reason = (
@@ -408,24 +409,25 @@ class HostArena:
     def trim(self, background: bool = False) -> int:
         """Unpin every registered chunk that holds no backup; return the bytes given back.
 
-        ``background``: unpin in a daemon thread (the bytes count as pinned until
-        each chunk is unpinned); the return value is then what will be given back.
+        ``background``: unpin in a daemon thread. The chunks leave
+        :meth:`pinned_bytes` at once and count against ``limit_bytes`` until
+        each is unpinned.
         """
         with self._cond:
             empty = [c for c in self._chunks.values() if c.ready and c.used() == 0]
-            self._target = min(self._target, self._pinned - sum(c.nbytes for c in empty))
             for c in empty:
-                c.ready = False  # no longer usable: take() carves from it no more
-                c.free = []
-        total = sum(c.nbytes for c in empty)
+                del self._chunks[c.host]
+                self._bases.remove(c.host)
+            total = sum(c.nbytes for c in empty)
+            self._pinned -= total
+            self._unpinning += total
+            self._target = min(self._target, self._pinned)
 
         def unpin() -> None:
             for c in empty:
                 self._free(c)
                 with self._cond:
-                    if self._chunks.pop(c.host, None) is not None:
-                        self._bases.remove(c.host)
-                        self._pinned -= c.nbytes
+                    self._unpinning -= c.nbytes
                     self._cond.notify_all()
 
         if background and empty:
@@ -434,12 +436,17 @@ class HostArena:
             unpin()
         return total
 
+    def wait_unpinned(self, timeout: float | None = None) -> bool:
+        """Block until background trims are done; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._unpinning == 0, timeout)
+
     def close(self) -> None:
         """Stop the pinner, wait for pins in flight, and unpin every chunk (backups are lost)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._pinning == 0, timeout=60)
+            self._cond.wait_for(lambda: self._pinning == 0 and self._unpinning == 0, timeout=60)
             chunks = [c for c in self._chunks.values() if c.ready]
             self._chunks.clear()
             self._bases.clear()

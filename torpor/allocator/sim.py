@@ -67,7 +67,11 @@ class _Device:
 
 
 class SimDriver(Driver):
-    """A simulated device with ``capacity`` bytes per device and ``host_capacity`` bytes of pinned host memory."""
+    """A simulated device with ``capacity`` bytes per device and ``host_capacity`` bytes of pinned host memory.
+
+    ``overhead``: bytes per device reported in use by :meth:`mem_info` outside
+    any handle (what a CUDA context, cuBLAS and NCCL hold on a real GPU).
+    """
 
     name = "sim"
 
@@ -78,8 +82,10 @@ class SimDriver(Driver):
         host_capacity: int | None = None,
         granularity: int = 2 * MiB,
         devices: int = 1,
+        overhead: int = 0,
     ) -> None:
         self.capacity = capacity
+        self.overhead = overhead  # device bytes in use outside any handle: a simulated CUDA context, libraries
         self.host_capacity = host_capacity if host_capacity is not None else 4 * capacity
         self._granularity_bytes = granularity
         self._devices = [_Device() for _ in range(devices)]
@@ -325,7 +331,7 @@ class SimDriver(Driver):
 
     def _mem_info(self, device: int) -> tuple[int, int]:
         dev = self._device(device)
-        return self.capacity - dev.used, self.capacity
+        return self.capacity - dev.used - self.overhead, self.capacity
 
     # -- direct access for tests ---------------------------------------------------------
 

@@ -428,9 +428,9 @@ class TaggedAllocator:
         """Block until pinning ahead caught up with the tagged memory; False on timeout."""
         return self.host.wait_ready(timeout)
 
-    def configure_host(self, *, prepin: bool, keep_after_wake: bool, limit_bytes: int | None) -> None:
+    def configure_host(self, *, prepin: bool, limit_bytes: int | None) -> None:
         """Apply the controller's host-memory policy to the arena (pinning ahead starts at once when asked)."""
-        self.host.configure(prepin=prepin, keep_after_wake=keep_after_wake, limit_bytes=limit_bytes)
+        self.host.configure(prepin=prepin, limit_bytes=limit_bytes)
         if prepin:
             with self._lock:
                 self.host.want(self._prepin_bytes())

@@ -95,8 +95,8 @@ class HostMemory(Protocol):
         """Pinned host bytes held (backups and chunks kept for reuse)."""
         ...
 
-    def configure_host(self, *, prepin: bool, keep_after_wake: bool, limit_bytes: int | None) -> None:
-        """Pin ahead or not, keep chunks after a wake or not, and the most pinned bytes held."""
+    def configure_host(self, *, prepin: bool, limit_bytes: int | None) -> None:
+        """Pin ahead or not, and the most pinned bytes held."""
         ...
 
     def trim_host(self, background: bool = False) -> int:
