@@ -185,11 +185,25 @@ class HostArena:
         else:
             self._pending -= c.nbytes
 
-    def _reserve(self, count: int, chunk: int) -> list[_Chunk]:
-        """Reserve ``count`` chunks of address space (one range) and list them, not yet pinned."""
-        base = self.driver.host_reserve(count * chunk)
+    def _new_chunks(self, missing: int) -> list[int]:
+        """Chunk sizes covering ``missing`` bytes: whole chunks, the last one cut to a multiple of 2 MiB (or the chunk)."""
+        if missing <= 0:
+            return []
+        chunk = self.policy.chunk_bytes
+        unit = min(chunk, 2 * MiB)
+        whole, rest = divmod(missing, chunk)
+        return [chunk] * whole + ([-(-rest // unit) * unit] if rest else [])
+
+    def _reserve(self, sizes: list[int]) -> list[_Chunk]:
+        """Reserve chunks of ``sizes`` as one range of address space and list them, not yet pinned."""
+        base = self.driver.host_reserve(sum(sizes))
+        out = []
         with self._cond:
-            return [self._add_locked(base + i * chunk, chunk) for i in range(count)]
+            offset = 0
+            for n in sizes:
+                out.append(self._add_locked(base + offset, n))
+                offset += n
+        return out
 
     def _pin_chunk(self, c: _Chunk) -> None:
         """Fault in and register one reserved chunk (any thread); failures are kept on the chunk."""
@@ -310,7 +324,7 @@ class HostArena:
                     self._cond.notify_all()
                     continue
             try:
-                chunks = self._reserve(1, chunk)
+                chunks = self._reserve([chunk])
             except Exception as exc:
                 chunks, failed = [], exc
             else:
@@ -331,25 +345,23 @@ class HostArena:
         Raises :class:`AllocatorOutOfMemory` (nothing taken, nothing pinned) when
         the pinned bytes would pass ``limit_bytes``, or when no range can be reserved.
         """
-        chunk = self.policy.chunk_bytes
         with self._cond:
-            missing = nbytes - self._free_locked()
-            count = -(-missing // chunk) if missing > 0 else 0
+            sizes = self._new_chunks(nbytes - self._free_locked())
             limit = self.policy.limit_bytes
             held = self._pinned + self._pending + self._unpinning
-            if count and limit is not None and held + count * chunk > limit:
+            if sizes and limit is not None and held + sum(sizes) > limit:
                 used = sum(c.used() for c in self._chunks.values())
                 reason = (
-                    f"a backup of {nbytes} bytes needs {count * chunk} more pinned host bytes; the host limit is "
+                    f"a backup of {nbytes} bytes needs {sum(sizes)} more pinned host bytes; the host limit is "
                     f"{limit} bytes and {held} are pinned ({used} holding backups)"
                 )
                 raise AllocatorOutOfMemory("pin host memory", None, reason, call="host_alloc")
         fresh: list[_Chunk] = []
-        if count:
+        if sizes:
             try:
-                fresh = self._reserve(count, chunk)
+                fresh = self._reserve(sizes)
             except Exception as exc:
-                raise _pin_error(exc, count * chunk, self.pinned_bytes()) from exc
+                raise _pin_error(exc, sum(sizes), self.pinned_bytes()) from exc
         with self._cond:
             extents = self._carve(nbytes)
         if fresh:
