@@ -170,3 +170,101 @@ def test_memory_without_host_backups_or_reporting_is_left_alone() -> None:
 def test_no_budget_never_refuses() -> None:
     """With no budget the check passes whatever the bytes."""
     assert budget_refusal(HostMemoryPolicy(), Projection(), {"weights": 1 << 50}) is None
+
+
+# -- on the GPU (scripts/gpu-suite) --------------------------------------------------------------
+
+
+def _gpu_weights(alloc: TaggedAllocator, mib: int) -> tuple[object, object]:
+    """``mib`` MiB of random weights in 2 MiB and 64 MiB tensors under the weights tag; (tensors, their clones)."""
+    import torch
+
+    with alloc.use_memory_pool("weights"):
+        ts = [
+            torch.randint(0, 255, ((2 if i % 2 else 64) * MiB,), dtype=torch.uint8, device="cuda")
+            for i in range(mib // 33)
+        ]
+    return ts, [t.clone() for t in ts]
+
+
+@pytest.mark.gpu
+def test_cold_first_sleep_on_the_gpu_is_bit_exact_with_and_without_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first sleep with nothing pinned pins as it copies, and wakes bit-exact; also with huge-page advice and MADV_POPULATE_WRITE unavailable."""
+    import torch
+
+    from torpor.allocator import cuda_driver
+
+    for fallback in (False, True):
+        if fallback:  # as on a kernel without THP and before 5.14: 4 KiB pages, faulted in by writing zeros
+            monkeypatch.setattr(cuda_driver, "_MADV_HUGEPAGE", 0)
+            monkeypatch.setattr(cuda_driver, "_populate_works", [False])
+        alloc = TaggedAllocator()
+        ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy()))
+        ts, refs = _gpu_weights(alloc, 1024)
+        torch.cuda.synchronize()
+        assert alloc.pinned_bytes() == 0
+        ctl.sleep(1)
+        assert alloc.pinned_bytes() >= sum(t.numel() for t in ts)
+        ctl.wake()
+        assert all(bool(torch.equal(t, r)) for t, r in zip(ts, refs, strict=True)), f"fallback={fallback}"
+        del ts, refs
+        alloc.close()
+
+
+@pytest.mark.gpu
+def test_release_after_wake_on_the_gpu_unpins_and_sleeps_again_cold() -> None:
+    """Release mode on the GPU: nothing pinned after a wake, and the next (cold again) sleep and wake stay bit-exact."""
+    import torch
+
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(after_wake=AfterWake.RELEASE)))
+    ts, refs = _gpu_weights(alloc, 512)
+    for _ in range(3):
+        ctl.sleep(1)
+        ctl.wake()
+        assert alloc.host.wait_unpinned(60)
+        assert alloc.pinned_bytes() == 0
+        assert all(bool(torch.equal(t, r)) for t, r in zip(ts, refs, strict=True))
+    del ts, refs
+    alloc.close()
+
+
+@pytest.mark.gpu
+def test_over_budget_on_the_gpu_touches_nothing_and_level_two_fits() -> None:
+    """Over the budget a sleep is refused with tensors intact and nothing pinned; a level-2 sleep (weights discarded) goes through."""
+    import torch
+
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(budget_bytes=256 * MiB)))
+    ts, refs = _gpu_weights(alloc, 512)
+    with alloc.use_memory_pool("runtime"):
+        rt = torch.ones(16 * MiB, dtype=torch.uint8, device="cuda")
+    with pytest.raises(HostBudgetExceeded, match="host budget is 268435456 bytes"):
+        ctl.sleep(1)
+    assert ctl.state is State.AWAKE and alloc.pinned_bytes() == 0
+    assert all(bool(torch.equal(t, r)) for t, r in zip(ts, refs, strict=True))
+    ctl.sleep(2)
+    ctl.wake()
+    assert bool((rt == 1).all())
+    del ts, refs, rt
+    alloc.close()
+
+
+@pytest.mark.gpu
+def test_sleep_on_the_gpu_reports_the_untagged_memory_that_stays() -> None:
+    """Asleep on a GPU, the sleep event's device field shows no tagged bytes and the untagged rest (context, torch's pool)."""
+    import torch
+
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    ts, _ = _gpu_weights(alloc, 512)
+    default_pool = torch.ones(256 * MiB, dtype=torch.uint8, device="cuda")  # torch's own allocator, untagged
+    ctl.sleep(1)
+    device = [e for e in ctl.events() if e.kind is EventKind.SLEEP_COMPLETED][-1].data["device"]
+    assert device["tagged"] == 0
+    assert device["untagged"] == device["in_use"] >= 256 * MiB  # at least torch's pool; plus the CUDA context
+    free, total = torch.cuda.mem_get_info()
+    assert device["total"] == total and abs(device["in_use"] - (total - free)) < 64 * MiB
+    ctl.wake()
+    del ts, default_pool
+    alloc.close()

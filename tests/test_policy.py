@@ -84,7 +84,8 @@ def test_bad_host_settings_name_the_variables(env: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "nbytes"), [("4096", 4096), ("64GiB", 64 << 30), ("64G", 64 << 30), ("512 MiB", 512 << 20), ("1.5t", 3 << 39)]
+    ("text", "nbytes"),
+    [("4096", 4096), ("64GiB", 64 << 30), ("64G", 64 << 30), ("512 MiB", 512 << 20), ("1.5t", 3 << 39)],
 )
 def test_parse_bytes_reads_binary_units(text: str, nbytes: int) -> None:
     """Byte sizes are read with binary units, with or without iB."""

@@ -158,9 +158,7 @@ class HostBudgetExceeded(TorporError, RuntimeError):
     offload).
     """
 
-    def __init__(
-        self, command: str, state: str, offloading: dict[str, int], held: dict[str, int], budget: int
-    ) -> None:
+    def __init__(self, command: str, state: str, offloading: dict[str, int], held: dict[str, int], budget: int) -> None:
         self.command = command
         self.state = state
         self.offloading = dict(offloading)

@@ -21,100 +21,19 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
+from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, pin_error
+
+__all__ = ["Extent", "HostArena", "HostPolicy"]
 
 logger = logging.getLogger("torpor.allocator")
 MiB = 1 << 20
-
-
-def _default_threads() -> int:
-    return max(4, min(16, os.cpu_count() or 4))
-
-
-@dataclass(frozen=True)
-class HostPolicy:
-    """How pinned host memory for backups is managed (mechanism settings; the controller's policy sets them).
-
-    ``prepin``: pin in the background as tagged memory grows, so the first sleep
-    copies at link speed (off by default: the first sleep pins as it copies).
-    ``prepin_exclude``: tags whose growth does not pin ahead (``kv_cache`` is
-    discarded at every level of the default policy). ``keep_after_wake``: keep
-    chunks pinned after a wake for the next sleep (False gives them back once no
-    backup uses them). ``limit_bytes``: most pinned host bytes held at once (None:
-    no limit); a take that would pass it raises :class:`AllocatorOutOfMemory`
-    before pinning anything. ``chunk_bytes``: pinning unit. ``threads``: threads
-    pinning what a sleep needs now. ``background_threads``: threads pinning
-    ahead. Small chunks and one thread in the background keep the awake
-    engine's CUDA calls from waiting on the pinning (measured: 32 MiB x 1 thread
-    stalled engine steps 13 % of the pinning time, at most 2.5 ms each).
-    """
-
-    prepin: bool = False
-    prepin_exclude: frozenset[str] = frozenset({"kv_cache"})
-    keep_after_wake: bool = True
-    limit_bytes: int | None = None
-    chunk_bytes: int = 32 * MiB
-    threads: int = field(default_factory=_default_threads)
-    background_threads: int = 1
-
-
-@dataclass(frozen=True)
-class Extent:
-    """A piece of pinned host memory: ``host`` address and ``nbytes``, inside chunk ``chunk``."""
-
-    host: int
-    nbytes: int
-    chunk: int
-
-
-class _Chunk:
-    def __init__(self, host: int, nbytes: int) -> None:
-        self.host = host
-        self.nbytes = nbytes
-        self.free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted
-        self.ready = False  # registered with the driver: copies may target it
-        self.error: BaseException | None = None
-
-    def used(self) -> int:
-        return self.nbytes - sum(n for _, n in self.free)
-
-    def take(self, nbytes: int) -> tuple[int, int] | None:
-        """Carve up to ``nbytes`` from the first free range; (offset, size) or None."""
-        if not self.free:
-            return None
-        off, size = self.free[0]
-        got = min(size, nbytes)
-        if got == size:
-            self.free.pop(0)
-        else:
-            self.free[0] = (off + got, size - got)
-        return off, got
-
-    def give(self, off: int, nbytes: int) -> None:
-        ranges = sorted([*self.free, (off, nbytes)])
-        merged: list[tuple[int, int]] = []
-        for o, n in ranges:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((o, n))
-        self.free = merged
-
-
-def _pin_error(exc: BaseException, nbytes: int, pinned: int) -> AllocatorError:
-    reason = f"pinning {nbytes} host bytes failed ({exc}); {pinned} bytes pinned"
-    call = getattr(exc, "call", "host_alloc")
-    if getattr(exc, "code", None) == 2 or "out of memory" in str(exc).lower():
-        return AllocatorOutOfMemory("pin host memory", None, reason, call=call)
-    return AllocatorError("pin host memory", None, reason, call=call)
 
 
 class HostArena:
@@ -123,13 +42,13 @@ class HostArena:
     def __init__(self, driver: Driver, policy: HostPolicy | None = None) -> None:
         self.driver = driver
         self.policy = policy or HostPolicy()
-        self._chunks: dict[int, _Chunk] = {}
+        self._chunks: dict[int, Chunk] = {}
         self._bases: list[int] = []  # sorted chunk addresses, for wait_pinned
         self._pinned = 0  # bytes of registered chunks
         self._pending = 0  # bytes of chunks reserved, not yet registered
         self._pinning = 0  # pins in progress (pause waits for them)
         self._unpinning = 0  # bytes a background trim is still unpinning
-        self._failed: dict[int, _Chunk] = {}  # chunks whose pinning failed, for the backup waiting on them
+        self._failed: dict[int, Chunk] = {}  # chunks whose pinning failed, for the backup waiting on them
         self._cond = threading.Condition()
         self._target = 0
         self._thread: threading.Thread | None = None
@@ -169,14 +88,14 @@ class HostArena:
 
     # -- chunks ------------------------------------------------------------------------
 
-    def _add_locked(self, host: int, nbytes: int) -> _Chunk:
-        c = _Chunk(host, nbytes)
+    def _add_locked(self, host: int, nbytes: int) -> Chunk:
+        c = Chunk(host, nbytes)
         self._chunks[host] = c
         bisect.insort(self._bases, host)
         self._pending += nbytes
         return c
 
-    def _drop_locked(self, c: _Chunk) -> None:
+    def _drop_locked(self, c: Chunk) -> None:
         if self._chunks.pop(c.host, None) is None:
             return
         self._bases.remove(c.host)
@@ -194,7 +113,7 @@ class HostArena:
         whole, rest = divmod(missing, chunk)
         return [chunk] * whole + ([-(-rest // unit) * unit] if rest else [])
 
-    def _reserve(self, sizes: list[int]) -> list[_Chunk]:
+    def _reserve(self, sizes: list[int]) -> list[Chunk]:
         """Reserve chunks of ``sizes`` as one range of address space and list them, not yet pinned."""
         base = self.driver.host_reserve(sum(sizes))
         out = []
@@ -205,7 +124,7 @@ class HostArena:
                 offset += n
         return out
 
-    def _pin_chunk(self, c: _Chunk) -> None:
+    def _pin_chunk(self, c: Chunk) -> None:
         """Fault in and register one reserved chunk (any thread); failures are kept on the chunk."""
         with self._cond:
             abandoned = self._closed or c.host not in self._chunks
@@ -241,13 +160,13 @@ class HostArena:
         if closed:
             self._free(c)
 
-    def _unreserve(self, c: _Chunk) -> None:
+    def _unreserve(self, c: Chunk) -> None:
         try:
             self.driver.host_unreserve(c.host, c.nbytes)
         except Exception:  # only address space leaks
             logger.exception("giving back %d reserved host bytes at %#x failed", c.nbytes, c.host)
 
-    def _free(self, c: _Chunk) -> None:
+    def _free(self, c: Chunk) -> None:
         try:
             self.driver.host_free(c.host)
         except Exception:  # an unpin that fails only leaks host memory; log it
@@ -275,9 +194,7 @@ class HostArena:
         with self._cond:
             return self._cond.wait_for(
                 lambda: (
-                    self._closed
-                    or self.last_error is not None
-                    or (self._pending == 0 and self._pinned >= self._target)
+                    self._closed or self.last_error is not None or (self._pending == 0 and self._pinned >= self._target)
                 ),
                 timeout,
             )
@@ -310,9 +227,7 @@ class HostArena:
                     lambda: (
                         self._closed
                         or (
-                            self.last_error is None
-                            and not self._paused
-                            and self._pinned + self._pending < self._target
+                            self.last_error is None and not self._paused and self._pinned + self._pending < self._target
                         )
                     )
                 )
@@ -323,13 +238,14 @@ class HostArena:
                     self._target = self._pinned + self._pending  # the limit is reached: pin no more ahead
                     self._cond.notify_all()
                     continue
+            failed: BaseException | None
             try:
-                chunks = self._reserve([chunk])
+                reserved = self._reserve([chunk])
             except Exception as exc:
-                chunks, failed = [], exc
+                failed = exc
             else:
-                self._pin_chunk(chunks[0])
-                failed = chunks[0].error
+                self._pin_chunk(reserved[0])
+                failed = reserved[0].error
             if failed is not None:
                 logger.warning("pinning host memory ahead of sleep failed: %s", failed)
                 with self._cond:
@@ -356,12 +272,12 @@ class HostArena:
                     f"{limit} bytes and {held} are pinned ({used} holding backups)"
                 )
                 raise AllocatorOutOfMemory("pin host memory", None, reason, call="host_alloc")
-        fresh: list[_Chunk] = []
+        fresh: list[Chunk] = []
         if sizes:
             try:
                 fresh = self._reserve(sizes)
             except Exception as exc:
-                raise _pin_error(exc, sum(sizes), self.pinned_bytes()) from exc
+                raise pin_error(exc, sum(sizes), self.pinned_bytes()) from exc
         with self._cond:
             extents = self._carve(nbytes)
         if fresh:
@@ -387,7 +303,7 @@ class HostArena:
             chunk = c
             self._cond.wait_for(lambda: chunk.ready or chunk.error is not None or self._closed)
             if c.error is not None:
-                raise _pin_error(c.error, c.nbytes, self._pinned)
+                raise pin_error(c.error, c.nbytes, self._pinned)
             if not c.ready:
                 msg = "the host arena was closed while a backup waited for pinned memory"
                 raise AllocatorError("pin host memory", None, msg)

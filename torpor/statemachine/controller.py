@@ -34,7 +34,13 @@ from torpor.errors import (
     UnknownTag,
 )
 from torpor.statemachine.events import Event, EventKind, make_event
-from torpor.statemachine.hostmem import apply_host_policy, backup_bytes, budget_refusal, device_report, release_after_wake
+from torpor.statemachine.hostmem import (
+    apply_host_policy,
+    backup_bytes,
+    budget_refusal,
+    device_report,
+    release_after_wake,
+)
 from torpor.statemachine.log import EventLog, read_events
 from torpor.statemachine.policy import DEFAULT_POLICY, Action, Policy
 from torpor.statemachine.projection import Projection, project

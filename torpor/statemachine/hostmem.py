@@ -58,6 +58,6 @@ def device_report(memory: Memory) -> dict[str, Any] | None:
         return None
     try:
         dev = memory.device_memory()
-    except Exception:  # a report must never fail a sleep  # noqa: BLE001
+    except Exception:  # a report must never fail a sleep
         return None
     return {"total": dev.total, "in_use": dev.in_use, "tagged": dev.tagged, "untagged": dev.untagged}
