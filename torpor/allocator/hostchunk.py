@@ -11,7 +11,9 @@ MiB = 1 << 20
 
 
 def _default_threads() -> int:
-    return max(4, min(16, os.cpu_count() or 4))
+    # 8 threads faulted in and registered 8 GiB in 0.33 s on the H200 host, 16 in 0.40 s (they contend):
+    # benchmarks/probe_cold_pin.py, docs/benchmarks.md
+    return max(2, min(8, os.cpu_count() or 4))
 
 
 @dataclass(frozen=True)
