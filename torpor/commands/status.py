@@ -65,8 +65,8 @@ def _gib(nbytes: float) -> str:
 def memory_line(r: RankView) -> str:
     """Host memory pinned (and the budget), and what stayed on the device at the last sleep; empty when unknown."""
     parts = []
-    if r.host_policy or r.pinned_bytes:
-        budget = r.host_policy.get("budget_bytes")
+    budget = r.host_policy.get("budget_bytes")
+    if r.pinned_bytes or budget is not None or r.device_asleep:
         pin, after = r.host_policy.get("pin", "?"), r.host_policy.get("after_wake", "?")
         limit = "no budget" if budget is None else f"budget {_gib(budget)}"
         parts.append(f"host pinned {_gib(r.pinned_bytes)} ({limit}; pinned {pin}, {after} after wake)")
