@@ -268,3 +268,18 @@ def test_sleep_on_the_gpu_reports_the_untagged_memory_that_stays() -> None:
     ctl.wake()
     del ts, default_pool
     alloc.close()
+
+
+def test_release_mode_unpins_after_an_aborted_sleep_and_a_discard() -> None:
+    """In release mode, host memory pinned for a sleep that aborted, or for backups a discard dropped, is given back."""
+    sim, alloc, ctl = rig(HostMemoryPolicy(after_wake=AfterWake.RELEASE))
+    fill(alloc, "weights", 4)
+    sim.fail("unmap")  # phase 2 fails: the sleep rolls back after the backup was made
+    with pytest.raises(Exception, match="unmap"):
+        ctl.sleep(1)
+    assert ctl.state is State.AWAKE
+    assert alloc.host.wait_unpinned(10) and alloc.pinned_bytes() == 0 == sim.host_used
+    ctl.sleep(1)
+    assert alloc.pinned_bytes() == 16 * G
+    ctl.discard(["weights"])
+    assert alloc.host.wait_unpinned(10) and alloc.pinned_bytes() == 0 == sim.host_used

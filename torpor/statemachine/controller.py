@@ -39,7 +39,7 @@ from torpor.statemachine.hostmem import (
     backup_bytes,
     budget_refusal,
     device_report,
-    release_after_wake,
+    release_unused_host,
 )
 from torpor.statemachine.log import EventLog, read_events
 from torpor.statemachine.policy import DEFAULT_POLICY, Action, Policy
@@ -286,6 +286,7 @@ class SleepController:
                     raise
                 dropped.append(tag)
                 self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
+            release_unused_host(self.memory, self.host_policy)
             if resident:
                 self._discard_resident(resident)
             return self.projection
@@ -604,6 +605,7 @@ class SleepController:
                 self.memory.drop_backup(backed)
             except TorporError:
                 logger.exception("dropping backups after an aborted sleep failed")
+        release_unused_host(self.memory, self.host_policy)
         lost_txt = (
             f"; content of {', '.join(lost)} may be lost (discarded, or partly, before the failure)" if lost else ""
         )
@@ -641,7 +643,7 @@ class SleepController:
             self.memory.drop_backup([t for t, _, _ in restored])
         except TorporError:
             logger.exception("dropping backups after a wake failed; the wake itself succeeded")
-        host_released = release_after_wake(self.memory, self.host_policy)
+        host_released = release_unused_host(self.memory, self.host_policy)
         seconds = time.perf_counter() - start
         self._emit(
             EventKind.WAKE_COMPLETED,

@@ -45,8 +45,12 @@ def budget_refusal(
     return HostBudgetExceeded(command, projection.state.value, dict(offloading), held, host.budget_bytes)
 
 
-def release_after_wake(memory: Memory, host: HostMemoryPolicy) -> int:
-    """Give back pinned host memory no backup uses when the policy says so (in the background); return its bytes."""
+def release_unused_host(memory: Memory, host: HostMemoryPolicy) -> int:
+    """In ``release`` mode, give back pinned host memory no backup uses (in the background); return its bytes.
+
+    Called after a wake, a discard that dropped backups, and an aborted sleep:
+    host memory is then held only by backups of tags that are asleep.
+    """
     if host.after_wake is AfterWake.RELEASE and isinstance(memory, HostMemory):
         return int(memory.trim_host(True))
     return 0
