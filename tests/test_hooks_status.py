@@ -116,3 +116,30 @@ def test_sizes_are_formatted_like_the_other_commands(tmp_path: Path, capsys: pyt
     assert main(["status", str(tmp_path)]) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert line.endswith("kv_cache 3.00 KiB discarded, weights 512.00 MiB on host"), line
+
+
+def test_shows_pinned_host_memory_budget_and_what_stayed_on_the_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rank's second line gives pinned host bytes, the budget and the device memory kept at the last sleep."""
+    from torpor import HostMemoryPolicy, Policy
+    from torpor.allocator import SimDriver, TaggedAllocator
+
+    alloc = TaggedAllocator(SimDriver(1 << 30, overhead=1 << 28), slab_bytes=0)
+    alloc.allocate(1 << 28, "weights")
+    alloc.allocate(1 << 28, "kv_cache")
+    ctl = SleepController(
+        alloc,
+        log=EventLog(log_path_for(tmp_path, "llm", 0), fsync=False),
+        engine="llm",
+        policy=Policy(host=HostMemoryPolicy(budget_bytes=1 << 29)),
+    )
+    ctl.sleep(1)
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "host pinned 256.00 MiB (budget 512.00 MiB; pinned at_sleep, keep after wake)" in out[2]
+    assert "the GPU kept 256.00 MiB in use: torpor tags 0 B, untagged 256.00 MiB" in out[2]
+    assert main(["status", str(tmp_path), "--json"]) == 0
+    rank = json.loads(capsys.readouterr().out)["engines"][0]["ranks"][0]
+    assert rank["device_asleep"]["untagged"] == 1 << 28 and rank["pinned_bytes"] == 1 << 28
+    alloc.close()

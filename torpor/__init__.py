@@ -5,6 +5,7 @@ from __future__ import annotations
 from torpor import errors
 from torpor.errors import (
     CommandInFlight,
+    HostBudgetExceeded,
     InvalidLevel,
     InvalidTransition,
     LogCorrupted,
@@ -19,10 +20,14 @@ from torpor.errors import (
 )
 from torpor.statemachine import (
     Action,
+    AfterWake,
+    DeviceMemory,
     Event,
     EventKind,
     EventLog,
+    HostMemoryPolicy,
     Memory,
+    PinWhen,
     Policy,
     Projection,
     SleepController,
@@ -70,11 +75,15 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Action",
+    "AfterWake",
     "CommandInFlight",
     "CudaDriver",
+    "DeviceMemory",
     "Event",
     "EventKind",
     "EventLog",
+    "HostBudgetExceeded",
+    "HostMemoryPolicy",
     "HostPolicy",
     "InvalidLevel",
     "InvalidTransition",
@@ -84,6 +93,7 @@ __all__ = [
     "MissingExtra",
     "NotRecovered",
     "OutOfMemory",
+    "PinWhen",
     "Policy",
     "PoolBusy",
     "Projection",

@@ -14,6 +14,7 @@ providers make all of this free; providers can be injected (tests pass the SDK's
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -150,7 +151,7 @@ class _Instruments:
             out: list[metrics.Observation] = []
             for tracker in trackers:
                 for sample in rank_samples(tracker, RankStats(), self.version):
-                    if sample[0] == family:
+                    if sample[0] == family and math.isfinite(sample[3]):  # OTel has no +Inf (no host budget)
                         attrs = {attribute(k): _attribute_value(k, v) for k, v in sample[2]}
                         out.append(metrics.Observation(sample[3], attrs))
             return out

@@ -55,6 +55,17 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "torpor_pinned_host_bytes": ("gauge", (), "Pinned host memory held for backups"),
     "torpor_last_sleep_duration_seconds": ("gauge", (), "Duration of the last completed sleep"),
     "torpor_last_wake_duration_seconds": ("gauge", (), "Duration of the last completed wake"),
+    "torpor_host_budget_bytes": (
+        "gauge",
+        (),
+        "Pinned host memory the host-memory policy lets backups hold (+Inf: no budget)",
+    ),
+    "torpor_asleep_device_bytes": (
+        "gauge",
+        ("part",),
+        "Device memory in use at the last sleep: in_use, tagged (torpor's tags still mapped), "
+        "untagged (CUDA context, libraries, torch's default pool)",
+    ),
     "torpor_cudagraphs": ("gauge", (), "CUDA graphs captured into the graph pool and not released"),
     "torpor_transitions_total": (
         "counter",
@@ -233,6 +244,12 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
         last = tracker.last.get(metric)
         if last is not None:
             add(family, family, (), last)
+    budget = proj.host_policy.get("budget_bytes")
+    add("torpor_host_budget_bytes", "torpor_host_budget_bytes", (), float("inf") if budget is None else float(budget))
+    for part in ("in_use", "tagged", "untagged"):
+        if part in proj.device_asleep:
+            value = float(proj.device_asleep[part])
+            add("torpor_asleep_device_bytes", "torpor_asleep_device_bytes", (("part", part),), value)
     add("torpor_cudagraphs", "torpor_cudagraphs", (), float(len(proj.graphs)))
     counters, hists = stats.snapshot()
     for metric, family in _COUNTERS.items():
