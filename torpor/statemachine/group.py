@@ -310,13 +310,13 @@ def collective(
     """Decorate a controller command: with a group it runs collectively, without one it runs as written."""
 
     def wrap(method: Callable[Concatenate[SleepController, P], R]) -> Callable[Concatenate[SleepController, P], R]:
-        @functools.wraps(method)
-        def run(self: SleepController, *args: P.args, **kw: P.kwargs) -> R:
+        def run(self: SleepController, /, *args: P.args, **kw: P.kwargs) -> R:
             member = self.group
             if member is None:
                 return method(self, *args, **kw)
             return member.run(self, command, method, args, kw)
 
+        functools.update_wrapper(run, method)
         return run
 
     return wrap
