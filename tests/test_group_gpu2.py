@@ -102,7 +102,7 @@ def _worker(rank: int, port: int, logdir: str, result: dict[str, Any]) -> None:
     filler = None
     if rank == 1:  # a trainer's tensor takes the GPU: the wake cannot map its memory back
         free, _ = torch.cuda.mem_get_info(device)
-        filler = torch.empty(free - (1 << 20), dtype=torch.uint8, device=device)
+        filler = torch.empty(free - (8 << 20), dtype=torch.uint8, device=device)  # 8 MiB left: less than the wake needs
         result["filled_gib"] = filler.numel() / 2**30
         result["free_after_fill_mib"] = torch.cuda.mem_get_info(device)[0] / 2**20
     try:
