@@ -5,6 +5,7 @@ from __future__ import annotations
 from torpor import errors
 from torpor.errors import (
     CommandInFlight,
+    GroupFailed,
     InvalidLevel,
     InvalidTransition,
     LogCorrupted,
@@ -74,6 +75,7 @@ __all__ = [
     "Event",
     "EventKind",
     "EventLog",
+    "GroupFailed",
     "HostPolicy",
     "InvalidLevel",
     "InvalidTransition",
