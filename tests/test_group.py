@@ -236,3 +236,29 @@ def test_the_group_module_imports_no_torch() -> None:
     code = "import sys, torpor.statemachine.group, torpor.statemachine; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_rank_that_votes_after_the_timeout_reads_the_list_that_names_it() -> None:
+    """LocalGroup: a rank arriving after another timed out gets the fixed list (itself missing), so both roll back."""
+    ctls, _ = _ranks(2, timeout=0.2)
+    with pytest.raises(GroupFailed):
+        ctls[0].sleep(1)
+    with pytest.raises(GroupFailed) as info:
+        ctls[1].sleep(1)
+    assert list(info.value.ranks) == [1]
+    assert [c.state for c in ctls] == [State.AWAKE] * 2
+
+
+def test_fleet_group_view_with_ranks_that_never_joined() -> None:
+    """group_view(): ranks without a group outcome differ from those with one; no crash when they are the majority."""
+    from torpor.hooks.fleet import RankView, group_view
+
+    g = {"group": "tp", "command": "sleep", "round": 1, "result": "commit", "failed": {}}
+    ranks = [
+        RankView("e", 0, None, "asleep_l1", group=g),
+        RankView("e", 1, None, "awake"),
+        RankView("e", 2, None, "awake"),
+    ]
+    view = group_view(ranks)
+    assert view is not None
+    assert (view.round, view.consistent, view.differ) == (1, False, (1, 2))

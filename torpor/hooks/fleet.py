@@ -151,8 +151,9 @@ def group_view(ranks: list[RankView]) -> GroupView | None:
     counts: dict[tuple[Any, ...], int] = {}
     for r in ranks:
         counts[key(r)] = counts.get(key(r), 0) + 1
-    top = max(counts.values())
-    ref = next(r for r in ranks if counts[key(r)] == top and r.group)
+    grouped = [r for r in ranks if r.group]
+    top = max(counts[key(r)] for r in grouped)
+    ref = next(r for r in grouped if counts[key(r)] == top)
     differ = tuple(r.rank for r in ranks if key(r) != key(ref))
     g = ref.group or {}
     return GroupView(

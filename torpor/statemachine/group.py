@@ -156,18 +156,18 @@ class LocalGroup:
         s = self._shared
         deadline = time.monotonic() + timeout
         with s.cond:
-            s.votes.setdefault(round, {})[self.rank] = vote
-            s.cond.notify_all()
-            while len(s.votes[round]) < self.size and round not in s.closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    s.closed.add(round)  # the first rank to time out fixes the outcome for everyone
+            if round not in s.final:  # a rank that comes after the list was fixed reads that list
+                s.votes.setdefault(round, {})[self.rank] = vote
+                s.cond.notify_all()
+            while round not in s.final:
+                got = s.votes[round]
+                if len(got) == self.size or deadline - time.monotonic() <= 0:
+                    # complete, or the first rank to time out fixes the list for everyone
+                    s.final[round] = [got.get(r) for r in range(self.size)]
                     s.cond.notify_all()
                     break
-                s.cond.wait(left)
-            s.closed.add(round)
-            got = s.votes[round]
-            return [got.get(r) for r in range(self.size)]
+                s.cond.wait(deadline - time.monotonic())
+            return list(s.final[round])
 
 
 class _LocalShared:
@@ -176,7 +176,7 @@ class _LocalShared:
         self.name = name
         self.cond = threading.Condition()
         self.votes: dict[int, dict[int, bytes]] = {}
-        self.closed: set[int] = set()
+        self.final: dict[int, list[bytes | None]] = {}
 
 
 def as_agreement(group: object) -> Agreement:
