@@ -100,7 +100,10 @@ class TorchGroup:
             present = list(range(self.size))
         except RuntimeError:  # a timeout: which ranks are missing?
             present = [r for r in range(self.size) if store.check([keys[r]])]
-        got = dict(zip(present, store.multi_get([keys[r] for r in present]), strict=True)) if present else {}
+        wanted = [keys[r] for r in present]
+        multi_get = getattr(store, "multi_get", None)  # one round trip where torch has it (2.5+)
+        values = multi_get(wanted) if multi_get is not None else [store.get(k) for k in wanted]
+        got = dict(zip(present, values, strict=True))
         out: list[bytes | None] = []
         for r in range(self.size):
             raw = bytes(got[r]) if r in got else None
