@@ -97,6 +97,7 @@ def _worker(rank: int, port: int, logdir: str, result: dict[str, Any]) -> None:
     allocator.wait_host_ready(60)
     ctl.sleep(1)
     result["asleep"] = ctl.state.value
+    result["host_asleep"] = {t: u.host for t, u in ctl.projection.residency.items()}
     say("asleep")
 
     filler = None
@@ -200,8 +201,9 @@ def test_full_gpu_on_rank1_rolls_the_group_back_then_it_wakes_and_replays(tmp_pa
         assert r["failed_wake"]["ranks"] == [1]
         assert "memory" in r["failed_wake"]["why"].lower()
         assert r["after_failed_wake"] == "asleep_l1"
-        assert r["host_after_failed_wake"]["weights"] == 4 * N  # the backup survived the rollback
-        assert r["host_after_failed_wake"]["cudagraph"] > 0
+        assert r["host_after_failed_wake"] == r["host_asleep"]  # every backup survived the rollback
+        assert r["host_asleep"]["weights"] >= 4 * N
+        assert r["host_asleep"]["cudagraph"] > 0
         assert r["resident_after_failed_wake"]["weights"] == 0  # and nothing stayed mapped
         assert r["after_wake"] == "awake"
         assert r["weights"] == [float(rank + 1)] * 2
