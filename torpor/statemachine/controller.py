@@ -108,7 +108,8 @@ class SleepController:
     ``/``, or a new path without a suffix; the file is ``ENGINE.rankN.jsonl``
     inside it) or None (events kept in memory only).
 
-    ``group`` (a ``torch.distributed`` gloo process group, or any
+    ``group`` (a ``torch.distributed`` process group of any backend, whose
+    rendezvous store carries the votes, or any
     :class:`~torpor.statemachine.group.Agreement`) makes ``sleep``, ``wake``
     and ``discard`` collective: they complete only when every rank succeeded,
     else every rank rolls back and raises ``GroupFailed``; a rank silent for
