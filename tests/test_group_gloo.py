@@ -6,7 +6,7 @@ rank drives a real ``TaggedAllocator`` on a ``SimDriver`` through a
 matrix (each rank in turn failing at sleep, wake and discard, each failure
 followed by a retry) and writes what it saw; the parent checks that every
 rank raised ``GroupFailed`` naming the failing rank, rolled back with every
-byte intact, and that the retry succeeded. The last scenario of a run loses
+byte intact, and that the retry succeeded. The last scenarios of a run lose
 a rank: killed (SIGKILL) mid-wake, or hung mid-sleep past the group timeout.
 """
 
@@ -121,30 +121,35 @@ def _worker(rank: int, world: int, port: int, logdir: str, lose: str, out: dict[
     out["matrix_done"] = True
     path.write_text(json.dumps(out))  # this rank may be the one lost next
 
-    # -- losing a rank --
-    lost = int(lose.split(":")[1])
-    ctl.group.timeout = LOSE_TIMEOUT  # type: ignore[union-attr]
-    if lose.startswith("hang"):
-        command, call = "sleep", "copy_d2h"
-    else:
-        command, call = "wake", "map"
-        ctl.sleep(1)
-    if rank == lost:
-        driver.stall = (call, "kill" if lose.startswith("kill") else "hang")
-    out["lose_before"] = ctl.state.value
-    start = time.monotonic()
-    try:
-        run(command)
-        out["lose_raised"] = None
-    except GroupFailed as exc:
-        out["lose_raised"] = "GroupFailed"
-        out["lose_ranks"] = sorted(exc.ranks)
-    out["lose_seconds"] = time.monotonic() - start
-    out["lose_after"] = ctl.state.value
-    out["lose_intact"] = ctl.state.value != "awake" or digest() == original
-    out["lose_timeout"] = ctl.group.timeout  # type: ignore[union-attr]
-    if lose.startswith("hang"):
-        dist.barrier()  # rank 0 hosts the store: keep it up until the hung rank has read the list
+    # -- losing ranks, one after the other --
+    losses: list[dict[str, Any]] = []
+    out["losses"] = losses
+    for loss in lose.split(","):
+        how, lost = loss.split(":")[0], int(loss.split(":")[1])
+        if how == "hang":
+            command, call = "sleep", "copy_d2h"
+        else:
+            command, call = "wake", "map"
+            ctl.sleep(1)
+        path.write_text(json.dumps(out))  # this rank may be the one lost next
+        dist.barrier()  # start together: only the lost rank may be late
+        ctl.group.timeout = LOSE_TIMEOUT  # type: ignore[union-attr]
+        if rank == lost:
+            driver.stall = (call, how)
+        seen: dict[str, Any] = {"before": ctl.state.value, "timeout": LOSE_TIMEOUT}
+        losses.append(seen)
+        start = time.monotonic()
+        try:
+            run(command)
+            seen["raised"] = None
+        except GroupFailed as exc:
+            seen.update(raised="GroupFailed", ranks=sorted(exc.ranks))
+        seen["seconds"] = time.monotonic() - start
+        seen["after"] = ctl.state.value
+        seen["intact"] = ctl.state.value != "awake" or digest() == original
+        if how == "hang":
+            dist.barrier()  # rank 0 hosts the store: keep it up until the hung rank has read the list
+            ctl.group.timeout = 20.0  # type: ignore[union-attr]
 
 
 def _main() -> int:
@@ -236,34 +241,39 @@ def test_two_ranks_every_failure_rolls_back_and_a_killed_rank_is_named(tmp_path:
     _check_matrix(results, 2, tmp_path)
     survivor = results[0]
     assert survivor is not None
-    assert survivor["lose_raised"] == "GroupFailed"
-    assert survivor["lose_ranks"] == [1]
-    assert survivor["lose_seconds"] < HANG  # raised at the group timeout
-    assert survivor["lose_after"] == survivor["lose_before"] == "asleep_l1"
+    (seen,) = survivor["losses"]
+    assert seen["raised"] == "GroupFailed"
+    assert seen["ranks"] == [1]
+    assert seen["seconds"] < HANG  # raised at the group timeout
+    assert seen["after"] == seen["before"] == "asleep_l1"
     view = _group_view(tmp_path)
     assert view.group is not None
     assert not view.group.consistent  # rank 1's log ends mid-wake
     assert view.group.differ == (1,)
 
 
-def test_four_ranks_every_failure_rolls_back_and_a_hung_rank_times_out(tmp_path: Path) -> None:
-    """4 gloo ranks: each rank failing each command rolls all back and names it; a rank hung past the timeout is named and all end awake."""
-    results = _spawn(tmp_path, 4, "hang:3")
+def test_four_ranks_every_failure_rolls_back_and_lost_ranks_are_named(tmp_path: Path) -> None:
+    """4 gloo ranks: each rank failing each command rolls all back and names it; a rank hung past the timeout, then a killed rank 0 (the store's host), are named and the others stay consistent."""
+    results = _spawn(tmp_path, 4, "hang:3,kill:0")
     _check_matrix(results, 4, tmp_path)
     for r, res in enumerate(results):
         assert res is not None
-        assert res["lose_raised"] == "GroupFailed", res
-        assert res["lose_after"] == res["lose_before"] == "awake", res
-        assert res["lose_intact"], res
+        hang = res["losses"][0]
+        assert hang["raised"] == "GroupFailed", res
+        assert hang["after"] == hang["before"] == "awake", res
+        assert hang["intact"], res
+        assert hang["ranks"] == [3], res  # rank 3 too: it came back late and read the list that names it
         if r != 3:
-            assert res["lose_ranks"] == [3], res
-            assert res["lose_seconds"] < HANG  # raised at the timeout, not when rank 3 came back
-    hung = results[3]
-    assert hung is not None
-    assert hung["lose_ranks"] == [3]  # it came back late, read the list that names it, and rolled back too
+            assert hang["seconds"] < HANG  # raised at the timeout, not when rank 3 came back
+        if r != 0:  # rank 0 was killed mid-wake: the others see its store go and name it at once
+            kill = res["losses"][1]
+            assert kill["raised"] == "GroupFailed", res
+            assert kill["ranks"] == [0], res
+            assert kill["after"] == kill["before"] == "asleep_l1", res
+            assert kill["seconds"] < HANG
     view = _group_view(tmp_path)
-    assert view.state == "awake"
     assert view.group is not None
+    assert view.group.differ == (0,)  # the survivors agree; rank 0's log ends mid-wake
 
 
 if __name__ == "__main__":
