@@ -6,6 +6,7 @@ from torpor import errors
 from torpor.errors import (
     CommandInFlight,
     GroupFailed,
+    HostBudgetExceeded,
     InvalidLevel,
     InvalidTransition,
     LogCorrupted,
@@ -19,10 +20,14 @@ from torpor.errors import (
 )
 from torpor.statemachine import (
     Action,
+    AfterWake,
+    DeviceMemory,
     Event,
     EventKind,
     EventLog,
+    HostMemoryPolicy,
     Memory,
+    PinWhen,
     Policy,
     Projection,
     SleepController,
@@ -70,12 +75,16 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Action",
+    "AfterWake",
     "CommandInFlight",
     "CudaDriver",
+    "DeviceMemory",
     "Event",
     "EventKind",
     "EventLog",
     "GroupFailed",
+    "HostBudgetExceeded",
+    "HostMemoryPolicy",
     "HostPolicy",
     "InvalidLevel",
     "InvalidTransition",
@@ -84,6 +93,7 @@ __all__ = [
     "MemoryOperationFailed",
     "NotRecovered",
     "OutOfMemory",
+    "PinWhen",
     "Policy",
     "PoolBusy",
     "Projection",

@@ -64,6 +64,9 @@ class RankView:
     residency: Mapping[str, TagUsage] = field(default_factory=dict)
     error: str | None = None
     group: Mapping[str, Any] | None = None
+    pinned_bytes: int = 0
+    host_policy: Mapping[str, Any] = field(default_factory=dict)
+    device_asleep: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def asleep(self) -> bool:
@@ -95,6 +98,9 @@ class RankView:
             },
             "error": self.error,
             "group": dict(self.group) if self.group is not None else None,
+            "pinned_bytes": self.pinned_bytes,
+            "host_policy": dict(self.host_policy),
+            "device_asleep": dict(self.device_asleep),
         }
 
 
@@ -336,6 +342,9 @@ def _rank_view(engine: str, rank: int, path: Path) -> RankView:
         level=proj.level,
         residency=dict(proj.residency),
         group=proj.group,
+        pinned_bytes=proj.pinned_bytes,
+        host_policy=dict(proj.host_policy),
+        device_asleep=dict(proj.device_asleep),
     )
 
 
