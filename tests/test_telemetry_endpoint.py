@@ -117,7 +117,7 @@ def test_events_long_poll_returns_when_an_event_arrives(server: Server, controll
 
     def poll() -> None:
         start = time.monotonic()
-        got["response"] = fetch(f"{server.url}/events?after={mark}&timeout=20")
+        got["response"] = fetch(f"{server.url}/events?after={mark}&wait=20")
         got["waited"] = time.monotonic() - start
 
     thread = threading.Thread(target=poll)
@@ -135,7 +135,7 @@ def test_events_long_poll_returns_when_an_event_arrives(server: Server, controll
 def test_events_long_poll_times_out_empty(server: Server, controller: SleepController) -> None:
     """A long-poll that sees no event returns an empty 200 after its timeout."""
     start = time.monotonic()
-    status, _, body = fetch(f"{server.url}/events?after={controller.last_seq}&timeout=0.3")
+    status, _, body = fetch(f"{server.url}/events?after={controller.last_seq}&wait=0.3")
     assert status == 200
     assert body == b""
     assert time.monotonic() - start >= 0.25
@@ -146,9 +146,9 @@ def test_events_long_poll_times_out_empty(server: Server, controller: SleepContr
     [
         ("/events?after=-1", "after must be a non-negative integer"),
         ("/events?after=abc", "after must be a non-negative integer"),
-        ("/events?timeout=999", "timeout must be between 0 and 30 seconds"),
-        ("/events?timeout=nan", "timeout must be between"),
-        ("/events?timeout=x", "timeout must be a number of seconds"),
+        ("/events?wait=999", "wait must be between 0 and 30 seconds"),
+        ("/events?wait=nan", "wait must be between"),
+        ("/events?wait=x", "wait must be a number of seconds"),
         ("/events?limit=0", "limit must be between 1 and"),
         ("/events?after=1&after=2", "given more than once"),
         ("/events?bogus=1", "unknown query parameter 'bogus'"),
@@ -190,7 +190,7 @@ def test_overlong_url_is_refused(server: Server) -> None:
 def test_too_many_waiters_get_503(controller: SleepController) -> None:
     """Long-polls beyond max_waiters are turned away with 503 instead of holding more threads."""
     with serve(controller, 0, max_waiters=1) as srv:
-        url = f"{srv.url}/events?after={controller.last_seq}&timeout=5"
+        url = f"{srv.url}/events?after={controller.last_seq}&wait=5"
         first = threading.Thread(target=fetch, args=(url,))
         first.start()
         wait_for_waiters(srv, 1)
@@ -220,7 +220,7 @@ def test_metrics_only_without_a_source() -> None:
 
 def test_parse_query_accepts_known_parameters() -> None:
     """parse_query returns the known parameters and refuses a malformed pair."""
-    assert parse_query("after=3&timeout=1.5", ("after", "timeout")) == {"after": "3", "timeout": "1.5"}
+    assert parse_query("after=3&wait=1.5", ("after", "wait")) == {"after": "3", "wait": "1.5"}
     assert parse_query("", ("after",)) == {}
     with pytest.raises(BadRequest):
         parse_query("after", ("after",))
