@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -18,6 +19,11 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from torpor.statemachine import SleepController  # noqa: E402
 from torpor.testing import FakeMemory  # noqa: E402
+
+
+def ndjson(body: bytes) -> list[dict[str, Any]]:
+    """The events of an NDJSON body."""
+    return [json.loads(line) for line in body.splitlines()]
 
 
 def vllm_app(monkeypatch: pytest.MonkeyPatch, log_dir: Path, plugins: str | None = "torpor") -> FastAPI:
@@ -57,13 +63,17 @@ def test_routes_answer_when_allowlisted(monkeypatch: pytest.MonkeyPatch, tmp_pat
     controllers[1].wake(["weights"])
     state = client.get("/torpor/state").json()
     assert state["engines"][0]["state"] == "transitional"
-    events = client.get("/torpor/events", params={"rank": 1, "after": 2}).json()
-    seqs = [e["seq"] for e in events["events"]]
+    response = client.get("/torpor/events", params={"rank": 1, "after": 2})
+    assert response.headers["content-type"] == "application/x-ndjson"
+    events = ndjson(response.content)
+    seqs = [e["seq"] for e in events]
     assert seqs[0] == 3
     assert seqs == sorted(seqs)
-    assert events["events"][-1]["kind"] == "wake_completed"
-    limited = client.get("/torpor/events", params={"rank": 1, "limit": 2}).json()
-    assert [e["seq"] for e in limited["events"]] == [1, 2]
+    assert events[-1]["kind"] == "wake_completed"
+    assert response.headers["X-Torpor-Last-Seq"] == str(seqs[-1])
+    assert response.headers["X-Torpor-Rank"] == "1"
+    limited = client.get("/torpor/events", params={"rank": 1, "limit": 2})
+    assert [e["seq"] for e in ndjson(limited.content)] == [1, 2]
 
 
 def test_events_long_poll_waits_for_the_next_event(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -72,17 +82,17 @@ def test_events_long_poll_waits_for_the_next_event(monkeypatch: pytest.MonkeyPat
     client = TestClient(vllm_app(monkeypatch, tmp_path))
     last = controller.last_seq
     start = time.monotonic()
-    empty = client.get("/torpor/events", params={"after": last, "wait": 0.5}).json()
-    assert empty["events"] == []
+    empty = client.get("/torpor/events", params={"after": last, "wait": 0.5})
+    assert empty.status_code == 200 and empty.content == b""
     assert time.monotonic() - start >= 0.45
 
     import threading
 
     timer = threading.Timer(0.3, lambda: controller.sleep(1))
     timer.start()
-    got = client.get("/torpor/events", params={"after": last, "wait": 10}).json()
+    got = ndjson(client.get("/torpor/events", params={"after": last, "wait": 10}).content)
     timer.join()
-    assert got["events"][0]["kind"] == "sleep_requested"
+    assert got[0]["kind"] == "sleep_requested"
 
 
 @pytest.mark.parametrize(
@@ -92,7 +102,7 @@ def test_events_long_poll_waits_for_the_next_event(monkeypatch: pytest.MonkeyPat
         ({"after": -1}, "after must be a non-negative integer"),
         ({"wait": 99}, "wait must be between"),
         ({"limit": 0}, "limit must be between"),
-        ({"bogus": 1}, "unknown parameter"),
+        ({"bogus": 1}, "unknown query parameter"),
     ],
 )
 def test_bad_parameters_get_400(

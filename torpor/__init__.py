@@ -5,6 +5,7 @@ from __future__ import annotations
 from torpor import errors
 from torpor.errors import (
     CommandInFlight,
+    EndpointError,
     InvalidLevel,
     InvalidTransition,
     LogCorrupted,
@@ -12,6 +13,7 @@ from torpor.errors import (
     NotRecovered,
     OutOfMemory,
     PoolBusy,
+    StateTimeout,
     TorporError,
     UnknownSchemaVersion,
     UnknownTag,
@@ -48,6 +50,7 @@ _LAZY = {
     "capture_pool": "torpor.hooks",
     "follow": "torpor.hooks",
     "fleet": "torpor.hooks",
+    "Client": "torpor.client",
 }
 
 
@@ -69,8 +72,10 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Action",
+    "Client",
     "CommandInFlight",
     "CudaDriver",
+    "EndpointError",
     "Event",
     "EventKind",
     "EventLog",
@@ -88,6 +93,7 @@ __all__ = [
     "SimDriver",
     "SleepController",
     "State",
+    "StateTimeout",
     "TagUsage",
     "TaggedAllocator",
     "TorporError",

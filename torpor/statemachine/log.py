@@ -88,7 +88,9 @@ def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX
     return event
 
 
-def decode_lines(lines: Iterable[bytes], path: str, lineno: int = 0, max_line: int = DEFAULT_MAX_LINE) -> Iterator[Event]:
+def decode_lines(
+    lines: Iterable[bytes], path: str, lineno: int = 0, max_line: int = DEFAULT_MAX_LINE
+) -> Iterator[Event]:
     """The events of complete lines (no newline), the first being line ``lineno + 1`` of ``path``.
 
     Each line takes a fast path first: the checks of :func:`decode_line` on a

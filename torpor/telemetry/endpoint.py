@@ -154,11 +154,12 @@ class _Handler(BaseHTTPRequestHandler):
     def hung_up(self) -> bool:
         """True when the client closed its end (a readable socket with nothing to read)."""
         try:
-            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            peeked: bytes = self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
             return True
+        return peeked == b""
 
 
 class Server:

@@ -21,6 +21,7 @@ non-numeric ``version``, a bad ``q``) is read leniently, never an error.
 from __future__ import annotations
 
 import gzip
+import math
 from typing import NamedTuple
 
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -52,11 +53,10 @@ def parse_accept(header: str) -> list[Accepted]:
             name, value = name.strip().lower(), value.strip().strip('"')
             if name == "q":
                 try:
-                    q = min(max(float(value), 0.0), 1.0)
+                    q = float(value)
                 except ValueError:
                     q = 0.0  # an unreadable weight: treat the range as not wanted
-                if q != q:  # nan
-                    q = 0.0
+                q = min(max(q, 0.0), 1.0) if math.isfinite(q) else 0.0
             elif name:
                 params[name] = value
         out.append(Accepted(media, params, q))

@@ -71,7 +71,8 @@ class LogSource:
         self._lock = threading.RLock()
         self._follower = Follower(self.path)
         self._stop = threading.Event()
-        self._read(raise_errors=True)
+        while self._read(raise_errors=True):  # the follower hands the events before a bad line first, then raises
+            pass
         self._thread = threading.Thread(target=self._follow, name=f"torpor-log-source:{self.path.name}", daemon=True)
         self._thread.start()
 
@@ -134,7 +135,9 @@ class LogSource:
                 if raise_errors:
                     raise
                 if self.error is None or str(exc) != str(self.error):
-                    logger.error("%s: stuck at a bad line, serving the state as of event #%d: %s", self.path, self.last_seq, exc)
+                    logger.error(
+                        "%s: stuck at a bad line, serving the state as of event #%d: %s", self.path, self.last_seq, exc
+                    )
                 self.error = exc
                 return 0
             if self.error is not None and events:
