@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -140,3 +141,69 @@ def test_routes_are_read_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     client = TestClient(vllm_app(monkeypatch, tmp_path))
     assert client.post("/torpor/state").status_code == 405
     assert client.post("/torpor/events").status_code == 405
+
+
+def test_long_polls_do_not_reparse_the_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A waiting /torpor/events reads only what is appended (the follower of `torpor log follow`), never the whole log."""
+    import torpor.statemachine.log as log_module
+
+    (controller,) = ranks(tmp_path, 1)
+    for _ in range(200):
+        controller.observe()
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    assert len(ndjson(client.get("/torpor/events").content)) == controller.last_seq  # the tail starts: one read
+    decoded: list[int] = []
+    plain = log_module.plain_event
+
+    def counting(raw: dict[str, Any]) -> Any:
+        decoded.append(1)
+        return plain(raw)
+
+    monkeypatch.setattr(log_module, "plain_event", counting)
+    start = time.monotonic()
+    empty = client.get("/torpor/events", params={"after": controller.last_seq, "wait": 1.0})
+    assert empty.content == b"" and time.monotonic() - start >= 0.9
+    assert len(decoded) == 0, f"{len(decoded)} lines decoded while nothing was appended"
+    controller.observe()
+    got = ndjson(client.get("/torpor/events", params={"after": controller.last_seq - 1}).content)
+    assert [e["seq"] for e in got] == [controller.last_seq]
+    assert len(decoded) == 1
+
+
+def test_waiters_are_bounded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Beyond MAX_WAITERS waiting long-polls a new one gets 503 with Retry-After; a plain read still answers."""
+    from torpor.hooks.vllm import endpoint as route
+
+    (controller,) = ranks(tmp_path, 1)
+    monkeypatch.setattr(route, "MAX_WAITERS", 2)
+    app = vllm_app(monkeypatch, tmp_path)
+    client = TestClient(app)
+    results: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                client.get("/torpor/events", params={"after": controller.last_seq, "wait": 20}).status_code
+            )
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    plugin = next(p for p in _plugins(app))
+    deadline = time.monotonic() + 10
+    while plugin.waiting < 2:
+        assert time.monotonic() < deadline, "the long-polls never waited"
+        time.sleep(0.01)
+    refused = client.get("/torpor/events", params={"after": controller.last_seq, "wait": 5})
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert client.get("/torpor/events").status_code == 200
+    controller.observe()
+    for t in threads:
+        t.join(timeout=10)
+    assert results == [200, 200]
+    assert plugin.waiting == 0
+
+
+def _plugins(app: FastAPI) -> list[Any]:
+    """The endpoint plugins vLLM attached to ``app``."""
+    return list(app.state.endpoint_plugins)
