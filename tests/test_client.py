@@ -76,10 +76,10 @@ def test_follow_yields_every_event_in_order(standalone: tuple[SleepController, S
 def test_errors_name_the_status_and_reason(standalone: tuple[SleepController, Server]) -> None:
     """A refused request is an EndpointError with status and reason; a state never reached a StateTimeout."""
     _, server = standalone
-    with pytest.raises(EndpointError, match="400.*rank 3") as caught:
+    with pytest.raises(EndpointError, match=r"400.*rank 3") as caught:
         Client(server.url, rank=3).events()
     assert caught.value.status == 400
-    with pytest.raises(StateTimeout, match="'asleep_l2'.*'awake'"):
+    with pytest.raises(StateTimeout, match=r"'asleep_l2'.*'awake'"):
         Client(server.url).wait_for("asleep_l2", timeout=0.3)
     with pytest.raises(ValueError, match="unknown state"):
         Client(server.url).wait_for("dozing")

@@ -5,7 +5,8 @@ following a log). It keeps its own copy of the last ``keep`` events, fed by the
 source's subscription, so a reader never takes the engine's lock to list
 events; each event's JSON line is encoded the first time a reader asks for it
 and kept, so a client pulling 10,000 events costs a lookup and a join, not
-10,000 encodings under the GIL the engine needs. Long-polls wait on
+10,000 encodings under the GIL the engine needs (and readers pulling the same
+window share one join). Long-polls wait on
 :meth:`EventFeed.waker`: a pipe whose write end is closed at the next event,
 so every waiting reader wakes at once and a waiting thread can also watch its
 client's socket (a hang-up frees its slot at once).
@@ -141,6 +142,7 @@ class EventFeed:
         self.latest = 0
         self.closed = False
         self._waker: Waker | None = None
+        self._last_body: tuple[tuple[int, int, int], bytes] | None = None  # the last batch's body, by window
         self._unsubscribe = source.subscribe(self._on_event)
         seed = source.events(0)
         with self._lock:
@@ -160,6 +162,7 @@ class EventFeed:
                     return  # seen already
                 self._events.clear()  # a log started anew: follow the new one
                 self._lines.clear()
+                self._last_body = None
             self._events.append(event)
             self._lines.append(None)
             self.latest = event.seq
@@ -176,10 +179,14 @@ class EventFeed:
         with self._lock:
             start = bisect.bisect_right(self._events, after, key=_SEQ)
             events = self._events[start : start + limit]
-            lines = self._lines[start : start + limit]
             trimmed, latest = self._trimmed, self.latest
-        if not events:
-            return Batch(b"", 0, None, latest)
+            if not events:
+                return Batch(b"", 0, None, latest)
+            key = (trimmed + start, len(events), events[-1].seq)
+            cached = self._last_body
+            if cached is not None and cached[0] == key:  # readers pulling the same window: one join for all
+                return Batch(cached[1], len(events), events[0].seq, latest)
+            lines = self._lines[start : start + limit]
         missing = [i for i, line in enumerate(lines) if line is None]
         if missing:
             for i in missing:
@@ -190,7 +197,9 @@ class EventFeed:
                     slot = start + i - shift
                     if 0 <= slot < len(self._events) and self._events[slot] is events[i]:
                         self._lines[slot] = lines[i]
-        return Batch(b"".join(lines), len(events), events[0].seq, latest)  # type: ignore[arg-type]
+        body = b"".join(lines)  # type: ignore[arg-type]
+        self._last_body = (key, body)
+        return Batch(body, len(events), events[0].seq, latest)
 
     def waker(self, after: int) -> Waker | None:
         """A waker that fires at the next event, or None when an event above ``after`` exists (or the feed closed)."""

@@ -181,7 +181,9 @@ class TorporEndpointPlugin:
                 return error(404, str(exc))
             try:
                 source, feed = await asyncio.to_thread(self.tails.get, path)
-                await asyncio.to_thread(source.refresh)  # what was appended since its last poll: as fresh as /torpor/state
+                await asyncio.to_thread(
+                    source.refresh
+                )  # what was appended since its last poll: as fresh as /torpor/state
             except (TorporError, OSError, ValueError) as exc:
                 return error(503, f"cannot read {path}: {exc}")
             batch = feed.batch(query.after, query.limit)
