@@ -90,6 +90,25 @@ def test_errors_name_the_status_and_reason(standalone: tuple[SleepController, Se
 vllm = pytest.importorskip("vllm")
 
 
+class _Engine:
+    """The engine client vLLM's /sleep and /wake_up call: every rank, as vLLM's executor does."""
+
+    def __init__(self, ranks: list[SleepController]) -> None:
+        self.ranks = ranks
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        for rank in self.ranks:
+            await asyncio.to_thread(rank.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        for rank in self.ranks:
+            await asyncio.to_thread(rank.wake, tags)
+        return all(r.state.value == "awake" for r in self.ranks)
+
+    async def is_sleeping(self) -> bool:
+        return any(r.state.value != "awake" for r in self.ranks)
+
+
 @pytest.fixture
 def vllm_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[list[SleepController], str]]:
     """Two ranks logging into a directory, and a real uvicorn server with vLLM's plugin routes over it."""
@@ -103,7 +122,11 @@ def vllm_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tup
         SleepController(FakeMemory({"weights": 1 << 20, "kv_cache": 1 << 19}), log=tmp_path, engine="vllm", rank=r)
         for r in range(2)
     ]
+    from vllm.entrypoints.serve.dev.sleep.api_router import attach_router
+
     app = FastAPI()
+    attach_router(app)  # vLLM's own POST /sleep and /wake_up (VLLM_SERVER_DEV_MODE)
+    app.state.engine_client = _Engine(ranks)
     attach_endpoint_plugins(app, ("generate",))
     asyncio.run(init_endpoint_plugins_state(None, app.state, Namespace()))
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
@@ -137,3 +160,24 @@ def test_the_client_drives_through_vllms_routes(vllm_server: tuple[list[SleepCon
     kinds = [e.kind.value for e in client.events(after=start)]
     assert kinds[0] == "sleep_requested" and kinds[-1] == "sleep_completed"
     assert all(e.rank == 1 for e in client.events(after=0))
+
+
+def test_the_rl_loop_example_runs_against_vllms_routes(vllm_server: tuple[list[SleepController], str]) -> None:
+    """examples/rl_loop.py drives vLLM's /sleep and /wake_up and confirms every rank through the client."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rl_loop", Path(__file__).parents[1] / "examples" / "rl_loop.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    ranks, url = vllm_server
+    trained: list[tuple[int, list[str]]] = []
+
+    def train(step: int) -> None:
+        trained.append((step, [r.state.value for r in ranks]))  # the GPU is the trainer's: every rank asleep
+
+    report = example.rl_loop(url, 2, train, ranks=2, timeout=30)
+    assert trained == [(0, ["asleep_l1", "asleep_l1"]), (1, ["asleep_l1", "asleep_l1"])]
+    assert [r.state.value for r in ranks] == ["awake", "awake"]
+    assert len(report) == 2
+    assert {"rank0_sleep_s", "rank1_sleep_s", "rank0_wake_weights_s", "rank1_wake_kv_cache_s"} <= set(report[1])
