@@ -51,10 +51,10 @@ def _opt_str(value: Any) -> str | None:
 def _usage(value: Any) -> str | None:
     if not isinstance(value, Mapping):
         return f"must be an object of tag to bytes, got {type(value).__name__}"
-    for tag, nbytes in value.items():
-        problem = _int(nbytes)
-        if problem is not None:
-            return f"[{tag!r}] {problem}"
+    for nbytes in value.values():
+        if type(nbytes) is not int or not 0 <= nbytes <= MAX_INT:
+            bad = next(t for t, v in value.items() if v is nbytes)
+            return f"[{bad!r}] {_int(nbytes)}"
     return None
 
 
@@ -126,24 +126,28 @@ _RULES: dict[EventKind, tuple[dict[str, _Check], dict[str, _Check]]] = {
 }
 
 
+#: Per kind: the names it must carry, and a check per field it names (required or not).
+_REQUIRED: dict[EventKind, frozenset[str]] = {kind: frozenset(req) for kind, (req, _) in _RULES.items()}
+_CHECKS: dict[EventKind, dict[str, _Check]] = {kind: {**req, **opt} for kind, (req, opt) in _RULES.items()}
+_isfinite = math.isfinite
+
+
 def payload_problem(event: Event) -> str | None:
     """What makes ``event`` unreadable (its times or its kind's payload), or None when it is fine."""
-    wall, mono = event.wall, event.mono
-    if not (math.isfinite(wall) and math.isfinite(mono)):
-        return f"event #{event.seq} has a non-finite time (wall {wall!r}, mono {mono!r})"
-    if not 0 <= event.seq <= MAX_INT or not 0 <= event.pid <= MAX_INT or not 0 <= event.rank <= MAX_INT:
+    if not (_isfinite(event.wall) and _isfinite(event.mono)):
+        return f"event #{event.seq} has a non-finite time (wall {event.wall!r}, mono {event.mono!r})"
+    if not (0 <= event.seq <= MAX_INT and 0 <= event.pid <= MAX_INT and 0 <= event.rank <= MAX_INT):
         return f"event #{_short(event.seq)} has a sequence number, pid or rank outside 0..2**63-1"
     data = event.data
-    required, optional = _RULES[event.kind]
-    for name, check in required.items():
-        if name not in data:
-            return f"event #{event.seq} ({event.kind.value}) lacks its {name!r} field"
-        problem = check(data[name])
-        if problem is not None:
-            return f"event #{event.seq} ({event.kind.value}): {name!r} {problem}"
-    for name, check in optional.items():
-        if name in data:
-            problem = check(data[name])
-            if problem is not None:
-                return f"event #{event.seq} ({event.kind.value}): {name!r} {problem}"
+    kind = event.kind
+    required = _REQUIRED[kind]
+    if required and not required <= data.keys():
+        missing = sorted(required - data.keys())[0]
+        return f"event #{event.seq} ({kind.value}) lacks its {missing!r} field"
+    checks = _CHECKS[kind]
+    if checks:
+        for name, value in data.items():
+            check = checks.get(name)
+            if check is not None and (problem := check(value)) is not None:
+                return f"event #{event.seq} ({kind.value}): {name!r} {problem}"
     return None
