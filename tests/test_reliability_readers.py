@@ -21,7 +21,7 @@ from torpor.errors import LogCorrupted
 from torpor.hooks.follow import Follower, follow
 from torpor.statemachine import SleepController, replay
 from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.log import EventLog, read_events, segments
+from torpor.statemachine.log import EventLog, encode_line, read_events, segments
 from torpor.statemachine.projection import Projection
 from torpor.telemetry import serve
 from torpor.telemetry.replay import LogSource
@@ -204,7 +204,7 @@ def wait_until(condition: Callable[[], bool], what: str, limit: float = 10.0) ->
 
 
 def test_a_sidecar_stuck_at_a_bad_line_says_so(tmp_path: Path) -> None:
-    """serve(path) whose log grows a bad line answers /state 503 naming FILE:LINE, with the last good state."""
+    """serve(path) whose log grows a bad line answers /state 503 naming FILE:LINE with the last good state; a repair heals it."""
     path = tmp_path / "demo.rank0.jsonl"
     controller = SleepController(FakeMemory({"weights": 10}), log=path, engine="demo")
     controller.sleep(1)
@@ -224,6 +224,11 @@ def test_a_sidecar_stuck_at_a_bad_line_says_so(tmp_path: Path) -> None:
         assert answer["state"]["state"] == "asleep_l1"
         status, _, body = fetch(f"{server.url}/events?after={controller.last_seq}&wait=5")
         assert status == 503 and "stuck" in json.loads(body)["error"]
+        good = make_event(EventKind.USAGE_OBSERVED, controller.last_seq + 1, "demo", 0, {"usage": {"weights": 10}})
+        text = path.read_bytes()
+        path.write_bytes(text[: text.rstrip(b"\n").rfind(b"\n") + 1] + encode_line(good))  # repaired in place
+        wait_until(lambda: fetch(server.url + "/state")[0] == 200, "a repaired line was never read")
+        assert json.loads(fetch(server.url + "/state")[2])["last_seq"] == good.seq
 
 
 # -- hostile HTTP clients ----------------------------------------------------------------------

@@ -243,3 +243,51 @@ def test_int_param_refuses_huge_numbers_before_converting() -> None:
         int_param({"after": "9" * 5000}, "after", 0, 0, 1000)
     assert int_param({"after": "0" * 5000 + "12"}, "after", 0, 0, 1000) == 12
     assert int_param({"after": "1000"}, "after", 0, 0, 1000) == 1000
+
+
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+    "application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
+    "text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+)
+
+
+def _get(url: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, headers=headers)  # noqa: S310 - loopback test server
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+        return response.status, dict(response.headers), response.read()
+
+
+def test_prometheus_scrapes_get_the_fast_text_format(controller: SleepController, server: Server) -> None:
+    """Prometheus's Accept (OpenMetrics preferred, text accepted) gets the directly rendered text format."""
+    import gzip
+
+    controller.sleep(1)
+    status, headers, body = _get(server.url + "/metrics", {"Accept": PROMETHEUS_ACCEPT})
+    assert status == 200
+    assert headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert b'torpor_state{engine="e",rank="0",state="asleep_l1"} 1.0' in body
+    assert b"# EOF" not in body
+    status, headers, zipped = _get(server.url + "/metrics", {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"})
+    assert headers["Content-Encoding"] == "gzip" and "Accept-Encoding" in headers["Vary"]
+    assert gzip.decompress(zipped) == body
+    assert len(zipped) < len(body) / 3
+
+
+def test_openmetrics_only_clients_get_openmetrics(server: Server) -> None:
+    """A client that accepts OpenMetrics and not the text format gets OpenMetrics, ending in # EOF."""
+    _, headers, body = _get(server.url + "/metrics", {"Accept": "application/openmetrics-text;version=1.0.0"})
+    assert headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert body.rstrip().endswith(b"# EOF")
+    _, headers, _ = _get(server.url + "/metrics", {"Accept": "application/openmetrics-text", "Accept-Encoding": "br"})
+    assert "Content-Encoding" not in headers
+
+
+def test_events_refuse_another_engine_or_rank(server: Server) -> None:
+    """/events takes the vLLM route's engine and rank parameters; they must name this endpoint's source."""
+    assert fetch(server.url + "/events?engine=e&rank=0")[0] == 200
+    status, _, body = fetch(server.url + "/events?rank=1")
+    assert status == 400 and "serves rank 0" in json.loads(body)["error"]
+    status, _, body = fetch(server.url + "/events?engine=other")
+    assert status == 400 and "serves engine 'e'" in json.loads(body)["error"]

@@ -12,7 +12,8 @@ order, pruned ones skipped from a snapshot), each new byte read once.
 A bad line stops the source there: :attr:`LogSource.error` holds the
 ``LogCorrupted`` error (file and line), it is logged once, the projection stays
 at the last good event, and the endpoint says so (``/state`` answers 503). It
-keeps trying, so a log rewritten or replaced is picked up again.
+keeps polling: a line repaired in place is read on the next poll; otherwise it
+stays stuck until restarted.
 """
 
 from __future__ import annotations
