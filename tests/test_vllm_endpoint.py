@@ -207,3 +207,42 @@ def test_waiters_are_bounded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 def _plugins(app: FastAPI) -> list[Any]:
     """The endpoint plugins vLLM attached to ``app``."""
     return list(app.state.endpoint_plugins)
+
+
+def test_hung_up_long_polls_leave_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Under a real server (uvicorn), a /torpor/events long-poll whose client hangs up frees its place at once."""
+    import socket
+
+    import uvicorn
+
+    (controller,) = ranks(tmp_path, 1)
+    app = vllm_app(monkeypatch, tmp_path)
+    plugin = _plugins(app)[0]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn never started"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        target = f"/torpor/events?after={controller.last_seq}&wait=30"
+        socks = []
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            socks.append(sock)
+        deadline = time.monotonic() + 10
+        while plugin.waiting < 3:
+            assert time.monotonic() < deadline, "the long-polls never waited"
+            time.sleep(0.01)
+        for sock in socks:
+            sock.close()
+        deadline = time.monotonic() + 3
+        while plugin.waiting:
+            assert time.monotonic() < deadline, "hung-up long-polls still wait"
+            time.sleep(0.01)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
