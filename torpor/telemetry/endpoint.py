@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import CollectorRegistry
@@ -46,6 +46,7 @@ from torpor.telemetry.feed import (
     EventFeed,
     events_query,
     int_param,
+    parse_query,
     seconds_param,
 )
 from torpor.telemetry.tracker import Source
@@ -56,26 +57,6 @@ MAX_URL = 4096
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 __all__ = ["BadRequest", "Server", "int_param", "parse_query", "seconds_param", "serve"]
-
-
-def parse_query(query: str, allowed: tuple[str, ...]) -> dict[str, str]:
-    """Query parameters as a dict; unknown, repeated or malformed ones raise :class:`BadRequest`."""
-    try:
-        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=len(allowed) + 1)
-    except ValueError as exc:
-        msg = f"malformed query string ({exc})"
-        raise BadRequest(msg) from None
-    params: dict[str, str] = {}
-    for name, value in pairs:
-        if name not in allowed:
-            known = ", ".join(allowed) or "none"
-            msg = f"unknown query parameter {name[:40]!r}; this route takes: {known}"
-            raise BadRequest(msg)
-        if name in params:
-            msg = f"query parameter {name!r} given more than once"
-            raise BadRequest(msg)
-        params[name] = value
-    return params
 
 
 def source_error(source: object) -> Exception | None:

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
+from urllib.parse import parse_qsl
 
 from torpor.statemachine.events import Event
 from torpor.telemetry.tracker import Source
@@ -73,6 +74,26 @@ def seconds_param(params: Mapping[str, str], name: str, default: float, high: fl
         msg = f"{name} must be between 0 and {high:g} seconds, got {raw[:40]!r}"
         raise BadRequest(msg)
     return value
+
+
+def parse_query(query: str, allowed: tuple[str, ...]) -> dict[str, str]:
+    """Query parameters as a dict; unknown, repeated or malformed ones raise :class:`BadRequest`."""
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=len(allowed) + 1)
+    except ValueError as exc:
+        msg = f"malformed query string ({exc})"
+        raise BadRequest(msg) from None
+    params: dict[str, str] = {}
+    for name, value in pairs:
+        if name not in allowed:
+            known = ", ".join(allowed) or "none"
+            msg = f"unknown query parameter {name[:40]!r}; this route takes: {known}"
+            raise BadRequest(msg)
+        if name in params:
+            msg = f"query parameter {name!r} given more than once"
+            raise BadRequest(msg)
+        params[name] = value
+    return params
 
 
 @dataclass(frozen=True)
