@@ -54,6 +54,7 @@ from torpor.telemetry.tracker import Source
 logger = logging.getLogger("torpor.telemetry")
 
 MAX_URL = 4096
+_POLLRDHUP: int = getattr(select, "POLLRDHUP", 0)  # Linux: the peer closed its end; elsewhere a peek tells
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 __all__ = ["BadRequest", "Server", "int_param", "parse_query", "seconds_param", "serve"]
@@ -293,10 +294,10 @@ class Server:
             poller.register(waker.fd, select.POLLIN)
             client = handler.connection.fileno()
             if watch_client:
-                poller.register(client, select.POLLIN | select.POLLRDHUP)
+                poller.register(client, select.POLLIN | _POLLRDHUP)
             ready = dict(poller.poll(remaining * 1000.0))
             if client in ready and watch_client:
-                if ready[client] & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) or handler.hung_up():
+                if ready[client] & (_POLLRDHUP | select.POLLHUP | select.POLLERR) or handler.hung_up():
                     return False
                 watch_client = False  # it sent more (a pipelined request): stop watching, it is not a hang-up
             if not ready:
