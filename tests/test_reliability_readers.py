@@ -105,6 +105,42 @@ def test_a_deleted_middle_segment_reads_on_from_the_next_snapshot(
     assert replay(path).last_seq == 14
 
 
+@pytest.mark.parametrize("new_file", ["empty", "snapshot"])
+def test_a_rotation_between_listing_and_reading_is_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, new_file: str
+) -> None:
+    """The active file renamed just before the reader opens it (new file empty, or opened by its snapshot): no event is lost."""
+    import torpor.statemachine.log as log_module
+
+    path = tmp_path / "r.jsonl"
+    proj = Projection()
+    log = EventLog(path, fsync=False)
+    _append(log, proj, 3)
+    snap = _snapshot(log, proj)
+    log.rotate(snap)
+    proj.apply(snap)
+    _append(log, proj, 3)  # segment r.jsonl.1 holds #1..#3; the active file #4 (snapshot) .. #7
+    expected = list(range(1, 8))
+    real = log_module._read_file
+    rotated = []
+
+    def rotating(file: Path) -> tuple[list[bytes], bytes]:
+        if file == path and not rotated:  # the writer rotates right before the reader opens the active file
+            rotated.append(1)
+            snap = _snapshot(log, proj)
+            log.rotate(snap)
+            proj.apply(snap)
+            if new_file == "empty":
+                path.write_bytes(b"")  # a crash right after the rename: the new file has no line yet
+            else:
+                expected.append(snap.seq)
+        return real(file)
+
+    monkeypatch.setattr(log_module, "_read_file", rotating)
+    assert [e.seq for e in read_events(path)] == expected
+    log.close()
+
+
 # -- malformed payloads -------------------------------------------------------------------
 
 _BAD = {

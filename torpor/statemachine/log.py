@@ -240,6 +240,8 @@ def _events(path: str | os.PathLike[str], max_line: int, *, one_file: bool) -> I
                 len(torn_tail),
             )
         if first is None:
+            if head is None and (picked := _next_file(active, expected, done)) is not None and picked[0] is not None:
+                continue  # an empty new active file: a rotation renamed the one we listed; read that segment first
             return  # the active file is the last
 
 
