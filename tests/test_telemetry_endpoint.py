@@ -358,3 +358,22 @@ def test_a_real_prometheus_scrape_takes_the_fast_path(controller: SleepControlle
     assert "application/openmetrics-text" in accept  # Prometheus prefers OpenMetrics...
     assert "gzip" in encoding
     assert len(rendered) >= 1  # ...and got the fast renderer's text format
+
+
+def test_a_small_max_events_still_pages_through_the_window(controller: SleepController) -> None:
+    """max_events bounds one response, not the window: a client pages through every recent event with after."""
+    for _ in range(20):
+        controller.observe()
+    with serve(controller, 0, max_events=5) as srv:
+        after, seen = 0, []
+        while True:
+            status, headers, body = fetch(f"{srv.url}/events?after={after}")
+            assert status == 200
+            batch = [json.loads(line)["seq"] for line in body.splitlines()]
+            assert len(batch) <= 5
+            if not batch:
+                break
+            seen += batch
+            after = batch[-1]
+        assert seen == list(range(1, controller.last_seq + 1))
+        assert headers["X-Torpor-Last-Seq"] == str(controller.last_seq)

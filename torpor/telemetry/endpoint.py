@@ -54,6 +54,8 @@ from torpor.telemetry.tracker import Source
 logger = logging.getLogger("torpor.telemetry")
 
 MAX_URL = 4096
+#: Events the endpoint keeps for ``/events`` (at least; more when ``max_events`` is larger): a controller's default window.
+KEEP_EVENTS = 10_000
 _POLLRDHUP: int = getattr(select, "POLLRDHUP", 0)  # Linux: the peer closed its end; elsewhere a peek tells
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -172,7 +174,7 @@ class Server:
         #: ``/events`` long-polls waiting right now.
         self.waiting = 0
         self._on_close = on_close
-        self.feed = EventFeed(source, keep=max_events) if source is not None else None
+        self.feed = EventFeed(source, keep=max(max_events, KEEP_EVENTS)) if source is not None else None
         self._state_cache: tuple[int, bytes] = (-1, b"")
         self.routes: dict[str, Callable[[_Handler, str], None]] = {"/metrics": self._metrics}
         if source is not None:
