@@ -6,6 +6,7 @@ from torpor import errors
 from torpor.errors import (
     CommandInFlight,
     EndpointError,
+    HostBudgetExceeded,
     InvalidLevel,
     InvalidTransition,
     LogCorrupted,
@@ -20,10 +21,14 @@ from torpor.errors import (
 )
 from torpor.statemachine import (
     Action,
+    AfterWake,
+    DeviceMemory,
     Event,
     EventKind,
     EventLog,
+    HostMemoryPolicy,
     Memory,
+    PinWhen,
     Policy,
     Projection,
     SleepController,
@@ -72,13 +77,17 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Action",
+    "AfterWake",
     "Client",
     "CommandInFlight",
     "CudaDriver",
+    "DeviceMemory",
     "EndpointError",
     "Event",
     "EventKind",
     "EventLog",
+    "HostBudgetExceeded",
+    "HostMemoryPolicy",
     "HostPolicy",
     "InvalidLevel",
     "InvalidTransition",
@@ -87,6 +96,7 @@ __all__ = [
     "MemoryOperationFailed",
     "NotRecovered",
     "OutOfMemory",
+    "PinWhen",
     "Policy",
     "PoolBusy",
     "Projection",

@@ -58,6 +58,26 @@ def _usage(value: Any) -> str | None:
     return None
 
 
+def _opt_int(value: Any) -> str | None:
+    return None if value is None else _int(value)
+
+
+def _opt_mapping(value: Any) -> str | None:
+    return None if value is None else _mapping(value)
+
+
+def _device(value: Any) -> str | None:
+    """null, or an object of integer byte counts (``total``, ``in_use``, ``tagged``, ``untagged``)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        return f"must be an object of byte counts or null, got {type(value).__name__}"
+    for name, nbytes in value.items():
+        if type(nbytes) is not int or not -MAX_INT <= nbytes <= MAX_INT:
+            return f"[{name!r}] must be an integer, got {_short(nbytes)}"
+    return None
+
+
 def _tags(value: Any) -> str | None:
     if value is None:
         return None
@@ -98,20 +118,32 @@ _Check = Callable[[Any], str | None]
 # Per kind: (required fields, optional fields), each a name -> check.
 _TAG_BYTES: dict[str, _Check] = {"tag": _str, "bytes": _int}
 _RULES: dict[EventKind, tuple[dict[str, _Check], dict[str, _Check]]] = {
-    EventKind.OPENED: ({}, {"usage": _usage, "memory": _str}),
+    EventKind.OPENED: ({}, {"usage": _usage, "memory": _str, "host": _opt_mapping}),
     EventKind.RECOVERED: ({}, {"usage": _usage}),
     EventKind.SLEEP_REQUESTED: ({"level": _int}, {"usage": _usage, "plan": _mapping}),
     EventKind.TAG_BACKED_UP: (_TAG_BYTES, {"seconds": _num}),
     EventKind.TAG_RELEASED: (_TAG_BYTES, {"action": _str, "seconds": _num}),
     EventKind.SLEEP_COMPLETED: (
         {},
-        {"level": _int, "seconds": _num, "freed": _int, "offloaded": _int, "discarded": _int, "pinned": _int},
+        {
+            "level": _int,
+            "seconds": _num,
+            "freed": _int,
+            "offloaded": _int,
+            "discarded": _int,
+            "pinned": _int,
+            "host_budget": _opt_int,
+            "device": _device,
+        },
     ),
     EventKind.SLEEP_ABORTED: ({}, {"level": _int, "seconds": _num, "reason": _opt_str, "error": _opt_str}),
     EventKind.WAKE_REQUESTED: ({}, {"tags": _tags, "restoring": _tags}),
     EventKind.TAG_RESTORED: (_TAG_BYTES, {"source": _str, "seconds": _num}),
     EventKind.TAG_ROLLED_BACK: (_TAG_BYTES, {"action": _str}),
-    EventKind.WAKE_COMPLETED: ({}, {"tags": _tags, "seconds": _num, "restored": _int, "pinned": _int, "usage": _usage}),
+    EventKind.WAKE_COMPLETED: (
+        {},
+        {"tags": _tags, "seconds": _num, "restored": _int, "pinned": _int, "host_released": _int, "usage": _usage},
+    ),
     EventKind.WAKE_FAILED: ({}, {"tags": _tags, "seconds": _num, "reason": _opt_str, "error": _opt_str}),
     EventKind.TAG_DISCARDED: (_TAG_BYTES, {}),
     EventKind.DISCARD_COMPLETED: ({}, {"tags": _tags, "seconds": _num, "reason": _opt_str, "error": _opt_str}),
