@@ -69,6 +69,7 @@ def test_core_works_without_torch(tmp_path: Path) -> None:
         from torpor.telemetry import attach, serve, render_dashboard
         from torpor.testing import FakeMemory
         from torpor.hooks import fleet, follow
+        import torpor.client  # an RL controller's client
 
         ctl = SleepController(FakeMemory({"weights": 1 << 20}), log="logs", engine="e", rank=0, fsync=False)
         telemetry = attach(ctl)

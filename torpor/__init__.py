@@ -5,6 +5,8 @@ from __future__ import annotations
 from torpor import errors
 from torpor.errors import (
     CommandInFlight,
+    EndpointError,
+    GroupFailed,
     HostBudgetExceeded,
     InvalidLevel,
     InvalidTransition,
@@ -14,6 +16,7 @@ from torpor.errors import (
     NotRecovered,
     OutOfMemory,
     PoolBusy,
+    StateTimeout,
     TorporError,
     UnknownSchemaVersion,
     UnknownTag,
@@ -54,6 +57,7 @@ _LAZY = {
     "capture_pool": "torpor.hooks",
     "follow": "torpor.hooks",
     "fleet": "torpor.hooks",
+    "Client": "torpor.client",
 }
 
 
@@ -76,12 +80,15 @@ def __dir__() -> list[str]:
 __all__ = [
     "Action",
     "AfterWake",
+    "Client",
     "CommandInFlight",
     "CudaDriver",
     "DeviceMemory",
+    "EndpointError",
     "Event",
     "EventKind",
     "EventLog",
+    "GroupFailed",
     "HostBudgetExceeded",
     "HostMemoryPolicy",
     "HostPolicy",
@@ -100,6 +107,7 @@ __all__ = [
     "SimDriver",
     "SleepController",
     "State",
+    "StateTimeout",
     "TagUsage",
     "TaggedAllocator",
     "TorporError",

@@ -168,6 +168,55 @@ class MissingExtra(TorporError, ImportError):
         super().__init__(msg, name=module)
 
 
+class GroupFailed(TorporError, RuntimeError):
+    """A collective command failed on some rank of a group, so every rank undid its part.
+
+    ``ranks`` maps each failed rank to why (its error, or that it did not vote
+    in time); ``command``, ``group`` (the group's name), ``round`` (the
+    group's command number) and ``size`` say what was agreed on. Raised on
+    every rank of the group alike.
+    """
+
+    def __init__(self, command: str, group: str, round: int, size: int, ranks: dict[int, str]) -> None:
+        self.command = command
+        self.group = group
+        self.round = round
+        self.size = size
+        self.ranks = dict(sorted(ranks.items()))
+        which = ", ".join(str(r) for r in self.ranks)
+        why = "; ".join(f"rank {r}: {reason}" for r, reason in self.ranks.items())
+        super().__init__(
+            f"{command} failed on rank {which} of group {group!r} ({size} ranks, command #{round}), so every "
+            f"rank rolled back to its state before the command ({why}); fix the cause and retry on every rank"
+        )
+
+
+class EndpointError(TorporError, RuntimeError):
+    """An endpoint refused a request or could not be reached (:mod:`torpor.client`).
+
+    ``url`` is the request, ``status`` the HTTP status (None when no answer
+    came), ``reason`` what the server (or the network) said.
+    """
+
+    def __init__(self, url: str, status: int | None, reason: str) -> None:
+        self.url = url
+        self.status = status
+        self.reason = reason
+        answer = f"answered {status}" if status is not None else "did not answer"
+        super().__init__(f"{url} {answer}: {reason}")
+
+
+class StateTimeout(TorporError, TimeoutError):
+    """``Client.wait_for`` ran out of time: names the state wanted and the state seen last."""
+
+    def __init__(self, wanted: str, seen: str, timeout: float, url: str) -> None:
+        self.wanted = wanted
+        self.seen = seen
+        self.timeout = timeout
+        self.url = url
+        super().__init__(f"{url}: the rank did not reach {wanted!r} within {timeout:g} s; it is {seen!r}")
+
+
 class HostBudgetExceeded(TorporError, RuntimeError):
     """A sleep whose backups would pin more host memory than the host-memory budget allows (nothing was touched).
 
