@@ -380,15 +380,16 @@ def test_pending_copies_finish_before_free_reuses_memory() -> None:
     assert intact(alloc, dict(list(data.items())[4:]))
 
 
-def test_allocations_after_backup_block_the_release() -> None:
-    """An allocation made after the tag's backup would lose its bytes: release refuses and leaves the tag resident."""
+def test_allocations_after_backup_are_refused_until_the_backup_goes() -> None:
+    """From its backup to its release a tag refuses new allocations (they would lose their bytes); dropping the backup ends that."""
     _, alloc = make()
-    fill(alloc, "w", [G])
+    data = fill(alloc, "w", [G])
     alloc.backup(["w"])
+    with pytest.raises(AllocatorError, match="going to sleep"):
+        alloc.allocate(G, "w")
+    alloc.drop_backup(["w"])
     alloc.allocate(G, "w")
-    with pytest.raises(AllocatorError, match="after its backup"):
-        alloc.release(["w"])
-    assert alloc.usage()["w"].resident == 2 * G
+    assert alloc.usage()["w"].resident == 2 * G and intact(alloc, data)
 
 
 def test_frees_from_other_threads() -> None:
