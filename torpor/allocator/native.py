@@ -30,7 +30,7 @@ _int = ctypes.c_int
 class TpErr(ctypes.Structure):
     """One failure, as the library reports it (``tp_err`` in csrc/tp.h)."""
 
-    _fields_ = [  # noqa: RUF012 (ctypes layout)
+    _fields_ = [
         ("code", _int),
         ("oom", _int),
         ("tag", _int),
@@ -83,7 +83,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "tp_sim_release": (_int, [_p, _u64, _E]),
     "tp_sim_granularity": (_int, [_p, _int, _U, _E]),
 }
-_lib: ctypes.CDLL | None = None
+_loaded: dict[str, ctypes.CDLL] = {}
 _load_lock = threading.Lock()
 
 
@@ -95,11 +95,11 @@ def library_path() -> Path:
 
 def lib() -> ctypes.CDLL:
     """The loaded library (loaded once); a clear error when it was not built."""
-    global _lib
-    if _lib is not None:
-        return _lib
+    found = _loaded.get("lib")
+    if found is not None:
+        return found
     with _load_lock:
-        if _lib is None:
+        if "lib" not in _loaded:
             path = library_path()
             if not path.exists():
                 msg = (
@@ -112,8 +112,8 @@ def lib() -> ctypes.CDLL:
                 fn = getattr(loaded, name)
                 fn.restype = restype
                 fn.argtypes = argtypes
-            _lib = loaded
-    return _lib
+            _loaded["lib"] = loaded
+    return _loaded["lib"]
 
 
 def error_of(err: TpErr, tag: str | None) -> AllocatorError:

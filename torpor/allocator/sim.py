@@ -56,7 +56,9 @@ class SimDriver(Driver):
         self.lib = native.lib()
         self.native_sim = self.lib.tp_sim_new(devices, capacity, granularity)
         if not self.native_sim:
-            msg = f"cannot simulate {devices} device(s) with a granularity of {granularity} (a multiple of the page size)"
+            msg = (
+                f"cannot simulate {devices} device(s) with a granularity of {granularity} (a multiple of the page size)"
+            )
             raise ValueError(msg)
         self.capacity = capacity
         self.host_capacity = host_capacity if host_capacity is not None else 4 * capacity
@@ -133,7 +135,9 @@ class SimDriver(Driver):
     def _native(self, name: str, *args: Any) -> int:
         err = native.TpErr()
         out = ctypes.c_uint64()
-        rc = getattr(self.lib, name)(self.native_sim, *args, *([ctypes.byref(out)] if name in _OUT else []), ctypes.byref(err))
+        rc = getattr(self.lib, name)(
+            self.native_sim, *args, *([ctypes.byref(out)] if name in _OUT else []), ctypes.byref(err)
+        )
         if rc != 0:
             call = err.call.decode() or name.removeprefix("tp_sim_")
             cls = DriverOutOfMemory if err.oom else DriverError

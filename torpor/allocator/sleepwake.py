@@ -135,7 +135,9 @@ class SleepWake:
                     self.driver.wait(self.driver.record(device))
             except Exception as exc:
                 self._rollback_restore(todo, lives)
-                logger.warning("Rolling back %d mapped allocation(s) after a failed wake", sum(map(len, lives.values())))
+                logger.warning(
+                    "Rolling back %d mapped allocation(s) after a failed wake", sum(map(len, lives.values()))
+                )
                 raise wrap("restore", current or None, exc) from exc
             seconds = time.perf_counter() - start
             out = {t: Transfer(t, 0, 0.0, self._tags[t].backed_up) for t in tags}

@@ -246,7 +246,9 @@ class TaggedAllocator(SleepWake):
                 self._torch_pools().drop(pool)  # torch frees the segments through the native free
                 left = self.table.usage(GRAPH_TAG)[1]
                 if left:
-                    logger.warning("%d bytes of the released graph pool are still allocated (tensors of it alive)", left)
+                    logger.warning(
+                        "%d bytes of the released graph pool are still allocated (tensors of it alive)", left
+                    )
             elif GRAPH_TAG in self._tags:
                 for address, _, _ in self.table.allocations(GRAPH_TAG):
                     self.free(address)
