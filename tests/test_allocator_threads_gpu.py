@@ -41,19 +41,17 @@ class Worker:
     errors: list[str] = field(default_factory=list)
 
 
-def _run_worker(alloc: TaggedAllocator, w: Worker, stop: threading.Event, awake: threading.Event) -> None:
-    """Allocate and free tensors in this thread's tags (making a new tag, hence a new pool, every 40 rounds)."""
+def _run_worker(alloc: TaggedAllocator, w: Worker, stop: threading.Event) -> None:
+    """Allocate and free tensors in this thread's tags (a new tag, hence a new pool, every 40 rounds); no kernels.
+
+    Nothing here touches the memory: a tag may be asleep between two lines, and an
+    engine does not run kernels while asleep.
+    """
     rng = random.Random(w.index)
     try:
         while not stop.is_set():
             if w.rounds % 40 == 0 and len(w.tags) < 6:
-                tag = f"worker{w.index}.{len(w.tags)}"
-                w.tags.append(tag)
-                if awake.is_set():  # a tensor kept for the whole run, read only by the main thread after wakes
-                    with alloc.use_memory_pool(tag):
-                        t = torch.full((1 << 18,), w.index * 16 + len(w.tags), dtype=torch.int32, device="cuda")
-                    torch.cuda.synchronize()
-                    w.keep[tag], w.keep_host[tag] = t, t.cpu()
+                w.tags.append(f"worker{w.index}.{len(w.tags)}")  # its pool is made in this thread, on first use
             tag = rng.choice(w.tags)
             try:
                 with alloc.use_memory_pool(tag):
@@ -94,10 +92,15 @@ def test_four_threads_allocate_in_tags_while_the_main_thread_sleeps_and_wakes() 
         with alloc.use_memory_pool("runtime"):
             x = torch.randn(256, 2048, device="cuda")
         w_host, ref = w.cpu(), (x @ w).cpu()
-        stop, awake = threading.Event(), threading.Event()
-        awake.set()
+        stop = threading.Event()
         workers = [Worker(i) for i in range(4)]
-        threads = [threading.Thread(target=_run_worker, args=(alloc, wk, stop, awake), daemon=True) for wk in workers]
+        for wk in workers:  # each worker's first tag holds a tensor the main thread checks after every wake
+            tag = f"worker{wk.index}.main"
+            with alloc.use_memory_pool(tag):
+                t = torch.full((1 << 18,), wk.index + 7, dtype=torch.int32, device="cuda")
+            wk.tags.append(tag)
+            wk.keep[tag], wk.keep_host[tag] = t, t.cpu()
+        threads = [threading.Thread(target=_run_worker, args=(alloc, wk, stop), daemon=True) for wk in workers]
         stats_count, stats_errors = [0], []
         threads.append(threading.Thread(target=_run_stats, args=(stop, stats_count, stats_errors), daemon=True))
         for t in threads:
@@ -110,11 +113,9 @@ def test_four_threads_allocate_in_tags_while_the_main_thread_sleeps_and_wakes() 
             if time.monotonic() >= next_sleep:
                 torch.cuda.synchronize()
                 assert torch.equal(y.cpu(), ref), "compute drifted while awake"
-                awake.clear()
                 ctl.sleep(1)
                 assert ctl.state is State.ASLEEP_L1
                 ctl.wake()
-                awake.set()
                 assert ctl.state is State.AWAKE
                 torch.cuda.synchronize()
                 assert torch.equal(w.cpu(), w_host), f"weights changed across wake {cycles + 1}"
