@@ -35,6 +35,7 @@ class TorchPools:
         self._allocators: dict[str, Any] = {}
         self._pools: dict[str, Any] = {}
         self._local = threading.local()
+        self._devices: set[int] = set()
         self._lock = threading.RLock()
         atexit.register(self.close)  # pools go while the library's context is alive (torch frees into it)
 
@@ -71,6 +72,10 @@ class TorchPools:
         import torch
 
         stack: list[list[Any]] = self._local.__dict__.setdefault("stack", [])
+        device = torch.cuda.current_device()
+        if device not in self._devices:  # the copy/pinning side works in this device's context, not GPU 0's
+            self.allocator.driver.ensure_context(device)
+            self._devices.add(device)
         pool = self.pool(tag)
         if stack:  # torch serves the first matching pool: step out of the outer one while inside
             stack[-1][1].__exit__(None, None, None)
