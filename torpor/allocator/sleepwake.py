@@ -214,12 +214,16 @@ class SleepWake:
             self.host.give(gone)
 
     def _release_tag(self, tag: str, record: TagState) -> None:
-        state = self.table.usage(tag)[0]
-        if record.backed_up and state == native.ACTIVE:
-            msg = f"tag {tag!r} was awake since its backup (the backup is stale); back it up again"
-            raise AllocatorError("release", tag, msg)
-        if state == native.ACTIVE:  # released without a backup (discarded)
+        if self.table.usage(tag)[0] == native.ACTIVE:  # discarded, or released again on a kept backup
             self.table.freeze(tag)
+            if record.backed_up:  # the backup a wake copied in (a failed wake's rollback): it must cover every allocation
+                live = self.table.allocations(tag)
+                self._forget_freed(record, live)
+                missing = [a for a, _, _ in live if a not in record.backups]
+                if missing:
+                    self._thaw_quietly(tag)
+                    msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
+                    raise AllocatorError("release", tag, msg)
         try:
             for event, lo, hi in record.pending:
                 self.driver.wait(event)

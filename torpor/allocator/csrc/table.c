@@ -456,6 +456,7 @@ static void *slot_malloc(int slot, long long size, int dev) {
   tp_ctx *c = __atomic_load_n(&g_slots[slot].ctx, __ATOMIC_ACQUIRE);
   int tag = g_slots[slot].tag;
   uint64_t addr = 0;
+  if (!c) return NULL;
   tp_err e;
   memset(&e, 0, sizeof e);
   pthread_mutex_lock(&c->mu);
@@ -467,8 +468,8 @@ static void *slot_malloc(int slot, long long size, int dev) {
 }
 
 static void slot_free(int slot, void *ptr, int dev) {
-  if (!ptr) return;
   tp_ctx *c = __atomic_load_n(&g_slots[slot].ctx, __ATOMIC_ACQUIRE);
+  if (!ptr || !c) return;
   int tag = g_slots[slot].tag;
   tp_err e;
   memset(&e, 0, sizeof e);
@@ -479,21 +480,21 @@ static void slot_free(int slot, void *ptr, int dev) {
   pthread_mutex_unlock(&c->mu);
 }
 
-#define TP_SLOT(i)                                                                                   \
-  static void *slot_malloc_##i(long long size, int dev, void *stream) {                              \
+#define TP_SLOT(b, k)                                                                                \
+  static void *slot_malloc_##b##_##k(long long size, int dev, void *stream) {                        \
     (void)stream;                                                                                    \
-    return slot_malloc(i, size, dev);                                                                \
+    return slot_malloc((b) * 8 + (k), size, dev);                                                    \
   }                                                                                                  \
-  static void slot_free_##i(void *ptr, long long size, int dev, void *stream) {                      \
+  static void slot_free_##b##_##k(void *ptr, long long size, int dev, void *stream) {                \
     (void)size;                                                                                      \
     (void)stream;                                                                                    \
-    slot_free(i, ptr, dev);                                                                          \
+    slot_free((b) * 8 + (k), ptr, dev);                                                              \
   }
-#define TP_SLOT8(b) TP_SLOT(b##0) TP_SLOT(b##1) TP_SLOT(b##2) TP_SLOT(b##3) TP_SLOT(b##4) TP_SLOT(b##5) TP_SLOT(b##6) TP_SLOT(b##7)
+#define TP_SLOT8(b) TP_SLOT(b, 0) TP_SLOT(b, 1) TP_SLOT(b, 2) TP_SLOT(b, 3) TP_SLOT(b, 4) TP_SLOT(b, 5) TP_SLOT(b, 6) TP_SLOT(b, 7)
 TP_SLOT8(0) TP_SLOT8(1) TP_SLOT8(2) TP_SLOT8(3) TP_SLOT8(4) TP_SLOT8(5) TP_SLOT8(6) TP_SLOT8(7)
 TP_SLOT8(8) TP_SLOT8(9) TP_SLOT8(10) TP_SLOT8(11) TP_SLOT8(12) TP_SLOT8(13) TP_SLOT8(14) TP_SLOT8(15)
-#define TP_PAIR(i) {slot_malloc_##i, slot_free_##i},
-#define TP_PAIR8(b) TP_PAIR(b##0) TP_PAIR(b##1) TP_PAIR(b##2) TP_PAIR(b##3) TP_PAIR(b##4) TP_PAIR(b##5) TP_PAIR(b##6) TP_PAIR(b##7)
+#define TP_PAIR(b, k) {slot_malloc_##b##_##k, slot_free_##b##_##k},
+#define TP_PAIR8(b) TP_PAIR(b, 0) TP_PAIR(b, 1) TP_PAIR(b, 2) TP_PAIR(b, 3) TP_PAIR(b, 4) TP_PAIR(b, 5) TP_PAIR(b, 6) TP_PAIR(b, 7)
 static const struct {
   void *(*malloc_fn)(long long, int, void *);
   void (*free_fn)(void *, long long, int, void *);
