@@ -216,7 +216,9 @@ class SleepWake:
     def _release_tag(self, tag: str, record: TagState) -> None:
         if self.table.usage(tag)[0] == native.ACTIVE:  # discarded, or released again on a kept backup
             self.table.freeze(tag)
-            if record.backed_up:  # the backup a wake copied in (a failed wake's rollback): it must cover every allocation
+            if (
+                record.backed_up
+            ):  # the backup a wake copied in (a failed wake's rollback): it must cover every allocation
                 live = self.table.allocations(tag)
                 self._forget_freed(record, live)
                 missing = [a for a, _, _ in live if a not in record.backups]
