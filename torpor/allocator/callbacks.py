@@ -73,8 +73,8 @@ class TorchPools:
 
         stack: list[list[Any]] = self._local.__dict__.setdefault("stack", [])
         device = torch.cuda.current_device()
-        if device not in self._devices:  # the copy/pinning side works in this device's context, not GPU 0's
-            self.allocator.driver.ensure_context(device)
+        if device not in self._devices:  # the copy/pinning side: this device's context and copy stream, made now
+            self.allocator.driver.prepare_device(device)
             self._devices.add(device)
         pool = self.pool(tag)
         if stack:  # torch serves the first matching pool: step out of the outer one while inside
