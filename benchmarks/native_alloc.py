@@ -70,7 +70,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
     del kept
     pools = alloc._torch_pools()
-    pool = pools._pools.pop("seg")
+    pool = pools._pools.pop("seg")  # the tag's MemPool (a list of per-block pools on the native path)
     gc.collect()
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -236,3 +236,65 @@ def test_release_again_on_a_kept_backup_refuses_allocations_made_after_it() -> N
     with pytest.raises(AllocatorError, match="made after its backup"):
         alloc.release(["w"])
     assert alloc.usage()["w"].resident == 3 * G
+
+
+def test_trim_gives_a_segment_back_but_keeps_its_address_until_torch_frees_it() -> None:
+    """A trimmed segment's memory goes at once; usage no longer counts it; its address is not reused before the free."""
+    sim, alloc = make()
+    a = alloc.allocate(2 * G, "w")
+    b = alloc.allocate(2 * G, "w")
+    alloc.table.trim(a)
+    alloc.table.trim(a)  # idempotent
+    assert sim.used == 2 * G and alloc.usage()["w"].allocations == 1 and alloc.usage()["w"].resident == 2 * G
+    c = alloc.allocate(2 * G, "w")
+    assert c not in (a, b)
+    alloc.free(a)  # torch drops the pool: the record goes, the address is free again
+    assert alloc.allocate(2 * G, "w") == a
+
+
+def test_a_trimmed_slab_granule_is_not_handed_out_before_torch_frees_it() -> None:
+    """Inside a slab a trimmed granule stays taken (torch still holds it); freed, it is spare again."""
+    _, alloc = make(slab_bytes=8 * G)
+    first, second = alloc.allocate(G, "w"), alloc.allocate(G, "w")
+    alloc.table.trim(first)
+    third = alloc.allocate(G, "w")
+    assert third not in (first, second) and alloc.slabs.count() == 2
+    alloc.free(first)
+    assert alloc.allocate(G, "w") == first
+
+
+def test_a_sleep_trims_nothing_torch_holds_live_and_skips_trimmed_segments() -> None:
+    """A trimmed segment is neither backed up nor mapped back on wake; the live ones come back bit-exact."""
+    sim, alloc = make()
+    a, b = alloc.allocate(2 * G, "w"), alloc.allocate(2 * G, "w")
+    alloc.write(b, b"b" * 2 * G)
+    alloc.table.trim(a)
+    moved = alloc.backup(["w"])["w"].bytes
+    alloc.release(["w"])
+    alloc.restore(["w"])
+    assert moved == 2 * G and sim.used == 2 * G and alloc.read(b, 2 * G) == b"b" * 2 * G
+
+
+class HalfLive(TaggedAllocator):
+    """An allocator whose "torch" says only the first half of each allocation is in use."""
+
+    def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+        return {a: [(a, n // 2)] for a, n, _ in self.table.allocations(tag)}
+
+
+def test_sleep_copies_only_the_blocks_in_use_and_wake_restores_them() -> None:
+    """With half of each segment free in torch's pool, the backup moves half the bytes and the live halves come back."""
+    sim = SimDriver(256 * MiB, granularity=G)
+    alloc = HalfLive(sim, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=0)
+    data = {}
+    for _ in range(6):
+        a = alloc.allocate(4 * G, "w")
+        data[a] = os.urandom(4 * G)
+        alloc.write(a, data[a])
+    moved = alloc.backup(["w"])["w"].bytes
+    copied = sum(c.call == "copy_d2h" for c in sim.calls)
+    alloc.release(["w"])
+    assert moved == 12 * G and sim.used == 0 and copied >= 1
+    alloc.restore(["w"])
+    assert all(alloc.read(a, 2 * G) == b[: 2 * G] for a, b in data.items())
+    assert alloc.host.used_bytes() == 12 * G

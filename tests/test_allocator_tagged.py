@@ -168,6 +168,7 @@ def test_a_freed_slab_granule_is_reused_without_a_driver_call() -> None:
     data = fill(alloc, "w", [G] * 6)
     first = sorted(data)[2]
     alloc.free(first)
+    assert alloc.wait_host_ready(30)  # the pinner's own calls are not the allocation's
     calls = len(sim.calls)
     again = alloc.allocate(G, "w")
     assert again == first and len(sim.calls) == calls

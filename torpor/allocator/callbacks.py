@@ -27,20 +27,54 @@ if TYPE_CHECKING:
 _KEEP_ALIVE: list[object] = []  # torch allocators made on native slots: never collected
 
 
+def segments(mempool: Any) -> list[dict[str, Any]]:
+    """Torch's snapshot of one pool: its segments, each with its blocks (lightweight: no traces)."""
+    import torch
+
+    try:
+        found = torch.cuda.memory_snapshot(mempool.id, include_traces=False)  # type: ignore[no-untyped-call]
+    except TypeError:  # torch before include_traces
+        found = torch.cuda.memory_snapshot(mempool.id)  # type: ignore[no-untyped-call]
+    return list(found)
+
+
+def live_blocks(segment: dict[str, Any]) -> list[tuple[int, int]]:
+    """(address, size) of the blocks of a segment that are not free ("inactive"), adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    pos = int(segment["address"])
+    for block in segment.get("blocks", []):
+        size = int(block["size"])
+        start = int(block.get("address", pos))
+        if block.get("state") != "inactive":
+            if out and out[-1][0] + out[-1][1] == start:
+                out[-1] = (out[-1][0], out[-1][1] + size)
+            else:
+                out.append((start, size))
+        pos = start + size
+    return out
+
+
 class TorchPools:
-    """One pluggable allocator and MemPool per tag, plus the generations of the graph pool."""
+    """One pluggable allocator per tag; a fresh MemPool per ``use_memory_pool`` block; the graph pool's generations.
+
+    A block's pool is never allocated from once the block ends, so its free
+    segments can go back: :meth:`trim` unmaps the segments torch holds entirely
+    free in pools no block uses (the library keeps their records until torch
+    frees them), and drops a pool once none of its blocks is allocated (torch
+    then frees its segments through the native free).
+    """
 
     def __init__(self, allocator: TaggedAllocator) -> None:
         self.allocator = allocator
         self._allocators: dict[str, Any] = {}
-        self._pools: dict[str, Any] = {}
+        self._pools: dict[str, list[list[Any]]] = {}  # tag -> [[MemPool, blocks using it], ...]
         self._local = threading.local()
         self._devices: set[int] = set()
         self._lock = threading.RLock()
         atexit.register(self.close)  # pools go while the library's context is alive (torch frees into it)
 
     def torch_allocator(self, tag: str) -> Any:
-        """The ``_cuda_CUDAAllocator`` whose callbacks allocate under ``tag`` (made once per tag)."""
+        """The ``_cuda_CUDAAllocator`` whose malloc/free allocate under ``tag`` (made once per tag)."""
         import torch
 
         with self._lock:
@@ -53,22 +87,24 @@ class TorchPools:
                 self._allocators[tag] = found
             return found
 
-    def pool(self, tag: str) -> Any:
-        """The MemPool of ``tag`` (created on first use, kept for the process)."""
+    def _new_pool(self, tag: str) -> list[Any]:
         import torch
 
-        found = self._pools.get(tag)
-        if found is None:
-            with self._lock:  # safe to hold across torch: the native malloc/free never take it
-                found = self._pools.get(tag)
-                if found is None:
-                    found = torch.cuda.MemPool(self.torch_allocator(tag))
-                    self._pools[tag] = found
-        return found
+        with self._lock:  # safe to hold across torch: the native malloc/free never take it
+            entry = [torch.cuda.MemPool(self.torch_allocator(tag)), 1]
+            self._pools.setdefault(tag, []).append(entry)
+            return entry
+
+    def _done(self, entry: list[Any]) -> None:
+        with self._lock:
+            entry[1] -= 1
 
     @contextmanager
     def use(self, tag: str) -> Iterator[None]:
-        """Route this thread's torch allocations to ``tag``'s pool; an inner tag wins over an outer one."""
+        """Route this thread's torch allocations to a fresh pool of ``tag``; an inner tag wins over an outer one.
+
+        Entering trims the tag's older pools; leaving trims this block's pool.
+        """
         import torch
 
         stack: list[list[Any]] = self._local.__dict__.setdefault("stack", [])
@@ -76,22 +112,57 @@ class TorchPools:
         if device not in self._devices:  # the copy/pinning side: this device's context and copy stream, made now
             self.allocator.driver.prepare_device(device)
             self._devices.add(device)
-        pool = self.pool(tag)
+        self.trim([tag])
+        entry = self._new_pool(tag)
+        pool = entry[0]
         if stack:  # torch serves the first matching pool: step out of the outer one while inside
             stack[-1][1].__exit__(None, None, None)
         ctx = torch.cuda.use_mem_pool(pool)
         ctx.__enter__()
-        entry = [pool, ctx]
-        stack.append(entry)
+        frame = [pool, ctx]
+        stack.append(frame)
         try:
             yield
         finally:
             stack.pop()
-            entry[1].__exit__(None, None, None)
+            frame[1].__exit__(None, None, None)
             if stack:
                 outer = torch.cuda.use_mem_pool(stack[-1][0])
                 outer.__enter__()
                 stack[-1][1] = outer
+            self._done(entry)
+            self.trim([tag])
+
+    def trim(self, tags: list[str] | None = None) -> None:
+        """Return the free segments of pools no block uses (of ``tags``, or all), and drop pools left empty."""
+        dropped = False
+        with self._lock:
+            for tag in list(self._pools) if tags is None else tags:
+                keep = []
+                for entry in self._pools.get(tag, []):
+                    if entry[1] > 0:  # a block allocates from it
+                        keep.append(entry)
+                        continue
+                    segs = segments(entry[0])
+                    for seg in segs:
+                        if int(seg.get("allocated_size", 0)) == 0:
+                            self.allocator.table.trim(int(seg["address"]))
+                    if any(int(seg.get("allocated_size", 0)) for seg in segs):
+                        keep.append(entry)
+                    else:
+                        dropped = True  # torch frees its segments through the native free when it goes
+                if tag in self._pools:
+                    self._pools[tag] = keep
+        if dropped:
+            gc.collect(0)
+
+    def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+        """Segment address -> its blocks in use, over every pool of ``tag`` (None when torch never allocated in it)."""
+        with self._lock:
+            entries = list(self._pools.get(tag, []))
+        if not entries:
+            return None
+        return {int(seg["address"]): live_blocks(seg) for entry in entries for seg in segments(entry[0])}
 
     def new_graph_pool(self) -> GraphPool:
         """A fresh MemPool for the graph pool (tag cudagraph) wrapped as a :class:`GraphPool`."""
@@ -114,7 +185,7 @@ class TorchPools:
         gc.collect()
 
     def close(self) -> None:
-        """Drop every tag's MemPool so torch returns their cached segments (teardown)."""
+        """Drop every tag's pools so torch returns their cached segments (teardown)."""
         import torch
 
         if self._pools:

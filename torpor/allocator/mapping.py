@@ -15,8 +15,8 @@ from collections import deque
 from torpor.allocator.offload import Extent
 
 Live = tuple[int, int, int]  # address, size, device
-Piece = tuple[int, int, int, int]  # allocation address, start, size, device
-Backups = dict[int, list[Extent]]  # allocation address -> its host extents, in order
+Piece = tuple[int, int, int, int]  # key (an allocation's or a backed-up piece's address), start, size, device
+Backups = dict[int, list[Extent]]  # backed-up piece's start -> its host extents, in order
 
 
 def take_front(extents: deque[Extent], nbytes: int) -> list[Extent]:
@@ -46,23 +46,48 @@ def host_range(extents: list[Extent], offset: int, nbytes: int) -> list[tuple[in
     return out
 
 
-def assign(allocs: list[Live], extents: list[Extent]) -> Backups:
-    """Cut ``extents`` (as many bytes as the allocations) into each allocation's backup, in address order."""
+def assign(parts: list[Piece], extents: list[Extent]) -> Backups:
+    """Cut ``extents`` (as many bytes as the pieces) into each piece's backup, keyed by the piece's start."""
     rest = deque(extents)
-    return {address: take_front(rest, size) for address, size, _ in allocs}
+    return {start: take_front(rest, n) for _, start, n, _ in parts}
 
 
-def batches(allocs: list[Live], nbytes: int) -> list[list[Live]]:
-    """Consecutive allocations (by address) in batches of at least ``nbytes``, one device each."""
-    out: list[list[Live]] = []
-    current: list[Live] = []
+def live_pieces(allocs: list[Live], blocks: dict[int, list[tuple[int, int]]] | None) -> list[Piece]:
+    """What a backup copies of ``allocs``: the blocks in use per allocation when known, else each whole allocation."""
+    out: list[Piece] = []
+    for a, n, d in allocs:
+        used = blocks.get(a) if blocks is not None else None
+        if used is None:
+            out.append((a, a, n, d))
+            continue
+        for start, size in used:
+            lo, hi = max(start, a), min(start + size, a + n)
+            if lo < hi:
+                out.append((a, lo, hi - lo, d))
+    return out
+
+
+def clip(parts: list[Piece], lo: int, hi: int) -> list[Piece]:
+    """The backed-up pieces' parts inside ``[lo, hi)``, keyed by the piece's start (what :func:`copies` reads)."""
+    out: list[Piece] = []
+    for _, start, n, d in parts:
+        s, e = max(start, lo), min(start + n, hi)
+        if s < e:
+            out.append((start, s, e - s, d))
+    return out
+
+
+def batches(parts: list[Piece], nbytes: int) -> list[list[Piece]]:
+    """Consecutive pieces (by address) in batches of at least ``nbytes``, one device each."""
+    out: list[list[Piece]] = []
+    current: list[Piece] = []
     size = 0
-    for a in allocs:
-        if current and current[0][2] != a[2]:
+    for p in parts:
+        if current and current[0][3] != p[3]:
             out.append(current)
             current, size = [], 0
-        current.append(a)
-        size += a[1]
+        current.append(p)
+        size += p[2]
         if size >= nbytes:
             out.append(current)
             current, size = [], 0
@@ -114,14 +139,3 @@ def copies(parts: list[Piece], backups: Backups) -> list[tuple[int, int, int, in
 def whole(allocs: list[Live]) -> list[Piece]:
     """Each allocation as one piece."""
     return [(a, a, n, d) for a, n, d in allocs]
-
-
-def inside(allocs: list[Live], ranges: list[tuple[int, int]]) -> list[Piece]:
-    """The parts of ``allocs`` inside ``ranges`` (start, size), as pieces."""
-    out: list[Piece] = []
-    for lo, n in ranges:
-        for a, size, d in allocs:
-            s, e = max(a, lo), min(a + size, lo + n)
-            if s < e:
-                out.append((a, s, e - s, d))
-    return sorted(out, key=lambda p: p[1])

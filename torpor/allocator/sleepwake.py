@@ -23,7 +23,7 @@ from typing import Any
 from torpor.allocator import native
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, wrap
-from torpor.allocator.mapping import Backups, Live, assign, batches, copies, inside, pieces, spans, whole
+from torpor.allocator.mapping import Backups, Live, Piece, assign, batches, clip, copies, live_pieces, pieces, spans
 from torpor.allocator.offload import Extent, HostArena
 from torpor.allocator.table import NativeTable
 from torpor.errors import UnknownTag
@@ -37,7 +37,8 @@ class TagState:
     """Python's part of a tag: its backup (host extents per allocation) and the copies still in flight."""
 
     backed_up: bool = False
-    backups: Backups = field(default_factory=dict)
+    pieces: list[Piece] = field(default_factory=list)  # what the backup holds: (allocation, start, size, device)
+    backups: Backups = field(default_factory=dict)  # piece start -> host extents
     pending: list[tuple[object, int, int]] = field(default_factory=list)  # (event, lo, hi) per batch
 
 
@@ -55,6 +56,14 @@ class SleepWake:
     def granularity(self, device: int | None = None) -> int:  # provided by TaggedAllocator
         raise NotImplementedError
 
+    def _before_sleep(self) -> None:
+        """Give back what torch holds free and will not use again (TaggedAllocator on CUDA)."""
+        return None
+
+    def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+        """Allocation address -> the ranges of it in use, where torch says (None: every byte is live)."""
+        return None
+
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
         with self._lock:
@@ -64,6 +73,7 @@ class SleepWake:
                 if self.table.usage(tag)[0] == native.RELEASED:
                     msg = f"tag {tag!r} is released; nothing resident to back up"
                     raise AllocatorError("backup", tag, msg)
+            self._before_sleep()
             frozen: list[str] = []
             taken: list[TagState] = []
             try:
@@ -79,7 +89,7 @@ class SleepWake:
                 for tag in tags:
                     record = self._tags[tag]
                     self._drop(record)
-                    self._take_host(tag, record, lives[tag])
+                    self._take_host(tag, record, live_pieces(lives[tag], self._live_blocks(tag)))
                     taken.append(record)
                 for tag in tags:
                     self._enqueue_backup(tag, self._tags[tag], lives[tag])
@@ -90,13 +100,14 @@ class SleepWake:
                     self._thaw_quietly(tag)
                 raise
             seconds = time.perf_counter() - start
-            return {t: Transfer(t, sum(n for _, n, _ in lives[t]), seconds, True) for t in tags}
+            return {t: Transfer(t, sum(p[2] for p in self._tags[t].pieces), seconds, True) for t in tags}
 
     def release(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Release each tag's physical memory; per tag all or nothing (a failed tag stays resident)."""
         with self._lock:
             self._check_known(tags)
             if not any(self._tags[t].pending for t in tags):
+                self._before_sleep()
                 devices = {d for t in tags for _, _, d in self.table.allocations(t)}
                 for device in devices:
                     try:
@@ -169,22 +180,30 @@ class SleepWake:
         except AllocatorError:
             logger.exception("tag %r stays frozen (no new allocations) after a failed sleep step", tag)
 
-    def _take_host(self, tag: str, record: TagState, live: list[Live]) -> None:
-        total = sum(n for _, n, _ in live)
+    def _take_host(self, tag: str, record: TagState, parts: list[Piece]) -> None:
+        total = sum(p[2] for p in parts)
         try:
             extents = self.host.take(total) if total else []
         except AllocatorError as exc:
             raise wrap("backup", tag, exc) from exc
-        record.backups = assign(live, extents)
+        record.pieces = parts
+        record.backups = assign(parts, extents)
         record.backed_up = True
 
     def _enqueue_backup(self, tag: str, record: TagState, live: list[Live]) -> None:
+        ends = {a: a + n for a, n, _ in live}
+        groups = batches(record.pieces, self.group_bytes)
         try:
-            for batch in batches(live, self.group_bytes):
-                for device, address, host, n in copies(whole(batch), record.backups):
+            for i, batch in enumerate(groups):
+                keyed = [(start, start, n, d) for _, start, n, d in batch]
+                for device, address, host, n in copies(keyed, record.backups):
                     self.driver.copy_d2h(host, address, n, device)
-                lo, hi = batch[0][0], batch[-1][0] + batch[-1][1]
-                record.pending.append((self.driver.record(batch[0][2]), lo, hi))
+                # once copied, the mappings inside whole allocations of this batch may go; an allocation whose
+                # pieces continue in the next batch waits for it
+                hi = ends[batch[-1][0]]
+                if i + 1 < len(groups):
+                    hi = min(hi, groups[i + 1][0][0])
+                record.pending.append((self.driver.record(batch[0][3]), batch[0][0], hi))
         except Exception as exc:
             self._settle(record)
             raise wrap("backup", tag, exc) from exc
@@ -202,16 +221,26 @@ class SleepWake:
         self._settle(record)
         extents: list[Extent] = [e for backup in record.backups.values() for e in backup]
         record.backups = {}
+        record.pieces = []
         if extents:  # one give: with keep_after_wake off each give trims
             self.host.give(extents)
         record.backed_up = False
 
+    def _forget(self, record: TagState, gone: set[int]) -> None:
+        """Give back the backups of the allocations in ``gone`` (freed while asleep)."""
+        keep, extents = [], []
+        for p in record.pieces:
+            if p[0] in gone:
+                extents += record.backups.pop(p[1], [])
+            else:
+                keep.append(p)
+        record.pieces = keep
+        if extents:
+            self.host.give(extents)
+
     def _forget_freed(self, record: TagState, live: list[Live]) -> None:
-        """Give back the backups of allocations freed while asleep."""
         alive = {a for a, _, _ in live}
-        gone = [e for a in list(record.backups) if a not in alive for e in record.backups.pop(a)]
-        if gone:
-            self.host.give(gone)
+        self._forget(record, {p[0] for p in record.pieces if p[0] not in alive})
 
     def _release_tag(self, tag: str, record: TagState) -> None:
         if self.table.usage(tag)[0] == native.ACTIVE:  # discarded, or released again on a kept backup
@@ -221,7 +250,8 @@ class SleepWake:
             ):  # the backup a wake copied in (a failed wake's rollback): it must cover every allocation
                 live = self.table.allocations(tag)
                 self._forget_freed(record, live)
-                missing = [a for a, _, _ in live if a not in record.backups]
+                backed = {p[0] for p in record.pieces}
+                missing = [a for a, _, _ in live if a not in backed]
                 if missing:
                     self._thaw_quietly(tag)
                     msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
@@ -254,8 +284,9 @@ class SleepWake:
             return sum(n for _, n in ranges)
         live = self.table.allocations(tag)
         try:
-            for device, address, host, n in copies(inside(live, ranges), record.backups):
-                self.driver.copy_h2d(address, host, n, device)
+            for lo, n in ranges:
+                for device, address, host, m in copies(clip(record.pieces, lo, lo + n), record.backups):
+                    self.driver.copy_h2d(address, host, m, device)
             for device in {d for _, _, d in live}:
                 self.driver.wait(self.driver.record(device))
         except Exception:
@@ -270,9 +301,10 @@ class SleepWake:
         step = max(self.piece_bytes // gran, 1) * gran
         for span in spans(pieces(live, step), self.group_bytes):
             start, device = span[0][1], span[0][3]
-            self.table.map_span(tag, start, sum(p[2] for p in span), device)
-            if record.backed_up:
-                for dev, address, host, n in copies(span, record.backups):
+            size = sum(p[2] for p in span)
+            self.table.map_span(tag, start, size, device)
+            if record.backed_up:  # only the bytes the backup holds: free blocks come back as fresh memory
+                for dev, address, host, n in copies(clip(record.pieces, start, start + size), record.backups):
                     self.driver.copy_h2d(address, host, n, dev)
 
     def _rollback_restore(self, todo: list[str], lives: dict[str, Any]) -> None:

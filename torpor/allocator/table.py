@@ -94,6 +94,11 @@ class NativeTable:
         err = native.TpErr()
         self._check(self.lib.tp_free_raw(self.ctx, address, ctypes.byref(err)), err)
 
+    def trim(self, address: int) -> None:
+        """Give back the memory of a segment torch holds free in a pool it never allocates from again."""
+        err = native.TpErr()
+        self._check(self.lib.tp_trim(self.ctx, address, ctypes.byref(err)), err)
+
     # -- sleep and wake --------------------------------------------------------------------------
 
     def _tag_call(self, name: str, tag: str, *args: Any) -> int:

@@ -139,9 +139,8 @@ class TaggedAllocator(SleepWake):
         self.table.free(address)
         with self._lock:
             for record in self._tags.values():
-                backup = record.backups.pop(address, None)
-                if backup:
-                    self.host.give(backup)
+                if record.pieces:
+                    self._forget(record, {address})
 
     def size_of(self, address: int) -> int:
         """Mapped size of the allocation at ``address``."""
@@ -316,6 +315,17 @@ class TaggedAllocator(SleepWake):
             self.closed = True
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _before_sleep(self) -> None:
+        if self._torch is not None:
+            self._torch.trim()
+
+    def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+        # The graph pool is backed up whole: blocks a capture freed are still the graphs' working memory.
+        if self._torch is None or tag == GRAPH_TAG:
+            return None
+        found: dict[int, list[tuple[int, int]]] | None = self._torch.live_ranges(tag)
+        return found
 
     def _on_cuda(self) -> bool:
         return getattr(self.driver, "name", "") == "cuda"

@@ -181,12 +181,12 @@ TP_EXPORT int tp_mark_awake(tp_ctx *c, int tag, tp_err *e) {
 
 /* -- queries ---------------------------------------------------------------------------------------- */
 
-/* Live allocations of `tag` (all tags when -1), by address: up to `cap` written; returns how many there are. */
+/* Live (untrimmed) allocations of `tag` (all tags when -1), by address: up to `cap` written; returns how many there are. */
 TP_EXPORT int tp_list(tp_ctx *c, int tag, uint64_t *addr, uint64_t *size, int *dev, int cap) {
   LOCK;
   int n = 0;
   for (int i = 0; i < c->na; i++) {
-    if (tag >= 0 && c->a[i].tag != tag) continue;
+    if ((tag >= 0 && c->a[i].tag != tag) || c->a[i].trimmed) continue;
     if (n < cap) {
       addr[n] = c->a[i].addr;
       size[n] = c->a[i].size;
@@ -205,7 +205,7 @@ TP_EXPORT int tp_usage(tp_ctx *c, int tag, uint64_t *bytes, int *count) {
   *bytes = 0;
   *count = 0;
   for (int i = 0; i < c->na; i++)
-    if (c->a[i].tag == tag) {
+    if (c->a[i].tag == tag && !c->a[i].trimmed) {
       *bytes += c->a[i].size;
       (*count)++;
     }

@@ -312,7 +312,7 @@ int drop_mapping(tp_ctx *c, int i, tp_err *e) {
 int count_users(tp_ctx *c, uint64_t start, uint64_t n) {
   int k = alloc_lower(c, start), users = 0;
   if (k > 0 && c->a[k - 1].addr + c->a[k - 1].size > start) k--;
-  for (; k < c->na && c->a[k].addr < start + n; k++) users++;
+  for (; k < c->na && c->a[k].addr < start + n; k++) users += !c->a[k].trimmed;
   return users;
 }
 
@@ -389,7 +389,7 @@ static int alloc_locked(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *
   }
   int k = alloc_lower(c, addr);
   memmove(&c->a[k + 1], &c->a[k], (size_t)(c->na - k) * sizeof *c->a);
-  c->a[k] = (tp_alloc){addr, size, nbytes, tag, dev};
+  c->a[k] = (tp_alloc){addr, size, nbytes, tag, dev, 0};
   c->na++;
   *out = addr;
   return 0;
@@ -408,6 +408,12 @@ static int free_locked(tp_ctx *c, uint64_t addr, tp_err *e) {
   for (int i = map_first_overlap(c, rec.addr); i < c->nm && c->m[i].start < end;) {
     tp_map *m = &c->m[i];
     overlapped = 1;
+    if (rec.trimmed) { /* its user count went at the trim; a slab's granule is spare only now */
+      if (m->slab)
+        for (uint64_t p = rec.addr; p < end; p += m->gran) m->spare |= 1ull << ((p - m->start) / m->gran);
+      i++;
+      continue;
+    }
     m->users--;
     if (m->slab) {
       for (uint64_t p = rec.addr; p < end; p += m->gran) m->spare |= 1ull << ((p - m->start) / m->gran);
@@ -426,6 +432,34 @@ static int free_locked(tp_ctx *c, uint64_t addr, tp_err *e) {
     tp_arena *ar = arena_of(c, rec.dev, rec.tag);
     if (ar) arena_give(ar, rec.addr, rec.size);
   }
+  return rc;
+}
+
+/* Torch holds the segment at `addr` free in a pool it will never allocate from again: give its memory back now.
+ * The record stays (torch frees the address later); its mapping goes once no other allocation uses it. */
+TP_EXPORT int tp_trim(tp_ctx *c, uint64_t addr, tp_err *e) {
+  pthread_mutex_lock(&c->mu);
+  int rc = 0, k = alloc_lower(c, addr);
+  if (k >= c->na || c->a[k].addr != addr) {
+    rc = fail(e, -1, "trim", "%#llx is not an allocation of this allocator", (unsigned long long)addr);
+  } else if (c->a[k].trimmed || c->state[c->a[k].tag] != TP_ACTIVE) {
+    rc = 0; /* trimmed already; or asleep or going to sleep: the release takes it */
+  } else {
+    c->a[k].trimmed = 1;
+    uint64_t end = addr + c->a[k].size;
+    int tag = c->a[k].tag;
+    for (int i = map_first_overlap(c, addr); i < c->nm && c->m[i].start < end;) {
+      if (--c->m[i].users <= 0) {
+        if (drop_mapping(c, i, e)) {
+          rc = driver_fail(e, tag, "trim");
+          i++;
+        }
+        continue;
+      }
+      i++;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
   return rc;
 }
 

@@ -6,6 +6,7 @@
 typedef struct {
   uint64_t addr, size, requested;
   int tag, dev;
+  int trimmed; /* torch still holds the segment, free and never to be used again: its memory went back */
 } tp_alloc;
 typedef struct {
   uint64_t start, size, handle, spare, gran;
