@@ -28,13 +28,11 @@ _KEEP_ALIVE: list[object] = []  # torch allocators made on native slots: never c
 
 
 def segments(mempool: Any) -> list[dict[str, Any]]:
-    """Torch's snapshot of one pool: its segments, each with its blocks (lightweight: no traces)."""
-    import torch
-
+    """Torch's snapshot of one pool: its segments, each with its blocks (without traces where torch allows)."""
     try:
-        found = torch.cuda.memory_snapshot(mempool.id, include_traces=False)  # type: ignore[no-untyped-call]
+        found = mempool.snapshot(include_traces=False)
     except TypeError:  # torch before include_traces
-        found = torch.cuda.memory_snapshot(mempool.id)  # type: ignore[no-untyped-call]
+        found = mempool.snapshot()
     return list(found)
 
 
