@@ -53,19 +53,12 @@ def live_blocks(segment: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 class TorchPools:
-    """One pluggable allocator per tag; a fresh MemPool per ``use_memory_pool`` block; the graph pool's generations.
-
-    A block's pool is never allocated from once the block ends, so its free
-    segments can go back: :meth:`trim` unmaps the segments torch holds entirely
-    free in pools no block uses (the library keeps their records until torch
-    frees them), and drops a pool once none of its blocks is allocated (torch
-    then frees its segments through the native free).
-    """
+    """One pluggable allocator and MemPool per tag, plus the generations of the graph pool."""
 
     def __init__(self, allocator: TaggedAllocator) -> None:
         self.allocator = allocator
         self._allocators: dict[str, Any] = {}
-        self._pools: dict[str, list[list[Any]]] = {}  # tag -> [[MemPool, blocks using it], ...]
+        self._pools: dict[str, Any] = {}
         self._local = threading.local()
         self._devices: set[int] = set()
         self._lock = threading.RLock()
@@ -85,24 +78,22 @@ class TorchPools:
                 self._allocators[tag] = found
             return found
 
-    def _new_pool(self, tag: str) -> list[Any]:
+    def pool(self, tag: str) -> Any:
+        """The MemPool of ``tag`` (created on first use, from any thread, and kept for the process)."""
         import torch
 
-        with self._lock:  # safe to hold across torch: the native malloc/free never take it
-            entry = [torch.cuda.MemPool(self.torch_allocator(tag)), 1]
-            self._pools.setdefault(tag, []).append(entry)
-            return entry
-
-    def _done(self, entry: list[Any]) -> None:
-        with self._lock:
-            entry[1] -= 1
+        found = self._pools.get(tag)
+        if found is None:
+            with self._lock:  # safe to hold across torch: the native malloc/free never take it
+                found = self._pools.get(tag)
+                if found is None:
+                    found = torch.cuda.MemPool(self.torch_allocator(tag))
+                    self._pools[tag] = found
+        return found
 
     @contextmanager
     def use(self, tag: str) -> Iterator[None]:
-        """Route this thread's torch allocations to a fresh pool of ``tag``; an inner tag wins over an outer one.
-
-        Entering trims the tag's older pools; leaving trims this block's pool.
-        """
+        """Route this thread's torch allocations to ``tag``'s pool; an inner tag wins over an outer one."""
         import torch
 
         stack: list[list[Any]] = self._local.__dict__.setdefault("stack", [])
@@ -110,57 +101,29 @@ class TorchPools:
         if device not in self._devices:  # the copy/pinning side: this device's context and copy stream, made now
             self.allocator.driver.prepare_device(device)
             self._devices.add(device)
-        self.trim([tag])
-        entry = self._new_pool(tag)
-        pool = entry[0]
+        pool = self.pool(tag)
         if stack:  # torch serves the first matching pool: step out of the outer one while inside
             stack[-1][1].__exit__(None, None, None)
         ctx = torch.cuda.use_mem_pool(pool)
         ctx.__enter__()
-        frame = [pool, ctx]
-        stack.append(frame)
+        entry = [pool, ctx]
+        stack.append(entry)
         try:
             yield
         finally:
             stack.pop()
-            frame[1].__exit__(None, None, None)
+            entry[1].__exit__(None, None, None)
             if stack:
                 outer = torch.cuda.use_mem_pool(stack[-1][0])
                 outer.__enter__()
                 stack[-1][1] = outer
-            self._done(entry)
-            self.trim([tag])
-
-    def trim(self, tags: list[str] | None = None) -> None:
-        """Return the free segments of pools no block uses (of ``tags``, or all), and drop pools left empty."""
-        dropped = False
-        with self._lock:
-            for tag in list(self._pools) if tags is None else tags:
-                keep = []
-                for entry in self._pools.get(tag, []):
-                    if entry[1] > 0:  # a block allocates from it
-                        keep.append(entry)
-                        continue
-                    segs = segments(entry[0])
-                    for seg in segs:
-                        if int(seg.get("allocated_size", 0)) == 0:
-                            self.allocator.table.trim(int(seg["address"]))
-                    if any(int(seg.get("allocated_size", 0)) for seg in segs):
-                        keep.append(entry)
-                    else:
-                        dropped = True  # torch frees its segments through the native free when it goes
-                if tag in self._pools:
-                    self._pools[tag] = keep
-        if dropped:
-            gc.collect(0)
 
     def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
-        """Segment address -> its blocks in use, over every pool of ``tag`` (None when torch never allocated in it)."""
-        with self._lock:
-            entries = list(self._pools.get(tag, []))
-        if not entries:
+        """Segment address -> its blocks in use, from torch's snapshot of ``tag``'s pool (None: torch has no pool of it)."""
+        pool = self._pools.get(tag)
+        if pool is None:
             return None
-        return {int(seg["address"]): live_blocks(seg) for entry in entries for seg in segments(entry[0])}
+        return {int(seg["address"]): live_blocks(seg) for seg in segments(pool)}
 
     def new_graph_pool(self) -> GraphPool:
         """A fresh MemPool for the graph pool (tag cudagraph) wrapped as a :class:`GraphPool`."""
@@ -183,7 +146,7 @@ class TorchPools:
         gc.collect()
 
     def close(self) -> None:
-        """Drop every tag's pools so torch returns their cached segments (teardown)."""
+        """Drop every tag's MemPool so torch returns their cached segments (teardown)."""
         import torch
 
         if self._pools:

@@ -56,10 +56,6 @@ class SleepWake:
     def granularity(self, device: int | None = None) -> int:  # provided by TaggedAllocator
         raise NotImplementedError
 
-    def _before_sleep(self) -> None:
-        """Give back what torch holds free and will not use again (TaggedAllocator on CUDA)."""
-        return None
-
     def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
         """Allocation address -> the ranges of it in use, where torch says (None: every byte is live)."""
         return None
@@ -73,7 +69,6 @@ class SleepWake:
                 if self.table.usage(tag)[0] == native.RELEASED:
                     msg = f"tag {tag!r} is released; nothing resident to back up"
                     raise AllocatorError("backup", tag, msg)
-            self._before_sleep()
             frozen: list[str] = []
             taken: list[TagState] = []
             try:
@@ -107,7 +102,6 @@ class SleepWake:
         with self._lock:
             self._check_known(tags)
             if not any(self._tags[t].pending for t in tags):
-                self._before_sleep()
                 devices = {d for t in tags for _, _, d in self.table.allocations(t)}
                 for device in devices:
                     try:

@@ -316,10 +316,6 @@ class TaggedAllocator(SleepWake):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _before_sleep(self) -> None:
-        if self._torch is not None:
-            self._torch.trim()
-
     def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
         # The graph pool is backed up whole: blocks a capture freed are still the graphs' working memory.
         if self._torch is None or tag == GRAPH_TAG:
