@@ -5,6 +5,7 @@ from __future__ import annotations
 from torpor import errors
 from torpor.errors import (
     CommandInFlight,
+    HostBudgetExceeded,
     InvalidLevel,
     InvalidTransition,
     LogCorrupted,
@@ -18,10 +19,14 @@ from torpor.errors import (
 )
 from torpor.statemachine import (
     Action,
+    AfterWake,
+    DeviceMemory,
     Event,
     EventKind,
     EventLog,
+    HostMemoryPolicy,
     Memory,
+    PinWhen,
     Policy,
     Projection,
     SleepController,
@@ -69,11 +74,15 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Action",
+    "AfterWake",
     "CommandInFlight",
     "CudaDriver",
+    "DeviceMemory",
     "Event",
     "EventKind",
     "EventLog",
+    "HostBudgetExceeded",
+    "HostMemoryPolicy",
     "HostPolicy",
     "InvalidLevel",
     "InvalidTransition",
@@ -82,6 +91,7 @@ __all__ = [
     "MemoryOperationFailed",
     "NotRecovered",
     "OutOfMemory",
+    "PinWhen",
     "Policy",
     "PoolBusy",
     "Projection",

@@ -28,7 +28,7 @@ from torpor.allocator.driver import Driver
 from torpor.allocator.errors import DriverError, DriverOutOfMemory
 
 MiB = 1 << 20
-_NATIVE_CALLS = 8  # granularity .. release run in the library; host_alloc .. mem_info here
+_NATIVE_CALLS = 8  # granularity .. release run in the library; the host and copy calls here
 
 
 @dataclass
@@ -41,7 +41,11 @@ class SimCall:
 
 
 class SimDriver(Driver):
-    """A simulated device with ``capacity`` bytes per device and ``host_capacity`` bytes of pinned host memory."""
+    """A simulated device with ``capacity`` bytes per device and ``host_capacity`` bytes of pinned host memory.
+
+    ``overhead``: bytes per device reported in use by :meth:`mem_info` outside
+    any handle (what a CUDA context, cuBLAS and NCCL hold on a real GPU).
+    """
 
     name = "sim"
 
@@ -52,6 +56,7 @@ class SimDriver(Driver):
         host_capacity: int | None = None,
         granularity: int = 2 * MiB,
         devices: int = 1,
+        overhead: int = 0,
     ) -> None:
         self.lib = native.lib()
         self.native_sim = self.lib.tp_sim_new(devices, capacity, granularity)
@@ -64,9 +69,12 @@ class SimDriver(Driver):
         self.host_capacity = host_capacity if host_capacity is not None else 4 * capacity
         self._granularity_bytes = granularity
         self._ndev = devices
+        self.overhead = overhead  # device bytes in use outside any handle: a simulated CUDA context, libraries
         self._lock = threading.RLock()
-        self._host: dict[int, Any] = {}
-        self._host_starts: list[int] = []
+        self._buffers: dict[int, Any] = {}  # start -> the host memory behind a reservation or a fresh pinned buffer
+        self._host_reserved: dict[int, list[int]] = {}  # start -> [size, bytes not yet given back]
+        self._pinned: dict[int, int] = {}  # start -> bytes pinned there
+        self._host_starts: list[int] = []  # starts of pinned ranges, sorted
         self._events = itertools.count(1)
         self.host_used = 0
 
@@ -108,6 +116,12 @@ class SimDriver(Driver):
     def used_on(self, device: int) -> int:
         """Physical bytes held on ``device``."""
         return int(self.lib.tp_sim_used(self.native_sim, device))
+
+    @property
+    def host_reserved(self) -> int:
+        """Host address space reserved and not yet given back (pinned or not)."""
+        with self._lock:
+            return sum(left for _, left in self._host_reserved.values())
 
     def mapped_ranges(self) -> list[tuple[int, int]]:
         """(start, size) of every current mapping, by address."""
@@ -170,33 +184,73 @@ class SimDriver(Driver):
 
     # -- host memory and copies ------------------------------------------------------------
 
-    def _host_alloc(self, nbytes: int) -> int:
+    def _new_buffer(self, nbytes: int) -> int:
+        buf = (ctypes.c_char * nbytes)()
+        address = ctypes.addressof(buf)
+        self._buffers[address] = buf
+        return address
+
+    def _host_reserve(self, nbytes: int) -> int:
         with self._lock:
+            address = self._new_buffer(nbytes)
+            self._host_reserved[address] = [nbytes, nbytes]
+            return address
+
+    def _reservation(self, host: int, nbytes: int) -> int | None:
+        for start, (n, _) in self._host_reserved.items():
+            if start <= host and host + nbytes <= start + n:
+                return start
+        return None
+
+    def _host_alloc(self, nbytes: int, host: int | None) -> int:
+        with self._lock:
+            if host is not None:
+                if self._reservation(host, nbytes) is None:
+                    msg = f"host range {host:#x}+{nbytes} is not inside a reservation"
+                    raise DriverError("host_alloc", msg, 1)
+                if any(s < host + nbytes and host < s + n for s, n in self._pinned.items()):
+                    msg = f"host range {host:#x}+{nbytes} is pinned already"
+                    raise DriverError("host_alloc", msg, 1)
             if self.host_used + nbytes > self.host_capacity:
                 msg = f"cannot pin {nbytes} host bytes: {self.host_used} of {self.host_capacity} pinned"
                 raise DriverOutOfMemory("host_alloc", msg, 2)
-            buf = (ctypes.c_char * nbytes)()
-            address = ctypes.addressof(buf)
-            self._host[address] = buf
-            bisect.insort(self._host_starts, address)
+            if host is None:
+                host = self._new_buffer(nbytes)
+            self._pinned[host] = nbytes
+            bisect.insort(self._host_starts, host)
             self.host_used += nbytes
-            return address
+            return host
 
     def _host_free(self, host: int) -> None:
         with self._lock:
-            buf = self._host.pop(host, None)
-            if buf is None:
+            nbytes = self._pinned.pop(host, None)
+            if nbytes is None:
                 msg = f"no pinned host buffer at {host:#x}"
                 raise DriverError("host_free", msg, 1)
             self._host_starts.remove(host)
-            self.host_used -= len(buf)
+            self.host_used -= nbytes
+            if self._reservation(host, nbytes) is None:
+                self._buffers.pop(host, None)  # a fresh buffer: its memory goes
+            else:
+                self._host_unreserve(host, nbytes)
+
+    def _host_unreserve(self, host: int, nbytes: int) -> None:
+        with self._lock:
+            start = self._reservation(host, nbytes)
+            if start is None:
+                return  # a fresh pinned buffer (no reservation), or given back already
+            entry = self._host_reserved[start]
+            entry[1] -= nbytes
+            if entry[1] <= 0:
+                del self._host_reserved[start]
+                self._buffers.pop(start, None)
 
     def _check_host(self, host: int, nbytes: int, call: str) -> None:
         with self._lock:
             i = bisect.bisect_right(self._host_starts, host) - 1
             if i >= 0:
                 start = self._host_starts[i]
-                if host + nbytes <= start + len(self._host[start]):
+                if host + nbytes <= start + self._pinned[start]:
                     return
         msg = f"host range {host:#x}+{nbytes} is not inside a pinned buffer"
         raise DriverError(call, msg, 1)
@@ -234,7 +288,7 @@ class SimDriver(Driver):
 
     def _mem_info(self, device: int) -> tuple[int, int]:
         self._device(device)
-        return self.capacity - self.used_on(device), self.capacity
+        return self.capacity - self.used_on(device) - self.overhead, self.capacity
 
     # -- direct access for tests ---------------------------------------------------------
 

@@ -191,6 +191,7 @@ class SleepWake:
             for i, batch in enumerate(groups):
                 keyed = [(start, start, n, d) for _, start, n, d in batch]
                 for device, address, host, n in copies(keyed, record.backups):
+                    self.host.wait_pinned(host)  # a first sleep pins as it copies: chunk by chunk
                     self.driver.copy_d2h(host, address, n, device)
                 # once copied, the mappings inside whole allocations of this batch may go; an allocation whose
                 # pieces continue in the next batch waits for it

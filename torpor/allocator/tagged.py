@@ -30,7 +30,7 @@ from torpor.allocator.offload import HostArena, HostPolicy
 from torpor.allocator.sleepwake import SleepWake, TagState
 from torpor.allocator.table import NativeTable
 from torpor.errors import PoolBusy
-from torpor.statemachine.protocol import TagUsage
+from torpor.statemachine.protocol import DeviceMemory, TagUsage
 
 logger = logging.getLogger("torpor.allocator")
 MiB = 1 << 20
@@ -293,6 +293,27 @@ class TaggedAllocator(SleepWake):
         """Block until pinning ahead caught up with the tagged memory; False on timeout."""
         self.grow_host()
         return self.host.wait_ready(timeout)
+
+    def configure_host(self, *, prepin: bool, limit_bytes: int | None) -> None:
+        """Apply the controller's host-memory policy to the arena (pinning ahead starts at once when asked)."""
+        self.host.configure(prepin=prepin, limit_bytes=limit_bytes)
+        if prepin:
+            self.grow_host()
+
+    def trim_host(self, background: bool = False) -> int:
+        """Unpin host chunks that hold no backup; return the bytes given back (see :meth:`HostArena.trim`)."""
+        return self.host.trim(background)
+
+    def device_memory(self) -> DeviceMemory:
+        """Device memory in use on the devices this allocator maps, and how much of it is torpor's (mapped) tags."""
+        devices = {d for _, _, d in self.table.allocations()} | {self.default_device}
+        mapped = self.table.stats()[2]
+        total = in_use = 0
+        for device in sorted(devices):
+            free, size = self.driver.mem_info(device)
+            total += size
+            in_use += size - free
+        return DeviceMemory(total, in_use, mapped)
 
     def pending_errors(self) -> list[AllocatorError]:
         """Errors of torch's malloc/free calls (in the native library) since the last call, and forget them."""

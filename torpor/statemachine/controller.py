@@ -34,6 +34,13 @@ from torpor.errors import (
     UnknownTag,
 )
 from torpor.statemachine.events import Event, EventKind, make_event
+from torpor.statemachine.hostmem import (
+    apply_host_policy,
+    backup_bytes,
+    budget_refusal,
+    device_report,
+    release_unused_host,
+)
 from torpor.statemachine.log import EventLog, read_events
 from torpor.statemachine.policy import DEFAULT_POLICY, Action, Policy
 from torpor.statemachine.projection import Projection, project
@@ -121,6 +128,8 @@ class SleepController:
     ) -> None:
         self.memory = memory
         self.policy = policy or DEFAULT_POLICY
+        self.host_policy = self.policy.host_policy()
+        apply_host_policy(memory, self.host_policy)
         self.engine = engine
         self.rank = rank
         if isinstance(log, str | Path):
@@ -155,6 +164,7 @@ class SleepController:
                 usage=self._resident_usage(),
                 memory=type(memory).__name__,
                 previous_state=self.projection.state.value if self._seq else None,
+                host=self.host_policy.to_dict(),
             )
             self._sync_machine()
 
@@ -276,6 +286,7 @@ class SleepController:
                     raise
                 dropped.append(tag)
                 self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
+            release_unused_host(self.memory, self.host_policy)
             if resident:
                 self._discard_resident(resident)
             return self.projection
@@ -493,6 +504,10 @@ class SleepController:
         usage = self._resident_usage()
         candidates = [t for t in usage if t not in set(self.projection.asleep_tags())]
         plan = self.policy.plan(level, candidates)
+        offloading = backup_bytes(self.memory, [t for t, a in plan.items() if a is Action.OFFLOAD], usage)
+        over = budget_refusal(self.host_policy, self.projection, offloading)
+        if over is not None:  # before anything is touched
+            self._refuse("sleep", over)
         self._emit(EventKind.SLEEP_REQUESTED, level=level, plan={t: a.value for t, a in plan.items()}, usage=usage)
         self._step("sleep")
         offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
@@ -524,6 +539,8 @@ class SleepController:
             offloaded=offloaded,
             discarded=discarded,
             pinned=self._pinned_bytes(),
+            host_budget=self.host_policy.budget_bytes,
+            device=device_report(self.memory),
         )
         self._step("finish_sleep")
         logger.info(
@@ -588,6 +605,7 @@ class SleepController:
                 self.memory.drop_backup(backed)
             except TorporError:
                 logger.exception("dropping backups after an aborted sleep failed")
+        release_unused_host(self.memory, self.host_policy)
         lost_txt = (
             f"; content of {', '.join(lost)} may be lost (discarded, or partly, before the failure)" if lost else ""
         )
@@ -625,6 +643,7 @@ class SleepController:
             self.memory.drop_backup([t for t, _, _ in restored])
         except TorporError:
             logger.exception("dropping backups after a wake failed; the wake itself succeeded")
+        host_released = release_unused_host(self.memory, self.host_policy)
         seconds = time.perf_counter() - start
         self._emit(
             EventKind.WAKE_COMPLETED,
@@ -632,6 +651,7 @@ class SleepController:
             seconds=seconds,
             restored=sum(t.bytes for _, t, _ in restored),
             pinned=self._pinned_bytes(),
+            host_released=host_released,
         )
         self._step("finish_wake")
         return self.projection

@@ -53,9 +53,8 @@ struct tp_sim {
   size_t nlog, caplog;
 };
 
-static const char *call_names[TP_NCALLS] = {"granularity", "reserve",  "unreserve", "create",  "map",  "set_access",
-                                            "unmap",       "release",  "host_alloc", "host_free", "copy_d2h",
-                                            "copy_h2d",    "record",   "wait",      "synchronize", "mem_info"};
+static const char *call_names[TP_NCALLS] = {"granularity", "reserve", "unreserve", "create",
+                                            "map",         "set_access", "unmap",   "release"};
 
 static void *grow(void *p, int *cap, int need, size_t each) {
   if (need <= *cap) return p;

@@ -26,8 +26,9 @@ enum { TP_ACTIVE = 0, TP_FROZEN = 1, TP_RELEASED = 2 };
 /* Driver call ids: the order of torpor.allocator.driver.Driver.CALLS. */
 enum {
   TP_GRANULARITY, TP_RESERVE, TP_UNRESERVE, TP_CREATE, TP_MAP, TP_SET_ACCESS, TP_UNMAP, TP_RELEASE,
-  TP_HOST_ALLOC, TP_HOST_FREE, TP_COPY_D2H, TP_COPY_H2D, TP_RECORD, TP_WAIT, TP_SYNCHRONIZE, TP_MEM_INFO,
-  TP_NCALLS
+  TP_HOST_RESERVE, TP_HOST_ALLOC, TP_HOST_FREE, TP_HOST_UNRESERVE, TP_COPY_D2H, TP_COPY_H2D, TP_RECORD, TP_WAIT,
+  TP_SYNCHRONIZE, TP_MEM_INFO,
+  TP_NCALLS = 32 /* room for calls the Python side adds; only the first eight run in the library */
 };
 
 /* One failure: what failed, the driver's code (2: out of memory), and why. */
