@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import itertools
+import mmap
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,24 @@ from torpor.allocator.driver import Driver
 from torpor.allocator.errors import DriverError, DriverOutOfMemory
 
 MiB = 1 << 20
+_PAGE = mmap.PAGESIZE
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_FRESH = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x100000  # MAP_FIXED_NOREPLACE: never over a live mapping
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_HOST_BASE = 0x2000_0000_0000  # simulated pinned host memory lives here, at ever higher addresses
+_HOST_END = 0x3000_0000_0000
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
 _NATIVE_CALLS = 8  # granularity .. release run in the library; the host and copy calls here
 
 
@@ -71,7 +91,10 @@ class SimDriver(Driver):
         self._ndev = devices
         self.overhead = overhead  # device bytes in use outside any handle: a simulated CUDA context, libraries
         self._lock = threading.RLock()
-        self._buffers: dict[int, Any] = {}  # start -> the host memory behind a reservation or a fresh pinned buffer
+        self._buffers: dict[
+            int, int
+        ] = {}  # start -> bytes of host memory mapped there (a reservation or a fresh buffer)
+        self._host_next = _HOST_BASE
         self._host_reserved: dict[int, list[int]] = {}  # start -> [size, bytes not yet given back]
         self._pinned: dict[int, int] = {}  # start -> bytes pinned there
         self._host_starts: list[int] = []  # starts of pinned ranges, sorted
@@ -185,10 +208,24 @@ class SimDriver(Driver):
     # -- host memory and copies ------------------------------------------------------------
 
     def _new_buffer(self, nbytes: int) -> int:
-        buf = (ctypes.c_char * nbytes)()
-        address = ctypes.addressof(buf)
-        self._buffers[address] = buf
-        return address
+        """Host memory at a fresh address: addresses are never reused (a real unmap/map may, but tests must be stable)."""
+        while True:
+            address = self._host_next
+            self._host_next += (nbytes + 2 * MiB + _PAGE - 1) // _PAGE * _PAGE  # a gap: a copy past the end fails
+            got = _libc().mmap(address, nbytes, _PROT_RW, _MAP_FRESH, -1, 0)
+            if got == address:
+                self._buffers[address] = nbytes
+                return address
+            if got not in (None, _MAP_FAILED):  # an old kernel took the address as a hint only
+                _libc().munmap(got, nbytes)
+            if self._host_next > _HOST_END:
+                msg = f"the simulated host address space is used up ({nbytes} bytes wanted)"
+                raise DriverOutOfMemory("host_alloc", msg, 2)
+
+    def _drop_buffer(self, address: int) -> None:
+        nbytes = self._buffers.pop(address, None)
+        if nbytes is not None:
+            _libc().munmap(address, nbytes)
 
     def _host_reserve(self, nbytes: int) -> int:
         with self._lock:
@@ -230,7 +267,7 @@ class SimDriver(Driver):
             self._host_starts.remove(host)
             self.host_used -= nbytes
             if self._reservation(host, nbytes) is None:
-                self._buffers.pop(host, None)  # a fresh buffer: its memory goes
+                self._drop_buffer(host)  # a fresh buffer: its memory goes
             else:
                 self._host_unreserve(host, nbytes)
 
@@ -243,7 +280,7 @@ class SimDriver(Driver):
             entry[1] -= nbytes
             if entry[1] <= 0:
                 del self._host_reserved[start]
-                self._buffers.pop(start, None)
+                self._drop_buffer(start)
 
     def _check_host(self, host: int, nbytes: int, call: str) -> None:
         with self._lock:
