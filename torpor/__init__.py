@@ -5,6 +5,7 @@ from __future__ import annotations
 from torpor import errors
 from torpor.errors import (
     CommandInFlight,
+    GroupFailed,
     HostBudgetExceeded,
     InvalidLevel,
     InvalidTransition,
@@ -81,6 +82,7 @@ __all__ = [
     "Event",
     "EventKind",
     "EventLog",
+    "GroupFailed",
     "HostBudgetExceeded",
     "HostMemoryPolicy",
     "HostPolicy",

@@ -34,6 +34,7 @@ from torpor.errors import (
     UnknownTag,
 )
 from torpor.statemachine.events import Event, EventKind, make_event
+from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement, collective, undo_discard
 from torpor.statemachine.hostmem import (
     apply_host_policy,
     backup_bytes,
@@ -113,6 +114,13 @@ class SleepController:
     suffix such as ``.jsonl``), a directory (an existing one, a path ending in
     ``/``, or a new path without a suffix; the file is ``ENGINE.rankN.jsonl``
     inside it) or None (events kept in memory only).
+
+    ``group`` (a ``torch.distributed`` process group of any backend, whose
+    rendezvous store carries the votes, or any
+    :class:`~torpor.statemachine.group.Agreement`) makes ``sleep``, ``wake``
+    and ``discard`` collective: they complete only when every rank succeeded,
+    else every rank rolls back and raises ``GroupFailed``; a rank silent for
+    ``group_timeout`` seconds counts as failed (docs/groups.md).
     """
 
     def __init__(
@@ -125,6 +133,8 @@ class SleepController:
         *,
         fsync: bool = True,
         keep_events: int = 10_000,
+        group: object | None = None,
+        group_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.memory = memory
         self.policy = policy or DEFAULT_POLICY
@@ -132,6 +142,7 @@ class SleepController:
         apply_host_policy(memory, self.host_policy)
         self.engine = engine
         self.rank = rank
+        self.group = None if group is None else GroupMember(as_agreement(group), group_timeout)
         if isinstance(log, str | Path):
             path = Path(log)
             if _names_a_directory(path, str(log)):
@@ -228,6 +239,7 @@ class SleepController:
 
     # -- commands -------------------------------------------------------------
 
+    @collective("sleep")
     def sleep(self, level: int = 1) -> Projection:
         """Put the engine to sleep at ``level`` (1 or 2); return the resulting projection."""
         with self._command("sleep", level=level):
@@ -236,12 +248,14 @@ class SleepController:
             self._guard("sleep")
             return self._sleep(level)
 
+    @collective("wake")
     def wake(self, tags: Sequence[str] | str | None = None) -> Projection:
         """Wake ``tags`` (None: all); every non-deferrable tag is restored by any wake."""
         with self._command("wake", tags=tags):
             self._guard("wake")
             return self._wake(None if tags is None else _tag_list(tags))
 
+    @collective("discard")
     def discard(self, tags: Sequence[str] | str) -> Projection:
         """Discard ``tags``; the next wake that restores them maps fresh memory.
 
@@ -270,6 +284,8 @@ class SleepController:
             host = [t for t in tags if t in self.projection.asleep and self.projection.residency[t].host]
             start = time.perf_counter()
             dropped: list[str] = []
+            if host:
+                self._group_hold(None)  # backups cannot come back: the group agrees before any is dropped
             for tag in host:
                 try:
                     self.memory.drop_backup([tag])
@@ -322,6 +338,7 @@ class SleepController:
             self._step("discard")
         if error is not None:
             raise error
+        self._group_hold(lambda exc: undo_discard(self, done, exc))
 
     @contextmanager
     def capture(self, site: str) -> Iterator[object]:
@@ -522,12 +539,15 @@ class SleepController:
             self._emit(EventKind.TAG_BACKED_UP, tag=tag, bytes=t.bytes, seconds=t.seconds)
         released: list[Transfer] = []
         for tag in offload + discard:  # offloaded tags first: a failure then loses nothing
+            if plan[tag] is Action.DISCARD:  # with a group: every rank agrees before anything is discarded
+                self._group_hold(lambda exc: self._abort_sleep(level, start, "group", exc, released, plan))
             try:
                 done = self.memory.release([tag])[tag]
             except TorporError as exc:
                 self._abort_sleep(level, start, "release", exc, released, plan, failed=tag)
             released.append(done)
             self._emit(EventKind.TAG_RELEASED, tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds)
+        self._group_hold(lambda exc: self._abort_sleep(level, start, "group", exc, released, plan))
         seconds = time.perf_counter() - start
         offloaded = sum(t.bytes for t in released if plan[t.tag] is Action.OFFLOAD)
         discarded = sum(t.bytes for t in released if plan[t.tag] is Action.DISCARD)
@@ -639,6 +659,7 @@ class SleepController:
                 self._fail_wake(tags, start, exc, restored)
             restored.append((tag, done, source))
             self._emit(EventKind.TAG_RESTORED, tag=tag, bytes=done.bytes, source=source, seconds=done.seconds)
+        self._group_hold(lambda exc: self._fail_wake(tags, start, exc, restored))  # backups kept until the group agrees
         try:
             self.memory.drop_backup([t for t, _, _ in restored])
         except TorporError:
@@ -678,6 +699,11 @@ class SleepController:
         )
         self._step("fail_wake")
         raise exc
+
+    def _group_hold(self, undo: Callable[[TorporError], None] | None) -> None:
+        """With a group: the local part is prepared; vote, and ``undo`` it (then raise) when a rank failed."""
+        if self.group is not None:
+            self.group.hold(self, undo)
 
     def _pinned_bytes(self) -> int:
         pinned = getattr(self.memory, "pinned_bytes", None)

@@ -47,6 +47,8 @@ class EventKind(enum.StrEnum):
     - ``hook_decision``: ``hook``, ``active``, ``detail`` (free-form strings)
     - ``snapshot``: ``projection`` (the projection at a log rotation)
     - ``closed``: ``state``
+    - ``group_agreed``: ``group``, ``command``, ``round``, ``size``, ``result`` (commit|rollback),
+      ``failed`` {rank: why}, ``voted`` (this rank's own vote: ok or not), ``seconds``
     """
 
     OPENED = "opened"
@@ -71,6 +73,7 @@ class EventKind(enum.StrEnum):
     HOOK_DECISION = "hook_decision"
     SNAPSHOT = "snapshot"
     CLOSED = "closed"
+    GROUP_AGREED = "group_agreed"
 
 
 #: Kinds that end (or begin) a transition: the log makes them durable.
@@ -87,6 +90,7 @@ BOUNDARY_KINDS: frozenset[EventKind] = frozenset(
         EventKind.DISCARD_COMPLETED,
         EventKind.SNAPSHOT,
         EventKind.CLOSED,
+        EventKind.GROUP_AGREED,
     }
 )
 
