@@ -298,3 +298,14 @@ def test_sleep_copies_only_the_blocks_in_use_and_wake_restores_them() -> None:
     alloc.restore(["w"])
     assert all(alloc.read(a, 2 * G) == b[: 2 * G] for a, b in data.items())
     assert alloc.host.used_bytes() == 12 * G
+
+
+def test_an_injected_failure_carries_its_reason_from_the_library_and_from_python() -> None:
+    """sim.fail(reason=...) names the failure, for a call the library makes (create) and one Python makes (host_alloc)."""
+    sim, alloc = make()
+    sim.fail("create", reason="rank 3 is out of luck")
+    with pytest.raises(AllocatorError, match="rank 3 is out of luck"):
+        alloc.allocate(G, "w")
+    sim.fail("host_alloc", oom=True, reason="no pinned memory here")
+    with pytest.raises(Exception, match=r"no pinned memory here \(out of memory\)"):
+        sim.host_alloc(G)

@@ -103,7 +103,7 @@ class SimDriver(Driver):
 
     # -- fault injection and inspection ---------------------------------------------
 
-    def fail(self, call: str, nth: int = 1, times: int = 1, *, oom: bool = False) -> None:
+    def fail(self, call: str, nth: int = 1, times: int = 1, *, oom: bool = False, reason: str = "") -> None:
         """Fail the ``nth`` next invocation of ``call`` (and the ``times - 1`` after it); ``oom`` raises out-of-memory."""
         if call not in self.CALLS:
             msg = f"SimDriver cannot fail {call!r}: it makes only {', '.join(self.CALLS)}"
@@ -111,7 +111,8 @@ class SimDriver(Driver):
         if nth < 1 or times < 1:
             msg = f"nth and times must be >= 1, got nth={nth}, times={times}"
             raise ValueError(msg)
-        if self.lib.tp_sim_fail(self.native_sim, self.CALLS.index(call), nth, times, int(oom)) != 0:
+        why = (reason or "injected failure").encode()[:127]
+        if self.lib.tp_sim_fail(self.native_sim, self.CALLS.index(call), nth, times, int(oom), why) != 0:
             msg = f"too many armed failures of {call!r} (16 at most)"
             raise ValueError(msg)
 
@@ -160,11 +161,12 @@ class SimDriver(Driver):
         """Run the call; the library's calls record and fail themselves, this class's are recorded and failed here."""
         index = self.CALLS.index(call)
         if index >= _NATIVE_CALLS:
-            hit = int(self.lib.tp_sim_hit(self.native_sim, index))
+            why = ctypes.create_string_buffer(128)
+            hit = int(self.lib.tp_sim_hit(self.native_sim, index, why, 128))
             if hit == 2:
-                raise DriverOutOfMemory(call, "injected failure (out of memory)", 2)
+                raise DriverOutOfMemory(call, f"{why.value.decode(errors='replace')} (out of memory)", 2)
             if hit:
-                raise DriverError(call, "injected failure", 999)
+                raise DriverError(call, why.value.decode(errors="replace"), 999)
         return super().invoke(call, *args)
 
     # -- device memory (in the library) -----------------------------------------------------

@@ -12,6 +12,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -34,6 +35,7 @@ typedef struct {
 } sim_res;
 typedef struct {
   int skip, times, oom;
+  char reason[128];
 } sim_fault;
 
 struct tp_sim {
@@ -78,8 +80,8 @@ TP_EXPORT tp_sim *tp_sim_new(int ndev, uint64_t capacity, uint64_t granularity) 
   return s;
 }
 
-/* Record call `call` and consume an armed fault: 0 run it, 1 fail it, 2 fail it as out of memory. */
-static int hit_locked(tp_sim *s, int call) {
+/* Record call `call` and consume an armed fault: 0 run it, 1 fail it, 2 fail it as out of memory (why: `reason`). */
+static int hit_locked(tp_sim *s, int call, char *reason, size_t cap) {
   int out = 0;
   for (int i = 0; i < s->nfaults[call]; i++) {
     sim_fault *f = &s->faults[call][i];
@@ -88,6 +90,7 @@ static int hit_locked(tp_sim *s, int call) {
       continue;
     }
     out = f->oom ? 2 : 1;
+    if (reason && cap) snprintf(reason, cap, "%s", f->reason);
     if (--f->times <= 0) {
       memmove(f, f + 1, (size_t)(s->nfaults[call] - i - 1) * sizeof *f);
       s->nfaults[call]--;
@@ -106,20 +109,22 @@ static int hit_locked(tp_sim *s, int call) {
   return out;
 }
 
-TP_EXPORT int tp_sim_hit(tp_sim *s, int call) {
+TP_EXPORT int tp_sim_hit(tp_sim *s, int call, char *reason, size_t cap) {
   if (call < 0 || call >= TP_NCALLS) return 1;
   pthread_mutex_lock(&s->mu);
-  int out = hit_locked(s, call);
+  int out = hit_locked(s, call, reason, cap);
   pthread_mutex_unlock(&s->mu);
   return out;
 }
 
-TP_EXPORT int tp_sim_fail(tp_sim *s, int call, int nth, int times, int oom) {
+TP_EXPORT int tp_sim_fail(tp_sim *s, int call, int nth, int times, int oom, const char *reason) {
   if (call < 0 || call >= TP_NCALLS || nth < 1 || times < 1) return -1;
   pthread_mutex_lock(&s->mu);
   int rc = -1;
   if (s->nfaults[call] < 16) {
-    s->faults[call][s->nfaults[call]++] = (sim_fault){nth - 1, times, oom};
+    sim_fault *f = &s->faults[call][s->nfaults[call]++];
+    *f = (sim_fault){nth - 1, times, oom, {0}};
+    snprintf(f->reason, sizeof f->reason, "%s", reason && *reason ? reason : "injected failure");
     rc = 0;
   }
   pthread_mutex_unlock(&s->mu);
@@ -210,9 +215,10 @@ static void maybe_free(tp_sim *s, sim_handle *h) {
 #define SIM_ENTER(call)                                                                        \
   tp_sim *s = self;                                                                            \
   pthread_mutex_lock(&s->mu);                                                                  \
-  int injected = hit_locked(s, call);                                                          \
+  char why[128];                                                                               \
+  int injected = hit_locked(s, call, why, sizeof why);                                         \
   if (injected) {                                                                              \
-    tp_set_err(e, injected == 2 ? 2 : 999, call_names[call], injected == 2 ? "injected failure (out of memory)" : "injected failure"); \
+    tp_set_err(e, injected == 2 ? 2 : 999, call_names[call], injected == 2 ? "%s (out of memory)" : "%s", why); \
     pthread_mutex_unlock(&s->mu);                                                              \
     return -1;                                                                                 \
   }
