@@ -5,6 +5,7 @@ from __future__ import annotations
 from torpor import errors
 from torpor.errors import (
     CommandInFlight,
+    EndpointError,
     GroupFailed,
     HostBudgetExceeded,
     InvalidLevel,
@@ -14,6 +15,7 @@ from torpor.errors import (
     NotRecovered,
     OutOfMemory,
     PoolBusy,
+    StateTimeout,
     TorporError,
     UnknownSchemaVersion,
     UnknownTag,
@@ -54,6 +56,7 @@ _LAZY = {
     "capture_pool": "torpor.hooks",
     "follow": "torpor.hooks",
     "fleet": "torpor.hooks",
+    "Client": "torpor.client",
 }
 
 
@@ -76,9 +79,11 @@ def __dir__() -> list[str]:
 __all__ = [
     "Action",
     "AfterWake",
+    "Client",
     "CommandInFlight",
     "CudaDriver",
     "DeviceMemory",
+    "EndpointError",
     "Event",
     "EventKind",
     "EventLog",
@@ -100,6 +105,7 @@ __all__ = [
     "SimDriver",
     "SleepController",
     "State",
+    "StateTimeout",
     "TagUsage",
     "TaggedAllocator",
     "TorporError",
