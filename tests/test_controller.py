@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 from pathlib import Path
 
@@ -295,9 +296,14 @@ def test_reopened_log_continues(memory: FakeMemory, tmp_path: Path) -> None:
 
 def test_interrupted_log_refuses_until_recovered(memory: FakeMemory, tmp_path: Path) -> None:
     """A log that ends mid-sleep makes a new controller refuse commands until recover()."""
-    path = tmp_path / "events.jsonl"
-    first = SleepController(memory, log=path)
-    memory.backup = lambda tags: (_ for _ in ()).throw(SystemExit("killed"))  # type: ignore[method-assign]
+    live, path = tmp_path / "live.jsonl", tmp_path / "events.jsonl"
+    first = SleepController(memory, log=live)
+
+    def killed(tags: object) -> None:  # the process dies here: its log is what was on disk at that moment
+        shutil.copyfile(live, path)
+        raise SystemExit("killed")
+
+    memory.backup = killed  # type: ignore[assignment, method-assign]
     with pytest.raises(SystemExit):
         first.sleep(1)
     first.log.close()  # type: ignore[union-attr]

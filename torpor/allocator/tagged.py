@@ -359,7 +359,7 @@ class TaggedAllocator:
                     taken.append(state)
                 for tag, state in states:
                     self._enqueue_backup(tag, state)
-            except AllocatorError:
+            except BaseException:  # an error or an interrupt (Ctrl-C): no backup stays half made
                 for state in taken:
                     self._drop(state)
                 raise
@@ -401,9 +401,11 @@ class TaggedAllocator:
                     self._remap(sorted(state.allocs.values(), key=lambda a: a.address), state.backed_up)
                 for device in {a.device for a in allocs}:
                     self.driver.wait(self.driver.record(device))
-            except Exception as exc:
+            except BaseException as exc:  # an error or an interrupt (Ctrl-C): unmap what this restore mapped
                 self._rollback_restore(allocs)
                 logger.warning("Rolling back %d mapped allocation(s) after a failed wake", len(allocs))
+                if not isinstance(exc, Exception):
+                    raise
                 raise wrap("restore", current or None, exc) from exc
             seconds = time.perf_counter() - start
             out = {t: Transfer(t, 0, 0.0, self._tags[t].backed_up) for t in tags}
@@ -504,8 +506,10 @@ class TaggedAllocator:
                 for device, address, host, n in copies(pieces):
                     self.driver.copy_d2h(host, address, n, device)
                 state.pending.append((self.driver.record(batch[0][0].device), [m for m, _ in batch]))
-        except Exception as exc:
+        except BaseException as exc:
             self._settle(state)
+            if not isinstance(exc, Exception):  # an interrupt stays an interrupt
+                raise
             raise wrap("backup", tag, exc) from exc
 
     def _settle(self, state: _Tag) -> None:
@@ -559,11 +563,16 @@ class TaggedAllocator:
                 if event is not None:
                     self.driver.wait(event)
                 for m in maps:
-                    self._unmap(m)
-                    done.append(m)
-        except Exception as exc:
+                    try:
+                        self._unmap(m)
+                    finally:  # unmapped even if releasing its handle was interrupted: map it back too
+                        if m.handle is None:
+                            done.append(m)
+        except BaseException as exc:  # an error or an interrupt (Ctrl-C): the tag stays resident
             self._settle(state)
             lost = self._map_back(done, dict((id(m), ps) for m, ps in entries), state.backed_up)
+            if not isinstance(exc, Exception):
+                raise
             detail = f"; {lost} bytes mapped back fresh (no backup)" if lost else ""
             error = wrap("release", tag, exc)
             error.reason += f" (tag left resident{detail})"
@@ -585,7 +594,7 @@ class TaggedAllocator:
         handle = self.driver.create(size, device)
         try:
             self.driver.map(start, size, handle)
-        except Exception:
+        except BaseException:
             self.driver.release(handle)
             raise
         return MappedRange(start, size, handle, device, users)

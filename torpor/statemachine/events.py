@@ -42,6 +42,8 @@ class EventKind(enum.StrEnum):
     - ``hook_decision``: ``hook``, ``active``, ``detail`` (free-form strings)
     - ``snapshot``: ``projection`` (the projection at a log rotation)
     - ``closed``: ``state``
+    - ``command_repeated``: ``command``, ``args``, ``state``, ``reason`` (a retried command whose effect
+      already holds, accepted as a no-op: ``sleep``/``wake`` with ``idempotent=True``, as the vLLM backend calls them)
     """
 
     OPENED = "opened"
@@ -66,6 +68,7 @@ class EventKind(enum.StrEnum):
     HOOK_DECISION = "hook_decision"
     SNAPSHOT = "snapshot"
     CLOSED = "closed"
+    COMMAND_REPEATED = "command_repeated"
 
 
 #: Kinds that end (or begin) a transition: the log makes them durable.

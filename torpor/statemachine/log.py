@@ -14,17 +14,19 @@ log is executed or unpickled: lines are parsed as JSON and validated.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
-import stat
 import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
+from torpor.errors import EventTooLarge, LogCorrupted, LogWriteFailed, NotAnEventLog, UnknownSchemaVersion
+from torpor.statemachine import logfile
 from torpor.statemachine.events import BOUNDARY_KINDS, SCHEMA_VERSION, Event, plain_event
 
 logger = logging.getLogger(__name__)
@@ -163,40 +165,72 @@ def read_events(path: str | os.PathLike[str], max_line: int = DEFAULT_MAX_LINE) 
     return _events(path, max_line, one_file=False)
 
 
-def _tail_state(file: Path, max_line: int) -> tuple[int, int]:
-    """(last sequence number, length of the valid prefix) of an existing file."""
-    with open(file, "rb") as fh:
-        data = fh.read()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        logger.warning("%s: cutting a torn last line (%d bytes) before appending", file, len(data) - end)
-    last = 0
-    if end:
-        start = data.rfind(b"\n", 0, end - 1) + 1
-        last = decode_line(data[start : end - 1], str(file), data.count(b"\n", 0, end), max_line).seq
+def _line_number(fd: int, offset: int) -> int:
+    """The number of the line that starts at byte ``offset`` (1-based), counting newlines before it."""
+    count, pos = 0, 0
+    while pos < offset:
+        chunk = os.pread(fd, min(1 << 20, offset - pos), pos)
+        if not chunk:
+            break
+        count += chunk.count(b"\n")
+        pos += len(chunk)
+    return count + 1
+
+
+def _inspect(fd: int, name: str, max_line: int) -> tuple[int, int]:
+    """(last sequence number, length of the valid prefix) of an open log file; refuse one that is not a log.
+
+    The first line must be an event (or, in a file without a newline yet, the
+    start of one: a first write torn by a crash); otherwise the file is not a
+    torpor log and :class:`NotAnEventLog` is raised before anything is cut or
+    written. Only the first and the last lines are read.
+    """
+    size = os.fstat(fd).st_size
+    if not size:
+        return 0, 0
+    head = os.pread(fd, min(size, max_line + 1), 0)
+    newline = head.find(b"\n")
+    if newline < 0:
+        if size <= max_line and head.startswith(_PREFIX_B):
+            logger.warning("%s: cutting a torn first line (%d bytes) before appending", name, size)
+            return 0, 0
+        raise NotAnEventLog(name, "it has no line that is a checksummed event")
+    try:
+        decode_line(head[: newline + 1], name, 1, max_line)
+    except LogCorrupted as exc:
+        raise NotAnEventLog(name, f"line 1: {exc.reason}") from None
+    window = min(size, 2 * max_line + 2)
+    tail = os.pread(fd, window, size - window)
+    last_nl = tail.rfind(b"\n")
+    if last_nl < 0:
+        raise LogCorrupted(name, _line_number(fd, size - window), "a line longer than the line limit at the end")
+    end = size - window + last_nl + 1
+    if end < size:
+        logger.warning("%s: cutting a torn last line (%d bytes) before appending", name, size - end)
+    start_in_tail = tail.rfind(b"\n", 0, last_nl) + 1
+    if start_in_tail == 0 and size - window > 0:
+        raise LogCorrupted(name, _line_number(fd, size - window), "a line longer than the line limit")
+    start = size - window + start_in_tail
+    line = tail[start_in_tail:last_nl]
+    try:
+        last = decode_line(line, name, 0, max_line).seq
+    except LogCorrupted as exc:
+        raise LogCorrupted(name, _line_number(fd, start), exc.reason) from None
     return last, end
 
 
-def _make_private(directory: Path) -> None:
-    """Make the log's directory 0700, unless it is shared (sticky, like /tmp, or someone else's): then only warn."""
-    st = directory.stat()
-    if st.st_mode & stat.S_ISVTX or st.st_uid != os.geteuid():
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            logger.warning(
-                "%s is a shared directory (mode %o): torpor leaves its mode as it is; the log files in it are 0600",
-                directory,
-                stat.S_IMODE(st.st_mode),
-            )
-        return
-    os.chmod(directory, 0o700)
-
-
 class EventLog:
-    """Append-only, checksummed JSON Lines event log for one engine rank.
+    """Append-only, checksummed JSON Lines event log for one engine rank, with one writer.
 
     ``fsync`` makes boundary events (those that begin or end a transition)
     durable; ``max_bytes`` rotates the active file; ``keep`` bounds how many
-    rotated segments stay on disk (None keeps all).
+    rotated segments stay on disk (None keeps all). Opening takes the log's
+    writer lock (``NAME.lock``) for the life of this object: a second writer is
+    refused with :class:`~torpor.errors.LogLocked`. The file is opened as
+    :mod:`torpor.statemachine.logfile` describes (no links followed, nobody
+    else's file, never a file that is not a torpor log). A write that fails
+    (a full disk) cuts the file back to its last whole line and raises
+    :class:`~torpor.errors.LogWriteFailed`; the event is then not recorded.
     """
 
     def __init__(
@@ -214,25 +248,41 @@ class EventLog:
         self.max_line = max_line
         self.keep = keep
         self._lock = threading.Lock()
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _make_private(self.path.parent)
-        self.last_seq = 0
-        if self.path.exists():
-            self.last_seq, valid = _tail_state(self.path, max_line)
-            if valid < self.path.stat().st_size:
-                os.truncate(self.path, valid)
-        if not self.last_seq and segments(self.path)[: -1 if self.path.exists() else None]:
-            # No event in the active file (or none at all): a crash right after a rotation renamed it.
-            *_, last = read_events(self.path, max_line)
-            self.last_seq = last.seq
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        os.fchmod(fd, 0o600)
-        self._fh = os.fdopen(fd, "ab", buffering=0)
-        self._size = self.path.stat().st_size
+        self._fd: int | None = None
+        self._torn = False  # a failed write could not be cut back: cut before the next write
+        self._next_rotation = max_bytes
+        logfile.prepare_directory(self.path.parent)
+        self._writer = logfile.WriterLock(self.path)
+        try:
+            self._open()
+        except BaseException:
+            self._writer.release()
+            raise
+
+    def _open(self) -> None:
+        fd, _created = logfile.open_file(self.path, readable=True)
+        try:
+            self.last_seq, valid = _inspect(fd, str(self.path), self.max_line)
+            if valid < os.fstat(fd).st_size:
+                os.ftruncate(fd, valid)
+            if not self.last_seq and segments(self.path)[:-1]:
+                # No event in the active file: a crash right after a rotation renamed it.
+                *_, last = read_events(self.path, self.max_line)
+                self.last_seq = last.seq
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._size = valid
 
     def next_seq(self) -> int:
         """The sequence number the next appended event must carry."""
         return self.last_seq + 1
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._fd is None
 
     def append(self, event: Event) -> None:
         """Write ``event``; fsync it when it is a boundary and ``fsync`` is on."""
@@ -243,32 +293,107 @@ class EventLog:
             if event.seq != self.last_seq + 1:
                 msg = f"event #{event.seq} appended after #{self.last_seq}: sequence numbers must follow on"
                 raise ValueError(msg)
-            self._fh.write(line)
-            if self.fsync and event.kind in BOUNDARY_KINDS:
-                os.fsync(self._fh.fileno())
+            self._write(line, event, sync=self.fsync and event.kind in BOUNDARY_KINDS)
             self.last_seq = event.seq
             self._size += len(line)
 
+    def _write(self, line: bytes, event: Event, *, sync: bool) -> None:
+        """Write the whole line (a short write is continued) or none of it; the caller holds the lock."""
+        fd = self._fd
+        if fd is None:
+            msg = f"the event log {self.path} is closed"
+            raise ValueError(msg)
+        if self._torn:
+            self._cut_back(event)
+        written = 0
+        try:
+            while written < len(line):
+                n = os.write(fd, line[written:])
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "no byte written")
+                written += n
+            if sync:
+                os.fsync(fd)
+        except BaseException as exc:
+            if written:
+                self._torn = True
+                self._cut_back(event)
+            if isinstance(exc, OSError):
+                raise LogWriteFailed(str(self.path), event.kind.value, event.seq, str(exc)) from exc
+            raise
+
+    def _cut_back(self, event: Event) -> None:
+        """Cut the file back to its last whole line (after a failed write)."""
+        try:
+            os.ftruncate(self._fd, self._size)  # type: ignore[arg-type]
+        except OSError as exc:
+            reason = f"a failed write could not be cut back ({exc}); nothing more is written until it can"
+            raise LogWriteFailed(str(self.path), event.kind.value, event.seq, reason) from exc
+        self._torn = False
+
     def needs_rotation(self) -> bool:
-        """True once the active file has passed ``max_bytes``."""
-        return self._size >= self.max_bytes
+        """True once the active file has passed ``max_bytes`` (and the last rotation did not fail since)."""
+        return self._size >= self.max_bytes and self._size >= self._next_rotation
 
     def rotate(self, snapshot: Event) -> None:
-        """Close the active file as a segment; start a new one with ``snapshot``."""
+        """Close the active file as a segment; start a new one with ``snapshot``.
+
+        The new file is written first (``NAME.next``, the snapshot fsync'ed)
+        and then renamed into place, so a failure (a full disk) leaves the log
+        as it was and raises; the caller keeps appending to the active file,
+        and the next rotation is tried after another ``max_bytes``.
+        """
+        line = encode_line(snapshot)
+        if len(line) > self.max_line:
+            self._next_rotation = self._size + self.max_bytes
+            raise EventTooLarge(snapshot.kind.value, len(line), self.max_line)
         with self._lock:
-            self._fh.close()
+            if snapshot.seq != self.last_seq + 1:
+                msg = f"snapshot #{snapshot.seq} after #{self.last_seq}: sequence numbers must follow on"
+                raise ValueError(msg)
+            try:
+                self._rotate(line, snapshot)
+            except BaseException:
+                self._next_rotation = self._size + self.max_bytes
+                raise
+            self.last_seq = snapshot.seq
+            self._size = len(line)
+            self._next_rotation = self.max_bytes
+        if self.keep is not None:
+            old = segments(self.path)[:-1]
+            for stale in old[: max(0, len(old) - self.keep)]:
+                stale.unlink()
+
+    def _rotate(self, line: bytes, snapshot: Event) -> None:
+        nxt = self.path.with_name(self.path.name + ".next")
+        with contextlib.suppress(FileNotFoundError):  # left by a crash mid-rotation (we hold the writer lock)
+            os.unlink(nxt)
+        fd, _ = logfile.open_file(nxt, readable=True)
+        try:
+            written = 0
+            while written < len(line):
+                n = os.write(fd, line[written:])
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "no byte written")
+                written += n
+            if self.fsync:
+                os.fsync(fd)
             first = next(read_events_file(self.path, self.max_line)).seq
             os.replace(self.path, self.path.with_name(f"{self.path.name}.{first:012d}"))
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            self._fh = os.fdopen(fd, "ab", buffering=0)
-            self._size = 0
-            if self.keep is not None:
-                old = segments(self.path)[:-1]
-                for stale in old[: max(0, len(old) - self.keep)]:
-                    stale.unlink()
-        self.append(snapshot)
+        except BaseException as exc:
+            os.close(fd)
+            try:
+                os.unlink(nxt)
+            except OSError:
+                logger.warning("could not remove %s after a failed rotation", nxt)
+            if isinstance(exc, OSError):
+                raise LogWriteFailed(str(self.path), snapshot.kind.value, snapshot.seq, str(exc)) from exc
+            raise
+        os.replace(nxt, self.path)  # only a crash can stop here: the log then has segments only, which is read fine
+        old, self._fd = self._fd, fd
+        if old is not None:
+            os.close(old)
         if self.fsync:
-            os.fsync(self._fh.fileno())
             dfd = os.open(self.path.parent, os.O_RDONLY)
             try:
                 os.fsync(dfd)
@@ -276,16 +401,26 @@ class EventLog:
                 os.close(dfd)
 
     def close(self) -> None:
-        """Close the file (events already appended stay)."""
+        """Close the file and release the writer lock (events already appended stay); safe to call twice."""
         with self._lock:
-            if not self._fh.closed:
-                self._fh.close()
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
+            self._writer.release()
 
     def __enter__(self) -> EventLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.release()
 
 
 def read_events_file(file: Path, max_line: int = DEFAULT_MAX_LINE) -> Iterator[Event]:

@@ -186,7 +186,7 @@ class MultiprocessSink:
         for tag, usage in proj.residency.items():
             self._set_tag(base, tag, usage)
         self._set("torpor_pinned_host_bytes", base, float(proj.pinned_bytes))
-        self._set("torpor_cudagraphs", base, float(len(proj.graphs)))
+        self._set("torpor_cudagraphs", base, float(proj.graph_count))
 
 
 #: Events that change one tag's residency and nothing else but, perhaps, the state.

@@ -216,7 +216,7 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
             value = float(getattr(usage, residency))
             add("torpor_tag_bytes", "torpor_tag_bytes", (("residency", residency), ("tag", tag)), value)
     add("torpor_pinned_host_bytes", "torpor_pinned_host_bytes", (), float(proj.pinned_bytes))
-    add("torpor_cudagraphs", "torpor_cudagraphs", (), float(len(proj.graphs)))
+    add("torpor_cudagraphs", "torpor_cudagraphs", (), float(proj.graph_count))
     counters, hists = stats.snapshot()
     for metric, family in _COUNTERS.items():
         names = METRICS[family][1]
