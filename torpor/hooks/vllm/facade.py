@@ -213,15 +213,18 @@ class TorporMemAllocator:
                     level,
                     ", ".join(differ),
                 )
-        self.controller.sleep(level)
+        self.controller.sleep(level, idempotent=True)  # a retry on a rank already asleep is a recorded no-op
 
     def discard(self, tags: tuple[str, ...] | str) -> None:
         """Drop the host backup of asleep ``tags`` (``SleepController.discard``)."""
         self.controller.discard([tags] if isinstance(tags, str) else list(tags))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake ``tags`` (None: all); every tag other than weights and kv_cache comes back with any wake."""
-        self.controller.wake(tags)
+        """Wake ``tags`` (None: all); every tag other than weights and kv_cache comes back with any wake.
+
+        Every tag asked for resident already (a retry after another rank failed): a recorded no-op.
+        """
+        self.controller.wake(tags, idempotent=True)
 
     def get_current_usage(self) -> int:
         """Bytes of every allocation in the pools (resident, on the host or discarded), as CuMemAllocator counts."""
