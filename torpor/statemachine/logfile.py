@@ -111,6 +111,8 @@ def open_file(path: Path, *, readable: bool = False) -> tuple[int, bool]:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise UnsafeLogPath(str(path), "it is a symbolic link") from None
+            if exc.errno == errno.ENXIO:  # a FIFO nobody reads (O_NONBLOCK): not a file either
+                raise UnsafeLogPath(str(path), "it is not a regular file") from None
             raise
         try:
             check_file(path, os.fstat(fd))

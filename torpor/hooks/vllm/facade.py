@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.errors import TorporError
-from torpor.statemachine.controller import SleepController
+from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.policy import Policy
 from torpor.statemachine.protocol import Memory
 
@@ -44,8 +44,13 @@ DEFAULT_ENGINE = "vllm"
 
 
 def default_log_dir() -> Path:
-    """``$TORPOR_LOG_DIR``, else ``<tempdir>/torpor`` (``/tmp/torpor`` on Linux)."""
-    return Path(os.environ.get(ENV_LOG_DIR) or Path(tempfile.gettempdir()) / "torpor")
+    """``$TORPOR_LOG_DIR``, else ``<tempdir>/torpor-<uid>`` (``/tmp/torpor-1000``): one per user, 0700.
+
+    A directory per user, so that one user's engines never block another's (a
+    shared ``/tmp/torpor`` belongs to whoever made it first, and torpor refuses
+    a log directory that belongs to someone else).
+    """
+    return Path(os.environ.get(ENV_LOG_DIR) or Path(tempfile.gettempdir()) / f"torpor-{os.geteuid()}")
 
 
 def _group_attr(name: str, attr: str) -> int | None:
@@ -70,7 +75,7 @@ def worker_rank() -> int:
 
 
 def engine_name() -> str:
-    """``$TORPOR_ENGINE`` (default ``vllm``), with ``-dpN`` added when vLLM runs data parallel."""
+    """``$TORPOR_ENGINE`` (``vllm-<pid>`` once activated, see ``activation.activate``), ``-dpN`` added under data parallelism."""
     name = os.environ.get(ENV_ENGINE) or DEFAULT_ENGINE
     dp_size = _group_attr("_DP", "world_size")
     dp_rank = _group_attr("_DP", "rank_in_group")
@@ -161,11 +166,15 @@ class TorporMemAllocator:
 
     def _start(self) -> SleepController:
         log_dir = Path(self._log_dir) if self._log_dir is not None else default_log_dir()
-        log_dir.mkdir(parents=True, exist_ok=True)
         engine = self._engine or engine_name()
         rank = self._rank if self._rank is not None else worker_rank()
-        controller = SleepController(
-            self.memory, log=log_dir, policy=self._policy, engine=engine, rank=rank, fsync=self._fsync
+        controller = SleepController(  # the log file's directory is created 0700 (or checked) by the log
+            self.memory,
+            log=log_path_for(log_dir, engine, rank),
+            policy=self._policy,
+            engine=engine,
+            rank=rank,
+            fsync=self._fsync,
         )
         if controller.projection.interrupted and controller.projection.pid != os.getpid():
             # The log ends inside a transition of an earlier process; this one starts with fresh memory.
