@@ -21,7 +21,8 @@ class EventKind(enum.StrEnum):
     Payload (``Event.data``) per kind:
 
     - ``opened``: ``usage`` {tag: resident bytes}, ``memory`` (its class), ``previous_state``
-    - ``recovered``: ``usage``, ``interrupted_state``, ``interrupted_step``
+    - ``recovered``: ``usage``, ``released`` {tag: {host, discarded}} (tags the memory holds released), ``interrupted_state``,
+      ``interrupted_step``
     - ``sleep_requested``: ``level``, ``plan`` {tag: offload|discard}, ``usage``
     - ``tag_backed_up``: ``tag``, ``bytes``, ``seconds``
     - ``tag_released``: ``tag``, ``bytes``, ``action`` (offload|discard), ``seconds``

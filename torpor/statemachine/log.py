@@ -2,8 +2,10 @@
 
 Each line is one event, ``{"crc":"xxxxxxxx",...}``: the CRC-32 of the line with
 the ``"crc"`` member removed. Lines are flushed on every append and fsync'ed at
-transition boundaries (configurable). Files are created 0600 in a 0700
-directory. When the active file passes ``max_bytes`` it is renamed to
+transition boundaries (configurable). The writer opens its files as
+:mod:`torpor.statemachine.logfile` describes (0600, no links followed, one
+writer per log, never a file that is not a torpor log), and a failed write is
+cut back to the last whole line. When the active file passes ``max_bytes`` it is renamed to
 ``NAME.SEQ`` (SEQ = its first sequence number) and the new file opens with a
 ``snapshot`` event, so replay stays correct when old segments are pruned
 (``keep`` of them are kept). A torn last line (a crash mid-write) is tolerated
