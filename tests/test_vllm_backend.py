@@ -341,3 +341,15 @@ def test_default_log_path_is_per_user_and_per_engine(
     first.release_pools()
     other_engine.release_pools()
     assert list(theirs.iterdir()) == []
+
+
+def test_allocator_after_release_raises_controller_closed(engine: Any) -> None:
+    """After release_pools() (vLLM's shutdown), sleep and wake through the allocator raise ControllerClosed, not a file error."""
+    from torpor.errors import ControllerClosed
+
+    engine.allocator.controller  # noqa: B018 - started
+    engine.allocator.release_pools()
+    with pytest.raises(ControllerClosed, match="release_pools"):
+        engine.allocator.sleep()
+    with pytest.raises(ControllerClosed):
+        engine.allocator.wake_up(None)

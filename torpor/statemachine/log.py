@@ -227,7 +227,7 @@ class EventLog:
     ``fsync`` makes boundary events (those that begin or end a transition)
     durable; ``max_bytes`` rotates the active file; ``keep`` bounds how many
     rotated segments stay on disk (None keeps all). Opening takes the log's
-    writer lock (``NAME.lock``) for the life of this object: a second writer is
+    writer lock (``.NAME.lock``) for the life of this object: a second writer is
     refused with :class:`~torpor.errors.LogLocked`. The file is opened as
     :mod:`torpor.statemachine.logfile` describes (no links followed, nobody
     else's file, never a file that is not a torpor log). A write that fails
@@ -340,7 +340,7 @@ class EventLog:
     def rotate(self, snapshot: Event) -> None:
         """Close the active file as a segment; start a new one with ``snapshot``.
 
-        The new file is written first (``NAME.next``, the snapshot fsync'ed)
+        The new file is written first (``.NAME.next``, the snapshot fsync'ed)
         and then renamed into place, so a failure (a full disk) leaves the log
         as it was and raises; the caller keeps appending to the active file,
         and the next rotation is tried after another ``max_bytes``.
@@ -364,10 +364,13 @@ class EventLog:
         if self.keep is not None:
             old = segments(self.path)[:-1]
             for stale in old[: max(0, len(old) - self.keep)]:
-                stale.unlink()
+                try:
+                    stale.unlink()
+                except OSError as exc:  # the rotation is done; an old segment stays
+                    logger.warning("could not prune %s: %s", stale, exc)
 
     def _rotate(self, line: bytes, snapshot: Event) -> None:
-        nxt = self.path.with_name(self.path.name + ".next")
+        nxt = self.path.with_name(f".{self.path.name}.next")  # hidden: globs of NAME.* see segments only
         with contextlib.suppress(FileNotFoundError):  # left by a crash mid-rotation (we hold the writer lock)
             os.unlink(nxt)
         fd, _ = logfile.open_file(nxt, readable=True)

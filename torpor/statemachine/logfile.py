@@ -10,7 +10,7 @@ can write. So the writer:
 - opens the log with ``O_NOFOLLOW``, creates it with ``O_EXCL`` (0600), and
   refuses an existing file that is not a regular file, has other links, belongs
   to someone else or that others can write;
-- holds an exclusive ``flock`` on ``NAME.lock`` for the writer's lifetime, so
+- holds an exclusive ``flock`` on ``.NAME.lock`` for the writer's lifetime, so
   a second writer on the same log is refused (:class:`~torpor.errors.LogLocked`).
 """
 
@@ -127,10 +127,10 @@ def open_file(path: Path, *, readable: bool = False) -> tuple[int, bool]:
 
 
 class WriterLock:
-    """An exclusive lock on ``NAME.lock`` beside the log, held until :meth:`release`."""
+    """An exclusive lock on ``.NAME.lock`` beside the log (hidden: globs of ``NAME.*`` see segments only), held until :meth:`release`."""
 
     def __init__(self, log_path: Path) -> None:
-        self.path = log_path.with_name(log_path.name + ".lock")
+        self.path = log_path.with_name(f".{log_path.name}.lock")
         fd, _ = open_file(self.path, readable=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

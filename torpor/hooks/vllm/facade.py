@@ -27,7 +27,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from torpor.errors import TorporError
+from torpor.errors import CommandInFlight, ControllerClosed, TorporError
 from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.policy import Policy
 from torpor.statemachine.protocol import Memory
@@ -41,6 +41,8 @@ ENV_ENGINE = "TORPOR_ENGINE"
 #: Overrides the rank torpor reads from vLLM's world group.
 ENV_RANK = "TORPOR_RANK"
 DEFAULT_ENGINE = "vllm"
+#: How long ``release_pools()`` (vLLM's shutdown, torpor's atexit) waits for a command in flight.
+CLOSE_TIMEOUT_S = 60.0
 
 
 def default_log_dir() -> Path:
@@ -133,6 +135,7 @@ class TorporMemAllocator:
         self._lock = threading.RLock()
         self._sites = itertools.count(1)
         self._closed = False
+        self._closed_controller: SleepController | None = None
         self._decisions_recorded = False
         self.telemetry: Any = None
 
@@ -158,8 +161,13 @@ class TorporMemAllocator:
 
     @property
     def controller(self) -> SleepController:
-        """This worker's SleepController, created on first use with the worker's rank."""
+        """This worker's SleepController, created on first use with the worker's rank; ``ControllerClosed`` once released."""
         with self._lock:
+            if self._closed:
+                closed = self._closed_controller
+                engine, rank = (closed.engine, closed.rank) if closed is not None else (self._engine or "?", -1)
+                seq = closed.last_seq if closed is not None else 0
+                raise ControllerClosed("use the allocator after release_pools()", engine, rank, seq)
             if self._controller is None:
                 self._controller = self._start()
             return self._controller
@@ -266,7 +274,12 @@ class TorporMemAllocator:
             except Exception:  # teardown must go on
                 logger.exception("torpor: detaching telemetry failed")
         if controller is not None:
-            controller.close()
+            self._closed_controller = controller
+            try:
+                controller.close(timeout=CLOSE_TIMEOUT_S)
+            except CommandInFlight:  # a command that never ends: closing the memory under it would be worse
+                logger.exception("torpor: a command is still in flight after %.0f s; memory left open", CLOSE_TIMEOUT_S)
+                return
         closer = getattr(self._memory, "close", None)
         if callable(closer):
             closer()
