@@ -175,6 +175,7 @@ FULL_DISK = """
 import json, os, resource, signal, sys
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.log import EventLog
+from torpor.statemachine.states import State
 from torpor.testing import FakeMemory
 
 path, room = sys.argv[1], int(sys.argv[2])
