@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
 import time
 from pathlib import Path
 
 from torpor.errors import LogLocked, UnsafeLogPath
+
+logger = logging.getLogger("torpor.statemachine.log")
 
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
 _SHARED_OWNERS = (0,)  # root owns /tmp and /var/tmp: a sticky directory of root's is a shared one
@@ -75,10 +78,17 @@ def check_directory(directory: Path) -> None:
             f"the directory belongs to someone else ({_describe(st)}); use a directory of your own "
             "(TORPOR_LOG_DIR, or log=)",
         )
-    if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise UnsafeLogPath(
-            str(directory),
-            f"others can write the directory and it is not sticky ({_describe(st)}), so they could replace the log",
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        if not st.st_mode & stat.S_ISVTX:
+            raise UnsafeLogPath(
+                str(directory),
+                f"others can write the directory and it is not sticky ({_describe(st)}), so they could replace the log",
+            )
+        logger.warning(
+            "%s is a shared directory (mode %o): torpor leaves its mode as it is; its own files in it are 0600 "
+            "(a private directory, such as the default <tempdir>/torpor-<uid>, is safer)",
+            directory,
+            stat.S_IMODE(st.st_mode),
         )
 
 
