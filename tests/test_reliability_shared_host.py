@@ -16,6 +16,7 @@ from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import EventKind, make_event
 from torpor.statemachine.log import EventLog, read_events, segments
 from torpor.statemachine.projection import MAX_GRAPH_SITES, replay
+from torpor.statemachine.states import State
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024, "cudagraph": 2048}
@@ -303,3 +304,45 @@ def test_snapshots_stay_bounded_over_thousands_of_captures(tmp_path: Path) -> No
     assert proj.graph_count == 10_000
     assert len(proj.graphs) == MAX_GRAPH_SITES and proj.graphs[-1] == site.format(9_999 % 512, 9_999)
     assert proj.to_dict() == ctrl.projection.to_dict()
+
+
+HOLDER = """
+import sys
+from torpor.statemachine.controller import SleepController
+from torpor.testing import FakeMemory
+
+ctrl = SleepController(FakeMemory({"weights": 4096}), log=sys.argv[1], fsync=False)
+print("ready", flush=True)
+sys.stdin.readline()
+ctrl.sleep(1)
+ctrl.close()
+"""
+
+
+def test_writer_in_another_process_is_detected(tmp_path: Path) -> None:
+    """Another engine process writing the same log: this one is refused with its pid named; none of its lines interleave."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "vllm.rank0.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(LogLocked, match=f"pid {holder.pid}"):
+            SleepController(FakeMemory(TAGS), log=path)
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.wait(60) == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    ctrl = SleepController(FakeMemory(TAGS), log=path)  # the lock went with the process
+    ctrl.close()
+    events = list(read_events(path))
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert [e.pid for e in events if e.kind is EventKind.SLEEP_COMPLETED] == [holder.pid]
+    assert replay(path).state is State.AWAKE  # reopened by a new process: fresh memory
