@@ -7,31 +7,45 @@ import ctypes
 import pytest
 
 from torpor.allocator import DriverError
-from torpor.allocator.cuda_driver import CudaDriver, _free_pages, _host_pages
+from torpor.allocator.cuda_driver import (
+    CudaDriver,
+    free_host_pages,
+    populate_host_pages,
+    reserve_host_pages,
+    transparent_huge_pages,
+)
 from torpor.errors import OutOfMemory
 
 MiB = 1 << 20
 
 
-def test_host_pages_are_writable_page_aligned_and_freed() -> None:
-    """Host pages for pinning come back page-aligned and writable, and are unmapped without error."""
-    address = _host_pages(4 * MiB)
-    assert address % 4096 == 0
-    ctypes.memset(address, 0x5A, 4 * MiB)
-    assert ctypes.string_at(address + 4 * MiB - 3, 3) == b"ZZZ"
-    _free_pages(address, 4 * MiB)
+def test_host_pages_are_writable_huge_page_aligned_and_freed() -> None:
+    """Reserved host pages start on a 2 MiB boundary, fault in writable, and unmap piece by piece."""
+    address = reserve_host_pages(8 * MiB)
+    assert address % (2 * MiB) == 0
+    populate_host_pages(address, 4 * MiB)
+    populate_host_pages(address + 4 * MiB, 4 * MiB)
+    ctypes.memset(address, 0x5A, 8 * MiB)
+    assert ctypes.string_at(address + 8 * MiB - 3, 3) == b"ZZZ"
+    free_host_pages(address, 4 * MiB)
+    free_host_pages(address + 4 * MiB, 4 * MiB)
+
+
+def test_huge_page_mode_is_read_from_the_kernel() -> None:
+    """The transparent huge page mode is one of the kernel's words, or 'unavailable'."""
+    assert transparent_huge_pages() in {"always", "madvise", "never", "unavailable"}
 
 
 def test_host_pages_beyond_memory_raise_out_of_memory() -> None:
     """A mapping larger than the machine can give raises an OutOfMemory driver error naming mmap."""
     with pytest.raises(OutOfMemory, match="mmap"):
-        _host_pages(1 << 55)
+        reserve_host_pages(1 << 55)
 
 
 def test_freeing_pages_that_are_not_a_mapping_raises() -> None:
     """munmap of an unaligned address fails with a DriverError naming munmap and the address."""
     with pytest.raises(DriverError, match="munmap"):
-        _free_pages(4097, 4096)
+        free_host_pages(4097, 4096)
 
 
 def test_a_new_driver_touches_no_cuda() -> None:

@@ -1,48 +1,106 @@
-"""Tests of the pinned host arena: pinning ahead in the background, taking, giving, trimming."""
+"""Tests of the pinned host arena: pinning as a sleep copies or ahead in the background, taking, giving, trimming, limits."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from torpor.allocator import AllocatorOutOfMemory, HostArena, HostPolicy, SimDriver
+from torpor.allocator import AllocatorError, AllocatorOutOfMemory, HostArena, HostPolicy, SimDriver
+from torpor.allocator.offload import Extent
 
 C = 64 * 1024
+
+
+def pinned(arena: HostArena, extents: list[Extent]) -> list[Extent]:
+    """Wait until every extent's chunk is pinned (what a backup does before each copy)."""
+    for e in extents:
+        arena.wait_pinned(e.host)
+    return extents
+
+
+class GatedSim(SimDriver):
+    """A SimDriver whose pins wait for a gate, so a test can see chunks become ready one by one."""
+
+    def __init__(self, **kw: int) -> None:
+        super().__init__(**kw)
+        self.gates: dict[int, threading.Event] = {}
+        self.started: list[int] = []
+        self._gate_lock = threading.Lock()
+
+    def gate(self, host: int) -> threading.Event:
+        with self._gate_lock:
+            return self.gates.setdefault(host, threading.Event())
+
+    def host_alloc(self, nbytes: int, host: int | None = None) -> int:
+        if host is not None:
+            with self._gate_lock:
+                self.started.append(host)
+            self.gate(host).wait(10)
+        return super().host_alloc(nbytes, host)
 
 
 def test_want_pins_ahead_in_the_background() -> None:
     """want() returns at once and the pinner reaches the target in chunks."""
     sim = SimDriver(granularity=C)
-    arena = HostArena(sim, HostPolicy(chunk_bytes=C, threads=2))
+    arena = HostArena(sim, HostPolicy(prepin=True, chunk_bytes=C, threads=2))
     arena.want(5 * C)
     assert arena.wait_ready(10)
     assert arena.pinned_bytes() == 5 * C
     assert sim.host_used == 5 * C
     arena.close()
-    assert sim.host_used == 0
+    assert sim.host_used == 0 and sim.host_reserved == 0
 
 
-def test_no_prepin_policy_pins_only_on_take() -> None:
-    """With prepin off, want() does nothing and take() pins what it needs."""
+def test_pinning_ahead_is_off_by_default() -> None:
+    """The default policy pins nothing ahead: want() does nothing until a take."""
+    sim = SimDriver(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=C))
+    arena.want(4 * C)
+    assert arena.wait_ready(1)
+    assert arena.pinned_bytes() == 0 and sim.count("host_alloc") == 0
+
+
+def test_take_pins_what_it_needs_as_one_reservation() -> None:
+    """take() reserves the missing bytes in one range and pins it chunk by chunk."""
     sim = SimDriver(granularity=C)
     arena = HostArena(sim, HostPolicy(prepin=False, chunk_bytes=C))
-    arena.want(4 * C)
-    assert arena.pinned_bytes() == 0
-    extents = arena.take(3 * C + 1)
+    extents = pinned(arena, arena.take(3 * C + 1))
     assert sum(e.nbytes for e in extents) == 3 * C + 1
+    assert arena.pinned_bytes() == 4 * C == sim.host_used
+    assert sim.count("host_reserve") == 1 and sim.count("host_alloc") == 4
+    arena.close()
+    assert sim.host_used == 0 and sim.host_reserved == 0
+
+
+def test_take_returns_before_pinning_and_chunks_become_ready_in_order() -> None:
+    """take() does not wait for pinning; the first chunk can be copied into while later ones still pin."""
+    sim = GatedSim(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=C, threads=2))
+    extents = arena.take(4 * C)
+    bases = sorted({e.chunk for e in extents})
+    assert arena.pinned_bytes() == 0
+    sim.gate(bases[0]).set()
+    arena.wait_pinned(bases[0])
+    assert arena.pinned_bytes() == C  # the others are held at their gates
+    for b in bases[1:]:
+        sim.gate(b).set()
+    pinned(arena, extents)
     assert arena.pinned_bytes() == 4 * C
+    assert sim.started[:2] == bases[:2]  # pinned in address order (two threads)
+    arena.close()
 
 
 def test_extents_stay_inside_chunks_and_come_back() -> None:
     """Extents never cross a chunk; given back, the space is reused without pinning more."""
     sim = SimDriver(granularity=C)
     arena = HostArena(sim, HostPolicy(prepin=False, chunk_bytes=C))
-    extents = arena.take(5 * C // 2)
+    extents = pinned(arena, arena.take(5 * C // 2))
     for e in extents:
-        chunk = next(k for k in arena._chunks if k == e.chunk)
-        assert chunk <= e.host and e.host + e.nbytes <= chunk + C
+        assert e.chunk <= e.host and e.host + e.nbytes <= e.chunk + C
     arena.give(extents)
     assert arena.used_bytes() == 0
-    arena.take(3 * C)
+    pinned(arena, arena.take(3 * C))
     assert sim.count("host_alloc") == 3
 
 
@@ -50,46 +108,119 @@ def test_keep_after_wake_off_unpins_empty_chunks() -> None:
     """With keep_after_wake off, giving back the last extent of a chunk unpins it."""
     sim = SimDriver(granularity=C)
     arena = HostArena(sim, HostPolicy(prepin=False, keep_after_wake=False, chunk_bytes=C))
-    arena.give(arena.take(2 * C))
+    arena.give(pinned(arena, arena.take(2 * C)))
     assert arena.pinned_bytes() == 0
-    assert sim.host_used == 0
+    assert sim.host_used == 0 and sim.host_reserved == 0
 
 
 def test_trim_returns_unused_chunks_only() -> None:
     """trim() unpins chunks holding no backup and keeps the others."""
     sim = SimDriver(granularity=C)
     arena = HostArena(sim, HostPolicy(prepin=False, chunk_bytes=C))
-    held = arena.take(C)
-    arena.give(arena.take(2 * C))
+    held = pinned(arena, arena.take(C))
+    arena.give(pinned(arena, arena.take(2 * C)))
     assert arena.trim() == 2 * C
-    assert arena.used_bytes() == C
+    assert arena.used_bytes() == C and sim.host_used == C
     arena.give(held)
 
 
-def test_pin_failure_is_out_of_memory_and_keeps_what_was_pinned() -> None:
-    """A pin that runs out of host memory raises AllocatorOutOfMemory; earlier chunks stay usable."""
+def test_trim_in_the_background_gives_every_unused_chunk_back() -> None:
+    """A background trim takes unused chunks off pinned_bytes() at once and unpins them all in its thread."""
+    sim = SimDriver(granularity=C)
+    arena = HostArena(sim, HostPolicy(prepin=False, chunk_bytes=C))
+    arena.give(pinned(arena, arena.take(8 * C)))
+    assert arena.trim(background=True) == 8 * C
+    assert arena.pinned_bytes() == 0
+    assert arena.wait_unpinned(10)
+    assert sim.host_used == 0 and sim.host_reserved == 0
+
+
+def test_pin_failure_is_out_of_memory_at_the_copy_and_keeps_what_was_pinned() -> None:
+    """A chunk that runs out of host memory raises AllocatorOutOfMemory to the copy waiting for it; others stay usable."""
     sim = SimDriver(granularity=C, host_capacity=2 * C)
     arena = HostArena(sim, HostPolicy(prepin=False, chunk_bytes=C, threads=1))
+    extents = arena.take(3 * C)
     with pytest.raises(AllocatorOutOfMemory):
-        arena.take(3 * C)
+        pinned(arena, extents)
     assert arena.pinned_bytes() == 2 * C
+    arena.give(extents)
+    arena.close()
+    assert sim.host_used == 0 and sim.host_reserved == 0
+
+
+def test_limit_refuses_a_take_before_reserving_anything() -> None:
+    """Over limit_bytes, take() raises AllocatorOutOfMemory naming the limit, and reserves or pins nothing."""
+    sim = SimDriver(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=C, limit_bytes=2 * C))
+    with pytest.raises(AllocatorOutOfMemory, match="limit is 131072"):
+        arena.take(3 * C)
+    assert sim.count("host_reserve") == 0 and arena.pinned_bytes() == 0
+    pinned(arena, arena.take(2 * C))
+    assert arena.pinned_bytes() == 2 * C
+
+
+def test_pinning_ahead_stops_at_the_limit() -> None:
+    """want() beyond limit_bytes pins up to the limit only."""
+    sim = SimDriver(granularity=C)
+    arena = HostArena(sim, HostPolicy(prepin=True, chunk_bytes=C, limit_bytes=3 * C))
+    arena.want(10 * C)
+    assert arena.wait_ready(10)
+    assert arena.pinned_bytes() == 3 * C
+    arena.close()
+
+
+def test_configure_changes_the_policy_in_place() -> None:
+    """configure() replaces policy fields; turning prepin off drops the pinning target."""
+    arena = HostArena(SimDriver(granularity=C), HostPolicy(prepin=True, chunk_bytes=C))
+    policy = arena.configure(prepin=False, limit_bytes=4 * C, keep_after_wake=False)
+    assert (policy.prepin, policy.limit_bytes, policy.keep_after_wake) == (False, 4 * C, False)
+    assert arena.policy is policy
+
+
+def test_close_while_pinning_leaks_nothing() -> None:
+    """Closing the arena while chunks are pinning waits for them and gives every byte back."""
+    sim = GatedSim(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=C, threads=2))
+    extents = arena.take(6 * C)
+    first = sorted({e.chunk for e in extents})[0]
+    sim.gate(first).set()
+    arena.wait_pinned(first)
+    closer = threading.Thread(target=arena.close)
+    closer.start()
+    for b in sorted({e.chunk for e in extents}):
+        sim.gate(b).set()
+    closer.join(10)
+    assert not closer.is_alive()
+    for _ in range(1000):  # workers finishing after close give their chunks back
+        if sim.host_used == 0 and sim.host_reserved == 0:
+            break
+        threading.Event().wait(0.01)
+    assert sim.host_used == 0 and sim.host_reserved == 0
+
+
+def test_wait_pinned_outside_every_chunk_is_an_error() -> None:
+    """Waiting for an address the arena never handed out raises AllocatorError."""
+    arena = HostArena(SimDriver(granularity=C), HostPolicy(chunk_bytes=C))
+    with pytest.raises(AllocatorError, match="no chunk"):
+        arena.wait_pinned(0x1234)
 
 
 def test_background_pin_failure_is_recorded_not_raised() -> None:
     """A failing background pin is kept as last_error and wait_ready returns."""
     sim = SimDriver(granularity=C)
     sim.fail("host_alloc", times=100)
-    arena = HostArena(sim, HostPolicy(chunk_bytes=C, threads=1))
+    arena = HostArena(sim, HostPolicy(prepin=True, chunk_bytes=C, threads=1))
     arena.want(C)
     assert arena.wait_ready(10)
     assert arena.last_error is not None
     arena.close()
+    assert sim.host_reserved == 0
 
 
 def test_pause_holds_the_pinner() -> None:
     """While paused (a capture in progress) nothing is pinned; resume lets it finish."""
     sim = SimDriver(granularity=C)
-    arena = HostArena(sim, HostPolicy(chunk_bytes=C, threads=1))
+    arena = HostArena(sim, HostPolicy(prepin=True, chunk_bytes=C, threads=1))
     arena.pause()
     arena.want(2 * C)
     assert not arena.wait_ready(0.2)
@@ -101,11 +232,11 @@ def test_pause_holds_the_pinner() -> None:
 def test_pinned_bytes_track_the_driver_through_pins_takes_trims_and_close() -> None:
     """pinned_bytes() equals the host memory the driver holds after background pins, takes, trims and close."""
     sim = SimDriver(granularity=C)
-    arena = HostArena(sim, HostPolicy(chunk_bytes=C, threads=3, keep_after_wake=True))
+    arena = HostArena(sim, HostPolicy(prepin=True, chunk_bytes=C, threads=3, keep_after_wake=True))
     arena.want(40 * C)
     assert arena.wait_ready(10)
     assert arena.pinned_bytes() == sim.host_used == 40 * C
-    held = arena.take(45 * C)  # pins five more now
+    held = pinned(arena, arena.take(45 * C))  # pins five more now
     assert arena.pinned_bytes() == sim.host_used == 45 * C
     arena.give(held[: len(held) // 2])
     arena.trim()

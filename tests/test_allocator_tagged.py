@@ -20,7 +20,7 @@ def make(capacity: int = 64 * MiB, **kw: object) -> tuple[SimDriver, TaggedAlloc
     """A small simulated device and an allocator batching in 256 KiB."""
     sim = SimDriver(capacity, granularity=G, devices=int(kw.pop("devices", 1)))  # type: ignore[call-overload]
     slab = int(kw.pop("slab_bytes", 8 * G))  # type: ignore[call-overload]
-    policy = HostPolicy(chunk_bytes=MiB, threads=2)
+    policy = HostPolicy(prepin=True, chunk_bytes=MiB, threads=2)
     alloc = TaggedAllocator(sim, host=policy, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=slab)
     return sim, alloc
 

@@ -114,6 +114,14 @@ def test_demo_shows_the_guards(demo_run_output: tuple[int, str, Path]) -> None:
     assert re.search(r"graph pool: released \d+\.\d\d MiB", out)
 
 
+def test_demo_says_what_stays_on_the_device_while_asleep(demo_run_output: tuple[int, str, Path]) -> None:
+    """Each cycle says how much device memory stayed in use while asleep, torpor's tags and the untagged rest."""
+    _, out, _ = demo_run_output
+    stays = re.findall(r"asleep: the device kept (\S+ \S+) in use: torpor tags (\S+ ?\S*), untagged (\S+ \S+)", out)
+    assert len(stays) == 3
+    assert all(tagged == "0 B" and untagged == "8.00 MiB" for _, tagged, untagged in stays)
+
+
 def test_demo_subprocess_runs_in_seconds() -> None:
     """`torpor demo --cycles 3 --device sim --port 0` as a program: exit 0, exact, no traceback, quick."""
     start = time.monotonic()
@@ -242,6 +250,7 @@ def test_demo_on_cuda_is_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "on device 'cuda'" in out and "every wake was bit-exact" in out
     assert out.count("outputs of 6 replayed graphs bit-exact") == 3
+    assert out.count("asleep: the device kept") == 3
 
 
 def test_keep_serving_serves_metrics_until_ctrl_c() -> None:

@@ -106,3 +106,30 @@ def test_help_has_an_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert "example" in out
     assert "torpor status /var/run/torpor" in out
     assert "lag" in out
+
+
+def test_shows_pinned_host_memory_budget_and_what_stayed_on_the_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rank's second line gives pinned host bytes, the budget and the device memory kept at the last sleep."""
+    from torpor import HostMemoryPolicy, Policy
+    from torpor.allocator import SimDriver, TaggedAllocator
+
+    alloc = TaggedAllocator(SimDriver(1 << 30, overhead=1 << 28), slab_bytes=0)
+    alloc.allocate(1 << 28, "weights")
+    alloc.allocate(1 << 28, "kv_cache")
+    ctl = SleepController(
+        alloc,
+        log=EventLog(log_path_for(tmp_path, "llm", 0), fsync=False),
+        engine="llm",
+        policy=Policy(host=HostMemoryPolicy(budget_bytes=1 << 29)),
+    )
+    ctl.sleep(1)
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "host pinned 0.25 GiB (budget 0.50 GiB; pinned at_sleep, keep after wake)" in out[2]
+    assert "the GPU kept 0.25 GiB in use: torpor tags 0.00 GiB, untagged 0.25 GiB" in out[2]
+    assert main(["status", str(tmp_path), "--json"]) == 0
+    rank = json.loads(capsys.readouterr().out)["engines"][0]["ranks"][0]
+    assert rank["device_asleep"]["untagged"] == 1 << 28 and rank["pinned_bytes"] == 1 << 28
+    alloc.close()

@@ -306,3 +306,27 @@ def test_a_second_controller_with_the_same_rank_is_refused() -> None:
     handle.detach()
     attach(second, registry=registry, otel=False)
     assert value(samples(registry), "torpor_state", engine="dup", rank="0", state="awake") == 1
+
+
+def test_host_budget_and_what_stays_on_the_device_while_asleep() -> None:
+    """torpor_host_budget_bytes shows the budget (+Inf without one); torpor_asleep_device_bytes splits what stayed at sleep."""
+    from torpor import HostMemoryPolicy, Policy
+    from torpor.allocator import SimDriver, TaggedAllocator
+
+    sim = SimDriver(64 << 20, granularity=1 << 16, overhead=3 << 20)
+    alloc = TaggedAllocator(sim, slab_bytes=0)
+    alloc.allocate(2 << 20, "weights")
+    registry = CollectorRegistry()
+    controller = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(budget_bytes=8 << 20)), engine="e")
+    attach(controller, registry=registry, otel=False)
+    base = {"engine": "e", "rank": "0"}
+    assert value(samples(registry), "torpor_host_budget_bytes", **base) == 8 << 20
+    assert not [k for k in samples(registry) if k[0] == "torpor_asleep_device_bytes"]
+    controller.sleep(1)
+    got = samples(registry)
+    assert value(got, "torpor_asleep_device_bytes", **base, part="untagged") == 3 << 20
+    assert value(got, "torpor_asleep_device_bytes", **base, part="tagged") == 0
+    assert value(got, "torpor_pinned_host_bytes", **base) == 2 << 20
+    other = SleepController(FakeMemory(TAGS), policy=Policy(host=HostMemoryPolicy()), engine="f")
+    attach(other, registry=registry, otel=False)
+    assert value(samples(registry), "torpor_host_budget_bytes", engine="f", rank="0") == float("inf")

@@ -6,6 +6,7 @@ from torpor import errors
 from torpor.errors import (
     CommandInFlight,
     ControllerClosed,
+    HostBudgetExceeded,
     InvalidLevel,
     InvalidTransition,
     LogCorrupted,
@@ -23,10 +24,14 @@ from torpor.errors import (
 )
 from torpor.statemachine import (
     Action,
+    AfterWake,
+    DeviceMemory,
     Event,
     EventKind,
     EventLog,
+    HostMemoryPolicy,
     Memory,
+    PinWhen,
     Policy,
     Projection,
     SleepController,
@@ -74,12 +79,16 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Action",
+    "AfterWake",
     "CommandInFlight",
     "ControllerClosed",
     "CudaDriver",
+    "DeviceMemory",
     "Event",
     "EventKind",
     "EventLog",
+    "HostBudgetExceeded",
+    "HostMemoryPolicy",
     "HostPolicy",
     "InvalidLevel",
     "InvalidTransition",
@@ -91,6 +100,7 @@ __all__ = [
     "NotAnEventLog",
     "NotRecovered",
     "OutOfMemory",
+    "PinWhen",
     "Policy",
     "PoolBusy",
     "Projection",

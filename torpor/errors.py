@@ -215,3 +215,33 @@ class LogWriteFailed(TorporError, OSError):
             f"writing event #{seq} ({kind}) to {path} failed: {reason}; the log ends at its last whole line "
             "and the event is not recorded"
         )
+
+
+class HostBudgetExceeded(TorporError, RuntimeError):
+    """A sleep whose backups would pin more host memory than the host-memory budget allows (nothing was touched).
+
+    Carries ``needed`` (bytes the sleep's backups need, per tag in
+    ``offloading``), ``budget``, ``held`` (bytes held by backups of tags asleep
+    already) and ``holders`` (``tag: bytes`` for each of those and each tag to
+    offload).
+    """
+
+    def __init__(self, command: str, state: str, offloading: dict[str, int], held: dict[str, int], budget: int) -> None:
+        self.command = command
+        self.state = state
+        self.offloading = dict(offloading)
+        self.needed = sum(offloading.values())
+        self.held = sum(held.values())
+        self.budget = budget
+        self.holders = [f"backup of {t} (asleep): {n} bytes" for t, n in sorted(held.items())] + [
+            f"{t} to offload: {n} bytes" for t, n in sorted(offloading.items())
+        ]
+        asleep = ", ".join(f"{t} {n} B" for t, n in sorted(held.items())) or "none"
+        wanted = ", ".join(f"{t} {n} B" for t, n in sorted(offloading.items()))
+        msg = (
+            f"cannot {command} from {state!r}: its backups need {self.needed} bytes of pinned host memory "
+            f"({wanted}) and backups already hold {self.held} ({asleep}); the host budget is {budget} bytes. "
+            "Nothing was released. Raise the budget (HostMemoryPolicy.budget_bytes, TORPOR_HOST_BUDGET), "
+            "sleep at level 2 (discards weights), or wake the asleep tags first"
+        )
+        super().__init__(msg)

@@ -11,6 +11,7 @@ cache, as vLLM's CuMemAllocator does (written here from that description).
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 
 from torpor.allocator.offload import HostPolicy
 from torpor.allocator.tagged import TaggedAllocator
+from torpor.statemachine.policy import HostMemoryPolicy, Policy
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -39,6 +41,10 @@ class Result:
     exact: bool = True
     prepare_s: float = 0.0
     note: str = ""
+    host_mode: str = ""
+    pinned_awake: int = 0  # before the first sleep (after pinning ahead, when on)
+    pinned_asleep: int = 0
+    pinned_after_wake: int = 0  # once a release after wake is done
 
     def row(self, floor_d2h: float, floor_h2d: float) -> dict[str, Any]:
         """A table row: times and their ratio to the floor."""
@@ -66,6 +72,10 @@ class Result:
             "exact": self.exact,
             "prepare_s": self.prepare_s,
             "note": self.note,
+            "host_mode": self.host_mode,
+            "pinned_awake_GiB": self.pinned_awake / GiB,
+            "pinned_asleep_GiB": self.pinned_asleep / GiB,
+            "pinned_after_wake_GiB": self.pinned_after_wake / GiB,
         }
 
 
@@ -136,19 +146,31 @@ def _same(ranges: list[tuple[int, int]], refs: list[Any]) -> bool:
 
 
 def run_torpor_raw(
-    name: str, segments: int, seg_bytes: int, cycles: int, alloc: TaggedAllocator | None = None
+    name: str,
+    segments: int,
+    seg_bytes: int,
+    cycles: int,
+    alloc: TaggedAllocator | None = None,
+    host: HostMemoryPolicy | None = None,
 ) -> Result:
-    """Allocate ``segments`` x ``seg_bytes`` under ``weights``; sleep level 1 and wake ``cycles`` times."""
+    """Allocate ``segments`` x ``seg_bytes`` under ``weights``; sleep level 1 and wake ``cycles`` times.
+
+    ``host``: the host-memory policy (default: pin at the first sleep, keep
+    after wake). With pinning ahead the first sleep waits for it to finish.
+    """
     from torpor import SleepController
 
     own = alloc is None
     alloc = alloc or TaggedAllocator()
-    ctl = SleepController(alloc)
+    host = host or HostMemoryPolicy()
+    ctl = SleepController(alloc, policy=Policy(host=host))
     t0 = time.perf_counter()
     ranges = [(alloc.allocate(seg_bytes, "weights"), seg_bytes) for _ in range(segments)]
     refs = _fill(ranges)
     ready = alloc.wait_host_ready(600)
     res = Result("torpor", name, segments * seg_bytes, segments, prepare_s=time.perf_counter() - t0)
+    res.host_mode = f"{host.pin.value}, {host.after_wake.value}"
+    res.pinned_awake = alloc.pinned_bytes()
     if not ready:
         res.note = "pin-ahead did not finish"
     for _ in range(cycles):
@@ -157,10 +179,12 @@ def run_torpor_raw(
         ctl.sleep(1)
         res.sleeps.append(time.perf_counter() - t)
         res.released.append(_free_device() - before)
-        res.host_held = alloc.pinned_bytes()
+        res.host_held = res.pinned_asleep = alloc.pinned_bytes()
         t = time.perf_counter()
         ctl.wake()
         res.wakes.append(time.perf_counter() - t)
+        alloc.host.wait_unpinned(60)
+        res.pinned_after_wake = alloc.pinned_bytes()
         res.exact = res.exact and _same(ranges, refs)
     del refs
     for ptr, _ in ranges:
@@ -422,7 +446,7 @@ def measure_pinning_interference(pin_bytes: int = 8 * GiB, steps: int = 300) -> 
 
     step = engine_step()
     idle = [step() for _ in range(steps)]
-    arena = HostArena(CudaDriver(), HostPolicy())
+    arena = HostArena(CudaDriver(), HostPolicy(prepin=True))
     t0 = time.perf_counter()
     arena.want(pin_bytes)
     busy: list[float] = []
@@ -463,8 +487,11 @@ def run(
     """Every workload on every system, plus the sweeps for the plots; returns a JSON-ready dict (``save``: after each part)."""
     import torch
 
+    from torpor.allocator.cuda_driver import transparent_huge_pages
+
     d2h, h2d = measure_floor()
     log(f"floor: pinned D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s")
+    log(f"transparent huge pages: {transparent_huge_pages()}; {os.cpu_count()} CPUs")
     results: list[Result] = []
     main = [("8 GiB / 64", 64, 128 * MiB), ("4 GiB / 2048 x 2 MiB", 2048, 2 * MiB)]
     for name, n, size in main:
@@ -474,12 +501,19 @@ def run(
             log(_line(r.row(d2h, h2d)))
             gc.collect()
             torch.cuda.empty_cache()
-    cold = TaggedAllocator(host=HostPolicy(prepin=False))
-    r = run_torpor_raw("4 GiB / 2048 x 2 MiB", 2048, 2 * MiB, cycles, cold)
-    r.system = "torpor (no pin-ahead)"
-    cold.close()
-    results.append(r)
-    log(_line(r.row(d2h, h2d)))
+    from torpor.allocator.bench_host import HOST_MODES, measure_pageable
+
+    modes: list[Result] = []
+    for name, n, size in main:
+        for host in HOST_MODES:
+            r = run_torpor_raw(name, n, size, 3, host=host)
+            r.system = f"torpor ({r.host_mode})"
+            modes.append(r)
+            log(_line(r.row(d2h, h2d)) + f" pinned awake/asleep/after wake {_pins(r)}")
+            gc.collect()
+            torch.cuda.empty_cache()
+    pageable = measure_pageable()
+    log("pageable D2H: fresh {:.1f} GB/s, reused {:.1f} GB/s".format(*(v / 1e9 for v in pageable.values())))
     flat = TaggedAllocator(slab_bytes=0)
     r = run_torpor_raw("4 GiB / 2048 x 2 MiB", 2048, 2 * MiB, cycles, flat)
     r.system = "torpor (no slabs)"
@@ -511,6 +545,10 @@ def run(
             "raw": [asdict(r) for r in results],
             "sweeps": sweeps,
             "awake_interference": interference,
+            "host_modes": [r.row(d2h, h2d) for r in modes],
+            "pageable_d2h": pageable,
+            "transparent_huge_pages": transparent_huge_pages(),
+            "cpus": os.cpu_count(),
         }
 
     if save is not None:
@@ -532,6 +570,10 @@ def run(
         torch._C._host_emptyCache()
         shared.close()
     return snapshot()
+
+
+def _pins(r: Result) -> str:
+    return f"{r.pinned_awake / GiB:.2f}/{r.pinned_asleep / GiB:.2f}/{r.pinned_after_wake / GiB:.2f} GiB"
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -559,4 +601,8 @@ def markdown(data: dict[str, Any]) -> str:
             f"{r['later_sleep_s']:.3f} s ({r['later_x']:.2f}x) | {r['wake_s']:.3f} s ({r['wake_x']:.2f}x) | "
             f"{r['released_pct']:.2f} % | {r['host_GiB']:.2f} GiB | {'yes' if r['exact'] else 'NO'} |"
         )
-    return head + "\n".join(lines) + "\n"
+    from torpor.allocator.bench_host import host_markdown
+
+    out = head + "\n".join(lines) + "\n"
+    out += host_markdown(data)
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import threading
@@ -28,34 +29,91 @@ def _cu() -> Any:
 
 
 _PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
-_MAP_PRIVATE_ANONYMOUS_POPULATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+_MAP_PRIVATE_ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without writing them
+_HUGE = 2 << 20
+_PAGE = mmap.PAGESIZE
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # calls through it release the GIL
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.restype = ctypes.c_int
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.memset.restype = ctypes.c_void_p
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
     return libc
 
 
-def _host_pages(nbytes: int) -> int:
-    """Anonymous private pages, faulted in by the kernel (``MAP_POPULATE``) outside any driver lock."""
+def transparent_huge_pages() -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``), or ``unavailable``."""
+    try:
+        with open(_THP) as f:
+            text = f.read()
+    except OSError:
+        return "unavailable"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else text.strip() or "unavailable"
+
+
+def _round_pages(nbytes: int) -> int:
+    return -(-nbytes // _PAGE) * _PAGE
+
+
+def reserve_host_pages(nbytes: int) -> int:
+    """Anonymous private address space of ``nbytes``, 2 MiB aligned, huge pages advised; nothing faulted in yet.
+
+    Where the kernel has no transparent huge pages (or they are ``never``) the
+    advice does nothing and the pages are 4 KiB: slower to fault in, same result.
+    """
     libc = _libc()
-    address = libc.mmap(None, nbytes, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_POPULATE, -1, 0)
-    if address is None or address == _MAP_FAILED:
+    size = _round_pages(nbytes)
+    raw = libc.mmap(None, size + _HUGE, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
+    if raw is None or raw == _MAP_FAILED:
         err = ctypes.get_errno()
-        reason = f"mapping {nbytes} bytes of host memory failed: {os.strerror(err)}"
+        reason = f"mapping {size} bytes of host memory failed: {os.strerror(err)}"
         if err == errno.ENOMEM:
             raise DriverOutOfMemory("mmap", reason, 2)
         raise DriverError("mmap", reason, err)
-    return int(address)
+    address = -(-int(raw) // _HUGE) * _HUGE
+    head, tail = address - int(raw), int(raw) + size + _HUGE - (address + size)
+    if head:
+        libc.munmap(int(raw), head)
+    if tail:
+        libc.munmap(address + size, tail)
+    libc.madvise(address, size, _MADV_HUGEPAGE)  # EINVAL without THP support: 4 KiB pages then
+    return address
 
 
-def _free_pages(address: int, nbytes: int) -> None:
-    if _libc().munmap(address, nbytes) != 0:
+_populate_works: list[bool] = [True]
+
+
+def populate_host_pages(address: int, nbytes: int) -> None:
+    """Fault ``nbytes`` at ``address`` in, writable (MADV_POPULATE_WRITE; on older kernels by writing zeros)."""
+    libc = _libc()
+    size = _round_pages(nbytes)
+    if _populate_works[0]:
+        if libc.madvise(address, size, _MADV_POPULATE_WRITE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err in (errno.ENOMEM, errno.EFAULT):
+            raise DriverOutOfMemory("madvise", f"faulting in {size} host bytes failed: {os.strerror(err)}", 2)
+        if err != errno.EINVAL:
+            raise DriverError("madvise", f"faulting in {size} host bytes failed: {os.strerror(err)}", err)
+        _populate_works[0] = False  # a kernel before 5.14
+    libc.memset(address, 0, size)
+
+
+def free_host_pages(address: int, nbytes: int) -> None:
+    """Unmap host pages from :func:`reserve_host_pages` (any page-aligned piece of them)."""
+    if _libc().munmap(address, _round_pages(nbytes)) != 0:
         err = ctypes.get_errno()
         raise DriverError("munmap", f"unmapping {nbytes} host bytes at {address:#x} failed: {os.strerror(err)}", err)
 
@@ -217,32 +275,42 @@ class CudaDriver(Driver):
     def _release(self, handle: object) -> None:
         self._check("cuMemRelease", _cu().cuMemRelease(handle))
 
-    def _host_alloc(self, nbytes: int) -> int:
-        """Pinned host memory: mapped and faulted in by the kernel first, then registered with the driver.
+    def _host_reserve(self, nbytes: int) -> int:
+        return reserve_host_pages(nbytes)
+
+    def _host_alloc(self, nbytes: int, host: int | None) -> int:
+        """Pinned host memory: faulted in by this thread (huge pages where allowed), then registered with the driver.
 
         Not ``cuMemHostAlloc``: it holds the driver's lock while the pages are
         made, which stalled every CUDA call of the engine for the whole pinning
-        time on the H200 here (benchmarks/probe_pinning.py); registering pages
-        already faulted in holds it briefly per chunk.
+        time on the H200 here (benchmarks/probe_pinning.py); pages faulted in
+        first (by several threads at once in a sleep) are registered quickly,
+        holding the lock briefly per chunk.
         """
         cu = _cu()
-        self.ensure_context(self._host_device())
-        host = _host_pages(nbytes)
+        address = reserve_host_pages(nbytes) if host is None else host
         try:
-            self._check("cuMemHostRegister", cu.cuMemHostRegister(host, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE))
+            self.ensure_context(self._host_device())
+            populate_host_pages(address, nbytes)
+            flags = cu.CU_MEMHOSTREGISTER_PORTABLE
+            self._check("cuMemHostRegister", cu.cuMemHostRegister(address, _round_pages(nbytes), flags))
         except BaseException:
-            _free_pages(host, nbytes)
+            if host is None:  # a reserved range stays reserved: its owner gives it back (host_unreserve)
+                free_host_pages(address, nbytes)
             raise
         with self._lock:
-            self._host_sizes[host] = nbytes
-        return host
+            self._host_sizes[address] = nbytes
+        return address
 
     def _host_free(self, host: int) -> None:
         self.ensure_context(self._host_device())
         self._check("cuMemHostUnregister", _cu().cuMemHostUnregister(host))
         with self._lock:
             nbytes = self._host_sizes.pop(host)
-        _free_pages(host, nbytes)
+        free_host_pages(host, nbytes)
+
+    def _host_unreserve(self, host: int, nbytes: int) -> None:
+        free_host_pages(host, nbytes)
 
     def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
         self._check("cuMemcpyDtoHAsync", _cu().cuMemcpyDtoHAsync(host, address, nbytes, self._stream(device)))

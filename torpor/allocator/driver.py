@@ -27,8 +27,10 @@ class Driver(ABC):
         "set_access",
         "unmap",
         "release",
+        "host_reserve",
         "host_alloc",
         "host_free",
+        "host_unreserve",
         "copy_d2h",
         "copy_h2d",
         "record",
@@ -78,13 +80,28 @@ class Driver(ABC):
         """Release a physical handle (its memory goes once it is unmapped everywhere)."""
         self.invoke("release", handle)
 
-    def host_alloc(self, nbytes: int) -> int:
-        """Allocate ``nbytes`` of pinned host memory; return its address."""
-        return int(self.invoke("host_alloc", nbytes))
+    def host_reserve(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` of host address space (nothing faulted in or pinned); return its start.
+
+        Pieces of it are pinned one by one with ``host_alloc(n, host=...)``; a
+        piece never pinned goes back with :meth:`host_unreserve`.
+        """
+        return int(self.invoke("host_reserve", nbytes))
+
+    def host_alloc(self, nbytes: int, host: int | None = None) -> int:
+        """Pin ``nbytes`` of host memory (fresh, or the reserved range at ``host``); return its address.
+
+        A failure pins nothing; a reserved range given stays reserved (give it back with :meth:`host_unreserve`).
+        """
+        return int(self.invoke("host_alloc", nbytes, host))
 
     def host_free(self, host: int) -> None:
-        """Free pinned host memory from :meth:`host_alloc`."""
+        """Unpin and unmap host memory from :meth:`host_alloc`."""
         self.invoke("host_free", host)
+
+    def host_unreserve(self, host: int, nbytes: int) -> None:
+        """Give back reserved host address space that was never pinned."""
+        self.invoke("host_unreserve", host, nbytes)
 
     def copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
         """Enqueue a copy of ``nbytes`` from device ``address`` to ``host`` on ``device``'s copy stream."""
@@ -138,10 +155,16 @@ class Driver(ABC):
     def _release(self, handle: object) -> None: ...
 
     @abstractmethod
-    def _host_alloc(self, nbytes: int) -> int: ...
+    def _host_reserve(self, nbytes: int) -> int: ...
+
+    @abstractmethod
+    def _host_alloc(self, nbytes: int, host: int | None) -> int: ...
 
     @abstractmethod
     def _host_free(self, host: int) -> None: ...
+
+    @abstractmethod
+    def _host_unreserve(self, host: int, nbytes: int) -> None: ...
 
     @abstractmethod
     def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None: ...

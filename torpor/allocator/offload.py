@@ -1,115 +1,75 @@
-"""Pinned-host backup memory: chunks pinned ahead of the first sleep (in the background), reused across cycles.
+"""Pinned-host backup memory: chunks pinned as a sleep copies into them (or ahead of it), reused across cycles.
 
-Pinning host memory costs far more than copying into it (on an H200 here about
-2 GB/s against 55 GB/s), so the :class:`HostArena` pins fixed-size chunks before
-they are needed: :meth:`HostArena.want` raises the target (the allocator calls
-it when tagged memory grows) and a daemon thread pins towards it. A backup then
-:meth:`~HostArena.take`\\ s extents from pinned chunks and gives them back when
-the backup is dropped; chunks stay pinned for the next cycle unless the policy
-says to give them back after wake.
+Pinning host memory costs more than copying into it: on an H200 host, faulting
+8 GiB of 4 KiB pages in from one thread took 3.96 s against a 0.156 s copy.
+The :class:`HostArena` therefore never pins before it copies. A backup
+:meth:`~HostArena.take`\\ s extents at once: missing memory is reserved as one
+address range (huge pages advised where the kernel allows them) and cut into
+chunks that several threads fault in and register with the driver, in address
+order; the backup waits for each chunk (:meth:`~HostArena.wait_pinned`) just
+before enqueueing the copies into it, so pinning chunk *n + 1* overlaps the copy
+into chunk *n*. Pinning ahead (:meth:`~HostArena.want`, one background thread)
+stays available for engines that want their first sleep at link speed.
+
+Mechanism only: whether to pin ahead, whether to keep chunks after a wake, and
+the byte limit come from the controller's host-memory policy
+(``torpor.statemachine.policy.HostMemoryPolicy``) through :meth:`HostArena.configure`.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
+from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, pin_error
+
+__all__ = ["Extent", "HostArena", "HostPolicy"]
 
 logger = logging.getLogger("torpor.allocator")
 MiB = 1 << 20
 
 
-@dataclass(frozen=True)
-class HostPolicy:
-    """How pinned host memory for backups is managed (memory mechanism, not sleep policy).
-
-    ``prepin``: pin in the background as tagged memory grows, so the first sleep
-    copies at link speed. ``prepin_exclude``: tags whose growth does not pin
-    ahead (``kv_cache`` is discarded at every level of the default policy).
-    ``keep_after_wake``: keep chunks pinned after a wake for the next sleep
-    (False gives them back once no backup uses them). ``chunk_bytes``: pinning
-    unit. ``threads``: threads pinning what a sleep needs now.
-    ``background_threads``: threads pinning ahead. Small chunks and one thread
-    in the background keep the awake engine's CUDA calls from waiting on the
-    pinning (measured: 32 MiB x 1 thread stalled engine steps 13 % of the
-    pinning time, at most 2.5 ms each; 256 MiB x 4 threads stalled them all).
-    """
-
-    prepin: bool = True
-    prepin_exclude: frozenset[str] = frozenset({"kv_cache"})
-    keep_after_wake: bool = True
-    chunk_bytes: int = 32 * MiB
-    threads: int = 4
-    background_threads: int = 1
-
-
-@dataclass(frozen=True)
-class Extent:
-    """A piece of pinned host memory: ``host`` address and ``nbytes``, inside chunk ``chunk``."""
-
-    host: int
-    nbytes: int
-    chunk: int
-
-
-class _Chunk:
-    def __init__(self, host: int, nbytes: int) -> None:
-        self.host = host
-        self.nbytes = nbytes
-        self.free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted
-
-    def used(self) -> int:
-        return self.nbytes - sum(n for _, n in self.free)
-
-    def take(self, nbytes: int) -> tuple[int, int] | None:
-        """Carve up to ``nbytes`` from the first free range; (offset, size) or None."""
-        if not self.free:
-            return None
-        off, size = self.free[0]
-        got = min(size, nbytes)
-        if got == size:
-            self.free.pop(0)
-        else:
-            self.free[0] = (off + got, size - got)
-        return off, got
-
-    def give(self, off: int, nbytes: int) -> None:
-        ranges = sorted([*self.free, (off, nbytes)])
-        merged: list[tuple[int, int]] = []
-        for o, n in ranges:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((o, n))
-        self.free = merged
-
-
 class HostArena:
-    """Pinned host chunks for backups, pinned ahead in a background thread."""
+    """Pinned host chunks for backups: pinned while a sleep copies, or ahead in a background thread."""
 
     def __init__(self, driver: Driver, policy: HostPolicy | None = None) -> None:
         self.driver = driver
         self.policy = policy or HostPolicy()
-        self._chunks: dict[int, _Chunk] = {}
-        self._pinned = 0  # sum of the chunks' sizes, kept as they come and go (thousands of 32 MiB chunks)
+        self._chunks: dict[int, Chunk] = {}
+        self._bases: list[int] = []  # sorted chunk addresses, for wait_pinned
+        self._pinned = 0  # bytes of registered chunks
+        self._pending = 0  # bytes of chunks reserved, not yet registered
+        self._pinning = 0  # pins in progress (pause waits for them)
+        self._unpinning = 0  # bytes a background trim is still unpinning
+        self._failed: dict[int, Chunk] = {}  # chunks whose pinning failed, for the backup waiting on them
         self._cond = threading.Condition()
         self._target = 0
-        self._inflight = 0
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._paused = 0
         self.last_error: BaseException | None = None
         self.pin_seconds = 0.0
-        self._paused = 0
+
+    def configure(self, **changes: object) -> HostPolicy:
+        """Change policy fields (``prepin``, ``keep_after_wake``, ``limit_bytes``, ...); return the new policy."""
+        with self._cond:
+            self.policy = dataclasses.replace(self.policy, **changes)  # type: ignore[arg-type]
+            if not self.policy.prepin:
+                self._target = 0
+            self._cond.notify_all()
+            return self.policy
 
     # -- reading ---------------------------------------------------------------------
 
     def pinned_bytes(self) -> int:
-        """Bytes of pinned host memory held."""
+        """Bytes of pinned host memory held (registered chunks)."""
         with self._cond:
             return self._pinned
 
@@ -119,20 +79,108 @@ class HostArena:
             return sum(c.used() for c in self._chunks.values())
 
     def free_bytes(self) -> int:
-        """Pinned bytes not holding a backup."""
+        """Pinned (or being pinned) bytes not holding a backup."""
         with self._cond:
             return self._free_locked()
 
     def _free_locked(self) -> int:
         return sum(n for c in self._chunks.values() for _, n in c.free)
 
+    # -- chunks ------------------------------------------------------------------------
+
+    def _add_locked(self, host: int, nbytes: int) -> Chunk:
+        c = Chunk(host, nbytes)
+        self._chunks[host] = c
+        bisect.insort(self._bases, host)
+        self._pending += nbytes
+        return c
+
+    def _drop_locked(self, c: Chunk) -> None:
+        if self._chunks.pop(c.host, None) is None:
+            return
+        self._bases.remove(c.host)
+        if c.ready:
+            self._pinned -= c.nbytes
+        else:
+            self._pending -= c.nbytes
+
+    def _new_chunks(self, missing: int) -> list[int]:
+        """Chunk sizes covering ``missing`` bytes: whole chunks, the last one cut to a multiple of 2 MiB (or the chunk)."""
+        if missing <= 0:
+            return []
+        chunk = self.policy.chunk_bytes
+        unit = min(chunk, 2 * MiB)
+        whole, rest = divmod(missing, chunk)
+        return [chunk] * whole + ([-(-rest // unit) * unit] if rest else [])
+
+    def _reserve(self, sizes: list[int]) -> list[Chunk]:
+        """Reserve chunks of ``sizes`` as one range of address space and list them, not yet pinned."""
+        base = self.driver.host_reserve(sum(sizes))
+        out = []
+        with self._cond:
+            offset = 0
+            for n in sizes:
+                out.append(self._add_locked(base + offset, n))
+                offset += n
+        return out
+
+    def _pin_chunk(self, c: Chunk) -> None:
+        """Fault in and register one reserved chunk (any thread); failures are kept on the chunk."""
+        with self._cond:
+            abandoned = self._closed or c.host not in self._chunks
+            if not abandoned:
+                self._pinning += 1
+        if abandoned:
+            self._unreserve(c)
+            return
+        start = time.perf_counter()
+        try:
+            self.driver.prepare_thread()
+            self.driver.host_alloc(c.nbytes, c.host)
+        except Exception as exc:  # kept on the chunk: the copy that needs it raises it
+            self._unreserve(c)
+            with self._cond:
+                c.error = exc
+                self._drop_locked(c)
+                self._failed[c.host] = c
+                for old in list(self._failed)[:-4096]:
+                    del self._failed[old]
+                self._pinning -= 1
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._pinning -= 1
+            self.pin_seconds += time.perf_counter() - start
+            closed = self._closed or c.host not in self._chunks
+            if not closed:
+                c.ready = True
+                self._pending -= c.nbytes
+                self._pinned += c.nbytes
+            self._cond.notify_all()
+        if closed:
+            self._free(c)
+
+    def _unreserve(self, c: Chunk) -> None:
+        try:
+            self.driver.host_unreserve(c.host, c.nbytes)
+        except Exception:  # only address space leaks
+            logger.exception("giving back %d reserved host bytes at %#x failed", c.nbytes, c.host)
+
+    def _free(self, c: Chunk) -> None:
+        try:
+            self.driver.host_free(c.host)
+        except Exception:  # an unpin that fails only leaks host memory; log it
+            logger.exception("unpinning %d host bytes at %#x failed", c.nbytes, c.host)
+
     # -- pinning ahead ----------------------------------------------------------------
 
     def want(self, nbytes: int) -> None:
-        """Have at least ``nbytes`` pinned soon (background; never blocks the caller)."""
+        """Have at least ``nbytes`` pinned soon (background; never blocks the caller; up to the limit)."""
         if not self.policy.prepin:
             return
         with self._cond:
+            limit = self.policy.limit_bytes
+            nbytes = nbytes if limit is None else min(nbytes, limit)
             if nbytes <= self._target or self._closed:
                 return
             self._target = nbytes
@@ -142,13 +190,11 @@ class HostArena:
             self._cond.notify_all()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the background pinning reached its target; False on timeout."""
+        """Block until pinning ahead reached its target and no chunk is pending; False on timeout."""
         with self._cond:
             return self._cond.wait_for(
                 lambda: (
-                    self._closed
-                    or self.last_error is not None
-                    or (self._inflight == 0 and self._pinned_locked() >= self._target)
+                    self._closed or self.last_error is not None or (self._pending == 0 and self._pinned >= self._target)
                 ),
                 timeout,
             )
@@ -157,7 +203,7 @@ class HostArena:
         """Hold background pinning (and wait for pins in flight): a graph capture is about to start."""
         with self._cond:
             self._paused += 1
-            self._cond.wait_for(lambda: self._inflight == 0, timeout=60)
+            self._cond.wait_for(lambda: self._pinning == 0, timeout=60)
 
     def resume(self) -> None:
         """Let background pinning go on after :meth:`pause`."""
@@ -165,11 +211,7 @@ class HostArena:
             self._paused = max(self._paused - 1, 0)
             self._cond.notify_all()
 
-    def _pinned_locked(self) -> int:
-        return self._pinned
-
     def _pinner(self) -> None:
-        chunk = self.policy.chunk_bytes
         try:
             self.driver.prepare_thread()
         except Exception as exc:  # no pinning ahead; backups pin when they need to
@@ -179,89 +221,97 @@ class HostArena:
                 self._cond.notify_all()
             return
         while True:
+            chunk = self.policy.chunk_bytes
             with self._cond:
                 self._cond.wait_for(
                     lambda: (
                         self._closed
                         or (
-                            self.last_error is None
-                            and not self._paused
-                            and self._pinned_locked() + self._inflight < self._target
+                            self.last_error is None and not self._paused and self._pinned + self._pending < self._target
                         )
                     )
                 )
                 if self._closed:
                     return
-                missing = self._target - self._pinned_locked() - self._inflight
-                count = min(max(1, -(-missing // chunk)), self.policy.background_threads)
-                self._inflight += count * chunk
-            try:
-                self._pin(count, chunk)
-            except AllocatorError as exc:
-                logger.warning("pinning host memory ahead of sleep failed: %s", exc)
-                with self._cond:
-                    self.last_error = exc
+                limit = self.policy.limit_bytes
+                if limit is not None and self._pinned + self._pending + self._unpinning + chunk > limit:
+                    self._target = self._pinned + self._pending  # the limit is reached: pin no more ahead
                     self._cond.notify_all()
-
-    def _pin(self, count: int, chunk: int) -> None:
-        """Pin ``count`` chunks in parallel (``_inflight`` already counts them); register those pinned."""
-        import time
-
-        start = time.perf_counter()
-        errors: list[BaseException] = []
-
-        def one(_: int) -> None:
+                    continue
+            failed: BaseException | None
             try:
-                self.driver.prepare_thread()
-                host = self.driver.host_alloc(chunk)
-            except Exception as exc:  # reported below, as one allocator error
-                errors.append(exc)
-                return
-            with self._cond:
-                self._chunks[host] = _Chunk(host, chunk)
-                self._pinned += chunk
-
-        try:
-            if count == 1:
-                one(0)
+                reserved = self._reserve([chunk])
+            except Exception as exc:
+                failed = exc
             else:
-                with ThreadPoolExecutor(min(count, self.policy.threads)) as pool:
-                    list(pool.map(one, range(count)))
-        finally:
-            with self._cond:
-                self._inflight -= count * chunk
-                self.pin_seconds += time.perf_counter() - start
-                self._cond.notify_all()
-        if errors:
-            exc = errors[0]
-            pinned = self.pinned_bytes()
-            reason = f"pinning {count} x {chunk} host bytes failed ({exc}); {pinned} bytes pinned"
-            if getattr(exc, "code", None) == 2 or "out of memory" in str(exc).lower():
-                raise AllocatorOutOfMemory("pin host memory", None, reason, call=getattr(exc, "call", "host_alloc"))
-            raise AllocatorError("pin host memory", None, reason, call=getattr(exc, "call", "host_alloc"))
+                self._pin_chunk(reserved[0])
+                failed = reserved[0].error
+            if failed is not None:
+                logger.warning("pinning host memory ahead of sleep failed: %s", failed)
+                with self._cond:
+                    self.last_error = failed
+                    self._cond.notify_all()
 
     # -- taking and giving ---------------------------------------------------------------
 
     def take(self, nbytes: int) -> list[Extent]:
-        """Extents totalling ``nbytes`` (pinning what is missing now, in parallel); raises AllocatorError."""
-        chunk = self.policy.chunk_bytes
-        while True:
-            with self._cond:
-                free = self._free_locked()
-                if free >= nbytes:
-                    return self._carve(nbytes)
-                if self._inflight and free + self._inflight >= nbytes:
-                    self._cond.wait()
-                    continue
-                missing = nbytes - free - self._inflight
-                count = -(-missing // chunk)
-                self._inflight += count * chunk
-            self._pin(count, chunk)
+        """Extents totalling ``nbytes``; what is missing is reserved now and pinned by threads as copies go.
+
+        Call :meth:`wait_pinned` for an extent's address before copying into it.
+        Raises :class:`AllocatorOutOfMemory` (nothing taken, nothing pinned) when
+        the pinned bytes would pass ``limit_bytes``, or when no range can be reserved.
+        """
+        with self._cond:
+            sizes = self._new_chunks(nbytes - self._free_locked())
+            limit = self.policy.limit_bytes
+            held = self._pinned + self._pending + self._unpinning
+            if sizes and limit is not None and held + sum(sizes) > limit:
+                used = sum(c.used() for c in self._chunks.values())
+                reason = (
+                    f"a backup of {nbytes} bytes needs {sum(sizes)} more pinned host bytes; the host limit is "
+                    f"{limit} bytes and {held} are pinned ({used} holding backups)"
+                )
+                raise AllocatorOutOfMemory("pin host memory", None, reason, call="host_alloc")
+        fresh: list[Chunk] = []
+        if sizes:
+            try:
+                fresh = self._reserve(sizes)
+            except Exception as exc:
+                raise pin_error(exc, sum(sizes), self.pinned_bytes()) from exc
+        with self._cond:
+            extents = self._carve(nbytes)
+        if fresh:
+            workers = max(1, min(len(fresh), self.policy.threads))
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="torpor-host-pin")
+            for c in fresh:  # in address order: the copies wait for chunks in that order
+                pool.submit(self._pin_chunk, c)
+            pool.shutdown(wait=False)
+        return extents
+
+    def wait_pinned(self, host: int) -> None:
+        """Block until the chunk holding ``host`` is registered; raise the allocator error if pinning it failed."""
+        with self._cond:
+            i = bisect.bisect_right(self._bases, host) - 1
+            c = self._chunks.get(self._bases[i]) if i >= 0 else None
+            if c is None or host >= c.host + c.nbytes:
+                c = next((f for f in self._failed.values() if f.host <= host < f.host + f.nbytes), None)
+            if c is None:
+                msg = f"host address {host:#x} is in no chunk of the arena ({len(self._chunks)} chunks)"
+                raise AllocatorError("pin host memory", None, msg)
+            if c.ready:
+                return
+            chunk = c
+            self._cond.wait_for(lambda: chunk.ready or chunk.error is not None or self._closed)
+            if c.error is not None:
+                raise pin_error(c.error, c.nbytes, self._pinned)
+            if not c.ready:
+                msg = "the host arena was closed while a backup waited for pinned memory"
+                raise AllocatorError("pin host memory", None, msg)
 
     def _carve(self, nbytes: int) -> list[Extent]:
         out: list[Extent] = []
         left = nbytes
-        for key in sorted(self._chunks):
+        for key in self._bases:
             c = self._chunks[key]
             while left:
                 got = c.take(left)
@@ -284,35 +334,52 @@ class HostArena:
         if not self.policy.keep_after_wake:
             self.trim()
 
-    def trim(self) -> int:
-        """Unpin every chunk that holds no backup; return the bytes given back."""
+    def trim(self, background: bool = False) -> int:
+        """Unpin every registered chunk that holds no backup; return the bytes given back.
+
+        ``background``: unpin in a daemon thread. The chunks leave
+        :meth:`pinned_bytes` at once and count against ``limit_bytes`` until
+        each is unpinned.
+        """
         with self._cond:
-            empty = [c for c in self._chunks.values() if c.used() == 0]
+            empty = [c for c in self._chunks.values() if c.ready and c.used() == 0]
             for c in empty:
                 del self._chunks[c.host]
-                self._pinned -= c.nbytes
-            self._target = min(self._target, self._pinned_locked())
-        freed = 0
-        for c in empty:
-            try:
-                self.driver.host_free(c.host)
-                freed += c.nbytes
-            except Exception:  # an unpin that fails only leaks host memory; log it
-                logger.exception("unpinning %d host bytes at %#x failed", c.nbytes, c.host)
-        return freed
+                self._bases.remove(c.host)
+            total = sum(c.nbytes for c in empty)
+            self._pinned -= total
+            self._unpinning += total
+            self._target = min(self._target, self._pinned)
+
+        def unpin() -> None:
+            for c in empty:
+                self._free(c)
+                with self._cond:
+                    self._unpinning -= c.nbytes
+                    self._cond.notify_all()
+
+        if background and empty:
+            threading.Thread(target=unpin, name="torpor-host-unpin", daemon=True).start()
+        else:
+            unpin()
+        return total
+
+    def wait_unpinned(self, timeout: float | None = None) -> bool:
+        """Block until background trims are done; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._unpinning == 0, timeout)
 
     def close(self) -> None:
-        """Stop the pinner and unpin every chunk (backups are lost)."""
+        """Stop the pinner, wait for pins in flight, and unpin every chunk (backups are lost)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            chunks = list(self._chunks.values())
+            self._cond.wait_for(lambda: self._pinning == 0 and self._unpinning == 0, timeout=60)
+            chunks = [c for c in self._chunks.values() if c.ready]
             self._chunks.clear()
-            self._pinned = 0
+            self._bases.clear()
+            self._pinned = self._pending = 0
         if self._thread is not None:
             self._thread.join(timeout=30)
         for c in chunks:
-            try:
-                self.driver.host_free(c.host)
-            except Exception:  # teardown: log and go on
-                logger.exception("unpinning %d host bytes at teardown failed", c.nbytes)
+            self._free(c)

@@ -67,7 +67,11 @@ class _Device:
 
 
 class SimDriver(Driver):
-    """A simulated device with ``capacity`` bytes per device and ``host_capacity`` bytes of pinned host memory."""
+    """A simulated device with ``capacity`` bytes per device and ``host_capacity`` bytes of pinned host memory.
+
+    ``overhead``: bytes per device reported in use by :meth:`mem_info` outside
+    any handle (what a CUDA context, cuBLAS and NCCL hold on a real GPU).
+    """
 
     name = "sim"
 
@@ -78,8 +82,10 @@ class SimDriver(Driver):
         host_capacity: int | None = None,
         granularity: int = 2 * MiB,
         devices: int = 1,
+        overhead: int = 0,
     ) -> None:
         self.capacity = capacity
+        self.overhead = overhead  # device bytes in use outside any handle: a simulated CUDA context, libraries
         self.host_capacity = host_capacity if host_capacity is not None else 4 * capacity
         self._granularity_bytes = granularity
         self._devices = [_Device() for _ in range(devices)]
@@ -90,6 +96,7 @@ class SimDriver(Driver):
         self._starts: list[int] = []
         self._host: dict[int, bytearray] = {}
         self._host_next = _HOST_BASE
+        self._host_reserved: dict[int, list[int]] = {}  # start -> [size, bytes not yet given back]
         self.host_used = 0
         self._faults: dict[str, list[_Fault]] = {}
         self.calls: list[SimCall] = []
@@ -124,6 +131,12 @@ class SimDriver(Driver):
     def used_on(self, device: int) -> int:
         """Physical bytes held on ``device``."""
         return self._devices[device].used
+
+    @property
+    def host_reserved(self) -> int:
+        """Host address space reserved and not yet given back (pinned or not)."""
+        with self._lock:
+            return sum(left for _, left in self._host_reserved.values())
 
     def mapped_ranges(self) -> list[tuple[int, int]]:
         """(start, size) of every current mapping, by address."""
@@ -246,15 +259,35 @@ class SimDriver(Driver):
 
     # -- host memory and copies ------------------------------------------------------------
 
-    def _host_alloc(self, nbytes: int) -> int:
+    def _host_reserve(self, nbytes: int) -> int:
+        address = self._host_next
+        self._host_next += nbytes + 2 * MiB  # a gap: a copy past a range's end fails
+        self._host_reserved[address] = [nbytes, nbytes]
+        return address
+
+    def _reservation(self, host: int, nbytes: int) -> int | None:
+        for start, (n, _) in self._host_reserved.items():
+            if start <= host and host + nbytes <= start + n:
+                return start
+        return None
+
+    def _host_alloc(self, nbytes: int, host: int | None) -> int:
+        if host is not None:
+            if self._reservation(host, nbytes) is None:
+                msg = f"host range {host:#x}+{nbytes} is not inside a reservation"
+                raise DriverError("host_alloc", msg, 1)
+            if any(s < host + nbytes and host < s + len(b) for s, b in self._host.items()):
+                msg = f"host range {host:#x}+{nbytes} is pinned already"
+                raise DriverError("host_alloc", msg, 1)
         if self.host_used + nbytes > self.host_capacity:
             msg = f"cannot pin {nbytes} host bytes: {self.host_used} of {self.host_capacity} pinned"
             raise DriverOutOfMemory("host_alloc", msg, 2)
-        address = self._host_next
-        self._host_next += nbytes  # adjacent buffers, as real pinned allocations often are
-        self._host[address] = bytearray(nbytes)
+        if host is None:
+            host = self._host_next
+            self._host_next += nbytes + 2 * MiB
+        self._host[host] = bytearray(nbytes)
         self.host_used += nbytes
-        return address
+        return host
 
     def _host_free(self, host: int) -> None:
         buf = self._host.pop(host, None)
@@ -262,6 +295,16 @@ class SimDriver(Driver):
             msg = f"no pinned host buffer at {host:#x}"
             raise DriverError("host_free", msg, 1)
         self.host_used -= len(buf)
+        self._host_unreserve(host, len(buf))
+
+    def _host_unreserve(self, host: int, nbytes: int) -> None:
+        start = self._reservation(host, nbytes)
+        if start is None:
+            return  # a fresh pinned buffer (no reservation), or given back already
+        entry = self._host_reserved[start]
+        entry[1] -= nbytes
+        if entry[1] <= 0:
+            del self._host_reserved[start]
 
     def _host_view(self, host: int, nbytes: int, call: str) -> memoryview:
         for start, buf in self._host.items():
@@ -288,7 +331,7 @@ class SimDriver(Driver):
 
     def _mem_info(self, device: int) -> tuple[int, int]:
         dev = self._device(device)
-        return self.capacity - dev.used, self.capacity
+        return self.capacity - dev.used - self.overhead, self.capacity
 
     # -- direct access for tests ---------------------------------------------------------
 

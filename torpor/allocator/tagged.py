@@ -39,7 +39,7 @@ from torpor.allocator.offload import Extent, HostArena, HostPolicy
 from torpor.allocator.slabs import Slabs
 from torpor.allocator.va import VaArena
 from torpor.errors import PoolBusy, UnknownTag
-from torpor.statemachine.protocol import TagUsage, Transfer
+from torpor.statemachine.protocol import DeviceMemory, TagUsage, Transfer
 
 logger = logging.getLogger("torpor.allocator")
 MiB = 1 << 20
@@ -430,6 +430,29 @@ class TaggedAllocator:
         """Block until pinning ahead caught up with the tagged memory; False on timeout."""
         return self.host.wait_ready(timeout)
 
+    def configure_host(self, *, prepin: bool, limit_bytes: int | None) -> None:
+        """Apply the controller's host-memory policy to the arena (pinning ahead starts at once when asked)."""
+        self.host.configure(prepin=prepin, limit_bytes=limit_bytes)
+        if prepin:
+            with self._lock:
+                self.host.want(self._prepin_bytes())
+
+    def trim_host(self, background: bool = False) -> int:
+        """Unpin host chunks that hold no backup; return the bytes given back (see :meth:`HostArena.trim`)."""
+        return self.host.trim(background)
+
+    def device_memory(self) -> DeviceMemory:
+        """Device memory in use on the devices this allocator maps, and how much of it is torpor's (mapped) tags."""
+        with self._lock:
+            devices = {a.device for a in self._allocs.values()} | {self.default_device}
+            mapped = {id(m): m.size for a in self._allocs.values() for m in a.maps if m.handle is not None}
+        total = in_use = 0
+        for device in sorted(devices):
+            free, size = self.driver.mem_info(device)
+            total += size
+            in_use += size - free
+        return DeviceMemory(total, in_use, sum(mapped.values()))
+
     def pending_errors(self) -> list[AllocatorError]:
         """Errors raised inside torch's allocation callbacks since the last call (and forget them)."""
         with self._lock:
@@ -504,6 +527,7 @@ class TaggedAllocator:
             for batch in batches(parts(state.allocs.values()), self.group_bytes):
                 pieces = [p for _, ps in batch for p in ps]
                 for device, address, host, n in copies(pieces):
+                    self.host.wait_pinned(host)  # a first sleep pins as it copies: chunk by chunk
                     self.driver.copy_d2h(host, address, n, device)
                 state.pending.append((self.driver.record(batch[0][0].device), [m for m, _ in batch]))
         except BaseException as exc:

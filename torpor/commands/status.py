@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from torpor.hooks.fleet import EngineView, FleetView, fleet, wait_fleet
+from torpor.hooks.fleet import EngineView, FleetView, RankView, fleet, wait_fleet
 
 GiB = 1024**3
 
@@ -58,6 +58,27 @@ def _tags(engine: EngineView, rank: int) -> str:
     return ", ".join(parts)
 
 
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def memory_line(r: RankView) -> str:
+    """Host memory pinned (and the budget), and what stayed on the device at the last sleep; empty when unknown."""
+    parts = []
+    budget = r.host_policy.get("budget_bytes")
+    if r.pinned_bytes or budget is not None or r.device_asleep:
+        pin, after = r.host_policy.get("pin", "?"), r.host_policy.get("after_wake", "?")
+        limit = "no budget" if budget is None else f"budget {_gib(budget)}"
+        parts.append(f"host pinned {_gib(r.pinned_bytes)} ({limit}; pinned {pin}, {after} after wake)")
+    d = r.device_asleep
+    if d:
+        parts.append(
+            f"at the last sleep the GPU kept {_gib(d.get('in_use', 0))} in use: torpor tags {_gib(d.get('tagged', 0))}, "
+            f"untagged {_gib(d.get('untagged', 0))} (CUDA context, NCCL/cuBLAS, torch's default pool)"
+        )
+    return "; ".join(parts)
+
+
 def render(view: FleetView) -> str:
     """The text ``torpor status`` prints: a summary line per engine, then one line per rank."""
     lines = []
@@ -73,6 +94,9 @@ def render(view: FleetView) -> str:
                 lines.append(
                     f"  rank {r.rank:<3} {r.state:<16} since #{r.since:<6} {where:<10} {_tags(engine, r.rank)}".rstrip()
                 )
+                memory = memory_line(r)
+                if memory:
+                    lines.append(f"           {memory}")
     return "\n".join(lines)
 
 

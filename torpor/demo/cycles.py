@@ -56,6 +56,8 @@ class CycleResult:
     checks: list[Check] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
+    device_asleep: dict[str, int] = field(default_factory=dict)
+    pinned: int = 0
 
     @property
     def exact(self) -> bool:
@@ -78,6 +80,9 @@ class CycleResult:
         elif event.kind is EventKind.SLEEP_COMPLETED:
             self.sleep_seconds += float(d["seconds"])
             self.offloaded += int(d["offloaded"])
+            self.pinned = int(d.get("pinned") or 0)
+            if d.get("device"):
+                self.device_asleep = {str(k): int(v) for k, v in d["device"].items()}
         elif event.kind is EventKind.WAKE_COMPLETED:
             self.wake_seconds += float(d["seconds"])
 
@@ -130,6 +135,16 @@ def _tag_order(tags: list[str]) -> list[str]:
     return known + sorted(t for t in tags if t not in DEMO_TAGS)
 
 
+def stays_line(result: CycleResult) -> str:
+    """What stayed on the device while asleep (torpor's tags and the rest), and the pinned host memory."""
+    d = result.device_asleep
+    return (
+        f"  asleep: the device kept {fmt_bytes(d.get('in_use', 0))} in use: torpor tags {fmt_bytes(d.get('tagged', 0))}, "
+        f"untagged {fmt_bytes(d.get('untagged', 0))} (CUDA context, cuBLAS/NCCL, torch's default pool); "
+        f"host pinned {fmt_bytes(result.pinned)}"
+    )
+
+
 def render(result: CycleResult, total: int) -> str:
     """The table of one cycle."""
     verdict = "exact" if result.exact else "NOT EXACT"
@@ -159,6 +174,7 @@ def render(result: CycleResult, total: int) -> str:
         f"   wake {fmt_seconds(result.wake_seconds)} ({fmt_rate(result.from_host, result.wake_seconds)} from host)"
     )
     lines = [head, "  path  " + " -> ".join(result.path), grid, timing]
+    lines += [stays_line(result)] if result.device_asleep else []
     lines += [f"  check {label}: {c.what}" for label, c in zip(result.labels, result.checks, strict=True)]
     lines += [f"  guard refused {r}" for r in result.refusals]
     return "\n".join(lines)

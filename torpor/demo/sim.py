@@ -59,7 +59,8 @@ class SimWorkload:
         self.seed = seed
         total = sum(n for _, _, n in GPU_LAYOUT) // scale + GRAPH_BYTES * len(BATCH_SIZES)
         self.capacity = 2 * total + 64 * MiB
-        self.driver = SimDriver(capacity=self.capacity)
+        # what a CUDA context, cuBLAS and NCCL hold on a GPU (about 500 MiB on an H200), scaled like the rest
+        self.driver = SimDriver(capacity=self.capacity, overhead=512 * MiB // scale)
         # pinned host memory in small chunks: the simulated host backup is real RAM too
         self.allocator = TaggedAllocator(driver=self.driver, host=HostPolicy(chunk_bytes=8 * MiB))
         self.allocs: list[_Alloc] = []

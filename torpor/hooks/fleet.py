@@ -58,6 +58,9 @@ class RankView:
     level: int | None = None
     residency: Mapping[str, TagUsage] = field(default_factory=dict)
     error: str | None = None
+    pinned_bytes: int = 0
+    host_policy: Mapping[str, Any] = field(default_factory=dict)
+    device_asleep: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def asleep(self) -> bool:
@@ -88,6 +91,9 @@ class RankView:
                 for t, u in sorted(self.residency.items())
             },
             "error": self.error,
+            "pinned_bytes": self.pinned_bytes,
+            "host_policy": dict(self.host_policy),
+            "device_asleep": dict(self.device_asleep),
         }
 
 
@@ -257,6 +263,9 @@ def _rank_view(engine: str, rank: int, path: Path) -> RankView:
         pid=proj.pid,
         level=proj.level,
         residency=dict(proj.residency),
+        pinned_bytes=proj.pinned_bytes,
+        host_policy=dict(proj.host_policy),
+        device_asleep=dict(proj.device_asleep),
     )
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, thaw
 from torpor.statemachine.log import EventLog, decode_line, read_events, read_events_file, segments
-from torpor.statemachine.policy import DEFAULT_POLICY, Action, Policy
+from torpor.statemachine.policy import DEFAULT_POLICY, Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
 from torpor.statemachine.projection import Projection, project, replay
-from torpor.statemachine.protocol import GraphPoolMemory, Memory, TagUsage, Transfer
+from torpor.statemachine.protocol import DeviceMemory, GraphPoolMemory, HostMemory, Memory, TagUsage, Transfer
 from torpor.statemachine.states import COMMANDS, TRANSITIONS, State, allowed_sources, diagram_markdown, mermaid
 
 __all__ = [
@@ -20,11 +20,16 @@ __all__ = [
     "SCHEMA_VERSION",
     "TRANSITIONS",
     "Action",
+    "AfterWake",
+    "DeviceMemory",
     "Event",
     "EventKind",
     "EventLog",
     "GraphPoolMemory",
+    "HostMemory",
+    "HostMemoryPolicy",
     "Memory",
+    "PinWhen",
     "Policy",
     "Projection",
     "SleepController",

@@ -42,6 +42,13 @@ from torpor.errors import (
     UnknownTag,
 )
 from torpor.statemachine.events import Event, EventKind, make_event
+from torpor.statemachine.hostmem import (
+    apply_host_policy,
+    backup_bytes,
+    budget_refusal,
+    device_report,
+    release_unused_host,
+)
 from torpor.statemachine.log import EventLog, read_events
 from torpor.statemachine.policy import DEFAULT_POLICY, Action, Policy
 from torpor.statemachine.projection import Projection, project
@@ -129,6 +136,8 @@ class SleepController:
     ) -> None:
         self.memory = memory
         self.policy = policy or DEFAULT_POLICY
+        self.host_policy = self.policy.host_policy()
+        apply_host_policy(memory, self.host_policy)
         self.engine = engine
         self.rank = rank
         if isinstance(log, str | Path):
@@ -166,6 +175,7 @@ class SleepController:
                 usage=self._resident_usage(),
                 memory=type(memory).__name__,
                 previous_state=self.projection.state.value if self._seq else None,
+                host=self.host_policy.to_dict(),
             )
             self._sync_machine()
 
@@ -306,6 +316,7 @@ class SleepController:
                     raise
                 dropped.append(tag)
                 self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
+            release_unused_host(self.memory, self.host_policy)
             if resident:
                 self._discard_resident(resident)
             return self.projection
@@ -603,6 +614,10 @@ class SleepController:
         usage = self._resident_usage()
         candidates = [t for t in usage if t not in set(self.projection.asleep_tags())]
         plan = self.policy.plan(level, candidates)
+        offloading = backup_bytes(self.memory, [t for t, a in plan.items() if a is Action.OFFLOAD], usage)
+        over = budget_refusal(self.host_policy, self.projection, offloading)
+        if over is not None:  # before anything is touched
+            self._refuse("sleep", over)
         self._emit(EventKind.SLEEP_REQUESTED, level=level, plan={t: a.value for t, a in plan.items()}, usage=usage)
         self._step("sleep")
         offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
@@ -638,6 +653,8 @@ class SleepController:
                 offloaded=offloaded,
                 discarded=discarded,
                 pinned=self._pinned_bytes(),
+                host_budget=self.host_policy.budget_bytes,
+                device=device_report(self.memory),
             )
         except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise
             if self.projection.state is not State.SUSPENDING:  # sleep_completed is recorded: the sleep stands
@@ -715,6 +732,7 @@ class SleepController:
                 logger.exception("dropping backups after an aborted sleep failed")
             except BaseException as again:  # an interrupt while dropping: the backups leak, the abort goes on
                 interrupt = again
+        release_unused_host(self.memory, self.host_policy)
         lost_txt = (
             f"; content of {', '.join(lost)} may be lost (discarded, or partly, before the failure)" if lost else ""
         )
@@ -758,6 +776,7 @@ class SleepController:
             logger.exception("dropping backups after a wake failed; the wake itself succeeded")
         except BaseException as exc:  # an interrupt here: every tag is back, the wake stands; raised once recorded
             interrupt = exc
+        host_released = release_unused_host(self.memory, self.host_policy)
         seconds = time.perf_counter() - start
         try:
             self._emit(
@@ -766,6 +785,7 @@ class SleepController:
                 seconds=seconds,
                 restored=sum(t.bytes for _, t, _ in restored),
                 pinned=self._pinned_bytes(),
+                host_released=host_released,
             )
         except LogWriteFailed as exc:  # every tag is back and its backup gone: nothing to roll back to
             self._log_failure = f"the end of a wake could not be recorded ({exc}); every tag asked for is resident"

@@ -20,18 +20,23 @@ class EventKind(enum.StrEnum):
 
     Payload (``Event.data``) per kind:
 
-    - ``opened``: ``usage`` {tag: resident bytes}, ``memory`` (its class), ``previous_state``
+    - ``opened``: ``usage`` {tag: resident bytes}, ``memory`` (its class), ``previous_state``,
+      ``host`` (the host-memory policy: ``pin``, ``after_wake``, ``budget_bytes``)
     - ``recovered``: ``usage``, ``released`` {tag: {host, discarded}} (tags the memory holds released), ``interrupted_state``,
       ``interrupted_step``
     - ``sleep_requested``: ``level``, ``plan`` {tag: offload|discard}, ``usage``
     - ``tag_backed_up``: ``tag``, ``bytes``, ``seconds``
     - ``tag_released``: ``tag``, ``bytes``, ``action`` (offload|discard), ``seconds``
-    - ``sleep_completed``: ``level``, ``seconds``, ``freed``, ``offloaded``, ``discarded``
+    - ``sleep_completed``: ``level``, ``seconds``, ``freed``, ``offloaded``, ``discarded``, ``pinned``,
+      ``host_budget``, ``device`` (what stays on the device while asleep: ``total``, ``in_use``,
+      ``tagged`` (torpor's tags still mapped), ``untagged`` (context, libraries, torch's default pool);
+      null when the memory cannot say)
     - ``sleep_aborted``: ``level``, ``reason``, ``error``, ``seconds``
     - ``wake_requested``: ``tags`` (requested, or null for all), ``restoring``
     - ``tag_restored``: ``tag``, ``bytes``, ``source`` (host|fresh), ``seconds``
     - ``tag_rolled_back``: ``tag``, ``bytes``, ``action``
-    - ``wake_completed``: ``tags``, ``seconds``, ``restored``
+    - ``wake_completed``: ``tags``, ``seconds``, ``restored``, ``pinned``, ``host_released`` (pinned
+      bytes given back after the wake by the host-memory policy)
     - ``wake_failed``: ``tags``, ``reason``, ``error``, ``seconds``
     - ``tag_discarded``: ``tag``, ``bytes`` (a host backup dropped while asleep)
     - ``discard_completed``: ``tags`` (resident tags released without backup), ``error``, ``reason``, ``seconds``

@@ -1,14 +1,20 @@
-"""Sleep policy: which tag is offloaded and which discarded at each level.
+"""Sleep policy: which tag is offloaded and which discarded at each level, and how host memory is held.
 
-Pure data. The default is the seed's: ``cudagraph`` is never discarded (graphs
-hold write-once state), ``weights`` and ``kv_cache`` are the only deferrable
-tags (a wake that does not name them leaves them asleep), and any wake restores
-every other tag.
+Pure data. The default follows vLLM: ``kv_cache`` and ``workspace`` (scratch
+buffers, rewritten before every read) are discarded at both levels,
+``weights`` at level 2; ``cudagraph`` is never discarded (graphs hold
+write-once state); ``weights`` and ``kv_cache`` are the only deferrable tags (a
+wake that does not name them leaves them asleep), and any wake restores every
+other tag. :class:`HostMemoryPolicy` says when backups' host memory is pinned,
+whether it is kept after a wake, and how many bytes it may take; the controller
+applies it, the allocator only obeys.
 """
 
 from __future__ import annotations
 
 import enum
+import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -26,21 +32,98 @@ DEFERRABLE: frozenset[str] = frozenset({"weights", "kv_cache"})
 NEVER_DISCARD: frozenset[str] = frozenset({"cudagraph"})
 
 
+class PinWhen(enum.StrEnum):
+    """When host memory for backups is pinned."""
+
+    AHEAD = "ahead"  # in the background as tagged memory grows: the first sleep copies at link speed
+    AT_SLEEP = "at_sleep"  # by the sleep that needs it, pipelined with its copies
+
+
+class AfterWake(enum.StrEnum):
+    """What happens to pinned host memory once a wake copied the backups back."""
+
+    KEEP = "keep"  # stays pinned for the next sleep (later sleeps at link speed)
+    RELEASE = "release"  # given back (unpinned in the background): host memory is held only while asleep
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"64GiB"``, ``"64G"``, ``"1.5 TiB"``, ``"4096"`` -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        msg = f"not a byte size: {text!r} (say 64GiB, 512MiB or a number of bytes)"
+        raise ValueError(msg)
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+@dataclass(frozen=True)
+class HostMemoryPolicy:
+    """How much host memory backups may pin, and when.
+
+    ``pin``: :attr:`PinWhen.AT_SLEEP` (default) or :attr:`PinWhen.AHEAD`.
+    ``after_wake``: :attr:`AfterWake.KEEP` (default) or :attr:`AfterWake.RELEASE`.
+    ``budget_bytes``: the most pinned host bytes the backups of this engine rank
+    may hold (None: no budget); a sleep whose backups would pass it is refused
+    before anything is touched (``HostBudgetExceeded``), and pinning ahead stops
+    at it. The measurements behind the default are in docs/benchmarks.md.
+    """
+
+    pin: PinWhen = PinWhen.AT_SLEEP
+    after_wake: AfterWake = AfterWake.KEEP
+    budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pin", PinWhen(self.pin))
+        object.__setattr__(self, "after_wake", AfterWake(self.after_wake))
+        if self.budget_bytes is not None and (type(self.budget_bytes) is not int or self.budget_bytes < 0):
+            msg = f"budget_bytes must be a number of bytes >= 0 or None, not {self.budget_bytes!r}"
+            raise ValueError(msg)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> HostMemoryPolicy:
+        """The policy ``TORPOR_HOST_PIN`` (ahead|at_sleep), ``TORPOR_HOST_AFTER_WAKE`` (keep|release) and ``TORPOR_HOST_BUDGET`` (64GiB) say; defaults otherwise."""
+        env = os.environ if environ is None else environ
+        pin = env.get("TORPOR_HOST_PIN", "").strip() or PinWhen.AT_SLEEP.value
+        after = env.get("TORPOR_HOST_AFTER_WAKE", "").strip() or AfterWake.KEEP.value
+        budget = env.get("TORPOR_HOST_BUDGET", "").strip()
+        try:
+            return cls(PinWhen(pin), AfterWake(after), parse_bytes(budget) if budget else None)
+        except ValueError as exc:
+            msg = (
+                f"bad host-memory settings (TORPOR_HOST_PIN={pin!r}, TORPOR_HOST_AFTER_WAKE={after!r}, "
+                f"TORPOR_HOST_BUDGET={budget!r}): {exc}; pin is ahead|at_sleep, after-wake keep|release"
+            )
+            raise ValueError(msg) from exc
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form (recorded in the ``opened`` event)."""
+        return {"pin": self.pin.value, "after_wake": self.after_wake.value, "budget_bytes": self.budget_bytes}
+
+
 @dataclass(frozen=True)
 class Policy:
     """Per-level actions for named tags; any other tag is offloaded.
 
     ``levels[level][tag]`` is the action for ``tag`` at ``level``. Tags in
-    ``deferrable`` are restored only by a wake that names them.
+    ``deferrable`` are restored only by a wake that names them. ``host``: the
+    host-memory policy (None: from the ``TORPOR_HOST_*`` environment when a
+    controller starts).
     """
 
     levels: Mapping[int, Mapping[str, Action]] = field(
         default_factory=lambda: {
-            1: {"weights": Action.OFFLOAD, "kv_cache": Action.DISCARD},
-            2: {"weights": Action.DISCARD, "kv_cache": Action.DISCARD},
+            1: {"weights": Action.OFFLOAD, "kv_cache": Action.DISCARD, "workspace": Action.DISCARD},
+            2: {"weights": Action.DISCARD, "kv_cache": Action.DISCARD, "workspace": Action.DISCARD},
         }
     )
     deferrable: frozenset[str] = DEFERRABLE
+    host: HostMemoryPolicy | None = None
+
+    def host_policy(self) -> HostMemoryPolicy:
+        """``host``, or when None the ``TORPOR_HOST_*`` environment's (read now; ValueError when malformed)."""
+        return self.host if self.host is not None else HostMemoryPolicy.from_env()
 
     def __post_init__(self) -> None:
         for level, actions in self.levels.items():

@@ -39,6 +39,8 @@ class Projection:
     residency: dict[str, TagUsage] = field(default_factory=dict)
     asleep: set[str] = field(default_factory=set)
     pinned_bytes: int = 0
+    host_policy: dict[str, Any] = field(default_factory=dict)
+    device_asleep: dict[str, int] = field(default_factory=dict)
     pool: str | None = None
     graphs: list[str] = field(default_factory=list)
     graph_count: int = 0
@@ -87,6 +89,8 @@ class Projection:
             },
             "asleep": sorted(self.asleep),
             "pinned_bytes": self.pinned_bytes,
+            "host_policy": dict(self.host_policy),
+            "device_asleep": dict(self.device_asleep),
             "pool": self.pool,
             "graphs": list(self.graphs),
             "graph_count": self.graph_count,
@@ -117,6 +121,8 @@ class Projection:
             },
             asleep={str(t) for t in raw.get("asleep", [])},
             pinned_bytes=int(raw.get("pinned_bytes", 0)),
+            host_policy=dict(raw.get("host_policy", {})),
+            device_asleep={str(k): int(v) for k, v in dict(raw.get("device_asleep", {})).items()},
             pool=raw.get("pool"),
             graphs=[str(g) for g in raw.get("graphs", [])][-MAX_GRAPH_SITES:],
             graph_count=int(raw.get("graph_count", len(raw.get("graphs", [])))),
@@ -172,6 +178,8 @@ def _opened(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
     p.residency, p.asleep = {}, set()
     p.graphs, p.graph_count, p.pool, p.level, p.resume_from = [], 0, None, None, None
     p._observe(data.get("usage", {}))
+    if data.get("host") is not None:
+        p.host_policy = thaw(data["host"])
     p._set_state(State.AWAKE, event)
 
 
@@ -222,6 +230,8 @@ def _tag_discarded(p: Projection, event: Event, data: Mapping[str, Any]) -> None
 
 def _sleep_completed(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
     p.pinned_bytes = int(data.get("pinned", p.pinned_bytes))
+    if data.get("device") is not None:  # what stayed on the device while asleep
+        p.device_asleep = {str(k): int(v) for k, v in data["device"].items()}
     p._set_state(State.ASLEEP_L1 if p.level == 1 else State.ASLEEP_L2, event)
 
 

@@ -34,6 +34,24 @@ class Transfer:
     offloaded: bool = False
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Device memory on the devices a memory uses: ``total``, ``in_use`` by anyone, ``tagged`` (mapped by torpor's tags).
+
+    ``untagged`` is the rest of what is in use: the CUDA context, libraries'
+    workspaces (cuBLAS, NCCL), torch's default pool, other processes on the GPU.
+    """
+
+    total: int
+    in_use: int
+    tagged: int
+
+    @property
+    def untagged(self) -> int:
+        """In use, not torpor's tags."""
+        return max(self.in_use - self.tagged, 0)
+
+
 @runtime_checkable
 class Memory(Protocol):
     """Mechanism the :class:`~torpor.SleepController` drives.
@@ -66,6 +84,32 @@ class Memory(Protocol):
 
     def drop_backup(self, tags: Sequence[str]) -> None:
         """Forget the backups of resident tags (after an aborted sleep)."""
+        ...
+
+
+@runtime_checkable
+class HostMemory(Protocol):
+    """A memory whose host backups the controller's host-memory policy manages (optional to :class:`Memory`)."""
+
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes held (backups and chunks kept for reuse)."""
+        ...
+
+    def configure_host(self, *, prepin: bool, limit_bytes: int | None) -> None:
+        """Pin ahead or not, and the most pinned bytes held."""
+        ...
+
+    def trim_host(self, background: bool = False) -> int:
+        """Unpin what holds no backup; return the bytes given back."""
+        ...
+
+
+@runtime_checkable
+class DeviceReporting(Protocol):
+    """A memory that can say how much device memory is in use and how much of it is its tags'."""
+
+    def device_memory(self) -> DeviceMemory:
+        """Device memory now: total, in use, tagged."""
         ...
 
 

@@ -70,6 +70,8 @@ class _Metrics:
                 "torpor_state_since_timestamp_seconds",
                 "torpor_tag_bytes",
                 "torpor_pinned_host_bytes",
+                "torpor_host_budget_bytes",
+                "torpor_asleep_device_bytes",
                 "torpor_cudagraphs",
             )
         }
@@ -186,6 +188,11 @@ class MultiprocessSink:
         for tag, usage in proj.residency.items():
             self._set_tag(base, tag, usage)
         self._set("torpor_pinned_host_bytes", base, float(proj.pinned_bytes))
+        budget = proj.host_policy.get("budget_bytes")
+        self._set("torpor_host_budget_bytes", base, float("inf") if budget is None else float(budget))
+        for part, value in proj.device_asleep.items():
+            if part in ("in_use", "tagged", "untagged"):
+                self._set("torpor_asleep_device_bytes", (*base, part), float(value))
         self._set("torpor_cudagraphs", base, float(proj.graph_count))
 
 

@@ -48,6 +48,17 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Bytes of each memory tag by residency (resident, host, discarded)",
     ),
     "torpor_pinned_host_bytes": ("gauge", (), "Pinned host memory held for backups"),
+    "torpor_host_budget_bytes": (
+        "gauge",
+        (),
+        "Pinned host memory the host-memory policy lets backups hold (+Inf: no budget)",
+    ),
+    "torpor_asleep_device_bytes": (
+        "gauge",
+        ("part",),
+        "Device memory in use at the last sleep: in_use, tagged (torpor's tags still mapped), "
+        "untagged (CUDA context, libraries, torch's default pool)",
+    ),
     "torpor_cudagraphs": ("gauge", (), "CUDA graphs captured into the graph pool and not released"),
     "torpor_transitions_total": (
         "counter",
@@ -216,6 +227,12 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
             value = float(getattr(usage, residency))
             add("torpor_tag_bytes", "torpor_tag_bytes", (("residency", residency), ("tag", tag)), value)
     add("torpor_pinned_host_bytes", "torpor_pinned_host_bytes", (), float(proj.pinned_bytes))
+    budget = proj.host_policy.get("budget_bytes")
+    add("torpor_host_budget_bytes", "torpor_host_budget_bytes", (), float("inf") if budget is None else float(budget))
+    for part in ("in_use", "tagged", "untagged"):
+        if part in proj.device_asleep:
+            value = float(proj.device_asleep[part])
+            add("torpor_asleep_device_bytes", "torpor_asleep_device_bytes", (("part", part),), value)
     add("torpor_cudagraphs", "torpor_cudagraphs", (), float(proj.graph_count))
     counters, hists = stats.snapshot()
     for metric, family in _COUNTERS.items():

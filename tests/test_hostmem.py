@@ -1,0 +1,285 @@
+"""Tests of the controller's host-memory policy (pin ahead or at sleep, keep or release after wake, budget) and device reporting."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from torpor import HostBudgetExceeded, SleepController, State
+from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
+from torpor.statemachine.events import EventKind
+from torpor.statemachine.hostmem import budget_refusal, device_report
+from torpor.statemachine.policy import AfterWake, HostMemoryPolicy, PinWhen, Policy
+from torpor.statemachine.projection import Projection, replay
+from torpor.testing import FakeMemory
+
+G = 64 * 1024
+MiB = 1 << 20
+OVERHEAD = 3 * MiB
+
+
+def rig(host: HostMemoryPolicy, tmp_path: Path | None = None) -> tuple[SimDriver, TaggedAllocator, SleepController]:
+    """A simulated device with a 3 MiB 'context', an allocator pinning in 256 KiB chunks, and a controller."""
+    sim = SimDriver(64 * MiB, granularity=G, overhead=OVERHEAD)
+    alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=4 * G, threads=2), slab_bytes=0)
+    log = tmp_path / "events.jsonl" if tmp_path is not None else None
+    return sim, alloc, SleepController(alloc, log=log, policy=Policy(host=host))
+
+
+def fill(alloc: TaggedAllocator, tag: str, count: int, size: int = 4 * G) -> dict[int, bytes]:
+    """Allocate ``count`` x ``size`` under ``tag`` with random bytes; return address -> bytes."""
+    out = {}
+    for _ in range(count):
+        a = alloc.allocate(size, tag)
+        out[a] = os.urandom(size)
+        alloc.write(a, out[a])
+    return out
+
+
+def test_default_pins_nothing_until_the_first_sleep_and_keeps_it_after_wake() -> None:
+    """At-sleep + keep: no pinned bytes while awake before the first sleep, the backup's bytes after it, kept after wake."""
+    _, alloc, ctl = rig(HostMemoryPolicy())
+    data = fill(alloc, "weights", 4)
+    assert alloc.wait_host_ready(5) and alloc.pinned_bytes() == 0
+    ctl.sleep(1)
+    assert ctl.projection.pinned_bytes == alloc.pinned_bytes() == 16 * G
+    ctl.wake()
+    assert all(alloc.read(a, len(b)) == b for a, b in data.items())
+    assert alloc.pinned_bytes() == 16 * G and ctl.projection.pinned_bytes == 16 * G
+
+
+def test_ahead_pins_before_the_first_sleep() -> None:
+    """Pin-ahead: the controller turns pinning ahead on, and tagged memory is pinned before any sleep."""
+    sim, alloc, _ = rig(HostMemoryPolicy(pin=PinWhen.AHEAD))
+    fill(alloc, "weights", 4)
+    assert alloc.wait_host_ready(10)
+    assert alloc.pinned_bytes() == 16 * G == sim.host_used
+
+
+def test_release_gives_host_memory_back_after_wake() -> None:
+    """Release after wake: the wake's event says what it gives back, and nothing stays pinned once that is done."""
+    sim, alloc, ctl = rig(HostMemoryPolicy(after_wake=AfterWake.RELEASE))
+    data = fill(alloc, "weights", 4)
+    for _ in range(2):
+        ctl.sleep(1)
+        assert alloc.pinned_bytes() == 16 * G
+        ctl.wake()
+        assert all(alloc.read(a, len(b)) == b for a, b in data.items())
+        woke = [e for e in ctl.events() if e.kind is EventKind.WAKE_COMPLETED][-1]
+        assert woke.data["host_released"] == 16 * G and woke.data["pinned"] == 0
+        assert alloc.host.wait_unpinned(10)
+        assert sim.host_used == 0 and sim.host_reserved == 0
+
+
+def test_over_budget_sleep_is_refused_before_anything_is_touched(tmp_path: Path) -> None:
+    """A sleep whose backups pass the budget raises HostBudgetExceeded naming bytes and budget; nothing is copied or released."""
+    sim, alloc, ctl = rig(HostMemoryPolicy(budget_bytes=8 * G), tmp_path)
+    data = fill(alloc, "weights", 4)
+    calls = len(sim.calls)
+    with pytest.raises(HostBudgetExceeded, match=r"need 1048576 bytes .* host budget is 524288 bytes") as err:
+        ctl.sleep(1)
+    assert err.value.needed == 16 * G and err.value.budget == 8 * G
+    assert "weights to offload: 1048576 bytes" in err.value.holders
+    assert ctl.state is State.AWAKE
+    assert sim.calls[calls:] == []  # no driver call at all
+    assert alloc.usage()["weights"].resident == 16 * G and alloc.pinned_bytes() == 0
+    assert all(alloc.read(a, len(b)) == b for a, b in data.items())
+    refused = [e for e in ctl.events() if e.kind is EventKind.REFUSED][-1]
+    assert refused.data["error"] == "HostBudgetExceeded" and refused.data["holders"]
+    assert replay(tmp_path / "events.jsonl").state is State.AWAKE
+
+
+def test_budget_counts_backups_of_tags_still_asleep() -> None:
+    """Partially awake, a second sleep's budget includes the backup of the tag left asleep, and the error names it."""
+    _, alloc, ctl = rig(HostMemoryPolicy(budget_bytes=20 * G))
+    fill(alloc, "weights", 4)
+    fill(alloc, "runtime", 1)
+    ctl.sleep(1)
+    ctl.wake(["runtime"])  # weights stay asleep on the host
+    assert ctl.state is State.PARTIALLY_AWAKE
+    fill(alloc, "runtime", 1)
+    with pytest.raises(HostBudgetExceeded, match="backups already hold 1048576") as err:
+        ctl.sleep(1)
+    assert "backup of weights (asleep): 1048576 bytes" in err.value.holders
+    assert ctl.state is State.PARTIALLY_AWAKE
+
+
+def test_level_two_fits_a_budget_level_one_does_not() -> None:
+    """Level 2 discards weights, so it needs only the small tags' backups and fits where level 1 was refused."""
+    _, alloc, ctl = rig(HostMemoryPolicy(budget_bytes=4 * G))
+    fill(alloc, "weights", 4)
+    fill(alloc, "runtime", 1)
+    with pytest.raises(HostBudgetExceeded):
+        ctl.sleep(1)
+    ctl.sleep(2)
+    assert ctl.state is State.ASLEEP_L2 and alloc.pinned_bytes() <= 4 * G
+
+
+def test_sleep_records_what_stays_on_the_device() -> None:
+    """sleep_completed carries device memory in use while asleep, split into torpor's tags and the rest."""
+    _, alloc, ctl = rig(HostMemoryPolicy())
+    fill(alloc, "weights", 4)
+    fill(alloc, "kv_cache", 2)
+    ctl.sleep(1)
+    done = [e for e in ctl.events() if e.kind is EventKind.SLEEP_COMPLETED][-1]
+    assert done.data["device"] == {"total": 64 * MiB, "in_use": OVERHEAD, "tagged": 0, "untagged": OVERHEAD}
+    assert ctl.projection.device_asleep["untagged"] == OVERHEAD
+    assert Projection.from_dict(ctl.projection.to_dict()).device_asleep == ctl.projection.device_asleep
+
+
+def test_workspace_is_discarded_by_default() -> None:
+    """The workspace tag is discarded at level 1 (not copied to the host) and comes back mapped, fresh."""
+    _, alloc, ctl = rig(HostMemoryPolicy())
+    fill(alloc, "workspace", 2)
+    ctl.sleep(1)
+    released = [e for e in ctl.events() if e.kind is EventKind.TAG_RELEASED]
+    assert [(e.data["tag"], e.data["action"]) for e in released] == [("workspace", "discard")]
+    assert alloc.pinned_bytes() == 0
+    ctl.wake()
+    assert alloc.usage()["workspace"].resident == 8 * G
+
+
+def test_opened_event_records_the_host_policy() -> None:
+    """The controller records its host-memory policy when it opens; the projection keeps it."""
+    _, _, ctl = rig(HostMemoryPolicy(pin=PinWhen.AHEAD, budget_bytes=MiB))
+    assert ctl.projection.host_policy == {"pin": "ahead", "after_wake": "keep", "budget_bytes": MiB}
+
+
+def test_policy_from_the_environment_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a host policy the controller reads TORPOR_HOST_*; a malformed value is refused when it starts."""
+    monkeypatch.setenv("TORPOR_HOST_BUDGET", "2MiB")
+    ctl = SleepController(FakeMemory({"weights": 1 << 20}))
+    assert ctl.host_policy.budget_bytes == 2 * MiB
+    monkeypatch.setenv("TORPOR_HOST_AFTER_WAKE", "sometimes")
+    with pytest.raises(ValueError, match="TORPOR_HOST_AFTER_WAKE"):
+        SleepController(FakeMemory({"weights": 1 << 20}))
+
+
+def test_memory_without_host_backups_or_reporting_is_left_alone() -> None:
+    """A memory without host or device reporting gets no budget refusal below budget and a null device field."""
+    memory = FakeMemory({"weights": 1 << 20})
+    ctl = SleepController(memory, policy=Policy(host=HostMemoryPolicy(budget_bytes=2 << 20)))
+    ctl.sleep(1)
+    assert device_report(memory) is None
+    done = [e for e in ctl.events() if e.kind is EventKind.SLEEP_COMPLETED][-1]
+    assert done.data["device"] is None
+
+
+def test_no_budget_never_refuses() -> None:
+    """With no budget the check passes whatever the bytes."""
+    assert budget_refusal(HostMemoryPolicy(), Projection(), {"weights": 1 << 50}) is None
+
+
+# -- on the GPU (scripts/gpu-suite) --------------------------------------------------------------
+
+
+def _gpu_weights(alloc: TaggedAllocator, mib: int) -> tuple[object, object]:
+    """``mib`` MiB of random weights in 2 MiB and 64 MiB tensors under the weights tag; (tensors, their clones)."""
+    import torch
+
+    with alloc.use_memory_pool("weights"):
+        ts = [
+            torch.randint(0, 255, ((2 if i % 2 else 64) * MiB,), dtype=torch.uint8, device="cuda")
+            for i in range(mib // 33)
+        ]
+    return ts, [t.clone() for t in ts]
+
+
+@pytest.mark.gpu
+def test_cold_first_sleep_on_the_gpu_is_bit_exact_with_and_without_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first sleep with nothing pinned pins as it copies, and wakes bit-exact; also with huge-page advice and MADV_POPULATE_WRITE unavailable."""
+    import torch
+
+    from torpor.allocator import cuda_driver
+
+    for fallback in (False, True):
+        if fallback:  # as on a kernel without THP and before 5.14: 4 KiB pages, faulted in by writing zeros
+            monkeypatch.setattr(cuda_driver, "_MADV_HUGEPAGE", 0)
+            monkeypatch.setattr(cuda_driver, "_populate_works", [False])
+        alloc = TaggedAllocator()
+        ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy()))
+        ts, refs = _gpu_weights(alloc, 1024)
+        torch.cuda.synchronize()
+        assert alloc.pinned_bytes() == 0
+        ctl.sleep(1)
+        assert alloc.pinned_bytes() >= sum(t.numel() for t in ts)
+        ctl.wake()
+        assert all(bool(torch.equal(t, r)) for t, r in zip(ts, refs, strict=True)), f"fallback={fallback}"
+        del ts, refs
+        alloc.close()
+
+
+@pytest.mark.gpu
+def test_release_after_wake_on_the_gpu_unpins_and_sleeps_again_cold() -> None:
+    """Release mode on the GPU: nothing pinned after a wake, and the next (cold again) sleep and wake stay bit-exact."""
+    import torch
+
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(after_wake=AfterWake.RELEASE)))
+    ts, refs = _gpu_weights(alloc, 512)
+    for _ in range(3):
+        ctl.sleep(1)
+        ctl.wake()
+        assert alloc.host.wait_unpinned(60)
+        assert alloc.pinned_bytes() == 0
+        assert all(bool(torch.equal(t, r)) for t, r in zip(ts, refs, strict=True))
+    del ts, refs
+    alloc.close()
+
+
+@pytest.mark.gpu
+def test_over_budget_on_the_gpu_touches_nothing_and_level_two_fits() -> None:
+    """Over the budget a sleep is refused with tensors intact and nothing pinned; a level-2 sleep (weights discarded) goes through."""
+    import torch
+
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(budget_bytes=256 * MiB)))
+    ts, refs = _gpu_weights(alloc, 512)
+    with alloc.use_memory_pool("runtime"):
+        rt = torch.ones(16 * MiB, dtype=torch.uint8, device="cuda")
+    with pytest.raises(HostBudgetExceeded, match="host budget is 268435456 bytes"):
+        ctl.sleep(1)
+    assert ctl.state is State.AWAKE and alloc.pinned_bytes() == 0
+    assert all(bool(torch.equal(t, r)) for t, r in zip(ts, refs, strict=True))
+    ctl.sleep(2)
+    ctl.wake()
+    assert bool((rt == 1).all())
+    del ts, refs, rt
+    alloc.close()
+
+
+@pytest.mark.gpu
+def test_sleep_on_the_gpu_reports_the_untagged_memory_that_stays() -> None:
+    """Asleep on a GPU, the sleep event's device field shows no tagged bytes and the untagged rest (context, torch's pool)."""
+    import torch
+
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    ts, _ = _gpu_weights(alloc, 512)
+    default_pool = torch.ones(256 * MiB, dtype=torch.uint8, device="cuda")  # torch's own allocator, untagged
+    ctl.sleep(1)
+    device = [e for e in ctl.events() if e.kind is EventKind.SLEEP_COMPLETED][-1].data["device"]
+    assert device["tagged"] == 0
+    assert device["untagged"] == device["in_use"] >= 256 * MiB  # at least torch's pool; plus the CUDA context
+    free, total = torch.cuda.mem_get_info()
+    assert device["total"] == total and abs(device["in_use"] - (total - free)) < 64 * MiB
+    ctl.wake()
+    del ts, default_pool
+    alloc.close()
+
+
+def test_release_mode_unpins_after_an_aborted_sleep_and_a_discard() -> None:
+    """In release mode, host memory pinned for a sleep that aborted, or for backups a discard dropped, is given back."""
+    sim, alloc, ctl = rig(HostMemoryPolicy(after_wake=AfterWake.RELEASE))
+    fill(alloc, "weights", 4)
+    sim.fail("unmap")  # phase 2 fails: the sleep rolls back after the backup was made
+    with pytest.raises(Exception, match="unmap"):
+        ctl.sleep(1)
+    assert ctl.state is State.AWAKE
+    assert alloc.host.wait_unpinned(10) and alloc.pinned_bytes() == 0 == sim.host_used
+    ctl.sleep(1)
+    assert alloc.pinned_bytes() == 16 * G
+    ctl.discard(["weights"])
+    assert alloc.host.wait_unpinned(10) and alloc.pinned_bytes() == 0 == sim.host_used

@@ -1,0 +1,97 @@
+"""The settings and bookkeeping under :class:`~torpor.allocator.offload.HostArena`: its policy, pinned chunks, extents."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
+
+MiB = 1 << 20
+
+
+def _default_threads() -> int:
+    # 8 threads faulted in and registered 8 GiB in 0.33 s on the H200 host, 16 in 0.40 s (they contend):
+    # benchmarks/probe_cold_pin.py, docs/benchmarks.md
+    return max(2, min(8, os.cpu_count() or 4))
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """How pinned host memory for backups is managed (mechanism settings; the controller's policy sets them).
+
+    ``prepin``: pin in the background as tagged memory grows, so the first sleep
+    copies at link speed (off by default: the first sleep pins as it copies).
+    ``prepin_exclude``: tags whose growth does not pin ahead (``kv_cache`` is
+    discarded at every level of the default policy). ``keep_after_wake``: keep
+    chunks pinned after a wake for the next sleep (False gives them back once no
+    backup uses them). ``limit_bytes``: most pinned host bytes held at once (None:
+    no limit); a take that would pass it raises :class:`AllocatorOutOfMemory`
+    before pinning anything. ``chunk_bytes``: pinning unit. ``threads``: threads
+    pinning what a sleep needs now. ``background_threads``: threads pinning
+    ahead. Small chunks and one thread in the background keep the awake
+    engine's CUDA calls from waiting on the pinning (measured: 32 MiB x 1 thread
+    stalled engine steps 13 % of the pinning time, at most 2.5 ms each).
+    """
+
+    prepin: bool = False
+    prepin_exclude: frozenset[str] = frozenset({"kv_cache"})
+    keep_after_wake: bool = True
+    limit_bytes: int | None = None
+    chunk_bytes: int = 32 * MiB
+    threads: int = field(default_factory=_default_threads)
+    background_threads: int = 1
+
+
+@dataclass(frozen=True)
+class Extent:
+    """A piece of pinned host memory: ``host`` address and ``nbytes``, inside chunk ``chunk``."""
+
+    host: int
+    nbytes: int
+    chunk: int
+
+
+class Chunk:
+    """A pinned (or reserved, being pinned) host range and its free ranges."""
+
+    def __init__(self, host: int, nbytes: int) -> None:
+        self.host = host
+        self.nbytes = nbytes
+        self.free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted
+        self.ready = False  # registered with the driver: copies may target it
+        self.error: BaseException | None = None
+
+    def used(self) -> int:
+        return self.nbytes - sum(n for _, n in self.free)
+
+    def take(self, nbytes: int) -> tuple[int, int] | None:
+        """Carve up to ``nbytes`` from the first free range; (offset, size) or None."""
+        if not self.free:
+            return None
+        off, size = self.free[0]
+        got = min(size, nbytes)
+        if got == size:
+            self.free.pop(0)
+        else:
+            self.free[0] = (off + got, size - got)
+        return off, got
+
+    def give(self, off: int, nbytes: int) -> None:
+        ranges = sorted([*self.free, (off, nbytes)])
+        merged: list[tuple[int, int]] = []
+        for o, n in ranges:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((o, n))
+        self.free = merged
+
+
+def pin_error(exc: BaseException, nbytes: int, pinned: int) -> AllocatorError:
+    """The allocator error for a failed pin: out of memory when the driver said so."""
+    reason = f"pinning {nbytes} host bytes failed ({exc}); {pinned} bytes pinned"
+    call = getattr(exc, "call", "host_alloc")
+    if getattr(exc, "code", None) == 2 or "out of memory" in str(exc).lower():
+        return AllocatorOutOfMemory("pin host memory", None, reason, call=call)
+    return AllocatorError("pin host memory", None, reason, call=call)
