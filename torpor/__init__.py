@@ -6,6 +6,7 @@ from torpor import errors
 from torpor.errors import (
     CommandInFlight,
     ControllerClosed,
+    GroupFailed,
     HostBudgetExceeded,
     InvalidLevel,
     InvalidTransition,
@@ -87,6 +88,7 @@ __all__ = [
     "Event",
     "EventKind",
     "EventLog",
+    "GroupFailed",
     "HostBudgetExceeded",
     "HostMemoryPolicy",
     "HostPolicy",

@@ -217,6 +217,29 @@ class LogWriteFailed(TorporError, OSError):
         )
 
 
+class GroupFailed(TorporError, RuntimeError):
+    """A collective command failed on some rank of a group, so every rank undid its part.
+
+    ``ranks`` maps each failed rank to why (its error, or that it did not vote
+    in time); ``command``, ``group`` (the group's name), ``round`` (the
+    group's command number) and ``size`` say what was agreed on. Raised on
+    every rank of the group alike.
+    """
+
+    def __init__(self, command: str, group: str, round: int, size: int, ranks: dict[int, str]) -> None:
+        self.command = command
+        self.group = group
+        self.round = round
+        self.size = size
+        self.ranks = dict(sorted(ranks.items()))
+        which = ", ".join(str(r) for r in self.ranks)
+        why = "; ".join(f"rank {r}: {reason}" for r, reason in self.ranks.items())
+        super().__init__(
+            f"{command} failed on rank {which} of group {group!r} ({size} ranks, command #{round}), so every "
+            f"rank rolled back to its state before the command ({why}); fix the cause and retry on every rank"
+        )
+
+
 class HostBudgetExceeded(TorporError, RuntimeError):
     """A sleep whose backups would pin more host memory than the host-memory budget allows (nothing was touched).
 

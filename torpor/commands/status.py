@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Merge the per-rank event logs (ENGINE.rankN.jsonl) in DIR into one state per engine:\n"
             "asleep when every rank is asleep, awake when every rank is awake, otherwise\n"
-            "transitional, naming the rank that moved last and the ranks that lag."
+            "transitional, naming the rank that moved last and the ranks that lag. Ranks that run\n"
+            "as a group show the group's last outcome: consistent, or split and which ranks differ."
         ),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -84,6 +85,8 @@ def render(view: FleetView) -> str:
     lines = []
     for engine in view.engines:
         lines.append(engine.summary())
+        if engine.group is not None:  # ranks that sleep and wake as a group: do they agree?
+            lines.append(f"  {engine.group.describe()}")
         for r in engine.ranks:
             where = f"pid {r.pid}" if r.pid else ""
             if r.error is not None:

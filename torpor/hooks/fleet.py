@@ -8,6 +8,11 @@ the rank whose state changed last leads, and the ranks not in its state are
 named as lagging. A rank without a log (a gap in the rank
 numbers, or below ``world_size``) lags too; a rank whose log cannot be read
 makes the engine ``unknown``.
+
+Ranks that run their commands as a group (``SleepController(..., group=pg)``)
+record each group outcome; :attr:`EngineView.group` compares the last one of
+every rank: consistent when every rank is in the same state after the same
+group command with the same result, else split, naming the ranks that differ.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +63,7 @@ class RankView:
     level: int | None = None
     residency: Mapping[str, TagUsage] = field(default_factory=dict)
     error: str | None = None
+    group: Mapping[str, Any] | None = None
     pinned_bytes: int = 0
     host_policy: Mapping[str, Any] = field(default_factory=dict)
     device_asleep: Mapping[str, int] = field(default_factory=dict)
@@ -91,10 +97,80 @@ class RankView:
                 for t, u in sorted(self.residency.items())
             },
             "error": self.error,
+            "group": dict(self.group) if self.group is not None else None,
             "pinned_bytes": self.pinned_bytes,
             "host_policy": dict(self.host_policy),
             "device_asleep": dict(self.device_asleep),
         }
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """The ranks' last group outcomes compared: ``consistent``, or which ranks ``differ`` from the rest.
+
+    ``command``, ``round``, ``result`` (commit or rollback) and ``failed``
+    (rank -> why) are those of the outcome most ranks recorded (the lowest
+    rank's on a tie); a rank differs when its state or its last outcome
+    (command number and result) is not the majority's, or it has none.
+    """
+
+    name: str
+    command: str
+    round: int
+    result: str
+    failed: Mapping[str, str]
+    consistent: bool
+    differ: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        """One line: the outcome and whether the ranks agree."""
+        what = f"group {self.name}: {self.command} #{self.round} {self.result}"
+        if self.failed:
+            what += f" (failed: {', '.join(f'rank {r}' for r in sorted(self.failed, key=int))})"
+        if self.consistent:
+            return f"{what}; consistent"
+        return f"{what}; split: rank{'s' if len(self.differ) != 1 else ''} {', '.join(map(str, self.differ))} differ"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "name": self.name,
+            "command": self.command,
+            "round": self.round,
+            "result": self.result,
+            "failed": dict(self.failed),
+            "consistent": self.consistent,
+            "differ": list(self.differ),
+        }
+
+
+def group_view(ranks: list[RankView]) -> GroupView | None:
+    """Compare the ranks' last group outcomes (None when no rank ran a group command)."""
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    if not any(r.group for r in ranks):
+        return None
+
+    def key(r: RankView) -> tuple[Any, ...]:
+        g = r.group or {}
+        return (r.state, g.get("group"), g.get("round"), g.get("result"))
+
+    counts: dict[tuple[Any, ...], int] = {}
+    for r in ranks:
+        counts[key(r)] = counts.get(key(r), 0) + 1
+    grouped = [r for r in ranks if r.group]
+    top = max(counts[key(r)] for r in grouped)
+    ref = next(r for r in grouped if counts[key(r)] == top)
+    differ = tuple(r.rank for r in ranks if key(r) != key(ref))
+    g = ref.group or {}
+    return GroupView(
+        name=str(g.get("group", "")),
+        command=str(g.get("command", "")),
+        round=int(g.get("round", 0)),
+        result=str(g.get("result", "")),
+        failed=dict(g.get("failed", {})),
+        consistent=not differ,
+        differ=differ,
+    )
 
 
 @dataclass(frozen=True)
@@ -113,6 +189,7 @@ class EngineView:
     target: str | None = None
     leader: int | None = None
     lagging: tuple[int, ...] = ()
+    group: GroupView | None = None
 
     @property
     def asleep(self) -> bool:
@@ -156,6 +233,7 @@ class EngineView:
             "leader": self.leader,
             "lagging": list(self.lagging),
             "ranks": [r.to_dict() for r in self.ranks],
+            "group": self.group.to_dict() if self.group is not None else None,
         }
 
 
@@ -263,6 +341,7 @@ def _rank_view(engine: str, rank: int, path: Path) -> RankView:
         pid=proj.pid,
         level=proj.level,
         residency=dict(proj.residency),
+        group=proj.group,
         pinned_bytes=proj.pinned_bytes,
         host_policy=dict(proj.host_policy),
         device_asleep=dict(proj.device_asleep),
@@ -270,7 +349,13 @@ def _rank_view(engine: str, rank: int, path: Path) -> RankView:
 
 
 def merge(engine: str, ranks: list[RankView]) -> EngineView:
-    """Merge one engine's rank views into its engine-wide view."""
+    """Merge one engine's rank views into its engine-wide view (the group view included)."""
+    view = _merge(engine, ranks)
+    group = group_view(list(view.ranks))
+    return view if group is None else replace(view, group=group)
+
+
+def _merge(engine: str, ranks: list[RankView]) -> EngineView:
     ranks = sorted(ranks, key=lambda r: r.rank)
     unreadable = tuple(r.rank for r in ranks if r.error is not None)
     if unreadable:

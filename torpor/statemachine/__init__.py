@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, thaw
+from torpor.statemachine.group import Agreement, GroupMember, LocalGroup
 from torpor.statemachine.log import EventLog, decode_line, read_events, read_events_file, segments
 from torpor.statemachine.policy import DEFAULT_POLICY, Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
 from torpor.statemachine.projection import Projection, project, replay
@@ -21,13 +22,16 @@ __all__ = [
     "TRANSITIONS",
     "Action",
     "AfterWake",
+    "Agreement",
     "DeviceMemory",
     "Event",
     "EventKind",
     "EventLog",
     "GraphPoolMemory",
+    "GroupMember",
     "HostMemory",
     "HostMemoryPolicy",
+    "LocalGroup",
     "Memory",
     "PinWhen",
     "Policy",

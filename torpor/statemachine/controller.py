@@ -42,6 +42,7 @@ from torpor.errors import (
     UnknownTag,
 )
 from torpor.statemachine.events import Event, EventKind, make_event
+from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement, collective, undo_discard
 from torpor.statemachine.hostmem import (
     apply_host_policy,
     backup_bytes,
@@ -121,6 +122,13 @@ class SleepController:
     suffix such as ``.jsonl``), a directory (an existing one, a path ending in
     ``/``, or a new path without a suffix; the file is ``ENGINE.rankN.jsonl``
     inside it) or None (events kept in memory only).
+
+    ``group`` (a ``torch.distributed`` process group of any backend, whose
+    rendezvous store carries the votes, or any
+    :class:`~torpor.statemachine.group.Agreement`) makes ``sleep``, ``wake``
+    and ``discard`` collective: they complete only when every rank succeeded,
+    else every rank rolls back and raises ``GroupFailed``; a rank silent for
+    ``group_timeout`` seconds counts as failed (docs/groups.md).
     """
 
     def __init__(
@@ -133,6 +141,8 @@ class SleepController:
         *,
         fsync: bool = True,
         keep_events: int = 10_000,
+        group: object | None = None,
+        group_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.memory = memory
         self.policy = policy or DEFAULT_POLICY
@@ -140,6 +150,7 @@ class SleepController:
         apply_host_policy(memory, self.host_policy)
         self.engine = engine
         self.rank = rank
+        self.group = None if group is None else GroupMember(as_agreement(group), group_timeout)
         if isinstance(log, str | Path):
             path = Path(log)
             if _names_a_directory(path, str(log)):
@@ -239,6 +250,7 @@ class SleepController:
 
     # -- commands -------------------------------------------------------------
 
+    @collective("sleep")
     def sleep(self, level: int = 1, *, idempotent: bool = False) -> Projection:
         """Put the engine to sleep at ``level`` (1 or 2); return the resulting projection.
 
@@ -255,6 +267,7 @@ class SleepController:
             self._guard("sleep")
             return self._sleep(level)
 
+    @collective("wake")
     def wake(self, tags: Sequence[str] | str | None = None, *, idempotent: bool = False) -> Projection:
         """Wake ``tags`` (None: all); every non-deferrable tag is restored by any wake.
 
@@ -272,6 +285,7 @@ class SleepController:
             self._guard("wake")
             return self._wake(wanted)
 
+    @collective("discard")
     def discard(self, tags: Sequence[str] | str) -> Projection:
         """Discard ``tags``; the next wake that restores them maps fresh memory.
 
@@ -300,6 +314,8 @@ class SleepController:
             host = [t for t in tags if t in self.projection.asleep and self.projection.residency[t].host]
             start = time.perf_counter()
             dropped: list[str] = []
+            if host:
+                self._group_hold(None)  # backups cannot come back: the group agrees before any is dropped
             for tag in host:
                 try:
                     self.memory.drop_backup([tag])
@@ -318,16 +334,25 @@ class SleepController:
                 self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
             release_unused_host(self.memory, self.host_policy)
             if resident:
-                self._discard_resident(resident)
+                self._discard_resident(resident, dropped)
             return self.projection
 
-    def _discard_resident(self, tags: list[str]) -> None:
-        """Release resident tags without a backup (each tag fully or not at all)."""
+    def _discard_resident(self, tags: list[str], dropped: list[str]) -> None:
+        """Release resident tags without a backup (each tag fully or not at all); ``dropped``: backups gone already."""
         start = time.perf_counter()
         try:
             self.memory.drop_backup(tags)  # a stale backup must never come back as their content
         except TorporError as exc:
-            self._refuse("discard", exc)
+            if not dropped:  # nothing changed yet: a refusal
+                self._refuse("discard", exc)
+            self._emit(  # backups of asleep tags went already: the discard ends, partly done, and says why
+                EventKind.DISCARD_COMPLETED,
+                tags=[],
+                error=type(exc).__name__,
+                reason=f"{exc} (after dropping the backups of {', '.join(dropped)})",
+                seconds=time.perf_counter() - start,
+            )
+            raise
         was_awake = self.state is State.AWAKE
         done: list[str] = []
         error: TorporError | None = None
@@ -352,6 +377,7 @@ class SleepController:
             self._step("discard")
         if error is not None:
             raise error
+        self._group_hold(lambda exc: undo_discard(self, done, exc))
 
     @contextmanager
     def capture(self, site: str) -> Iterator[object]:
@@ -625,6 +651,13 @@ class SleepController:
         released: list[Transfer] = []
         backed_up: list[str] = []  # tags with a backup this sleep made (dropped again if it aborts)
         phase, failed = "backup", None
+        undone = False
+
+        def undo_group(exc: TorporError) -> None:  # another rank failed: roll back here, then raise
+            nonlocal undone
+            undone = True
+            self._abort_sleep(level, start, "group", exc, released, plan, backed_up, None)
+
         try:
             self.memory.drop_backup(discard)  # a stale backup must never come back as a discarded tag's content
             backed = self.memory.backup(offload)
@@ -634,6 +667,8 @@ class SleepController:
                 self._emit(EventKind.TAG_BACKED_UP, tag=tag, bytes=t.bytes, seconds=t.seconds)
             phase = "release"
             for tag in offload + discard:  # offloaded tags first: a failure then loses nothing
+                if plan[tag] is Action.DISCARD:  # with a group: every rank agrees before anything is discarded
+                    self._group_hold(undo_group)
                 failed = tag
                 done = self.memory.release([tag])[tag]
                 released.append(done)
@@ -641,6 +676,7 @@ class SleepController:
                 self._emit(
                     EventKind.TAG_RELEASED, tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds
                 )
+            self._group_hold(undo_group)
             phase = "recording"
             seconds = time.perf_counter() - start
             offloaded = sum(t.bytes for t in released if plan[t.tag] is Action.OFFLOAD)
@@ -657,7 +693,7 @@ class SleepController:
                 device=device_report(self.memory),
             )
         except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise
-            if self.projection.state is not State.SUSPENDING:  # sleep_completed is recorded: the sleep stands
+            if undone or self.projection.state is not State.SUSPENDING:  # undone for the group, or the sleep stands
                 self._sync_machine()
                 raise
             self._abort_sleep(level, start, phase, exc, released, plan, backed_up, failed)
@@ -761,13 +797,23 @@ class SleepController:
         self._emit(EventKind.WAKE_REQUESTED, tags=tags, restoring=restoring)
         self._step("wake")
         restored: list[tuple[str, Transfer, str]] = []
+        undone = False
+
+        def undo_group(exc: TorporError) -> None:  # another rank failed: roll back here, then raise
+            nonlocal undone
+            undone = True
+            self._fail_wake(tags, start, exc, restored)
+
         try:
             for tag in restoring:
                 source = "host" if self.projection.residency[tag].host else "fresh"
                 done = self.memory.restore([tag])[tag]
                 restored.append((tag, done, source))
                 self._emit(EventKind.TAG_RESTORED, tag=tag, bytes=done.bytes, source=source, seconds=done.seconds)
+            self._group_hold(undo_group)  # backups kept until the group agrees
         except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise
+            if undone:  # the group's rollback ran already
+                raise
             self._fail_wake(tags, start, exc, restored)
         interrupt: BaseException | None = None
         try:
@@ -819,6 +865,11 @@ class SleepController:
         ):
             self._step("fail_wake")
         raise exc
+
+    def _group_hold(self, undo: Callable[[TorporError], None] | None) -> None:
+        """With a group: the local part is prepared; vote, and ``undo`` it (then raise) when a rank failed."""
+        if self.group is not None:
+            self.group.hold(self, undo)
 
     def _pinned_bytes(self) -> int:
         pinned = getattr(self.memory, "pinned_bytes", None)

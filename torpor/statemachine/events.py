@@ -50,6 +50,8 @@ class EventKind(enum.StrEnum):
     - ``closed``: ``state``
     - ``command_repeated``: ``command``, ``args``, ``state``, ``reason`` (a retried command whose effect
       already holds, accepted as a no-op: ``sleep``/``wake`` with ``idempotent=True``, as the vLLM backend calls them)
+    - ``group_agreed``: ``group``, ``command``, ``round``, ``size``, ``result`` (commit|rollback),
+      ``failed`` {rank: why}, ``voted`` (this rank's own vote: ok or not), ``seconds``
     """
 
     OPENED = "opened"
@@ -75,6 +77,7 @@ class EventKind(enum.StrEnum):
     SNAPSHOT = "snapshot"
     CLOSED = "closed"
     COMMAND_REPEATED = "command_repeated"
+    GROUP_AGREED = "group_agreed"
 
 
 #: Kinds that end (or begin) a transition: the log makes them durable.
@@ -91,6 +94,7 @@ BOUNDARY_KINDS: frozenset[EventKind] = frozenset(
         EventKind.DISCARD_COMPLETED,
         EventKind.SNAPSHOT,
         EventKind.CLOSED,
+        EventKind.GROUP_AGREED,
     }
 )
 

@@ -46,6 +46,7 @@ class Projection:
     graph_count: int = 0
     transitions: int = 0
     refusals: int = 0
+    group: dict[str, Any] | None = None
     _last_step: str = ""
     _last_event: Event | None = field(default=None, repr=False, compare=False)
 
@@ -96,6 +97,7 @@ class Projection:
             "graph_count": self.graph_count,
             "transitions": self.transitions,
             "refusals": self.refusals,
+            "group": self.group,
             "interrupted": self.interrupted,
             "last_step": self.last_step,
         }
@@ -128,6 +130,7 @@ class Projection:
             graph_count=int(raw.get("graph_count", len(raw.get("graphs", [])))),
             transitions=int(raw.get("transitions", 0)),
             refusals=int(raw.get("refusals", 0)),
+            group=thaw(raw["group"]) if raw.get("group") else None,
             _last_step=str(raw.get("last_step", "")),
         )
 
@@ -291,6 +294,19 @@ def _usage_observed(p: Projection, event: Event, data: Mapping[str, Any]) -> Non
     p._observe(data["usage"])
 
 
+def _group_agreed(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    """The last group outcome this rank took part in (what ``fleet()`` compares across ranks)."""
+    p.group = {
+        "group": str(data["group"]),
+        "command": str(data["command"]),
+        "round": int(data["round"]),
+        "size": int(data["size"]),
+        "result": str(data["result"]),
+        "failed": {str(r): str(why) for r, why in dict(data.get("failed", {})).items()},
+        "seq": event.seq,
+    }
+
+
 _Step = Callable[[Projection, Event, Mapping[str, Any]], None]
 
 #: Facts that change nothing the projection holds beyond the last event.
@@ -328,6 +344,7 @@ _STEP_OF: dict[EventKind, _Step] = {
     EventKind.GRAPH_CAPTURED: _graph_captured,
     EventKind.POOL_RELEASED: _pool_released,
     EventKind.USAGE_OBSERVED: _usage_observed,
+    EventKind.GROUP_AGREED: _group_agreed,
 }
 
 #: Per kind: (a side fact?, its step or None when it changes no state). Every kind has an entry.

@@ -15,6 +15,18 @@ answer for torpor's mechanism: memory is released and restored inside the
 process, so communicators, compiled artifacts and CUDA graphs stay valid, and
 nothing survives the process.
 
+When vLLM runs the engine on more than one rank, the backend puts the
+controller in a group over the engine's ranks (vLLM's world group, or the
+replica's group under data parallelism) before the first command, so that
+``suspend``, ``resume`` and ``discard`` complete on every rank or on none
+(docs/groups.md). vLLM's executor fans each command out to every worker and
+marks the engine asleep or awake only when every worker returned; with the
+group, a failure on one rank rolls every rank back and every worker raises
+``GroupFailed``, so the executor's view and torpor's stay the same and a
+retry of the same command runs on every rank from the same state.
+``TORPOR_GROUP=0`` turns this off; ``TORPOR_GROUP_TIMEOUT`` sets the seconds
+a rank waits for the others (default 120).
+
 This module imports vLLM (the base class); vLLM imports it only when the
 ``torpor`` backend is selected.
 """
@@ -22,9 +34,13 @@ This module imports vLLM (the base class); vLLM imports it only when the
 from __future__ import annotations
 
 import importlib
+import logging
+import os
+import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 from torpor.hooks.vllm.facade import require_controller
+from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
 from torpor.statemachine.states import State
 
 if TYPE_CHECKING:
@@ -35,6 +51,63 @@ else:
     _Base = importlib.import_module("vllm.device_allocator.sleep_mode_backend").SleepModeBackend
 
 SleepModeState = Literal["RUNNING", "SUSPENDED", "RESUMING"]
+
+logger = logging.getLogger("torpor.vllm")
+
+#: ``0`` keeps every rank deciding alone (no group); anything else, or unset, groups a multi-rank engine.
+ENV_GROUP = "TORPOR_GROUP"
+#: Seconds a rank waits for the other ranks' votes.
+ENV_GROUP_TIMEOUT = "TORPOR_GROUP_TIMEOUT"
+
+
+def engine_group() -> Any | None:
+    """vLLM's group of this engine replica's ranks (a ``GroupCoordinator``), None when vLLM's groups are not up.
+
+    The world group, unless data parallelism puts several replicas in it:
+    then the replica's inner world group, or its tensor-parallel group when
+    the replica has no pipeline stages; None when no vLLM group is exactly
+    the replica.
+    """
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is None:
+        return None
+    inner = getattr(state, "_INNER_DP_WORLD", None)
+    world = getattr(state, "_WORLD", None)
+    dp = getattr(state, "_DP", None)
+    if inner is not None and inner is not world:
+        return inner
+    if world is None or dp is None or int(getattr(dp, "world_size", 1)) <= 1:
+        return world
+    pp = getattr(state, "_PP", None)
+    if pp is None or int(getattr(pp, "world_size", 1)) <= 1:
+        return getattr(state, "_TP", None)
+    logger.warning("torpor: no vLLM group is exactly this replica (data and pipeline parallel): ranks decide alone")
+    return None
+
+
+def join_engine_group(controller: SleepController) -> bool:
+    """Put ``controller`` in a group over the engine's ranks when there is more than one; True when it joined."""
+    if controller.group is not None or os.environ.get(ENV_GROUP, "1") == "0":
+        return False
+    coordinator = engine_group()
+    if coordinator is None or int(getattr(coordinator, "world_size", 1)) <= 1:
+        return False
+    timeout = float(os.environ.get(ENV_GROUP_TIMEOUT) or DEFAULT_TIMEOUT)
+    group = coordinator.cpu_group
+    if type(group).__module__.startswith("torch"):
+        from torpor.hooks.distributed import TorchGroup
+
+        group = TorchGroup(group, name=controller.engine)
+    controller.group = GroupMember(as_agreement(group), timeout)
+    logger.info(
+        "torpor: %s rank %d sleeps and wakes as one of a group of %d ranks (timeout %g s)",
+        controller.engine,
+        controller.rank,
+        controller.group.agreement.size,
+        timeout,
+    )
+    return True
+
 
 #: torpor's states as vLLM's three: only ``awake`` serves; partially awake is a staged resume.
 STATE_MAP: dict[State, SleepModeState] = {
@@ -53,6 +126,7 @@ class TorporSleepBackend(_Base):  # type: ignore[misc, valid-type]
     def __init__(self) -> None:
         super().__init__()
         self._controller: SleepController = require_controller("create the 'torpor' sleep backend")
+        join_engine_group(self._controller)  # vLLM creates the backend on every worker at once (first sleep)
 
     @property
     def controller(self) -> SleepController:
