@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import json
 import os
 import platform
@@ -25,10 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from torpor import SleepController
 from torpor.statemachine.events import Event
-from torpor.telemetry import attach
+from torpor.telemetry import Server, attach
 from torpor.testing import FakeMemory, capture_events
 
 TAGS = {"weights": 2**34, "kv_cache": 2**35, "cudagraph": 2**31, "runtime": 2**28, "workspace": 2**27, "lora": 2**26}
@@ -79,13 +81,51 @@ def scrape_times(scrapes: int) -> dict[str, Any]:
         for controller in controllers:  # every rank records an event, so no rank's samples are cached
             controller.observe()
 
+    server = Server(
+        None,
+        0,
+        "127.0.0.1",
+        registry,
+        max_wait=1.0,
+        max_events=1,
+        max_waiters=1,
+        render=collector.exposition,
+    )
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+
+    def scrape(accept_encoding: str) -> None:
+        connection.request("GET", "/metrics", headers={"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": accept_encoding})
+        response = connection.getresponse()
+        body = response.read()
+        if response.status != 200 or not body:
+            msg = f"scrape answered {response.status}"
+            raise RuntimeError(msg)
+
+    try:
+        http_plain = _timed(lambda: scrape("identity"), scrapes, before=after_events)
+        http_gzip = _timed(lambda: scrape("gzip"), scrapes, before=after_events)
+    finally:
+        connection.close()
+        server.close()
     return {
+        "http_prometheus_accept": http_plain,
+        "http_prometheus_accept_gzip": http_gzip,
+        "openmetrics_generate_latest": _timed(lambda: openmetrics.generate_latest(registry), scrapes),
         "samples": sum(1 for line in text.splitlines() if line and not line.startswith(b"#")),
         "bytes": len(text),
         "endpoint_unchanged": _timed(collector.exposition, scrapes),
         "endpoint_changed": _timed(collector.exposition, scrapes, before=after_events),
         "generate_latest": _timed(lambda: generate_latest(registry), scrapes),
     }
+
+
+#: The Accept header Prometheus 3 sends on every scrape (scrape_protocols default).
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+    "application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
+    "text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+)
 
 
 def _cycle_events() -> list[Event]:
@@ -218,6 +258,12 @@ def main() -> None:
         ("endpoint /metrics, every rank changed since the last scrape", scrape["endpoint_changed"]),
         ("endpoint /metrics, nothing changed (cached samples)", scrape["endpoint_unchanged"]),
         ("generate_latest(registry) (a shared registry, e.g. the global one)", scrape["generate_latest"]),
+        ("HTTP GET /metrics with Prometheus 3's Accept header, every rank changed", scrape["http_prometheus_accept"]),
+        ("the same with Accept-Encoding: gzip (what Prometheus sends)", scrape["http_prometheus_accept_gzip"]),
+        (
+            "OpenMetrics through prometheus-client (what that Accept header used to get)",
+            scrape["openmetrics_generate_latest"],
+        ),
     ]
     for name, (median, p99) in rows_scrape:
         print(f"| {name} | {median:.2f} ms | {p99:.2f} ms | < 5 ms |")

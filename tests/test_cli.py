@@ -211,6 +211,21 @@ def test_show_prints_every_event_with_state(tmp_path: Path, capsys: pytest.Captu
     assert any("partially_awake" in r and "wake_completed" in r for r in rows)
 
 
+def test_show_and_follow_print_ndjson_with_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`log show --json` and `log follow --json` print one event per line, the shape of the endpoints' /events."""
+    from torpor.statemachine import read_events
+
+    path = _log(tmp_path)
+    events = list(read_events(path))
+    assert main(["log", "show", "--json", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [e.to_json() for e in events]
+    assert main(["log", "show", "--json", "--kind", "sleep_completed", str(path)]) == 0
+    kinds = {json.loads(line)["kind"] for line in capsys.readouterr().out.splitlines()}
+    assert kinds == {"sleep_completed"}
+    assert main(["log", "follow", "--json", "-n", "3", "--timeout", "0", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [e.to_json() for e in events[-3:]]
+
+
 def test_show_filters_by_kind_and_seq(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--kind` keeps only those kinds, `--after` only later events; a directory finds its one log."""
     path = _log(tmp_path)

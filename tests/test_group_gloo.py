@@ -129,7 +129,10 @@ def _worker(rank: int, world: int, port: int, logdir: str, lose: str, out: dict[
         if how == "hang":
             command, call = "sleep", "copy_d2h"
         else:
-            command, call = "wake", "map"
+            command, call = (
+                "wake",
+                "copy_h2d",
+            )  # mid-wake, after mapping (map runs in the native library, not in invoke)
             ctl.sleep(1)
         path.write_text(json.dumps(out))  # this rank may be the one lost next
         dist.barrier()  # start together: only the lost rank may be late

@@ -18,6 +18,9 @@ import torpor.statemachine.log as log_module
 from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
 from torpor.statemachine.events import Event, EventKind, make_event
 from torpor.statemachine.log import EventLog, decode_line, encode_line, read_events, read_events_file, segments
+from torpor.statemachine.projection import Projection
+
+_EMPTY_PROJECTION = Projection().to_dict()  # what a snapshot of a fresh rank holds
 
 
 def _fill(log: EventLog, n: int, kind: EventKind = EventKind.USAGE_OBSERVED) -> None:
@@ -127,7 +130,7 @@ def test_rotation_keeps_replay_correct(tmp_path: Path) -> None:
     with EventLog(path, max_bytes=600) as log:
         _fill(log, 5)
         assert log.needs_rotation()
-        log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": {}}))
+        log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": _EMPTY_PROJECTION}))
         _fill(log, 2)
     files = segments(path)
     assert len(files) == 2 and files[-1] == path
@@ -141,7 +144,7 @@ def test_pruned_segments_replay_from_snapshot(tmp_path: Path) -> None:
     with EventLog(path, max_bytes=300, keep=1) as log:
         for _ in range(3):
             _fill(log, 3)
-            log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": {}}))
+            log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": _EMPTY_PROJECTION}))
     assert len(segments(path)) == 2
     events = list(read_events(path))
     assert events[0].kind is EventKind.SNAPSHOT
@@ -153,7 +156,7 @@ def test_pruned_segments_replay_from_snapshot(tmp_path: Path) -> None:
 _PAYLOADS: list[tuple[EventKind, dict[str, Any]]] = [
     (EventKind.TAG_RELEASED, {"tag": "weights", "bytes": 2**34, "action": "offload", "seconds": 0.25}),
     (EventKind.SLEEP_REQUESTED, {"level": 1, "plan": {"weights": "offload"}, "usage": {"weights": 5, "kv": 0}}),
-    (EventKind.WAKE_COMPLETED, {"tags": ["weights", "kv_cache"], "seconds": 1e-9, "restored": {"w": [1, {"x": 2}]}}),
+    (EventKind.WAKE_COMPLETED, {"tags": ["weights", "kv_cache"], "seconds": 1e-9, "extra": {"w": [1, {"x": 2}]}}),
     (EventKind.REFUSED, {"command": "sleep", "reason": 'busy \u00e9 "q" {[', "holders": []}),
     (EventKind.CLOSED, {}),
 ]
@@ -262,7 +265,7 @@ def test_read_events_equals_decode_line_over_a_whole_log(tmp_path: Path) -> None
             kind, data = _PAYLOADS[i % len(_PAYLOADS)]
             log.append(make_event(kind, log.next_seq(), "e", 0, data))
             if log.needs_rotation():
-                log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": {}}))
+                log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": _EMPTY_PROJECTION}))
     reference = [
         decode_line(line, str(file), n)
         for file in segments(path)

@@ -7,6 +7,7 @@ turn raises ``KeyboardInterrupt`` instead of returning.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Hashable
 from pathlib import Path
@@ -26,25 +27,55 @@ from torpor.testing import FakeMemory
 TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024}
 
 
+class _Interrupting:
+    """The native library as the allocator and the simulated device see it, raising Ctrl-C once a call has run.
+
+    CPython delivers SIGINT between bytecodes: a Ctrl-C that arrives while the
+    native library runs a driver call (most of them run inside the C table)
+    is raised as ``KeyboardInterrupt`` right after that library call returns
+    to Python. This proxy does exactly that for the ``nth`` next ``call``.
+    """
+
+    def __init__(self, lib: Any, driver: Any, call: str, nth: int) -> None:
+        self._lib = lib
+        self._driver = driver
+        self._index = driver.CALLS.index(call)
+        self._call = call
+        self._target = self._count() + nth
+        self.fired = False
+
+    def _count(self) -> int:
+        lib, sim = self._lib, self._driver.native_sim
+        n = int(lib.tp_sim_log(sim, 0, None, 0))
+        buf = ctypes.create_string_buffer(max(n, 1))
+        lib.tp_sim_log(sim, 0, buf, n)
+        return sum(1 for b in buf.raw[:n] if b & 0x7F == self._index)
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._lib, name)
+        if not callable(real) or name.startswith("tp_sim_log"):
+            return real
+
+        def call(*args: Any) -> Any:
+            result = real(*args)
+            if not self.fired and self._count() >= self._target:
+                self.fired = True
+                msg = f"Ctrl-C during {self._call}"
+                raise KeyboardInterrupt(msg)
+            return result
+
+        return call
+
+
 class InterruptRig(SimRig):
-    """The simulated device, where an armed driver call raises KeyboardInterrupt (Ctrl-C) instead of running."""
+    """The simulated device, where Ctrl-C arrives during an armed driver call."""
 
     def arm(self, key: Hashable, nth: int) -> None:
-        """The ``nth`` next call ``key`` raises KeyboardInterrupt."""
-        driver = self.driver
-        original = driver.invoke
-        left = [nth]
-
-        def invoke(call: str, *args: Any) -> Any:
-            if call == key:
-                left[0] -= 1
-                if left[0] == 0:
-                    del driver.invoke  # disarmed: the class's method again
-                    msg = f"Ctrl-C in {call}"
-                    raise KeyboardInterrupt(msg)
-            return original(call, *args)
-
-        driver.invoke = invoke  # type: ignore[method-assign]
+        """The ``nth`` next call ``key`` is interrupted (raised when the library returns to Python)."""
+        table = self.allocator.table
+        proxy = _Interrupting(table.lib, self.driver, str(key), nth)
+        table.lib = proxy
+        self.driver.lib = proxy
 
 
 def _interrupt_matrix() -> list[Any]:

@@ -117,7 +117,7 @@ def test_events_long_poll_returns_when_an_event_arrives(server: Server, controll
 
     def poll() -> None:
         start = time.monotonic()
-        got["response"] = fetch(f"{server.url}/events?after={mark}&timeout=20")
+        got["response"] = fetch(f"{server.url}/events?after={mark}&wait=20")
         got["waited"] = time.monotonic() - start
 
     thread = threading.Thread(target=poll)
@@ -135,7 +135,7 @@ def test_events_long_poll_returns_when_an_event_arrives(server: Server, controll
 def test_events_long_poll_times_out_empty(server: Server, controller: SleepController) -> None:
     """A long-poll that sees no event returns an empty 200 after its timeout."""
     start = time.monotonic()
-    status, _, body = fetch(f"{server.url}/events?after={controller.last_seq}&timeout=0.3")
+    status, _, body = fetch(f"{server.url}/events?after={controller.last_seq}&wait=0.3")
     assert status == 200
     assert body == b""
     assert time.monotonic() - start >= 0.25
@@ -146,9 +146,9 @@ def test_events_long_poll_times_out_empty(server: Server, controller: SleepContr
     [
         ("/events?after=-1", "after must be a non-negative integer"),
         ("/events?after=abc", "after must be a non-negative integer"),
-        ("/events?timeout=999", "timeout must be between 0 and 30 seconds"),
-        ("/events?timeout=nan", "timeout must be between"),
-        ("/events?timeout=x", "timeout must be a number of seconds"),
+        ("/events?wait=999", "wait must be between 0 and 30 seconds"),
+        ("/events?wait=nan", "wait must be between"),
+        ("/events?wait=x", "wait must be a number of seconds"),
         ("/events?limit=0", "limit must be between 1 and"),
         ("/events?after=1&after=2", "given more than once"),
         ("/events?bogus=1", "unknown query parameter 'bogus'"),
@@ -190,7 +190,7 @@ def test_overlong_url_is_refused(server: Server) -> None:
 def test_too_many_waiters_get_503(controller: SleepController) -> None:
     """Long-polls beyond max_waiters are turned away with 503 instead of holding more threads."""
     with serve(controller, 0, max_waiters=1) as srv:
-        url = f"{srv.url}/events?after={controller.last_seq}&timeout=5"
+        url = f"{srv.url}/events?after={controller.last_seq}&wait=5"
         first = threading.Thread(target=fetch, args=(url,))
         first.start()
         wait_for_waiters(srv, 1)
@@ -220,7 +220,7 @@ def test_metrics_only_without_a_source() -> None:
 
 def test_parse_query_accepts_known_parameters() -> None:
     """parse_query returns the known parameters and refuses a malformed pair."""
-    assert parse_query("after=3&timeout=1.5", ("after", "timeout")) == {"after": "3", "timeout": "1.5"}
+    assert parse_query("after=3&wait=1.5", ("after", "wait")) == {"after": "3", "wait": "1.5"}
     assert parse_query("", ("after",)) == {}
     with pytest.raises(BadRequest):
         parse_query("after", ("after",))
@@ -243,3 +243,137 @@ def test_int_param_refuses_huge_numbers_before_converting() -> None:
         int_param({"after": "9" * 5000}, "after", 0, 0, 1000)
     assert int_param({"after": "0" * 5000 + "12"}, "after", 0, 0, 1000) == 12
     assert int_param({"after": "1000"}, "after", 0, 0, 1000) == 1000
+
+
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+    "application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
+    "text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+)
+
+
+def _get(url: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, headers=headers)  # noqa: S310 - loopback test server
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+        return response.status, dict(response.headers), response.read()
+
+
+def test_prometheus_scrapes_get_the_fast_text_format(controller: SleepController, server: Server) -> None:
+    """Prometheus's Accept (OpenMetrics preferred, text accepted) gets the directly rendered text format."""
+    import gzip
+
+    controller.sleep(1)
+    status, headers, body = _get(server.url + "/metrics", {"Accept": PROMETHEUS_ACCEPT})
+    assert status == 200
+    assert headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert b'torpor_state{engine="e",rank="0",state="asleep_l1"} 1.0' in body
+    assert b"# EOF" not in body
+    status, headers, zipped = _get(server.url + "/metrics", {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"})
+    assert headers["Content-Encoding"] == "gzip" and "Accept-Encoding" in headers["Vary"]
+    assert gzip.decompress(zipped) == body
+    assert len(zipped) < len(body) / 3
+
+
+def test_openmetrics_only_clients_get_openmetrics(server: Server) -> None:
+    """A client that accepts OpenMetrics and not the text format gets OpenMetrics, ending in # EOF."""
+    _, headers, body = _get(server.url + "/metrics", {"Accept": "application/openmetrics-text;version=1.0.0"})
+    assert headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert body.rstrip().endswith(b"# EOF")
+    _, headers, _ = _get(server.url + "/metrics", {"Accept": "application/openmetrics-text", "Accept-Encoding": "br"})
+    assert "Content-Encoding" not in headers
+
+
+def test_events_refuse_another_engine_or_rank(server: Server) -> None:
+    """/events takes the vLLM route's engine and rank parameters; they must name this endpoint's source."""
+    assert fetch(server.url + "/events?engine=e&rank=0")[0] == 200
+    status, _, body = fetch(server.url + "/events?rank=1")
+    assert status == 400 and "serves rank 0" in json.loads(body)["error"]
+    status, _, body = fetch(server.url + "/events?engine=other")
+    assert status == 400 and "serves engine 'e'" in json.loads(body)["error"]
+
+
+@pytest.mark.prometheus
+def test_a_real_prometheus_scrape_takes_the_fast_path(controller: SleepController, tmp_path: Any) -> None:
+    """A real Prometheus (its own Accept, preferring OpenMetrics, and gzip) gets the directly rendered text format."""
+    import socket
+    import subprocess
+
+    with serve(controller, 0) as server:
+        seen: list[tuple[str, str]] = []
+        rendered: list[int] = []
+        metrics_route, render = server.routes["/metrics"], server._render
+        assert render is not None
+
+        def recording_route(handler: Any, query: str) -> None:
+            seen.append((handler.headers.get("Accept", ""), handler.headers.get("Accept-Encoding", "")))
+            metrics_route(handler, query)
+
+        def counting_render() -> bytes:
+            rendered.append(1)
+            return render()
+
+        server.routes["/metrics"], server._render = recording_route, counting_render
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: torpor\n    static_configs:\n"
+            f"      - targets: ['127.0.0.1:{server.port}']\n"
+        )
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        log = (tmp_path / "prometheus.log").open("w")
+        proc = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with urllib.request.urlopen(
+                        f"http://127.0.0.1:{port}/api/v1/query?query=up{{job=%22torpor%22}}", timeout=5
+                    ) as response:
+                        result = json.loads(response.read())["data"]["result"]
+                    if result and result[0]["value"][1] == "1":
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "prometheus.log").read_text()[
+                    -2000:
+                ]
+                time.sleep(0.2)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+            log.close()
+    assert seen, "prometheus never scraped"
+    accept, encoding = seen[0]
+    assert "application/openmetrics-text" in accept  # Prometheus prefers OpenMetrics...
+    assert "gzip" in encoding
+    assert len(rendered) >= 1  # ...and got the fast renderer's text format
+
+
+def test_a_small_max_events_still_pages_through_the_window(controller: SleepController) -> None:
+    """max_events bounds one response, not the window: a client pages through every recent event with after."""
+    for _ in range(20):
+        controller.observe()
+    with serve(controller, 0, max_events=5) as srv:
+        after, seen = 0, []
+        while True:
+            status, headers, body = fetch(f"{srv.url}/events?after={after}")
+            assert status == 200
+            batch = [json.loads(line)["seq"] for line in body.splitlines()]
+            assert len(batch) <= 5
+            if not batch:
+                break
+            seen += batch
+            after = batch[-1]
+        assert seen == list(range(1, controller.last_seq + 1))
+        assert headers["X-Torpor-Last-Seq"] == str(controller.last_seq)

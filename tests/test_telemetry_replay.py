@@ -121,7 +121,7 @@ def test_serve_a_log_directory(tmp_path: Path) -> None:
         mark = controller.last_seq
         controller.sleep(2)
         start = time.monotonic()
-        with urllib.request.urlopen(f"{server.url}/events?after={mark}&timeout=10", timeout=15) as r:  # noqa: S310
+        with urllib.request.urlopen(f"{server.url}/events?after={mark}&wait=10", timeout=15) as r:  # noqa: S310
             first = json.loads(r.read().splitlines()[0])
         assert first["seq"] == mark + 1
         assert time.monotonic() - start < 5

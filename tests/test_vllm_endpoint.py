@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -18,6 +20,11 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from torpor.statemachine import SleepController  # noqa: E402
 from torpor.testing import FakeMemory  # noqa: E402
+
+
+def ndjson(body: bytes) -> list[dict[str, Any]]:
+    """The events of an NDJSON body."""
+    return [json.loads(line) for line in body.splitlines()]
 
 
 def vllm_app(monkeypatch: pytest.MonkeyPatch, log_dir: Path, plugins: str | None = "torpor") -> FastAPI:
@@ -57,13 +64,17 @@ def test_routes_answer_when_allowlisted(monkeypatch: pytest.MonkeyPatch, tmp_pat
     controllers[1].wake(["weights"])
     state = client.get("/torpor/state").json()
     assert state["engines"][0]["state"] == "transitional"
-    events = client.get("/torpor/events", params={"rank": 1, "after": 2}).json()
-    seqs = [e["seq"] for e in events["events"]]
+    response = client.get("/torpor/events", params={"rank": 1, "after": 2})
+    assert response.headers["content-type"] == "application/x-ndjson"
+    events = ndjson(response.content)
+    seqs = [e["seq"] for e in events]
     assert seqs[0] == 3
     assert seqs == sorted(seqs)
-    assert events["events"][-1]["kind"] == "wake_completed"
-    limited = client.get("/torpor/events", params={"rank": 1, "limit": 2}).json()
-    assert [e["seq"] for e in limited["events"]] == [1, 2]
+    assert events[-1]["kind"] == "wake_completed"
+    assert response.headers["X-Torpor-Last-Seq"] == str(seqs[-1])
+    assert response.headers["X-Torpor-Rank"] == "1"
+    limited = client.get("/torpor/events", params={"rank": 1, "limit": 2})
+    assert [e["seq"] for e in ndjson(limited.content)] == [1, 2]
 
 
 def test_events_long_poll_waits_for_the_next_event(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -72,17 +83,17 @@ def test_events_long_poll_waits_for_the_next_event(monkeypatch: pytest.MonkeyPat
     client = TestClient(vllm_app(monkeypatch, tmp_path))
     last = controller.last_seq
     start = time.monotonic()
-    empty = client.get("/torpor/events", params={"after": last, "wait": 0.5}).json()
-    assert empty["events"] == []
+    empty = client.get("/torpor/events", params={"after": last, "wait": 0.5})
+    assert empty.status_code == 200 and empty.content == b""
     assert time.monotonic() - start >= 0.45
 
     import threading
 
     timer = threading.Timer(0.3, lambda: controller.sleep(1))
     timer.start()
-    got = client.get("/torpor/events", params={"after": last, "wait": 10}).json()
+    got = ndjson(client.get("/torpor/events", params={"after": last, "wait": 10}).content)
     timer.join()
-    assert got["events"][0]["kind"] == "sleep_requested"
+    assert got[0]["kind"] == "sleep_requested"
 
 
 @pytest.mark.parametrize(
@@ -92,7 +103,7 @@ def test_events_long_poll_waits_for_the_next_event(monkeypatch: pytest.MonkeyPat
         ({"after": -1}, "after must be a non-negative integer"),
         ({"wait": 99}, "wait must be between"),
         ({"limit": 0}, "limit must be between"),
-        ({"bogus": 1}, "unknown parameter"),
+        ({"bogus": 1}, "unknown query parameter"),
     ],
 )
 def test_bad_parameters_get_400(
@@ -130,3 +141,108 @@ def test_routes_are_read_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     client = TestClient(vllm_app(monkeypatch, tmp_path))
     assert client.post("/torpor/state").status_code == 405
     assert client.post("/torpor/events").status_code == 405
+
+
+def test_long_polls_do_not_reparse_the_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A waiting /torpor/events reads only what is appended (the follower of `torpor log follow`), never the whole log."""
+    import torpor.statemachine.log as log_module
+
+    (controller,) = ranks(tmp_path, 1)
+    for _ in range(200):
+        controller.observe()
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    assert len(ndjson(client.get("/torpor/events").content)) == controller.last_seq  # the tail starts: one read
+    decoded: list[int] = []
+    plain = log_module.plain_event
+
+    def counting(raw: dict[str, Any]) -> Any:
+        decoded.append(1)
+        return plain(raw)
+
+    monkeypatch.setattr(log_module, "plain_event", counting)
+    start = time.monotonic()
+    empty = client.get("/torpor/events", params={"after": controller.last_seq, "wait": 1.0})
+    assert empty.content == b"" and time.monotonic() - start >= 0.9
+    assert len(decoded) == 0, f"{len(decoded)} lines decoded while nothing was appended"
+    controller.observe()
+    got = ndjson(client.get("/torpor/events", params={"after": controller.last_seq - 1}).content)
+    assert [e["seq"] for e in got] == [controller.last_seq]
+    assert len(decoded) == 1
+
+
+def test_waiters_are_bounded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Beyond MAX_WAITERS waiting long-polls a new one gets 503 with Retry-After; a plain read still answers."""
+    from torpor.hooks.vllm import endpoint as route
+
+    (controller,) = ranks(tmp_path, 1)
+    monkeypatch.setattr(route, "MAX_WAITERS", 2)
+    app = vllm_app(monkeypatch, tmp_path)
+    client = TestClient(app)
+    results: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                client.get("/torpor/events", params={"after": controller.last_seq, "wait": 20}).status_code
+            )
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    plugin = next(p for p in _plugins(app))
+    deadline = time.monotonic() + 10
+    while plugin.waiting < 2:
+        assert time.monotonic() < deadline, "the long-polls never waited"
+        time.sleep(0.01)
+    refused = client.get("/torpor/events", params={"after": controller.last_seq, "wait": 5})
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert client.get("/torpor/events").status_code == 200
+    controller.observe()
+    for t in threads:
+        t.join(timeout=10)
+    assert results == [200, 200]
+    assert plugin.waiting == 0
+
+
+def _plugins(app: FastAPI) -> list[Any]:
+    """The endpoint plugins vLLM attached to ``app``."""
+    return list(app.state.endpoint_plugins)
+
+
+def test_hung_up_long_polls_leave_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Under a real server (uvicorn), a /torpor/events long-poll whose client hangs up frees its place at once."""
+    import socket
+
+    import uvicorn
+
+    (controller,) = ranks(tmp_path, 1)
+    app = vllm_app(monkeypatch, tmp_path)
+    plugin = _plugins(app)[0]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn never started"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        target = f"/torpor/events?after={controller.last_seq}&wait=30"
+        socks = []
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            socks.append(sock)
+        deadline = time.monotonic() + 10
+        while plugin.waiting < 3:
+            assert time.monotonic() < deadline, "the long-polls never waited"
+            time.sleep(0.01)
+        for sock in socks:
+            sock.close()
+        deadline = time.monotonic() + 3
+        while plugin.waiting:
+            assert time.monotonic() < deadline, "hung-up long-polls still wait"
+            time.sleep(0.01)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -6,6 +6,7 @@ from torpor import errors
 from torpor.errors import (
     CommandInFlight,
     ControllerClosed,
+    EndpointError,
     GroupFailed,
     HostBudgetExceeded,
     InvalidLevel,
@@ -18,6 +19,7 @@ from torpor.errors import (
     NotRecovered,
     OutOfMemory,
     PoolBusy,
+    StateTimeout,
     TorporError,
     UnknownSchemaVersion,
     UnknownTag,
@@ -59,6 +61,7 @@ _LAZY = {
     "capture_pool": "torpor.hooks",
     "follow": "torpor.hooks",
     "fleet": "torpor.hooks",
+    "Client": "torpor.client",
 }
 
 
@@ -81,10 +84,12 @@ def __dir__() -> list[str]:
 __all__ = [
     "Action",
     "AfterWake",
+    "Client",
     "CommandInFlight",
     "ControllerClosed",
     "CudaDriver",
     "DeviceMemory",
+    "EndpointError",
     "Event",
     "EventKind",
     "EventLog",
@@ -109,6 +114,7 @@ __all__ = [
     "SimDriver",
     "SleepController",
     "State",
+    "StateTimeout",
     "TagUsage",
     "TaggedAllocator",
     "TorporError",

@@ -240,6 +240,32 @@ class GroupFailed(TorporError, RuntimeError):
         )
 
 
+class EndpointError(TorporError, RuntimeError):
+    """An endpoint refused a request or could not be reached (:mod:`torpor.client`).
+
+    ``url`` is the request, ``status`` the HTTP status (None when no answer
+    came), ``reason`` what the server (or the network) said.
+    """
+
+    def __init__(self, url: str, status: int | None, reason: str) -> None:
+        self.url = url
+        self.status = status
+        self.reason = reason
+        answer = f"answered {status}" if status is not None else "did not answer"
+        super().__init__(f"{url} {answer}: {reason}")
+
+
+class StateTimeout(TorporError, TimeoutError):
+    """``Client.wait_for`` ran out of time: names the state wanted and the state seen last."""
+
+    def __init__(self, wanted: str, seen: str, timeout: float, url: str) -> None:
+        self.wanted = wanted
+        self.seen = seen
+        self.timeout = timeout
+        self.url = url
+        super().__init__(f"{url}: the rank did not reach {wanted!r} within {timeout:g} s; it is {seen!r}")
+
+
 class HostBudgetExceeded(TorporError, RuntimeError):
     """A sleep whose backups would pin more host memory than the host-memory budget allows (nothing was touched).
 

@@ -1,9 +1,10 @@
-"""torpor.allocator: a pure-Python tagged cuMem allocator with an offloadable CUDA-graph pool.
+"""torpor.allocator: a tagged cuMem allocator with an offloadable CUDA-graph pool and a native allocation path.
 
 ``TaggedAllocator(driver=None)`` (None: the CUDA driver) meets the memory
-protocol the :class:`~torpor.SleepController` drives. ``SimDriver`` is a
-simulated device on host memory with fault injection. Importing this package
-touches neither CUDA nor torch.
+protocol the :class:`~torpor.SleepController` drives; its allocation table and
+torch's malloc/free live in a small C library (:mod:`torpor.allocator.native`).
+``SimDriver`` is that library's simulated device on host memory, with fault
+injection. Importing this package touches neither CUDA, torch, nor the library.
 """
 
 from __future__ import annotations

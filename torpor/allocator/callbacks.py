@@ -1,62 +1,55 @@
-"""The torch side: ctypes allocation callbacks for ``torch._C._cuda_customAllocator`` and a ``MemPool`` per tag.
+"""The torch side: the native library's malloc/free pairs given to ``torch._C._cuda_customAllocator``, a ``MemPool`` per tag.
 
-No compiled extension: each tag gets a pair of ctypes callbacks that call
-:meth:`TaggedAllocator.allocate` / :meth:`TaggedAllocator.free`, wrapped by torch
-as a pluggable allocator, and a ``torch.cuda.MemPool`` built on it. Rules at the
-C boundary: nothing raises through it (errors are logged, the allocation returns
-NULL, and the error is kept for the caller, see
-:meth:`TaggedAllocator.pending_errors`); a thread with no current context gets
-the device's primary context; callbacks live as long as the process (torch may
-call them at interpreter exit).
+Each tag gets one slot of the library (:meth:`NativeTable.slot`): a plain C
+malloc/free pair bound to the allocator's table and the tag, so torch's
+allocation calls take neither the GIL nor any Python lock, whichever thread
+makes them (frees route by slot, not by thread). Nothing raises across the C
+boundary: a failed malloc returns NULL (torch raises its out-of-memory error)
+and the library keeps the reason, which :meth:`TaggedAllocator.pending_errors`
+returns and ``use_memory_pool`` raises. Slots live as long as the process (torch
+may call them at interpreter exit; after ``close`` the library ignores them).
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
-import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from torpor.allocator.errors import wrap
 from torpor.allocator.graphpool import GraphPool
 
 if TYPE_CHECKING:
     from torpor.allocator.tagged import TaggedAllocator
 
-logger = logging.getLogger("torpor.allocator")
-
-_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-_KEEP_ALIVE: list[object] = []  # callbacks and their torch allocators: never collected
+_KEEP_ALIVE: list[object] = []  # torch allocators made on native slots: never collected
 
 
-def _make_callbacks(allocator: TaggedAllocator, tag: str) -> tuple[Any, Any]:
-    def alloc(size: int, device: int, stream: int) -> int:
-        try:
-            allocator.driver.ensure_context(device)
-            return allocator.allocate(size, tag, device)
-        except BaseException as exc:  # never across the C boundary
-            error = wrap("allocate", tag, exc)
-            allocator._record_callback_error(error)
-            logger.error("torpor allocation of %d bytes in tag %r on device %d failed: %s", size, tag, device, error)
-            return 0
+def segments(mempool: Any) -> list[dict[str, Any]]:
+    """Torch's snapshot of one pool: its segments, each with its blocks (without traces where torch allows)."""
+    try:
+        found = mempool.snapshot(include_traces=False)
+    except TypeError:  # torch before include_traces
+        found = mempool.snapshot()
+    return list(found)
 
-    def free(ptr: int | None, size: int, device: int, stream: int) -> None:
-        if not ptr:
-            return
-        try:
-            allocator.driver.ensure_context(device)
-            allocator.free(ptr)
-        except BaseException as exc:  # never across the C boundary
-            error = wrap("free", tag, exc)
-            allocator._record_callback_error(error)
-            logger.error("torpor free of %#x (%d bytes, tag %r) failed: %s", ptr, size, tag, error)
 
-    return _ALLOC(alloc), _FREE(free)
+def live_blocks(segment: dict[str, Any]) -> list[tuple[int, int]]:
+    """(address, size) of the blocks of a segment that are not free ("inactive"), adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    pos = int(segment["address"])
+    for block in segment.get("blocks", []):
+        size = int(block["size"])
+        start = int(block.get("address", pos))
+        if block.get("state") != "inactive":
+            if out and out[-1][0] + out[-1][1] == start:
+                out[-1] = (out[-1][0], out[-1][1] + size)
+            else:
+                out.append((start, size))
+        pos = start + size
+    return out
 
 
 class TorchPools:
@@ -67,32 +60,35 @@ class TorchPools:
         self._allocators: dict[str, Any] = {}
         self._pools: dict[str, Any] = {}
         self._local = threading.local()
-        self._lock = threading.Lock()
-        atexit.register(self.close)  # pools must go while the interpreter can still run the free callback
+        self._devices: set[int] = set()
+        self._lock = threading.RLock()
+        atexit.register(self.close)  # pools go while the library's context is alive (torch frees into it)
 
     def torch_allocator(self, tag: str) -> Any:
-        """The ``_cuda_CUDAAllocator`` whose callbacks allocate under ``tag`` (made once per tag)."""
+        """The ``_cuda_CUDAAllocator`` whose malloc/free allocate under ``tag`` (made once per tag)."""
         import torch
 
         with self._lock:
             found = self._allocators.get(tag)
             if found is None:
-                alloc_cb, free_cb = _make_callbacks(self.allocator, tag)
-                alloc_ptr = int(ctypes.cast(alloc_cb, ctypes.c_void_p).value or 0)
-                free_ptr = int(ctypes.cast(free_cb, ctypes.c_void_p).value or 0)
-                found = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
-                _KEEP_ALIVE.extend((alloc_cb, free_cb, found))
+                self.allocator.tag_state(tag)
+                malloc_ptr, free_ptr = self.allocator.table.slot(tag)
+                found = torch._C._cuda_customAllocator(malloc_ptr, free_ptr)
+                _KEEP_ALIVE.append(found)
                 self._allocators[tag] = found
             return found
 
     def pool(self, tag: str) -> Any:
-        """The MemPool of ``tag`` (created on first use, kept for the process)."""
+        """The MemPool of ``tag`` (created on first use, from any thread, and kept for the process)."""
         import torch
 
         found = self._pools.get(tag)
         if found is None:
-            found = torch.cuda.MemPool(self.torch_allocator(tag))
-            self._pools[tag] = found
+            with self._lock:  # safe to hold across torch: the native malloc/free never take it
+                found = self._pools.get(tag)
+                if found is None:
+                    found = torch.cuda.MemPool(self.torch_allocator(tag))
+                    self._pools[tag] = found
         return found
 
     @contextmanager
@@ -101,6 +97,10 @@ class TorchPools:
         import torch
 
         stack: list[list[Any]] = self._local.__dict__.setdefault("stack", [])
+        device = torch.cuda.current_device()
+        if device not in self._devices:  # the copy/pinning side: this device's context and copy stream, made now
+            self.allocator.driver.prepare_device(device)
+            self._devices.add(device)
         pool = self.pool(tag)
         if stack:  # torch serves the first matching pool: step out of the outer one while inside
             stack[-1][1].__exit__(None, None, None)
@@ -118,6 +118,13 @@ class TorchPools:
                 outer.__enter__()
                 stack[-1][1] = outer
 
+    def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+        """Segment address -> its blocks in use, from torch's snapshot of ``tag``'s pool (None: torch has no pool of it)."""
+        pool = self._pools.get(tag)
+        if pool is None:
+            return None
+        return {int(seg["address"]): live_blocks(seg) for seg in segments(pool)}
+
     def new_graph_pool(self) -> GraphPool:
         """A fresh MemPool for the graph pool (tag cudagraph) wrapped as a :class:`GraphPool`."""
         import torch
@@ -126,7 +133,7 @@ class TorchPools:
         return GraphPool(mempool.id, mempool)
 
     def drop(self, pool: GraphPool) -> None:
-        """Let torch free the pool's segments (through the free callback) by dropping the last reference."""
+        """Let torch free the pool's segments (through the native free) by dropping the last reference."""
         import torch
 
         mempool = pool.mempool

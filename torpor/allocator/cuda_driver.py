@@ -178,6 +178,11 @@ class CudaDriver(Driver):
         if current is None or int(current) == 0:
             self._check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
 
+    def prepare_device(self, device: int) -> None:
+        """The device's context and copy stream, made now: a stream holds a little device memory, and one made
+        during a sleep would stay on the device while it is asleep (the native library maps memory, not this class)."""
+        self._stream(device)
+
     def _host_device(self) -> int:
         """The device whose context pinned-memory calls use when a thread has none: the first one worked on (else 0).
 

@@ -190,6 +190,10 @@ class Driver(ABC):
         """Make a context for ``device`` current in this thread when none is (no-op off CUDA)."""
         return None
 
+    def prepare_device(self, device: int) -> None:
+        """Make what sleeps on ``device`` will use (context, copy stream) now, while awake (no-op off CUDA)."""
+        return None
+
     def prepare_thread(self) -> None:
         """Set up a helper thread (pinning): a context, and no interference with graph captures elsewhere."""
         return None

@@ -1,100 +1,22 @@
-"""Mappings and copy planning: which device ranges are mapped by which handle, and which copies move a backup.
+"""Copy planning over the native table's live allocations: backup extents, batches, wake spans, merged copies.
 
-A :class:`MappedRange` is one ``cuMemMap`` of one physical handle (CUDA maps a
-handle only whole). At allocation each allocation gets its own; a wake maps
-adjacent allocations of a tag together, one handle per span of up to a batch,
-so that thousands of small segments cost a few driver calls. An allocation
-freed while others share its mapping keeps its range mapped until the mapping
-goes (at the last user's free or at the next sleep).
+The native library says which allocations are live (address, size, device);
+these planners decide which host extents back each one, which adjacent
+allocations a sleep copies and unmaps together (batches), which a wake maps
+with one handle (spans), and the copies that move the bytes, merged where both
+sides are contiguous and inside one pinned chunk (the driver rejects a copy
+over two pinned allocations).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from torpor.allocator.offload import Extent
 
-
-class Allocation(Protocol):
-    """What the planners read of an allocation."""
-
-    address: int
-    size: int
-    device: int
-    maps: list[MappedRange]
-    backup: list[Extent] | None
-
-
-@dataclass(eq=False)
-class MappedRange:
-    """One mapped range and its handle (None once unmapped); ``users``: live allocations in it."""
-
-    start: int
-    size: int
-    handle: object | None
-    device: int
-    users: int = 1
-    freed: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def end(self) -> int:
-        """First address after the mapping."""
-        return self.start + self.size
-
-
-Piece = tuple[Allocation, int, int]  # an allocation, and the start and size of a range of it
-
-
-def parts(allocs: Iterable[Allocation]) -> list[tuple[MappedRange, list[Piece]]]:
-    """Each distinct mapping of ``allocs`` (by address) with the pieces of the allocations inside it."""
-    found: dict[int, tuple[MappedRange, list[Piece]]] = {}
-    for a in allocs:
-        for m in a.maps:
-            lo, hi = max(a.address, m.start), min(a.address + a.size, m.end)
-            found.setdefault(id(m), (m, []))[1].append((a, lo, hi - lo))
-    return sorted(found.values(), key=lambda e: e[0].start)
-
-
-def batches(entries: list[tuple[MappedRange, list[Piece]]], nbytes: int) -> list[list[tuple[MappedRange, list[Piece]]]]:
-    """Cut mappings (by address) into batches of at least ``nbytes``, one device each."""
-    out: list[list[tuple[MappedRange, list[Piece]]]] = []
-    current: list[tuple[MappedRange, list[Piece]]] = []
-    size = 0
-    for entry in entries:
-        if current and current[0][0].device != entry[0].device:
-            out.append(current)
-            current, size = [], 0
-        current.append(entry)
-        size += entry[0].size
-        if size >= nbytes:
-            out.append(current)
-            current, size = [], 0
-    if current:
-        out.append(current)
-    return out
-
-
-def spans(pieces: list[Piece], nbytes: int) -> list[list[Piece]]:
-    """Group adjacent pieces (same device) into spans of at most ``nbytes`` (a larger piece stands alone)."""
-    out: list[list[Piece]] = []
-    current: list[Piece] = []
-    size = 0
-    for piece in pieces:
-        a, start, n = piece
-        if current:
-            last_a, last_start, last_n = current[-1]
-            adjacent = last_a.device == a.device and last_start + last_n == start
-            if not adjacent or size + n > nbytes:
-                out.append(current)
-                current, size = [], 0
-        current.append(piece)
-        size += n
-    if current:
-        out.append(current)
-    return out
+Live = tuple[int, int, int]  # address, size, device
+Piece = tuple[int, int, int, int]  # key (an allocation's or a backed-up piece's address), start, size, device
+Backups = dict[int, list[Extent]]  # backed-up piece's start -> its host extents, in order
 
 
 def take_front(extents: deque[Extent], nbytes: int) -> list[Extent]:
@@ -124,20 +46,96 @@ def host_range(extents: list[Extent], offset: int, nbytes: int) -> list[tuple[in
     return out
 
 
-def copies(pieces: list[Piece]) -> list[tuple[int, int, int, int]]:
-    """(device, device address, host address, bytes) copies moving the pieces' backups.
+def assign(parts: list[Piece], extents: list[Extent]) -> Backups:
+    """Cut ``extents`` (as many bytes as the pieces) into each piece's backup, keyed by the piece's start."""
+    rest = deque(extents)
+    return {start: take_front(rest, n) for _, start, n, _ in parts}
 
-    Merged where both sides are contiguous and the host side stays inside one
-    pinned chunk: a copy may span device mappings, never two pinned allocations.
-    """
+
+def live_pieces(allocs: list[Live], blocks: dict[int, list[tuple[int, int]]] | None) -> list[Piece]:
+    """What a backup copies of ``allocs``: the blocks in use per allocation when known, else each whole allocation."""
+    out: list[Piece] = []
+    for a, n, d in allocs:
+        used = blocks.get(a) if blocks is not None else None
+        if used is None:
+            out.append((a, a, n, d))
+            continue
+        for start, size in used:
+            lo, hi = max(start, a), min(start + size, a + n)
+            if lo < hi:
+                out.append((a, lo, hi - lo, d))
+    return out
+
+
+def clip(parts: list[Piece], lo: int, hi: int) -> list[Piece]:
+    """The backed-up pieces' parts inside ``[lo, hi)``, keyed by the piece's start (what :func:`copies` reads)."""
+    out: list[Piece] = []
+    for _, start, n, d in parts:
+        s, e = max(start, lo), min(start + n, hi)
+        if s < e:
+            out.append((start, s, e - s, d))
+    return out
+
+
+def batches(parts: list[Piece], nbytes: int) -> list[list[Piece]]:
+    """Consecutive pieces (by address) in batches of at least ``nbytes``, one device each."""
+    out: list[list[Piece]] = []
+    current: list[Piece] = []
+    size = 0
+    for p in parts:
+        if current and current[0][3] != p[3]:
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p[2]
+        if size >= nbytes:
+            out.append(current)
+            current, size = [], 0
+    if current:
+        out.append(current)
+    return out
+
+
+def pieces(allocs: list[Live], piece_bytes: int) -> list[Piece]:
+    """Each allocation cut into pieces of at most ``piece_bytes`` (a multiple of the granularity)."""
+    step = max(piece_bytes, 1)
+    return [(a, a + off, min(step, n - off), d) for a, n, d in allocs for off in range(0, n, step)]
+
+
+def spans(parts: list[Piece], nbytes: int) -> list[list[Piece]]:
+    """Adjacent pieces (same device) grouped into spans of at most ``nbytes`` (a larger piece stands alone)."""
+    out: list[list[Piece]] = []
+    current: list[Piece] = []
+    size = 0
+    for piece in parts:
+        if current:
+            last = current[-1]
+            adjacent = last[3] == piece[3] and last[1] + last[2] == piece[1]
+            if not adjacent or size + piece[2] > nbytes:
+                out.append(current)
+                current, size = [], 0
+        current.append(piece)
+        size += piece[2]
+    if current:
+        out.append(current)
+    return out
+
+
+def copies(parts: list[Piece], backups: Backups) -> list[tuple[int, int, int, int]]:
+    """(device, device address, host address, bytes) copies moving the pieces' backups, merged where contiguous."""
     out: list[tuple[int, int, int, int, int]] = []
-    for alloc, start, n in pieces:
-        for host, m, at, chunk in host_range(alloc.backup or [], start - alloc.address, n):
+    for alloc, start, n, device in parts:
+        for host, m, at, chunk in host_range(backups.get(alloc, []), start - alloc, n):
             address = start + at
             if out:
                 d, a, h, k, c = out[-1]
-                if d == alloc.device and a + k == address and h + k == host and c == chunk:
+                if d == device and a + k == address and h + k == host and c == chunk:
                     out[-1] = (d, a, h, k + m, c)
                     continue
-            out.append((alloc.device, address, host, m, chunk))
+            out.append((device, address, host, m, chunk))
     return [(d, a, h, k) for d, a, h, k, _ in out]
+
+
+def whole(allocs: list[Live]) -> list[Piece]:
+    """Each allocation as one piece."""
+    return [(a, a, n, d) for a, n, d in allocs]

@@ -1,69 +1,63 @@
 """SimDriver: a simulated device on host memory, with a capacity and failures injectable at any call.
 
-Device memory is real bytes (one ``bytearray`` per physical handle), so tests
-can check that sleep and wake keep every byte. The rules follow the CUDA VMM
-API where the allocator depends on them: a mapping needs a reservation and a
-live handle, an unmap takes the whole mapped range, releasing a mapped handle
-frees its memory only at the unmap. Failures: :meth:`SimDriver.fail` arms the
-n-th next invocation of any call in :attr:`SimDriver.CALLS`;
-:attr:`SimDriver.calls` records every invocation.
+The device itself is the native library's simulated driver (csrc/driver_sim.c),
+so the allocation table's C code runs against it on machines without a GPU:
+device memory is real memory at real addresses (a reservation is a PROT_NONE
+mapping, a physical handle a memfd, a map an mmap of it), so tests can check
+that sleep and wake keep every byte. The rules follow the CUDA VMM API where
+the allocator depends on them: a mapping needs a reservation and a live
+handle, an unmap takes the whole mapped range, releasing a mapped handle frees
+its memory only at the unmap. Pinned host memory is plain host memory here;
+copies are memmoves after checking both ranges. Failures: :meth:`SimDriver.fail`
+arms the n-th next invocation of any call in :attr:`SimDriver.CALLS` (the
+library's calls and this class's alike); :attr:`SimDriver.calls` records every
+invocation, in order.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import functools
 import itertools
+import mmap
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from torpor.allocator import native
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import DriverError, DriverOutOfMemory
 
 MiB = 1 << 20
-_VA_BASE = 0x7F00_0000_0000
-_HOST_BASE = 0x10_0000_0000
+_PAGE = mmap.PAGESIZE
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_FRESH = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x100000  # MAP_FIXED_NOREPLACE: never over a live mapping
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_HOST_BASE = 0x2000_0000_0000  # simulated pinned host memory lives here, at ever higher addresses
+_HOST_END = 0x3000_0000_0000
 
 
-@dataclass
-class _Handle:
-    id: int
-    device: int
-    data: bytearray
-    mapped: int = 0
-    released: bool = False
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
-@dataclass
-class _Mapping:
-    start: int
-    size: int
-    handle: _Handle
-    offset: int = 0
-    accessible: bool = False
-
-
-@dataclass
-class _Fault:
-    skip: int
-    times: int
-    oom: bool
-    reason: str = "injected failure"
+_NATIVE_CALLS = 8  # granularity .. release run in the library; the host and copy calls here
 
 
 @dataclass
 class SimCall:
-    """One recorded driver invocation: its name, arguments, and whether it was failed on purpose."""
+    """One recorded driver invocation: its name, and whether it was failed on purpose."""
 
     call: str
-    args: tuple[Any, ...]
+    args: tuple[Any, ...] = ()
     failed: bool = False
-
-
-@dataclass
-class _Device:
-    used: int = 0
-    reservations: dict[int, int] = field(default_factory=dict)
 
 
 class SimDriver(Driver):
@@ -84,22 +78,28 @@ class SimDriver(Driver):
         devices: int = 1,
         overhead: int = 0,
     ) -> None:
+        self.lib = native.lib()
+        self.native_sim = self.lib.tp_sim_new(devices, capacity, granularity)
+        if not self.native_sim:
+            msg = (
+                f"cannot simulate {devices} device(s) with a granularity of {granularity} (a multiple of the page size)"
+            )
+            raise ValueError(msg)
         self.capacity = capacity
-        self.overhead = overhead  # device bytes in use outside any handle: a simulated CUDA context, libraries
         self.host_capacity = host_capacity if host_capacity is not None else 4 * capacity
         self._granularity_bytes = granularity
-        self._devices = [_Device() for _ in range(devices)]
+        self._ndev = devices
+        self.overhead = overhead  # device bytes in use outside any handle: a simulated CUDA context, libraries
         self._lock = threading.RLock()
-        self._ids = itertools.count(1)
-        self._va_next = [_VA_BASE + (d << 40) for d in range(devices)]
-        self._mappings: dict[int, _Mapping] = {}
-        self._starts: list[int] = []
-        self._host: dict[int, bytearray] = {}
+        self._buffers: dict[
+            int, int
+        ] = {}  # start -> bytes of host memory mapped there (a reservation or a fresh buffer)
         self._host_next = _HOST_BASE
         self._host_reserved: dict[int, list[int]] = {}  # start -> [size, bytes not yet given back]
+        self._pinned: dict[int, int] = {}  # start -> bytes pinned there
+        self._host_starts: list[int] = []  # starts of pinned ranges, sorted
+        self._events = itertools.count(1)
         self.host_used = 0
-        self._faults: dict[str, list[_Fault]] = {}
-        self.calls: list[SimCall] = []
 
     # -- fault injection and inspection ---------------------------------------------
 
@@ -111,13 +111,22 @@ class SimDriver(Driver):
         if nth < 1 or times < 1:
             msg = f"nth and times must be >= 1, got nth={nth}, times={times}"
             raise ValueError(msg)
-        with self._lock:
-            self._faults.setdefault(call, []).append(_Fault(nth - 1, times, oom, reason or "injected failure"))
+        why = (reason or "injected failure").encode()[:127]
+        if self.lib.tp_sim_fail(self.native_sim, self.CALLS.index(call), nth, times, int(oom), why) != 0:
+            msg = f"too many armed failures of {call!r} (16 at most)"
+            raise ValueError(msg)
 
     def clear_faults(self) -> None:
         """Disarm every pending injected failure."""
-        with self._lock:
-            self._faults.clear()
+        self.lib.tp_sim_clear_faults(self.native_sim)
+
+    @property
+    def calls(self) -> list[SimCall]:
+        """Every invocation so far, in order (arguments are not kept)."""
+        n = int(self.lib.tp_sim_log(self.native_sim, 0, None, 0))
+        buf = ctypes.create_string_buffer(max(n, 1))
+        self.lib.tp_sim_log(self.native_sim, 0, buf, n)
+        return [SimCall(self.CALLS[b & 0x7F], (), bool(b & 0x80)) for b in buf.raw[:n]]
 
     def count(self, call: str) -> int:
         """How many times ``call`` was invoked so far."""
@@ -126,11 +135,11 @@ class SimDriver(Driver):
     @property
     def used(self) -> int:
         """Physical bytes held on device 0."""
-        return self._devices[0].used
+        return self.used_on(0)
 
     def used_on(self, device: int) -> int:
         """Physical bytes held on ``device``."""
-        return self._devices[device].used
+        return int(self.lib.tp_sim_used(self.native_sim, device))
 
     @property
     def host_reserved(self) -> int:
@@ -140,130 +149,91 @@ class SimDriver(Driver):
 
     def mapped_ranges(self) -> list[tuple[int, int]]:
         """(start, size) of every current mapping, by address."""
-        with self._lock:
-            return [(s, self._mappings[s].size) for s in self._starts]
+        cap = 4096
+        while True:
+            starts, sizes = native.u64s(cap), native.u64s(cap)
+            n = int(self.lib.tp_sim_mappings(self.native_sim, starts, sizes, cap))
+            if n <= cap:
+                return [(int(starts[i]), int(sizes[i])) for i in range(n)]
+            cap = n
 
     def invoke(self, call: str, *args: Any) -> Any:
-        """Record the call, fail it if armed, else run it."""
-        with self._lock:
-            record = SimCall(call, args)
-            self.calls.append(record)
-            faults = self._faults.get(call, [])
-            for fault in list(faults):
-                if fault.skip > 0:
-                    fault.skip -= 1
-                    continue
-                fault.times -= 1
-                if fault.times <= 0:
-                    faults.remove(fault)
-                record.failed = True
-                if fault.oom:
-                    raise DriverOutOfMemory(call, f"{fault.reason} (out of memory)", 2)
-                raise DriverError(call, fault.reason, 999)
-            return super().invoke(call, *args)
+        """Run the call; the library's calls record and fail themselves, this class's are recorded and failed here."""
+        index = self.CALLS.index(call)
+        if index >= _NATIVE_CALLS:
+            why = ctypes.create_string_buffer(128)
+            hit = int(self.lib.tp_sim_hit(self.native_sim, index, why, 128))
+            if hit == 2:
+                raise DriverOutOfMemory(call, f"{why.value.decode(errors='replace')} (out of memory)", 2)
+            if hit:
+                raise DriverError(call, why.value.decode(errors="replace"), 999)
+        return super().invoke(call, *args)
 
-    # -- device memory ---------------------------------------------------------------
+    # -- device memory (in the library) -----------------------------------------------------
+
+    def _native(self, name: str, *args: Any) -> int:
+        err = native.TpErr()
+        out = ctypes.c_uint64()
+        rc = getattr(self.lib, name)(
+            self.native_sim, *args, *([ctypes.byref(out)] if name in _OUT else []), ctypes.byref(err)
+        )
+        if rc != 0:
+            call = err.call.decode() or name.removeprefix("tp_sim_")
+            cls = DriverOutOfMemory if err.oom else DriverError
+            raise cls(call, err.msg.decode(errors="replace"), err.code)
+        return int(out.value)
 
     def _granularity(self, device: int) -> int:
-        self._device(device)
-        return self._granularity_bytes
-
-    def _device(self, device: int) -> _Device:
-        if not 0 <= device < len(self._devices):
-            msg = f"no simulated device {device} (have {len(self._devices)})"
-            raise DriverError("device", msg, 101)
-        return self._devices[device]
+        return self._native("tp_sim_granularity", device)
 
     def _reserve(self, nbytes: int, device: int) -> int:
-        dev = self._device(device)
-        self._check_aligned(nbytes, "reserve")
-        start = self._va_next[device]
-        self._va_next[device] += nbytes + self._granularity_bytes  # a guard gap between reservations
-        dev.reservations[start] = nbytes
-        return start
+        return self._native("tp_sim_reserve", device, nbytes)
 
     def _unreserve(self, address: int, nbytes: int) -> None:
-        for dev in self._devices:
-            if dev.reservations.get(address) == nbytes:
-                if any(address <= s < address + nbytes for s in self._starts):
-                    msg = f"reservation at {address:#x} still has mappings"
-                    raise DriverError("unreserve", msg, 1)
-                del dev.reservations[address]
-                return
-        msg = f"no reservation of {nbytes} bytes at {address:#x}"
-        raise DriverError("unreserve", msg, 1)
+        self._native("tp_sim_unreserve", address, nbytes)
 
     def _create(self, nbytes: int, device: int) -> object:
-        dev = self._device(device)
-        self._check_aligned(nbytes, "create")
-        if dev.used + nbytes > self.capacity:
-            msg = f"cannot create {nbytes} bytes: {dev.used} of {self.capacity} in use on device {device}"
-            raise DriverOutOfMemory("create", msg, 2)
-        dev.used += nbytes
-        return _Handle(next(self._ids), device, bytearray(nbytes))
+        return self._native("tp_sim_create", device, nbytes)
 
     def _map(self, address: int, nbytes: int, handle: object) -> None:
-        h = self._handle(handle, "map")
-        if h.released:
-            raise DriverError("map", "handle already released", 1)
-        if nbytes != len(h.data):  # cuMemMap's offset must be zero: a handle maps whole
-            msg = f"map of {nbytes} bytes with a handle of {len(h.data)}"
-            raise DriverError("map", msg, 801)
-        dev = self._devices[h.device]
-        if not any(s <= address and address + nbytes <= s + n for s, n in dev.reservations.items()):
-            msg = f"{address:#x}+{nbytes} is outside every reservation on device {h.device}"
-            raise DriverError("map", msg, 1)
-        i = bisect.bisect_left(self._starts, address)
-        prev_overlaps = i > 0 and self._starts[i - 1] + self._mappings[self._starts[i - 1]].size > address
-        next_overlaps = i < len(self._starts) and self._starts[i] < address + nbytes
-        if prev_overlaps or next_overlaps:
-            msg = f"{address:#x}+{nbytes} overlaps a mapping"
-            raise DriverError("map", msg, 1)
-        self._starts.insert(i, address)
-        self._mappings[address] = _Mapping(address, nbytes, h)
-        h.mapped += 1
+        self._native("tp_sim_map", address, nbytes, int(handle))  # type: ignore[call-overload]
 
     def _set_access(self, address: int, nbytes: int, device: int) -> None:
-        end = address + nbytes
-        covered = address
-        for m in self._overlapping(address, nbytes):
-            if m.start > covered:
-                break
-            m.accessible = True
-            covered = m.start + m.size
-        if covered < end:
-            msg = f"set_access on {address:#x}+{nbytes}: not all of it is mapped"
-            raise DriverError("set_access", msg, 1)
+        self._native("tp_sim_set_access", address, nbytes, device)
 
     def _unmap(self, address: int, nbytes: int) -> None:
-        m = self._mappings.get(address)
-        if m is None or m.size != nbytes:
-            msg = f"no mapping of {nbytes} bytes at {address:#x}"
-            raise DriverError("unmap", msg, 1)
-        del self._mappings[address]
-        self._starts.remove(address)
-        m.handle.mapped -= 1
-        self._maybe_free(m.handle)
+        self._native("tp_sim_unmap", address, nbytes)
 
     def _release(self, handle: object) -> None:
-        h = self._handle(handle, "release")
-        if h.released:
-            raise DriverError("release", "handle released twice", 1)
-        h.released = True
-        self._maybe_free(h)
-
-    def _maybe_free(self, h: _Handle) -> None:
-        if h.released and h.mapped == 0 and h.data:
-            self._devices[h.device].used -= len(h.data)
-            h.data = bytearray()
+        self._native("tp_sim_release", int(handle))  # type: ignore[call-overload]
 
     # -- host memory and copies ------------------------------------------------------------
 
+    def _new_buffer(self, nbytes: int) -> int:
+        """Host memory at a fresh address: addresses are never reused (a real unmap/map may, but tests must be stable)."""
+        while True:
+            address = self._host_next
+            self._host_next += (nbytes + 2 * MiB + _PAGE - 1) // _PAGE * _PAGE  # a gap: a copy past the end fails
+            got = _libc().mmap(address, nbytes, _PROT_RW, _MAP_FRESH, -1, 0)
+            if got == address:
+                self._buffers[address] = nbytes
+                return address
+            if got not in (None, _MAP_FAILED):  # an old kernel took the address as a hint only
+                _libc().munmap(got, nbytes)
+            if self._host_next > _HOST_END:
+                msg = f"the simulated host address space is used up ({nbytes} bytes wanted)"
+                raise DriverOutOfMemory("host_alloc", msg, 2)
+
+    def _drop_buffer(self, address: int) -> None:
+        nbytes = self._buffers.pop(address, None)
+        if nbytes is not None:
+            _libc().munmap(address, nbytes)
+
     def _host_reserve(self, nbytes: int) -> int:
-        address = self._host_next
-        self._host_next += nbytes + 2 * MiB  # a gap: a copy past a range's end fails
-        self._host_reserved[address] = [nbytes, nbytes]
-        return address
+        with self._lock:
+            address = self._new_buffer(nbytes)
+            self._host_reserved[address] = [nbytes, nbytes]
+            return address
 
     def _reservation(self, host: int, nbytes: int) -> int | None:
         for start, (n, _) in self._host_reserved.items():
@@ -272,56 +242,82 @@ class SimDriver(Driver):
         return None
 
     def _host_alloc(self, nbytes: int, host: int | None) -> int:
-        if host is not None:
-            if self._reservation(host, nbytes) is None:
-                msg = f"host range {host:#x}+{nbytes} is not inside a reservation"
-                raise DriverError("host_alloc", msg, 1)
-            if any(s < host + nbytes and host < s + len(b) for s, b in self._host.items()):
-                msg = f"host range {host:#x}+{nbytes} is pinned already"
-                raise DriverError("host_alloc", msg, 1)
-        if self.host_used + nbytes > self.host_capacity:
-            msg = f"cannot pin {nbytes} host bytes: {self.host_used} of {self.host_capacity} pinned"
-            raise DriverOutOfMemory("host_alloc", msg, 2)
-        if host is None:
-            host = self._host_next
-            self._host_next += nbytes + 2 * MiB
-        self._host[host] = bytearray(nbytes)
-        self.host_used += nbytes
-        return host
+        with self._lock:
+            if host is not None:
+                if self._reservation(host, nbytes) is None:
+                    msg = f"host range {host:#x}+{nbytes} is not inside a reservation"
+                    raise DriverError("host_alloc", msg, 1)
+                if any(s < host + nbytes and host < s + n for s, n in self._pinned.items()):
+                    msg = f"host range {host:#x}+{nbytes} is pinned already"
+                    raise DriverError("host_alloc", msg, 1)
+            if self.host_used + nbytes > self.host_capacity:
+                msg = f"cannot pin {nbytes} host bytes: {self.host_used} of {self.host_capacity} pinned"
+                raise DriverOutOfMemory("host_alloc", msg, 2)
+            if host is None:
+                host = self._new_buffer(nbytes)
+            self._pinned[host] = nbytes
+            bisect.insort(self._host_starts, host)
+            self.host_used += nbytes
+            return host
 
     def _host_free(self, host: int) -> None:
-        buf = self._host.pop(host, None)
-        if buf is None:
-            msg = f"no pinned host buffer at {host:#x}"
-            raise DriverError("host_free", msg, 1)
-        self.host_used -= len(buf)
-        self._host_unreserve(host, len(buf))
+        with self._lock:
+            nbytes = self._pinned.pop(host, None)
+            if nbytes is None:
+                msg = f"no pinned host buffer at {host:#x}"
+                raise DriverError("host_free", msg, 1)
+            self._host_starts.remove(host)
+            self.host_used -= nbytes
+            if self._reservation(host, nbytes) is None:
+                self._drop_buffer(host)  # a fresh buffer: its memory goes
+            else:
+                self._host_unreserve(host, nbytes)
 
     def _host_unreserve(self, host: int, nbytes: int) -> None:
-        start = self._reservation(host, nbytes)
-        if start is None:
-            return  # a fresh pinned buffer (no reservation), or given back already
-        entry = self._host_reserved[start]
-        entry[1] -= nbytes
-        if entry[1] <= 0:
-            del self._host_reserved[start]
+        with self._lock:
+            start = self._reservation(host, nbytes)
+            if start is None:
+                return  # a fresh pinned buffer (no reservation), or given back already
+            entry = self._host_reserved[start]
+            entry[1] -= nbytes
+            if entry[1] <= 0:
+                del self._host_reserved[start]
+                self._drop_buffer(start)
 
-    def _host_view(self, host: int, nbytes: int, call: str) -> memoryview:
-        for start, buf in self._host.items():
-            if start <= host and host + nbytes <= start + len(buf):
-                return memoryview(buf)[host - start : host - start + nbytes]
+    def _check_host(self, host: int, nbytes: int, call: str) -> None:
+        with self._lock:
+            i = bisect.bisect_right(self._host_starts, host) - 1
+            if i >= 0:
+                start = self._host_starts[i]
+                if host + nbytes <= start + self._pinned[start]:
+                    return
         msg = f"host range {host:#x}+{nbytes} is not inside a pinned buffer"
         raise DriverError(call, msg, 1)
 
+    def _check_device(self, address: int, nbytes: int, call: str) -> None:
+        pos = int(self.lib.tp_sim_accessible(self.native_sim, address, nbytes))
+        if pos < address + nbytes:
+            msg = f"device range {address:#x}+{nbytes} is not mapped and accessible (stops at {pos:#x})"
+            raise DriverError(call, msg, 700)
+
     def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
-        self._host_view(host, nbytes, "copy_d2h")[:] = self._read(address, nbytes, "copy_d2h")
+        self._check_host(host, nbytes, "copy_d2h")
+        self._check_device(address, nbytes, "copy_d2h")
+        ctypes.memmove(host, address, nbytes)
 
     def _copy_h2d(self, address: int, host: int, nbytes: int, device: int) -> None:
-        self._write(address, bytes(self._host_view(host, nbytes, "copy_h2d")), "copy_h2d")
+        self._check_host(host, nbytes, "copy_h2d")
+        self._check_device(address, nbytes, "copy_h2d")
+        ctypes.memmove(address, host, nbytes)
+
+    def _device(self, device: int) -> None:
+        if not 0 <= device < self._ndev:
+            msg = f"no simulated device {device} (have {self._ndev})"
+            raise DriverError("device", msg, 101)
 
     def _record(self, device: int) -> object:
         self._device(device)
-        return next(self._ids)
+        return next(self._events)
 
     def _wait(self, event: object) -> None:
         return None
@@ -330,63 +326,20 @@ class SimDriver(Driver):
         self._device(device)
 
     def _mem_info(self, device: int) -> tuple[int, int]:
-        dev = self._device(device)
-        return self.capacity - dev.used - self.overhead, self.capacity
+        self._device(device)
+        return self.capacity - self.used_on(device) - self.overhead, self.capacity
 
     # -- direct access for tests ---------------------------------------------------------
 
     def read(self, address: int, nbytes: int) -> bytes:
         """The bytes at a mapped, accessible device range."""
-        with self._lock:
-            return self._read(address, nbytes, "read")
+        self._check_device(address, nbytes, "read")
+        return ctypes.string_at(address, nbytes)
 
     def write(self, address: int, data: bytes) -> None:
         """Write bytes at a mapped, accessible device range."""
-        with self._lock:
-            self._write(address, data, "write")
+        self._check_device(address, len(data), "write")
+        ctypes.memmove(address, data, len(data))
 
-    def _pieces(self, address: int, nbytes: int, call: str) -> list[tuple[_Mapping, int, int]]:
-        out = []
-        pos, end = address, address + nbytes
-        for m in self._overlapping(address, nbytes):
-            if m.start > pos or not m.accessible:
-                break
-            take = min(end, m.start + m.size) - pos
-            out.append((m, m.offset + pos - m.start, take))
-            pos += take
-            if pos >= end:
-                break
-        if pos < end:
-            msg = f"device range {address:#x}+{nbytes} is not mapped and accessible (stops at {pos:#x})"
-            raise DriverError(call, msg, 700)
-        return out
 
-    def _read(self, address: int, nbytes: int, call: str) -> bytes:
-        return b"".join(bytes(m.handle.data[off : off + n]) for m, off, n in self._pieces(address, nbytes, call))
-
-    def _write(self, address: int, data: bytes, call: str) -> None:
-        pos = 0
-        for m, off, n in self._pieces(address, len(data), call):
-            m.handle.data[off : off + n] = data[pos : pos + n]
-            pos += n
-
-    def _overlapping(self, address: int, nbytes: int) -> list[_Mapping]:
-        i = max(bisect.bisect_right(self._starts, address) - 1, 0)
-        out = []
-        while i < len(self._starts) and self._starts[i] < address + nbytes:
-            m = self._mappings[self._starts[i]]
-            if m.start + m.size > address:
-                out.append(m)
-            i += 1
-        return out
-
-    def _handle(self, handle: object, call: str) -> _Handle:
-        if not isinstance(handle, _Handle):
-            msg = f"{handle!r} is not a SimDriver handle"
-            raise DriverError(call, msg, 1)
-        return handle
-
-    def _check_aligned(self, nbytes: int, call: str) -> None:
-        if nbytes <= 0 or nbytes % self._granularity_bytes:
-            msg = f"{nbytes} bytes is not a positive multiple of the granularity {self._granularity_bytes}"
-            raise DriverError(call, msg, 1)
+_OUT = frozenset({"tp_sim_granularity", "tp_sim_reserve", "tp_sim_create"})

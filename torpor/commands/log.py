@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     show.add_argument(
         "--kind", action="append", choices=[k.value for k in EventKind], metavar="KIND", help="only this kind (repeat)"
     )
+    _add_json(show)
     show.set_defaults(func=run_show)
 
     follow = actions.add_parser(
@@ -60,6 +61,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--timeout", type=float, metavar="SECONDS", help="stop after this long with no new event (default: never)"
     )
     follow.add_argument("--interval", type=float, default=0.2, metavar="SECONDS", help=argparse.SUPPRESS)
+    _add_json(follow)
     follow.set_defaults(func=run_follow)
 
     rep = actions.add_parser(
@@ -76,6 +78,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _add_path(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", type=Path, metavar="PATH", help="event log file, or a directory holding one")
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print each event as one JSON object per line (NDJSON, the shape of the endpoints' /events)",
+    )
 
 
 def _usage(p: argparse.ArgumentParser) -> int:
@@ -165,13 +175,19 @@ def run_show(args: argparse.Namespace) -> int:
     kinds = set(args.kind or ())
     events = list(read_events(path))  # a corrupted line fails before anything is printed
     proj = Projection()
-    _header(path, print)
+    if not args.json:
+        _header(path, print)
     for event in events:
         proj.apply(event)
         if event.seq <= args.after or (kinds and event.kind.value not in kinds):
             continue
-        print(timeline_line(event, proj.state.value))
+        print(_line(event, proj, args.json))
     return 0
+
+
+def _line(event: Event, proj: Projection, as_json: bool) -> str:
+    """One output line: the event's JSON (``--json``), else its timeline row."""
+    return event.to_json() if as_json else timeline_line(event, proj.state.value)
 
 
 def run_follow(args: argparse.Namespace) -> int:
@@ -183,11 +199,12 @@ def run_follow(args: argparse.Namespace) -> int:
         tail = events[-args.lines :] if args.lines > 0 else []
         after = tail[0].seq - 1 if tail else (events[-1].seq if events else 0)
     proj = Projection()
-    _header(path, print)
+    if not args.json:
+        _header(path, print)
     for event in events:
         proj.apply(event)
         if event.seq > after:
-            print(timeline_line(event, proj.state.value))
+            print(_line(event, proj, args.json))
     after = max(after, events[-1].seq if events else 0)
     sys.stdout.flush()
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
@@ -196,7 +213,7 @@ def run_follow(args: argparse.Namespace) -> int:
             new = follower.read_available()
             for event in new:
                 proj.apply(event)
-                print(timeline_line(event, proj.state.value), flush=True)
+                print(_line(event, proj, args.json), flush=True)
             if new and args.timeout is not None:
                 deadline = time.monotonic() + args.timeout
             if deadline is not None and time.monotonic() >= deadline:

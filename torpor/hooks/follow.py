@@ -2,7 +2,7 @@
 
 An RL controller in another process (verl, OpenRLHF and the like) reads the
 transitions from the per-rank log the engine's ``SleepController`` writes. Each
-line is decoded and checksum-verified with the log's own ``decode_line``;
+line is decoded and checksum-verified with the log's own ``decode_lines``;
 nothing read is executed. Events come out in sequence order, exactly once, from
 ``after`` on: the follower reads rotated segments it has not seen (a rotation
 renames the active file to ``NAME.<first seq>`` and starts a new file with a
@@ -23,7 +23,7 @@ from typing import Protocol
 
 from torpor.errors import TorporError
 from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_line, read_events_file, segments
+from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_lines, read_events_file, segments
 
 logger = logging.getLogger("torpor.hooks")
 
@@ -145,9 +145,11 @@ class Follower:
         if not end:
             return True
         last: Event | None = None
-        for line in data[: end - 1].split(b"\n"):
+        lines = data[: end - 1].split(b"\n")
+        decoded = decode_lines(lines, str(self.path), self._lineno, self.max_line)
+        for line in lines:
             try:
-                event = decode_line(line, str(self.path), self._lineno + 1, self.max_line)
+                event = next(decoded)
             except TorporError:
                 if out:
                     return False

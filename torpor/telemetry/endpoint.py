@@ -2,10 +2,24 @@
 
 ``serve(source, port)`` runs a small stdlib HTTP server in a daemon thread.
 Every route is a GET that reads; other methods get 405. It binds loopback
-unless told otherwise. Requests and responses are bounded: URLs up to 4 KiB,
-at most ``max_events`` events per response, long-polls up to ``max_wait``
-seconds and at most ``max_waiters`` at once (503 beyond), a socket timeout
-against idle clients. A bad or unknown query parameter gets a 400 naming it.
+unless told otherwise (``host="::1"`` binds IPv6). Requests and responses are
+bounded: URLs up to 4 KiB, at most ``max_events`` events per response,
+long-polls up to ``max_wait`` seconds and at most ``max_waiters`` at once (503
+beyond), a socket timeout against idle clients. A bad or unknown query
+parameter gets a 400 naming it. A client that hangs up costs nothing: its
+long-poll ends (and frees its slot) at once, and nothing is printed.
+
+Serving costs the engine as little as it can: ``/events`` reads the
+endpoint's own copy of the recent events with each event's JSON encoded once
+(:class:`~torpor.telemetry.feed.EventFeed`), ``/state`` is encoded once per
+event, ``/metrics`` takes the fast renderer for every scrape that accepts the
+text format (:mod:`torpor.telemetry.negotiate`), gzip when asked.
+
+``/events`` answers NDJSON (see :mod:`torpor.telemetry.feed`), the same shape
+and parameters as the vLLM route ``/torpor/events``. When the source is a log
+that stopped at a bad line (:attr:`LogSource.error <torpor.telemetry.replay.LogSource.error>`),
+``/state`` answers 503 with the error and the last good state, and ``/events``
+503 once nothing newer can come.
 """
 
 from __future__ import annotations
@@ -13,108 +27,45 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
+import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from torpor.statemachine.events import Event
+from torpor.telemetry import negotiate
+from torpor.telemetry.feed import (
+    EVENTS_PARAMS,
+    NDJSON,
+    BadRequest,
+    EventFeed,
+    events_query,
+    int_param,
+    parse_query,
+    seconds_param,
+)
 from torpor.telemetry.tracker import Source
 
 logger = logging.getLogger("torpor.telemetry")
 
 MAX_URL = 4096
+#: Events the endpoint keeps for ``/events`` (at least; more when ``max_events`` is larger): a controller's default window.
+KEEP_EVENTS = 10_000
+_POLLRDHUP: int = getattr(select, "POLLRDHUP", 0)  # Linux: the peer closed its end; elsewhere a peek tells
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
-
-class BadRequest(ValueError):
-    """A query the endpoint refuses; the message is the 400 body's reason."""
+__all__ = ["BadRequest", "Server", "int_param", "parse_query", "seconds_param", "serve"]
 
 
-def int_param(params: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
-    """The integer query parameter ``name`` within ``low..high`` (``default`` when absent), else :class:`BadRequest`."""
-    raw = params.get(name)
-    if raw is None:
-        return default
-    if not (raw.isascii() and raw.isdigit()):  # str.isdigit alone takes "²", which int() refuses
-        msg = f"{name} must be a non-negative integer, got {raw[:40]!r}"
-        raise BadRequest(msg)
-    digits = raw.lstrip("0") or "0"
-    if len(digits) > len(str(high)):  # beyond the range; and int() refuses over 4300 digits
-        msg = f"{name} must be between {low} and {high}, got {raw[:40]}{'...' if len(raw) > 40 else ''}"
-        raise BadRequest(msg)
-    value = int(digits)
-    if not low <= value <= high:
-        msg = f"{name} must be between {low} and {high}, got {value}"
-        raise BadRequest(msg)
-    return value
-
-
-def seconds_param(params: Mapping[str, str], name: str, default: float, high: float) -> float:
-    """The seconds query parameter ``name`` within ``0..high`` (``default`` when absent), else :class:`BadRequest`."""
-    raw = params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        msg = f"{name} must be a number of seconds, got {raw[:40]!r}"
-        raise BadRequest(msg) from None
-    if not 0.0 <= value <= high:  # also refuses nan
-        msg = f"{name} must be between 0 and {high:g} seconds, got {raw[:40]!r}"
-        raise BadRequest(msg)
-    return value
-
-
-def parse_query(query: str, allowed: tuple[str, ...]) -> dict[str, str]:
-    """Query parameters as a dict; unknown, repeated or malformed ones raise :class:`BadRequest`."""
-    try:
-        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=len(allowed) + 1)
-    except ValueError as exc:
-        msg = f"malformed query string ({exc})"
-        raise BadRequest(msg) from None
-    params: dict[str, str] = {}
-    for name, value in pairs:
-        if name not in allowed:
-            known = ", ".join(allowed) or "none"
-            msg = f"unknown query parameter {name[:40]!r}; this route takes: {known}"
-            raise BadRequest(msg)
-        if name in params:
-            msg = f"query parameter {name!r} given more than once"
-            raise BadRequest(msg)
-        params[name] = value
-    return params
-
-
-class _Feed:
-    """Wakes long-polling ``/events`` requests when the source records an event."""
-
-    def __init__(self, source: Source) -> None:
-        self.source = source
-        self.changed = threading.Condition()
-        self.latest = source.projection.last_seq
-        self.closed = False
-        self._unsubscribe = source.subscribe(self._on_event)
-
-    def _on_event(self, event: Event) -> None:
-        with self.changed:
-            self.latest = max(self.latest, event.seq)
-            self.changed.notify_all()
-
-    def wait_after(self, after: int, timeout: float) -> None:
-        """Block until an event above ``after`` exists, the timeout passes, or the server closes."""
-        with self.changed:
-            self.changed.wait_for(lambda: self.closed or self.latest > after, timeout)
-
-    def close(self) -> None:
-        self._unsubscribe()
-        with self.changed:
-            self.closed = True
-            self.changed.notify_all()
+def source_error(source: object) -> Exception | None:
+    """The error a log source is stuck at (:attr:`LogSource.error`), else None."""
+    error = getattr(source, "error", None)
+    return error if isinstance(error, Exception) else None
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -123,12 +74,28 @@ class _HTTPServer(ThreadingHTTPServer):
     # set by serve():
     torpor: Server
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up or stalls is routine: a debug line, never a traceback on stderr."""
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError | TimeoutError):
+            logger.debug("client %s went away: %s", client_address, exc)
+            return
+        logger.exception("torpor endpoint: request from %s failed", client_address)
+
+
+class _HTTPServer6(_HTTPServer):
+    address_family = socket.AF_INET6
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     timeout = 10.0  # seconds a client may sit idle on its socket
     protocol_version = "HTTP/1.1"
     server_version = "torpor"
+    # Headers and body go out in two writes: with Nagle on, a small body waits for the client's delayed ACK (40 ms).
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -144,8 +111,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _error(self, status: int, reason: str, headers: dict[str, str] | None = None) -> None:
-        body = (json.dumps({"error": reason, "status": status}) + "\n").encode()
+    def _error(self, status: int, reason: str, headers: dict[str, str] | None = None, **extra: Any) -> None:
+        body = (json.dumps({"error": reason, "status": status, **extra}, sort_keys=True) + "\n").encode()
         self._send(status, body, "application/json", headers)
 
     def do_GET(self) -> None:
@@ -169,6 +136,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._error(405, f"{self.command} refused: this endpoint is read-only", {"Allow": "GET, HEAD"})
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _read_only
+
+    def hung_up(self) -> bool:
+        """True when the client closed its end (a readable socket with nothing to read)."""
+        try:
+            peeked: bytes = self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return peeked == b""
 
 
 class Server:
@@ -197,11 +174,18 @@ class Server:
         #: ``/events`` long-polls waiting right now.
         self.waiting = 0
         self._on_close = on_close
-        self.feed = _Feed(source) if source is not None else None
+        self.feed = EventFeed(source, keep=max(max_events, KEEP_EVENTS)) if source is not None else None
+        self._state_cache: tuple[int, bytes] = (-1, b"")
         self.routes: dict[str, Callable[[_Handler, str], None]] = {"/metrics": self._metrics}
         if source is not None:
             self.routes.update({"/state": self._state, "/events": self._events})
-        self._httpd = _HTTPServer((host, port), _Handler)
+        server_class = _HTTPServer6 if ":" in host else _HTTPServer
+        try:
+            self._httpd = server_class((host, port), _Handler)
+        except BaseException:
+            if self.feed is not None:
+                self.feed.close()
+            raise
         self._httpd.torpor = self
         self.host = host
         self.port = int(self._httpd.server_address[1])
@@ -216,49 +200,113 @@ class Server:
 
     def _metrics(self, handler: _Handler, query: str) -> None:
         parse_query(query, ())
-        encoder, content_type = choose_encoder(handler.headers.get("Accept", ""))
-        if self._render is not None and content_type.startswith("text/plain"):
-            body = self._render()  # torpor's own registry: the collector renders the text format directly
+        accept = handler.headers.get("Accept", "")
+        if negotiate.wants_text(accept):
+            content_type = negotiate.TEXT
+            body = self._render() if self._render is not None else generate_latest(self.registry)
         else:
+            try:
+                encoder, content_type = choose_encoder(accept)
+            except (TypeError, ValueError):  # prometheus_client trips on some versions (version=abc)
+                encoder, content_type = choose_encoder("application/openmetrics-text")
             body = encoder(self.registry)
-        handler._send(200, body, content_type)
+        headers = {"Vary": "Accept, Accept-Encoding"}
+        if negotiate.wants_gzip(handler.headers.get("Accept-Encoding", "")):
+            body = negotiate.compress(body)
+            headers["Content-Encoding"] = "gzip"
+        handler._send(200, body, content_type, headers)
 
     def _state(self, handler: _Handler, query: str) -> None:
         parse_query(query, ())
         if self.source is None:
             handler._error(404, "no source: this endpoint serves /metrics only")
             return
-        body = json.dumps(self.source.projection.to_dict(), sort_keys=True).encode() + b"\n"
+        projection = self.source.projection
+        seq, body = self._state_cache
+        if seq != projection.last_seq or not body:
+            body = json.dumps(projection.to_dict(), sort_keys=True).encode() + b"\n"
+            self._state_cache = (projection.last_seq, body)
+        error = source_error(self.source)
+        if error is not None:
+            reason = f"stuck: the log cannot be read past event #{projection.last_seq}: {error}"
+            handler._error(503, reason, {"X-Torpor-Stuck": "1"}, stuck=True, state=json.loads(body))
+            return
         handler._send(200, body, "application/json")
 
+    def _check_identity(self, engine: str | None, rank: int | None) -> None:
+        source = self.source
+        if source is None:
+            return
+        own_engine = str(getattr(source, "engine", "") or source.projection.engine)
+        own_rank = int(getattr(source, "rank", source.projection.rank))
+        if engine is not None and engine != own_engine:
+            msg = f"this endpoint serves engine {own_engine!r}, not {engine[:80]!r}"
+            raise BadRequest(msg)
+        if rank is not None and rank != own_rank:
+            msg = f"this endpoint serves rank {own_rank}, not rank {rank}"
+            raise BadRequest(msg)
+
     def _events(self, handler: _Handler, query: str) -> None:
-        params = parse_query(query, ("after", "timeout", "limit"))
-        after = int_param(params, "after", 0, 0, 2**63 - 1)
-        timeout = seconds_param(params, "timeout", 0.0, self.max_wait)
-        limit = int_param(params, "limit", self.max_events, 1, self.max_events)
-        if self.source is None or self.feed is None:
+        q = events_query(parse_query(query, EVENTS_PARAMS), max_wait=self.max_wait, max_events=self.max_events)
+        self._check_identity(q.engine, q.rank)
+        feed = self.feed
+        if self.source is None or feed is None:
             handler._error(404, "no source: this endpoint serves /metrics only")
             return
-        events = self.source.events(after)
-        if not events and timeout > 0:
+        batch = feed.batch(q.after, q.limit)
+        if not batch.count and q.wait > 0 and source_error(self.source) is None:
             if not self._waiters.acquire(blocking=False):
                 handler._error(503, "too many /events requests are waiting; retry later", {"Retry-After": "1"})
                 return
             with self._count_lock:
                 self.waiting += 1
             try:
-                self.feed.wait_after(after, timeout)
+                if not self._wait(handler, feed, q.after, q.wait):
+                    handler.close_connection = True
+                    return  # the client hung up: nobody to answer
             finally:
                 with self._count_lock:
                     self.waiting -= 1
                 self._waiters.release()
-            events = self.source.events(after)
-        events = events[:limit]
-        body = "".join(e.to_json() + "\n" for e in events).encode()
-        headers = {"X-Torpor-Last-Seq": str(self.source.projection.last_seq)}
-        if events:
-            headers["X-Torpor-First-Seq"] = str(events[0].seq)
-        handler._send(200, body, "application/x-ndjson", headers)
+            batch = feed.batch(q.after, q.limit)
+        error = source_error(self.source)
+        if not batch.count and error is not None:
+            handler._error(503, f"stuck: the log cannot be read past event #{batch.latest}: {error}", stuck=True)
+            return
+        headers = {
+            "X-Torpor-Last-Seq": str(batch.latest),
+            "X-Torpor-Engine": str(getattr(self.source, "engine", "") or self.source.projection.engine),
+            "X-Torpor-Rank": str(getattr(self.source, "rank", self.source.projection.rank)),
+        }
+        if batch.first is not None:
+            headers["X-Torpor-First-Seq"] = str(batch.first)
+        handler._send(200, batch.body, NDJSON, headers)
+
+    def _wait(self, handler: _Handler, feed: EventFeed, after: int, wait: float) -> bool:
+        """Wait for an event above ``after`` (or ``wait`` seconds); False when the client hung up meanwhile."""
+        import time
+
+        deadline = time.monotonic() + wait
+        watch_client = True
+        while (waker := feed.waker(after)) is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return True
+            poller = select.poll()  # not select(): a busy server's descriptors pass FD_SETSIZE
+            poller.register(waker.fd, select.POLLIN)
+            client = handler.connection.fileno()
+            if watch_client:
+                poller.register(client, select.POLLIN | _POLLRDHUP)
+            ready = dict(poller.poll(remaining * 1000.0))
+            if client in ready and watch_client:
+                if ready[client] & (_POLLRDHUP | select.POLLHUP | select.POLLERR) or handler.hung_up():
+                    return False
+                watch_client = False  # it sent more (a pipelined request): stop watching, it is not a hang-up
+            if not ready:
+                return True
+            if source_error(self.source) is not None:
+                return True
+        return True
 
     def close(self) -> None:
         """Stop serving, wake long-polls, and detach what :func:`serve` attached."""

@@ -1,13 +1,19 @@
 """A telemetry source that follows an event log written by another process (replay, then tail).
 
-``LogSource(path)`` replays the log (all segments) into a projection, then
-polls the active file for appended lines and hands each new event to its
-subscribers, so ``serve(LogSource(path), port)`` (or ``serve(path, port)``)
-exposes ``/metrics``, ``/state`` and ``/events`` for an engine running
-elsewhere on the host, without touching it. Only complete lines are read (a
-line being written is picked up on the next poll); a rotation is noticed by
-the file changing identity, and the new segments are read from the last
-sequence number seen.
+``LogSource(path)`` reads the log (all segments) into a projection, then
+polls for appended lines and hands each new event to its subscribers, so
+``serve(LogSource(path), port)`` (or ``serve(path, port)``) exposes
+``/metrics``, ``/state`` and ``/events`` for an engine running elsewhere on the
+host, without touching it. It reads through the same tailer as ``torpor log
+follow`` and :func:`~torpor.hooks.follow.follow` (:class:`~torpor.hooks.follow.Follower`):
+only complete lines, rotation seen as rotation (renamed segments read in
+order, pruned ones skipped from a snapshot), each new byte read once.
+
+A bad line stops the source there: :attr:`LogSource.error` holds the
+``LogCorrupted`` error (file and line), it is logged once, the projection stays
+at the last good event, and the endpoint says so (``/state`` answers 503). It
+keeps polling: a line repaired in place is read on the next poll; otherwise it
+stays stuck until restarted.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from torpor.errors import TorporError
+from torpor.hooks.follow import Follower
 from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_line, read_events_file, segments
+from torpor.statemachine.log import segments
 from torpor.statemachine.projection import Projection
 
 logger = logging.getLogger("torpor.telemetry")
@@ -44,7 +52,11 @@ def resolve_log(path: str | os.PathLike[str], engine: str | None = None, rank: i
 
 
 class LogSource:
-    """Replays and follows one event log file; meets the telemetry :class:`~torpor.telemetry.Source` protocol."""
+    """Replays and follows one event log file; meets the telemetry :class:`~torpor.telemetry.Source` protocol.
+
+    A log that cannot be read at all (a bad line before the first poll) raises
+    from the constructor; a bad line met later sets :attr:`error`.
+    """
 
     def __init__(self, path: str | os.PathLike[str], *, poll: float = 0.25, keep_events: int = 10_000) -> None:
         self.path = Path(path)
@@ -53,13 +65,15 @@ class LogSource:
             raise FileNotFoundError(msg)
         self.poll = poll
         self.projection = Projection()
+        #: The error the log is stuck at (a ``LogCorrupted`` naming file and line), or None while it reads.
+        self.error: TorporError | None = None
         self._recent: deque[Event] = deque(maxlen=keep_events)
         self._subscribers: list[Callable[[Event], None]] = []
         self._lock = threading.RLock()
-        self._identity: tuple[int, int] | None = None
-        self._offset = 0
+        self._follower = Follower(self.path)
         self._stop = threading.Event()
-        self._catch_up()
+        while self._read(raise_errors=True):  # the follower hands the events before a bad line first, then raises
+            pass
         self._thread = threading.Thread(target=self._follow, name=f"torpor-log-source:{self.path.name}", daemon=True)
         self._thread.start()
 
@@ -104,55 +118,39 @@ class LogSource:
         return unsubscribe
 
     def refresh(self) -> int:
-        """Read what was appended since the last look; return how many events were new."""
-        with self._lock:
-            try:
-                stat = self.path.stat()
-            except FileNotFoundError:
-                return 0  # between a rotation's rename and the new file
-            if (stat.st_dev, stat.st_ino) != self._identity or stat.st_size < self._offset:
-                return self._catch_up()
-            if stat.st_size == self._offset:
-                return 0
-            with open(self.path, "rb") as fh:
-                fh.seek(self._offset)
-                data = fh.read(stat.st_size - self._offset)
-            end = data.rfind(b"\n") + 1
-            new = 0
-            for line in data[:end].split(b"\n")[:-1]:
-                event = decode_line(line, str(self.path), 0, DEFAULT_MAX_LINE)
-                new += self._take(event)
-            self._offset += end
-            return new
+        """Read what was appended since the last look; return how many events were new (0 while stuck)."""
+        return self._read(raise_errors=False)
 
     def close(self) -> None:
         """Stop following the file."""
         self._stop.set()
         self._thread.join(timeout=5)
-
-    def _catch_up(self) -> int:
-        """Read the rotated segments, then one snapshot of the active file, keeping events above the last seen."""
         with self._lock:
-            files = segments(self.path)
-            active = self.path if self.path.exists() else None
-            new = 0
-            for segment in files if active is None else files[:-1]:
-                for event in read_events_file(segment):
-                    new += self._take(event)
-            if active is None:
-                return new
-            with open(active, "rb") as fh:
-                stat = os.fstat(fh.fileno())
-                data = fh.read()
-            end = data.rfind(b"\n") + 1
-            for lineno, line in enumerate(data[:end].split(b"\n")[:-1], 1):
-                new += self._take(decode_line(line, str(active), lineno, DEFAULT_MAX_LINE))
-            self._identity, self._offset = (stat.st_dev, stat.st_ino), end
-            return new
+            self._follower.close()
 
-    def _take(self, event: Event) -> int:
-        if event.seq <= self.projection.last_seq:
-            return 0
+    def _read(self, *, raise_errors: bool) -> int:
+        with self._lock:
+            try:
+                events = self._follower.read_available()
+            except TorporError as exc:
+                if raise_errors:
+                    raise
+                if self.error is None or str(exc) != str(self.error):
+                    logger.error(
+                        "%s: stuck at a bad line, serving the state as of event #%d: %s", self.path, self.last_seq, exc
+                    )
+                self.error = exc
+                return 0
+            if self.error is not None and events:
+                logger.warning("%s: reading again after %s", self.path, self.error)
+                self.error = None
+            for event in events:
+                self._take(event)
+            return len(events)
+
+    def _take(self, event: Event) -> None:
+        if event.seq == 1 and event.kind is not EventKind.SNAPSHOT and self.projection.last_seq:
+            self.projection = Projection()  # the follower saw the log started anew
         self.projection.apply(event)
         self._recent.append(event)
         for callback in list(self._subscribers):
@@ -160,11 +158,10 @@ class LogSource:
                 callback(event)
             except Exception:  # a subscriber must never stop the follower
                 logger.exception("subscriber %r failed on event #%d", callback, event.seq)
-        return 1
 
     def _follow(self) -> None:
         while not self._stop.wait(self.poll):
             try:
                 self.refresh()
-            except Exception:  # a bad line: say so and keep following
+            except Exception:  # anything else (an unreadable directory): say so and keep following
                 logger.exception("following %s failed; retrying", self.path)

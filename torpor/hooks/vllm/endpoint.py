@@ -8,11 +8,21 @@ those logs and change nothing:
 
 - ``GET /torpor/state[?engine=E]``: the engine-wide state merged from every
   rank (what ``torpor status DIR --json`` prints);
-- ``GET /torpor/events?rank=N[&engine=E][&after=SEQ][&limit=L][&wait=S]``: the
-  rank's events after ``SEQ`` as JSON, oldest first; with ``wait`` it waits up
-  to ``S`` seconds (at most 30) for a new one (long poll, for RL controllers).
+- ``GET /torpor/events?[engine=E][&rank=N][&after=SEQ][&limit=L][&wait=S]``: the
+  rank's events after ``SEQ``, oldest first, in the same shape and with the
+  same parameters as the standalone endpoint's ``/events`` (NDJSON, headers
+  ``X-Torpor-Last-Seq``/``-First-Seq``/``-Engine``/``-Rank``; see
+  :mod:`torpor.telemetry.feed`); with ``wait`` it waits up to ``S`` seconds (at
+  most 30) for a new one (long poll, for RL controllers).
 
-A bad parameter gets a 400 naming it; a directory without logs a 404.
+Each rank log is read by one :class:`~torpor.telemetry.replay.LogSource` per
+API server (the tailer ``torpor log follow`` uses), started at the first
+request for it: every request answers from its recent events, and a long-poll
+waits for its next event, never re-reading the log. At most ``MAX_WAITERS``
+long-polls wait at once (503 beyond); one whose client hangs up leaves at once.
+
+A bad parameter gets a 400 naming it; a directory without logs a 404; a log
+stuck at a bad line a 503 naming file and line.
 This module imports FastAPI (vLLM's server framework); only vLLM's plugin
 loader imports it.
 """
@@ -20,22 +30,24 @@ loader imports it.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from torpor.errors import TorporError
 from torpor.hooks.fleet import FleetError, fleet, rank_logs
 from torpor.hooks.vllm.facade import default_log_dir
-from torpor.statemachine.log import read_events
-from torpor.telemetry.endpoint import BadRequest, int_param, seconds_param
+from torpor.telemetry.endpoint import source_error
+from torpor.telemetry.feed import NDJSON, BadRequest, EventFeed, events_query
+from torpor.telemetry.replay import LogSource
 
 MAX_WAIT = 30.0
 MAX_LIMIT = 10_000
-POLL = 0.2
+MAX_WAITERS = 32
 
 
 def _rank_log(directory: Path, engine: str | None, rank: int) -> Path:
@@ -57,15 +69,66 @@ def _rank_log(directory: Path, engine: str | None, rank: int) -> Path:
     return logs[engine][rank]
 
 
-def events_after(path: Path, after: int, limit: int) -> list[dict[str, Any]]:
-    """Up to ``limit`` events of the log at ``path`` with a sequence number above ``after``."""
-    out: list[dict[str, Any]] = []
-    for event in read_events(path):
-        if event.seq > after:
-            out.append(event.to_dict())
-            if len(out) >= limit:
-                break
-    return out
+class _Tails:
+    """One LogSource and its EventFeed per rank log, shared by every request of this API server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tails: dict[Path, tuple[LogSource, EventFeed]] = {}
+
+    def get(self, path: Path) -> tuple[LogSource, EventFeed]:
+        """The tail of ``path``, started (the log read once) on first use."""
+        with self._lock:
+            tail = self._tails.get(path)
+            if tail is None:
+                source = LogSource(path, poll=0.1, keep_events=MAX_LIMIT)
+                tail = self._tails[path] = (source, EventFeed(source, keep=MAX_LIMIT))
+            return tail
+
+    def close(self) -> None:
+        """Stop every tail."""
+        with self._lock:
+            tails, self._tails = list(self._tails.values()), {}
+        for source, feed in tails:
+            feed.close()
+            source.close()
+
+
+async def _wait_for_event(request: Request, feed: EventFeed, after: int, wait: float) -> bool:
+    """Wait for an event above ``after`` (up to ``wait`` seconds); False when the client hung up."""
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + wait
+    hang_up = asyncio.ensure_future(_disconnected(request))
+    try:
+        while (waker := feed.waker(after)) is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return True
+            fired: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(waker.fd, _resolve, fired)
+            try:
+                done, _ = await asyncio.wait({fired, hang_up}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                loop.remove_reader(waker.fd)
+                fired.cancel()
+            if hang_up in done:
+                return False
+            if not done:
+                return True
+        return True
+    finally:
+        hang_up.cancel()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client disconnects (ASGI ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class TorporEndpointPlugin:
@@ -76,6 +139,9 @@ class TorporEndpointPlugin:
 
     def __init__(self, log_dir: str | Path | None = None) -> None:
         self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.tails = _Tails()
+        #: ``/torpor/events`` long-polls waiting right now (at most ``MAX_WAITERS``).
+        self.waiting = 0
 
     def directory(self, request: Request) -> Path:
         """The shared log directory: this plugin's, the app state's, else ``TORPOR_LOG_DIR``'s default."""
@@ -99,39 +165,54 @@ class TorporEndpointPlugin:
                 view = await asyncio.to_thread(fleet, self.directory(request), engine=engine)
             except FleetError as exc:
                 return error(404, str(exc))
+            except (TorporError, OSError) as exc:  # a log with a bad line: say which, never a traceback
+                return error(503, str(exc))
             return JSONResponse(view.to_dict())
 
         @router.get("/torpor/events")
-        async def torpor_events(request: Request) -> JSONResponse:
-            """One rank's events after a sequence number, optionally waiting for the next one."""
-            params = request.query_params
-            unknown = sorted(set(params) - {"engine", "rank", "after", "limit", "wait"})
+        async def torpor_events(request: Request) -> Response:
+            """One rank's events after a sequence number (NDJSON), optionally waiting for the next one."""
             try:
-                if unknown:
-                    msg = f"unknown parameter(s) {', '.join(unknown)}; known: engine, rank, after, limit, wait"
-                    raise BadRequest(msg)
-                rank = int_param(params, "rank", 0, 0, 1 << 20)
-                after = int_param(params, "after", 0, 0, 1 << 62)
-                limit = int_param(params, "limit", 1000, 1, MAX_LIMIT)
-                wait = seconds_param(params, "wait", 0.0, MAX_WAIT)
-            except BadRequest as exc:
-                return error(400, str(exc))
-            directory = self.directory(request)
-            try:
-                path = _rank_log(directory, params.get("engine") or None, rank)
+                query = events_query(request.query_params, max_wait=MAX_WAIT, max_events=MAX_LIMIT)
+                path = _rank_log(self.directory(request), query.engine, query.rank or 0)
             except BadRequest as exc:
                 return error(400, str(exc))
             except FleetError as exc:
                 return error(404, str(exc))
-            deadline = time.monotonic() + wait
-            while True:
+            try:
+                source, feed = await asyncio.to_thread(self.tails.get, path)
+                await asyncio.to_thread(
+                    source.refresh
+                )  # what was appended since its last poll: as fresh as /torpor/state
+            except (TorporError, OSError, ValueError) as exc:
+                return error(503, f"cannot read {path}: {exc}")
+            batch = feed.batch(query.after, query.limit)
+            if not batch.count and query.wait > 0 and source_error(source) is None:
+                if self.waiting >= MAX_WAITERS:
+                    return JSONResponse(
+                        {"error": "too many /torpor/events requests are waiting; retry later"},
+                        status_code=503,
+                        headers={"Retry-After": "1"},
+                    )
+                self.waiting += 1
                 try:
-                    events = await asyncio.to_thread(events_after, path, after, limit)
-                except (TorporError, OSError, ValueError) as exc:
-                    return error(500, f"cannot read {path}: {exc}")
-                if events or time.monotonic() >= deadline:
-                    return JSONResponse({"path": str(path), "rank": rank, "after": after, "events": events})
-                await asyncio.sleep(POLL)
+                    if not await _wait_for_event(request, feed, query.after, query.wait):
+                        return Response(status_code=499)  # the client is gone: nobody reads this
+                finally:
+                    self.waiting -= 1
+                batch = feed.batch(query.after, query.limit)
+            stuck = source_error(source)
+            if not batch.count and stuck is not None:
+                return error(503, f"stuck: {path} cannot be read past event #{batch.latest}: {stuck}")
+            headers = {
+                "X-Torpor-Last-Seq": str(batch.latest),
+                "X-Torpor-Engine": source.engine,
+                "X-Torpor-Rank": str(source.rank),
+                "Cache-Control": "no-store",
+            }
+            if batch.first is not None:
+                headers["X-Torpor-First-Seq"] = str(batch.first)
+            return Response(batch.body, media_type=NDJSON, headers=headers)
 
         app.include_router(router)
 

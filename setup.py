@@ -1,0 +1,52 @@
+"""Build torpor's native allocator (plain C, no Python API) as torpor/allocator/libtorpor_alloc.so.
+
+The metadata is in pyproject.toml. The library is loaded with ctypes, links no
+libpython and no torch, and opens the CUDA driver with dlopen at run time, so
+one build serves every Python 3, torch and CUDA 12/13 driver on the platform.
+It needs a C compiler (gcc or clang) and nothing else: no CUDA toolkit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+SOURCES = ["driver_cuda.c", "driver_sim.c", "table.c", "sleep.c"]
+CSRC = os.path.join("torpor", "allocator", "csrc")
+
+
+class BuildNative(build_ext):
+    """build_ext for a plain shared library: a fixed file name, and a clear error when there is no compiler."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        *package, _ = fullname.split(".")
+        return os.path.join(*package, "libtorpor_alloc.so")
+
+    def build_extension(self, ext: Extension) -> None:
+        compiler = list(getattr(self.compiler, "compiler_so", None) or [os.environ.get("CC", "cc")])
+        if not shutil.which(compiler[0]):
+            msg = (
+                f"torpor builds a small C library (its native allocator) and found no C compiler ({compiler[0]!r}). "
+                "Install one and retry: Debian/Ubuntu `apt-get install gcc`, Fedora/RHEL `dnf install gcc`, "
+                "Alpine `apk add gcc musl-dev`, conda `conda install -c conda-forge c-compiler`. "
+                "No CUDA toolkit is needed."
+            )
+            raise SystemExit(msg)
+        super().build_extension(ext)
+
+    def get_export_symbols(self, ext: Extension) -> list[str]:
+        return []  # no PyInit_*: this is not a Python module
+
+
+native = Extension(
+    "torpor.allocator.libtorpor_alloc",
+    sources=[os.path.join(CSRC, s) for s in SOURCES],
+    depends=[os.path.join(CSRC, h) for h in ("tp.h", "table.h")],
+    extra_compile_args=["-std=gnu11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
+    libraries=["dl", "pthread"],
+)
+
+setup(ext_modules=[native], cmdclass={"build_ext": BuildNative})

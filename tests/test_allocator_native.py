@@ -1,0 +1,311 @@
+"""Tests of the native library itself (csrc/): its symbols, torch's malloc/free slots under threads, slabs, frozen tags, the build."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from torpor.allocator import AllocatorError, AllocatorOutOfMemory, SimDriver, TaggedAllocator, native
+
+G = 64 * 1024
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+
+
+def make(capacity: int = 256 * MiB, slab_bytes: int = 8 * G) -> tuple[SimDriver, TaggedAllocator]:
+    """A simulated device with 64 KiB granules and an allocator on it."""
+    sim = SimDriver(capacity, granularity=G)
+    return sim, TaggedAllocator(sim, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=slab_bytes)
+
+
+def slot(alloc: TaggedAllocator, tag: str) -> tuple[object, object]:
+    """The malloc/free pair torch would get for ``tag``, callable from Python (ctypes drops the GIL around them)."""
+    alloc.tag_state(tag)
+    m, f = alloc.table.slot(tag)
+    return MALLOC(m), FREE(f)
+
+
+def test_library_links_no_python_symbol() -> None:
+    """nm -D of the library shows no Python (Py*, _Py*) symbol, defined or needed: it runs without the GIL."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    out = subprocess.run([nm, "-D", str(native.library_path())], check=True, capture_output=True, text=True).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    assert "tp_slot_bind" in names and "tp_alloc_raw" in names
+    assert not [n for n in names if n.startswith(("Py", "_Py"))]
+
+
+def test_slots_allocate_and_free_in_their_tags_from_any_thread() -> None:
+    """Frees route by slot, not by thread: four threads allocate in four tags, others free them, bookkeeping stays exact."""
+    sim, alloc = make()
+    pairs = {f"t{i}": slot(alloc, f"t{i}") for i in range(4)}
+    made: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def allocate(tag: str) -> None:
+        malloc, _ = pairs[tag]
+        rng = random.Random(tag)
+        for _ in range(200):
+            p = malloc(rng.choice([1, G, 3 * G]), 0, None)  # type: ignore[operator]
+            assert p
+            with lock:
+                made.append((tag, p))
+
+    threads = [threading.Thread(target=allocate, args=(t,)) for t in pairs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(alloc.usage()[t].allocations for t in pairs) == 800
+    random.Random(1).shuffle(made)
+
+    def free(part: list[tuple[str, int]]) -> None:
+        for tag, p in part:
+            pairs[tag][1](p, 0, 0, None)  # type: ignore[operator]
+
+    threads = [threading.Thread(target=free, args=(made[i::3],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(alloc.usage()[t].allocations == 0 for t in pairs)
+    assert sim.used == 0 and sim.mapped_ranges() == [] and alloc.pending_errors() == []
+
+
+def test_threads_allocate_while_another_sleeps_and_wakes_their_neighbour() -> None:
+    """Threads malloc/free in their tags while the main thread backs up, releases and restores another tag: every byte kept."""
+    sim, alloc = make(capacity=1 << 30)
+    data = {alloc.allocate(n, "weights"): os.urandom(n) for n in (G, 3 * G, 5 * G, G)}
+    for a, b in data.items():
+        alloc.write(a, b)
+    pairs = {f"w{i}": slot(alloc, f"w{i}") for i in range(4)}
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def churn(tag: str) -> None:
+        malloc, free = pairs[tag]
+        rng = random.Random(tag)
+        live: list[int] = []
+        while not stop.is_set():
+            if live and rng.random() < 0.5:
+                free(live.pop(rng.randrange(len(live))), 0, 0, None)  # type: ignore[operator]
+            else:
+                p = malloc(rng.choice([1, G, 2 * G, 7 * G]), 0, None)  # type: ignore[operator]
+                if not p:
+                    failures.append(tag)
+                    return
+                live.append(p)
+        for p in live:
+            free(p, 0, 0, None)  # type: ignore[operator]
+
+    threads = [threading.Thread(target=churn, args=(t,)) for t in pairs]
+    for t in threads:
+        t.start()
+    for _ in range(30):
+        alloc.backup(["weights"])
+        alloc.release(["weights"])
+        alloc.restore(["weights"])
+        alloc.drop_backup(["weights"])
+        assert all(alloc.read(a, len(b)) == b for a, b in data.items())
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not failures and alloc.pending_errors() == []
+    assert all(alloc.usage()[t].allocations == 0 for t in pairs)
+    assert sim.used == sum(alloc.size_of(a) for a in data)
+
+
+def test_failed_malloc_returns_null_and_the_reason_reaches_python() -> None:
+    """An out-of-memory malloc returns NULL (nothing raised in C); pending_errors() gives the reason as AllocatorOutOfMemory."""
+    sim, alloc = make()
+    malloc, _ = slot(alloc, "kv_cache")
+    sim.fail("create", oom=True)
+    assert not malloc(4 * G, 0, None)  # type: ignore[operator]
+    errors = alloc.pending_errors()
+    assert len(errors) == 1 and isinstance(errors[0], AllocatorOutOfMemory)
+    assert errors[0].tag == "kv_cache" and errors[0].operation == "allocate" and "out of memory" in str(errors[0])
+    assert alloc.pending_errors() == [] and sim.used == 0
+
+
+def test_one_granule_allocations_share_slabs_that_double() -> None:
+    """One-granule allocations fill slabs of 2, 4, 8 granules (one driver map each); larger ones get their own mapping."""
+    sim, alloc = make(slab_bytes=8 * G)
+    for _ in range(2 + 4 + 8 + 8):
+        alloc.allocate(G, "w")
+    assert sim.count("map") == 4 and alloc.slabs.count() == 4 and alloc.slabs.spare_bytes() == 0
+    alloc.allocate(2 * G, "w")
+    assert sim.count("map") == 5
+
+
+def test_a_granule_freed_in_a_slab_is_reused_and_the_last_free_unmaps_the_slab() -> None:
+    """A freed slab granule is taken by the next one-granule allocation without a driver call; the slab goes with its last user."""
+    sim, alloc = make()
+    a, b = alloc.allocate(G, "w"), alloc.allocate(G, "w")
+    alloc.free(a)
+    maps = sim.count("map")
+    assert alloc.allocate(G, "w") == a and sim.count("map") == maps
+    alloc.free(a)
+    alloc.free(b)
+    assert alloc.slabs.count() == 0 and sim.used == 0 and sim.mapped_ranges() == []
+
+
+def test_frees_during_a_sleep_keep_mappings_until_the_release() -> None:
+    """Between backup and release a free unmaps nothing (copies may be in flight); the release takes it all, the wake skips it."""
+    sim, alloc = make()
+    a, b = alloc.allocate(2 * G, "w"), alloc.allocate(2 * G, "w")
+    alloc.write(b, b"k" * 2 * G)
+    alloc.backup(["w"])
+    unmaps = sim.count("unmap")
+    alloc.free(a)
+    assert sim.count("unmap") == unmaps and alloc.usage()["w"].allocations == 1
+    alloc.release(["w"])
+    assert sim.used == 0
+    alloc.restore(["w"])
+    assert sim.used == 2 * G and alloc.read(b, 2 * G) == b"k" * 2 * G
+
+
+def test_a_called_off_sleep_unmaps_what_was_freed_meanwhile() -> None:
+    """A backup dropped without a release thaws the tag: mappings freed while frozen go then."""
+    sim, alloc = make()
+    a = alloc.allocate(2 * G, "w")
+    alloc.allocate(2 * G, "w")
+    alloc.backup(["w"])
+    alloc.free(a)
+    assert sim.used == 4 * G
+    alloc.drop_backup(["w"])
+    assert sim.used == 2 * G and alloc.allocate(G, "w")
+
+
+def test_more_than_sixty_four_tags_is_a_clear_error() -> None:
+    """The table holds 64 tags; the 65th is refused with a reason, not a crash."""
+    _, alloc = make()
+    for i in range(64):
+        alloc.tag_state(f"t{i}")
+    with pytest.raises(AllocatorError, match="at most 64 tags"):
+        alloc.allocate(G, "one-too-many")
+
+
+def test_build_without_a_compiler_names_what_to_install(tmp_path: Path) -> None:
+    """pip's build (setup.py build_ext) with no C compiler stops with a message naming the package to install."""
+    env = {**os.environ, "CC": "no-such-cc-torpor", "PATH": os.environ.get("PATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path), "--build-temp", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "found no C compiler" in proc.stderr and "apt-get install gcc" in proc.stderr
+
+
+def test_every_slot_routes_to_its_own_tag() -> None:
+    """Forty tags get forty slots; each slot's malloc lands in its own tag (slots are numbered 0..127, none skipped)."""
+    _, alloc = make()
+    pairs = {f"s{i}": slot(alloc, f"s{i}") for i in range(40)}
+    for malloc, _ in pairs.values():
+        assert malloc(G, 0, None)  # type: ignore[operator]
+    assert all(alloc.usage()[t].allocations == 1 for t in pairs)
+
+
+def test_release_again_on_a_kept_backup_refuses_allocations_made_after_it() -> None:
+    """After a wake the backup is kept: releasing on it works, unless an allocation was made since (it has no backup)."""
+    sim, alloc = make()
+    a = alloc.allocate(2 * G, "w")
+    alloc.write(a, b"q" * 2 * G)
+    alloc.backup(["w"])
+    alloc.release(["w"])
+    alloc.restore(["w"])
+    alloc.release(["w"])  # a failed wake's rollback does this
+    assert sim.used == 0
+    alloc.restore(["w"])
+    assert alloc.read(a, 2 * G) == b"q" * 2 * G
+    alloc.allocate(G, "w")
+    with pytest.raises(AllocatorError, match="made after its backup"):
+        alloc.release(["w"])
+    assert alloc.usage()["w"].resident == 3 * G
+
+
+def test_trim_gives_a_segment_back_but_keeps_its_address_until_torch_frees_it() -> None:
+    """A trimmed segment's memory goes at once; usage no longer counts it; its address is not reused before the free."""
+    sim, alloc = make()
+    a = alloc.allocate(2 * G, "w")
+    b = alloc.allocate(2 * G, "w")
+    alloc.table.trim(a)
+    alloc.table.trim(a)  # idempotent
+    assert sim.used == 2 * G and alloc.usage()["w"].allocations == 1 and alloc.usage()["w"].resident == 2 * G
+    c = alloc.allocate(2 * G, "w")
+    assert c not in (a, b)
+    alloc.free(a)  # torch drops the pool: the record goes, the address is free again
+    assert alloc.allocate(2 * G, "w") == a
+
+
+def test_a_trimmed_slab_granule_is_not_handed_out_before_torch_frees_it() -> None:
+    """Inside a slab a trimmed granule stays taken (torch still holds it); freed, it is spare again."""
+    _, alloc = make(slab_bytes=8 * G)
+    first, second = alloc.allocate(G, "w"), alloc.allocate(G, "w")
+    alloc.table.trim(first)
+    third = alloc.allocate(G, "w")
+    assert third not in (first, second) and alloc.slabs.count() == 2
+    alloc.free(first)
+    assert alloc.allocate(G, "w") == first
+
+
+def test_a_sleep_trims_nothing_torch_holds_live_and_skips_trimmed_segments() -> None:
+    """A trimmed segment is neither backed up nor mapped back on wake; the live ones come back bit-exact."""
+    sim, alloc = make()
+    a, b = alloc.allocate(2 * G, "w"), alloc.allocate(2 * G, "w")
+    alloc.write(b, b"b" * 2 * G)
+    alloc.table.trim(a)
+    moved = alloc.backup(["w"])["w"].bytes
+    alloc.release(["w"])
+    alloc.restore(["w"])
+    assert moved == 2 * G and sim.used == 2 * G and alloc.read(b, 2 * G) == b"b" * 2 * G
+
+
+class HalfLive(TaggedAllocator):
+    """An allocator whose "torch" says only the first half of each allocation is in use."""
+
+    def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+        return {a: [(a, n // 2)] for a, n, _ in self.table.allocations(tag)}
+
+
+def test_sleep_copies_only_the_blocks_in_use_and_wake_restores_them() -> None:
+    """With half of each segment free in torch's pool, the backup moves half the bytes and the live halves come back."""
+    sim = SimDriver(256 * MiB, granularity=G)
+    alloc = HalfLive(sim, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=0)
+    data = {}
+    for _ in range(6):
+        a = alloc.allocate(4 * G, "w")
+        data[a] = os.urandom(4 * G)
+        alloc.write(a, data[a])
+    moved = alloc.backup(["w"])["w"].bytes
+    copied = sum(c.call == "copy_d2h" for c in sim.calls)
+    alloc.release(["w"])
+    assert moved == 12 * G and sim.used == 0 and copied >= 1
+    alloc.restore(["w"])
+    assert all(alloc.read(a, 2 * G) == b[: 2 * G] for a, b in data.items())
+    assert alloc.host.used_bytes() == 12 * G
+
+
+def test_an_injected_failure_carries_its_reason_from_the_library_and_from_python() -> None:
+    """sim.fail(reason=...) names the failure, for a call the library makes (create) and one Python makes (host_alloc)."""
+    sim, alloc = make()
+    sim.fail("create", reason="rank 3 is out of luck")
+    with pytest.raises(AllocatorError, match="rank 3 is out of luck"):
+        alloc.allocate(G, "w")
+    sim.fail("host_alloc", oom=True, reason="no pinned memory here")
+    with pytest.raises(Exception, match=r"no pinned memory here \(out of memory\)"):
+        sim.host_alloc(G)

@@ -1,0 +1,131 @@
+"""The native allocation table: ``libtorpor_alloc.so`` (plain C, no Python, no torch) loaded with ctypes.
+
+The library owns every allocation, mapping, address arena and slab of a
+:class:`~torpor.allocator.TaggedAllocator` under its own mutex, and gives torch
+one malloc/free pair per (context, tag) slot, so torch's allocation calls run
+without the GIL. Python reads and changes the table only through the calls
+below; each takes the library's mutex for its own duration and calls nothing
+but the driver (never Python, never torch). ctypes drops the GIL around every
+call. Loading is lazy: importing this module touches no library, so ``import
+torpor`` works where the library was not built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
+
+LIB_NAME = "libtorpor_alloc.so"
+ACTIVE, FROZEN, RELEASED = 0, 1, 2
+_u64 = ctypes.c_uint64
+_p = ctypes.c_void_p
+_int = ctypes.c_int
+
+
+class TpErr(ctypes.Structure):
+    """One failure, as the library reports it (``tp_err`` in csrc/tp.h)."""
+
+    _fields_ = [
+        ("code", _int),
+        ("oom", _int),
+        ("tag", _int),
+        ("op", ctypes.c_char * 16),
+        ("call", ctypes.c_char * 32),
+        ("msg", ctypes.c_char * 256),
+    ]
+
+
+_E = ctypes.POINTER(TpErr)
+_U = ctypes.POINTER(_u64)
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "tp_open_cuda": (_p, [_E]),
+    "tp_open_sim": (_p, [_p]),
+    "tp_configure": (None, [_p, _u64, _u64]),
+    "tp_tag_id": (_int, [_p, ctypes.c_char_p]),
+    "tp_granularity": (_int, [_p, _int, _U, _E]),
+    "tp_alloc_raw": (_int, [_p, _int, _int, _u64, _U, _E]),
+    "tp_free_raw": (_int, [_p, _u64, _E]),
+    "tp_trim": (_int, [_p, _u64, _E]),
+    "tp_slot_bind": (_int, [_p, _int]),
+    "tp_slot_malloc_fn": (_p, [_int]),
+    "tp_slot_free_fn": (_p, [_int]),
+    "tp_freeze": (_int, [_p, _int, _E]),
+    "tp_thaw": (_int, [_p, _int, _E]),
+    "tp_unmap_range": (_int, [_p, _int, _u64, _u64, _E]),
+    "tp_map_back": (_int, [_p, _int, _U, _U, _int, ctypes.POINTER(_int), _E]),
+    "tp_mark_released": (_int, [_p, _int, _E]),
+    "tp_map_span": (_int, [_p, _int, _u64, _u64, _int, _E]),
+    "tp_unmap_all": (_int, [_p, _int, _E]),
+    "tp_mark_awake": (_int, [_p, _int, _E]),
+    "tp_list": (_int, [_p, _int, _U, _U, ctypes.POINTER(_int), _int]),
+    "tp_usage": (_int, [_p, _int, _U, ctypes.POINTER(_int)]),
+    "tp_stats": (None, [_p, _int, _U]),
+    "tp_errors": (_int, [_p, _E, _int]),
+    "tp_close": (_int, [_p]),
+    "tp_sim_new": (_p, [_int, _u64, _u64]),
+    "tp_sim_hit": (_int, [_p, _int, ctypes.c_char_p, ctypes.c_size_t]),
+    "tp_sim_fail": (_int, [_p, _int, _int, _int, _int, ctypes.c_char_p]),
+    "tp_sim_clear_faults": (None, [_p]),
+    "tp_sim_log": (ctypes.c_size_t, [_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]),
+    "tp_sim_used": (_u64, [_p, _int]),
+    "tp_sim_mappings": (_int, [_p, _U, _U, _int]),
+    "tp_sim_accessible": (_u64, [_p, _u64, _u64]),
+    "tp_sim_reserve": (_int, [_p, _int, _u64, _U, _E]),
+    "tp_sim_unreserve": (_int, [_p, _u64, _u64, _E]),
+    "tp_sim_create": (_int, [_p, _int, _u64, _U, _E]),
+    "tp_sim_map": (_int, [_p, _u64, _u64, _u64, _E]),
+    "tp_sim_set_access": (_int, [_p, _u64, _u64, _int, _E]),
+    "tp_sim_unmap": (_int, [_p, _u64, _u64, _E]),
+    "tp_sim_release": (_int, [_p, _u64, _E]),
+    "tp_sim_granularity": (_int, [_p, _int, _U, _E]),
+}
+_loaded: dict[str, ctypes.CDLL] = {}
+_load_lock = threading.Lock()
+
+
+def library_path() -> Path:
+    """Where the library is looked for: ``$TORPOR_NATIVE_LIB``, else next to this module."""
+    override = os.environ.get("TORPOR_NATIVE_LIB")
+    return Path(override) if override else Path(__file__).with_name(LIB_NAME)
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library (loaded once); a clear error when it was not built."""
+    found = _loaded.get("lib")
+    if found is not None:
+        return found
+    with _load_lock:
+        if "lib" not in _loaded:
+            path = library_path()
+            if not path.exists():
+                msg = (
+                    f"torpor's native allocator {path} is not built: install torpor with pip (it compiles the C "
+                    "library; needs a C compiler such as gcc), or run `python setup.py build_ext --inplace` in a checkout"
+                )
+                raise AllocatorError("load", None, msg)
+            loaded = ctypes.CDLL(str(path))  # CDLL: every call drops the GIL
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                fn = getattr(loaded, name)
+                fn.restype = restype
+                fn.argtypes = argtypes
+            _loaded["lib"] = loaded
+    return _loaded["lib"]
+
+
+def error_of(err: TpErr, tag: str | None) -> AllocatorError:
+    """The allocator error for a failure the library reported (out of memory: AllocatorOutOfMemory)."""
+    op = err.op.decode() or "allocate"
+    call = err.call.decode() or None
+    reason = err.msg.decode(errors="replace") or "failed"
+    cls = AllocatorOutOfMemory if err.oom else AllocatorError
+    return cls(op, tag, reason, call=call)
+
+
+def u64s(n: int) -> Any:
+    """A ctypes array of ``n`` unsigned 64-bit integers."""
+    return (_u64 * max(n, 1))()

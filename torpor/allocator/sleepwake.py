@@ -1,0 +1,320 @@
+"""Sleep and wake over the native table: backup copies, release (unmap) pipelined with them, restore, rollback.
+
+Sleep: :meth:`SleepWake.backup` freezes each tag in the library (new
+allocations are refused, frees keep their mappings), enqueues the copies of
+each batch of adjacent allocations on the driver's copy stream and records an
+event per batch; :meth:`SleepWake.release` asks the library to unmap each batch
+as soon as its copy is done, so unmapping overlaps the copies still in flight.
+Wake maps span after span (one handle per span of adjacent allocations) and
+enqueues each span's copy at once, then waits once. Python holds its own lock
+across these steps but never while torch's allocator could need it: the
+library's calls take only the library's mutex (docs/allocator.md, lock order).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torpor.allocator import native
+from torpor.allocator.driver import Driver
+from torpor.allocator.errors import AllocatorError, wrap
+from torpor.allocator.mapping import Backups, Live, Piece, assign, batches, clip, copies, live_pieces, pieces, spans
+from torpor.allocator.offload import Extent, HostArena
+from torpor.allocator.table import NativeTable
+from torpor.errors import UnknownTag
+from torpor.statemachine.protocol import Transfer
+
+logger = logging.getLogger("torpor.allocator")
+
+
+@dataclass
+class TagState:
+    """Python's part of a tag: its backup (host extents per allocation) and the copies still in flight."""
+
+    backed_up: bool = False
+    pieces: list[Piece] = field(default_factory=list)  # what the backup holds: (allocation, start, size, device)
+    backups: Backups = field(default_factory=dict)  # piece start -> host extents
+    pending: list[tuple[object, int, int]] = field(default_factory=list)  # (event, lo, hi) per batch
+
+
+class SleepWake:
+    """The memory protocol's backup, release, restore and drop_backup (mixed into TaggedAllocator)."""
+
+    driver: Driver
+    table: NativeTable
+    host: HostArena
+    group_bytes: int
+    piece_bytes: int
+    _lock: threading.RLock
+    _tags: dict[str, TagState]
+
+    def granularity(self, device: int | None = None) -> int:  # provided by TaggedAllocator
+        raise NotImplementedError
+
+    def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+        """Allocation address -> the ranges of it in use, where torch says (None: every byte is live)."""
+        return None
+
+    def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
+        with self._lock:
+            self._check_known(tags)
+            start = time.perf_counter()
+            for tag in tags:
+                if self.table.usage(tag)[0] == native.RELEASED:
+                    msg = f"tag {tag!r} is released; nothing resident to back up"
+                    raise AllocatorError("backup", tag, msg)
+            frozen: list[str] = []
+            taken: list[TagState] = []
+            try:
+                for tag in tags:
+                    self.table.freeze(tag)
+                    frozen.append(tag)
+                lives = {t: self.table.allocations(t) for t in tags}
+                for device in {d for live in lives.values() for _, _, d in live}:
+                    try:
+                        self.driver.synchronize(device)
+                    except Exception as exc:
+                        raise wrap("backup", None, exc) from exc
+                for tag in tags:
+                    record = self._tags[tag]
+                    self._drop(record)
+                    self._take_host(tag, record, live_pieces(lives[tag], self._live_blocks(tag)))
+                    taken.append(record)
+                for tag in tags:
+                    self._enqueue_backup(tag, self._tags[tag], lives[tag])
+            except BaseException:  # an error or an interrupt (Ctrl-C): no backup stays half made
+                for record in taken:
+                    self._drop(record)
+                for tag in frozen:
+                    self._thaw_quietly(tag)
+                raise
+            seconds = time.perf_counter() - start
+            return {t: Transfer(t, sum(p[2] for p in self._tags[t].pieces), seconds, True) for t in tags}
+
+    def release(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Release each tag's physical memory; per tag all or nothing (a failed tag stays resident)."""
+        with self._lock:
+            self._check_known(tags)
+            if not any(self._tags[t].pending for t in tags):
+                devices = {d for t in tags for _, _, d in self.table.allocations(t)}
+                for device in devices:
+                    try:
+                        self.driver.synchronize(device)
+                    except Exception as exc:
+                        raise wrap("release", None, exc) from exc
+            out = {}
+            for tag in tags:
+                start = time.perf_counter()
+                record = self._tags[tag]
+                if self.table.usage(tag)[0] == native.RELEASED:
+                    out[tag] = Transfer(tag, 0, 0.0, record.backed_up)
+                    continue
+                self._release_tag(tag, record)
+                out[tag] = Transfer(tag, self.table.usage(tag)[1], time.perf_counter() - start, record.backed_up)
+            return out
+
+    def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Map each tag back at its addresses and copy its backup in; all or nothing, backups kept."""
+        with self._lock:
+            self._check_known(tags)
+            start = time.perf_counter()
+            todo = [t for t in tags if self.table.usage(t)[0] == native.RELEASED]
+            lives: dict[str, list[Live]] = {}
+            current = ""
+            try:
+                for tag in todo:
+                    current = tag
+                    if self.table.unmap_all(tag):  # left mapped by a rollback that could not unmap
+                        msg = "a mapping left by an earlier failed wake would not unmap"
+                        raise AllocatorError("restore", tag, msg)
+                    lives[tag] = self.table.allocations(tag)
+                    self._forget_freed(self._tags[tag], lives[tag])
+                    self._remap(tag, self._tags[tag], lives[tag])
+                for device in {d for live in lives.values() for _, _, d in live}:
+                    self.driver.wait(self.driver.record(device))
+            except BaseException as exc:  # an error or an interrupt (Ctrl-C): unmap what this restore mapped
+                self._rollback_restore(todo, lives)
+                logger.warning(
+                    "Rolling back %d mapped allocation(s) after a failed wake", sum(map(len, lives.values()))
+                )
+                if not isinstance(exc, Exception):
+                    raise
+                raise wrap("restore", current or None, exc) from exc
+            seconds = time.perf_counter() - start
+            out = {t: Transfer(t, 0, 0.0, self._tags[t].backed_up) for t in tags}
+            for tag in todo:
+                self.table.mark_awake(tag)
+                out[tag] = Transfer(tag, sum(n for _, n, _ in lives[tag]), seconds, self._tags[tag].backed_up)
+            return out
+
+    def drop_backup(self, tags: Sequence[str]) -> None:
+        """Mark the tags' backups stale (host extents return to the arena); a frozen tag takes allocations again."""
+        with self._lock:
+            for tag in tags:
+                record = self._tags.get(tag)
+                if record is not None:
+                    self._drop(record)
+                    if self.table.usage(tag)[0] == native.FROZEN:
+                        self.table.thaw(tag)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_known(self, tags: Sequence[str]) -> None:
+        unknown = [t for t in tags if t not in self._tags]
+        if unknown:
+            raise UnknownTag(unknown, self._tags)
+
+    def _thaw_quietly(self, tag: str) -> None:
+        try:
+            self.table.thaw(tag)
+        except AllocatorError:
+            logger.exception("tag %r stays frozen (no new allocations) after a failed sleep step", tag)
+
+    def _take_host(self, tag: str, record: TagState, parts: list[Piece]) -> None:
+        total = sum(p[2] for p in parts)
+        try:
+            extents = self.host.take(total) if total else []
+        except AllocatorError as exc:
+            raise wrap("backup", tag, exc) from exc
+        record.pieces = parts
+        record.backups = assign(parts, extents)
+        record.backed_up = True
+
+    def _enqueue_backup(self, tag: str, record: TagState, live: list[Live]) -> None:
+        ends = {a: a + n for a, n, _ in live}
+        groups = batches(record.pieces, self.group_bytes)
+        try:
+            for i, batch in enumerate(groups):
+                keyed = [(start, start, n, d) for _, start, n, d in batch]
+                for device, address, host, n in copies(keyed, record.backups):
+                    self.host.wait_pinned(host)  # a first sleep pins as it copies: chunk by chunk
+                    self.driver.copy_d2h(host, address, n, device)
+                # once copied, the mappings inside whole allocations of this batch may go; an allocation whose
+                # pieces continue in the next batch waits for it
+                hi = ends[batch[-1][0]]
+                if i + 1 < len(groups):
+                    hi = min(hi, groups[i + 1][0][0])
+                record.pending.append((self.driver.record(batch[0][3]), batch[0][0], hi))
+        except BaseException as exc:
+            self._settle(record)
+            if not isinstance(exc, Exception):  # an interrupt stays an interrupt
+                raise
+            raise wrap("backup", tag, exc) from exc
+
+    def _settle(self, record: TagState) -> None:
+        """Wait for the tag's copies in flight, ignoring their errors (used before throwing a backup away)."""
+        for event, _, _ in record.pending:
+            try:
+                self.driver.wait(event)
+            except Exception:  # the backup is being dropped anyway
+                logger.debug("a copy failed while its backup was being dropped", exc_info=True)
+        record.pending.clear()
+
+    def _drop(self, record: TagState) -> None:
+        self._settle(record)
+        extents: list[Extent] = [e for backup in record.backups.values() for e in backup]
+        record.backups = {}
+        record.pieces = []
+        if extents:  # one give: with keep_after_wake off each give trims
+            self.host.give(extents)
+        record.backed_up = False
+
+    def _forget(self, record: TagState, gone: set[int]) -> None:
+        """Give back the backups of the allocations in ``gone`` (freed while asleep)."""
+        keep, extents = [], []
+        for p in record.pieces:
+            if p[0] in gone:
+                extents += record.backups.pop(p[1], [])
+            else:
+                keep.append(p)
+        record.pieces = keep
+        if extents:
+            self.host.give(extents)
+
+    def _forget_freed(self, record: TagState, live: list[Live]) -> None:
+        alive = {a for a, _, _ in live}
+        self._forget(record, {p[0] for p in record.pieces if p[0] not in alive})
+
+    def _release_tag(self, tag: str, record: TagState) -> None:
+        if self.table.usage(tag)[0] == native.ACTIVE:  # discarded, or released again on a kept backup
+            self.table.freeze(tag)
+            if (
+                record.backed_up
+            ):  # the backup a wake copied in (a failed wake's rollback): it must cover every allocation
+                live = self.table.allocations(tag)
+                self._forget_freed(record, live)
+                backed = {p[0] for p in record.pieces}
+                missing = [a for a, _, _ in live if a not in backed]
+                if missing:
+                    self._thaw_quietly(tag)
+                    msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
+                    raise AllocatorError("release", tag, msg)
+        try:
+            for event, lo, hi in record.pending:
+                self.driver.wait(event)
+                self.table.unmap_range(tag, lo, hi)
+            record.pending.clear()
+            self.table.unmap_range(tag)
+        except BaseException as exc:  # an error or an interrupt (Ctrl-C): the tag stays resident
+            self._settle(record)
+            lost = self._map_back(tag, record)
+            self._thaw_quietly(tag)
+            if not isinstance(exc, Exception):
+                raise
+            detail = f"; {lost} bytes mapped back fresh (no backup)" if lost else ""
+            error = wrap("release", tag, exc)
+            error.reason += f" (tag left resident{detail})"
+            error.args = (f"{error.args[0]} (tag left resident{detail})",)
+            raise error from exc
+        self.table.mark_released(tag)
+
+    def _map_back(self, tag: str, record: TagState) -> int:
+        """Map back what a failed release unmapped (from the backup); return the bytes that came back fresh."""
+        try:
+            ranges = self.table.map_back(tag)
+        except AllocatorError:  # cannot do more: the range stays unmapped and the error above is raised
+            logger.exception("rollback: mapping tag %r back failed", tag)
+            return 0
+        if not record.backed_up:
+            return sum(n for _, n in ranges)
+        live = self.table.allocations(tag)
+        try:
+            for lo, n in ranges:
+                for device, address, host, m in copies(clip(record.pieces, lo, lo + n), record.backups):
+                    self.driver.copy_h2d(address, host, m, device)
+            for device in {d for _, _, d in live}:
+                self.driver.wait(self.driver.record(device))
+        except Exception:
+            logger.exception("rollback: copying tag %r back failed", tag)
+        return 0
+
+    def _remap(self, tag: str, record: TagState, live: list[Live]) -> None:
+        """Map ``live`` span by span (adjacent allocations share one handle), each span's copy enqueued at once."""
+        if not live:
+            return
+        gran = self.granularity(live[0][2])
+        step = max(self.piece_bytes // gran, 1) * gran
+        for span in spans(pieces(live, step), self.group_bytes):
+            start, device = span[0][1], span[0][3]
+            size = sum(p[2] for p in span)
+            self.table.map_span(tag, start, size, device)
+            if record.backed_up:  # only the bytes the backup holds: free blocks come back as fresh memory
+                for dev, address, host, n in copies(clip(record.pieces, start, start + size), record.backups):
+                    self.driver.copy_h2d(address, host, n, dev)
+
+    def _rollback_restore(self, todo: list[str], lives: dict[str, Any]) -> None:
+        for device in {d for live in lives.values() for _, _, d in live}:
+            try:
+                self.driver.synchronize(device)
+            except Exception:  # the wake failed already; unmap what we can
+                logger.exception("synchronizing before rolling back a wake failed")
+        for tag in todo:
+            failed = self.table.unmap_all(tag)
+            if failed:  # they stay listed; the next wake unmaps them first
+                logger.error("rollback: %d mapping(s) of tag %r would not unmap", failed, tag)

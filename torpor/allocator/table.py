@@ -1,0 +1,176 @@
+"""NativeTable: one context of the native library (its allocation table), with Python-shaped calls.
+
+Every method is one library call (or a few), each of which takes the library's
+mutex only for its own duration and never calls back into Python; failures come
+back as :class:`~torpor.allocator.errors.AllocatorError` built from what the
+library reported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from torpor.allocator import native
+from torpor.allocator.driver import Driver
+from torpor.allocator.errors import AllocatorError
+
+Live = tuple[int, int, int]  # a live allocation: address, size, device
+_ALL = (1 << 64) - 1
+
+
+class NativeTable:
+    """The allocation table of one :class:`~torpor.allocator.TaggedAllocator`, owned by the native library."""
+
+    def __init__(self, driver: Driver, slab_bytes: int) -> None:
+        self.lib = native.lib()
+        err = native.TpErr()
+        if getattr(driver, "name", "") == "cuda":
+            ctx = self.lib.tp_open_cuda(ctypes.byref(err))
+            if not ctx:
+                raise native.error_of(err, None)
+        else:
+            sim = getattr(driver, "native_sim", None)
+            if sim is None:
+                msg = f"the native allocation table drives CudaDriver or SimDriver, not {type(driver).__name__}"
+                raise AllocatorError("open", None, msg)
+            ctx = self.lib.tp_open_sim(sim)
+        if not ctx:
+            raise AllocatorError("open", None, "the native library could not make a context (out of host memory)")
+        self.ctx = ctx
+        self.lib.tp_configure(ctx, slab_bytes, 0)
+        self._ids: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+
+    # -- tags and errors --------------------------------------------------------------------
+
+    def tag_id(self, tag: str) -> int:
+        """The library's id of ``tag`` (made on first use; at most 64 tags)."""
+        found = self._ids.get(tag)
+        if found is None:
+            found = int(self.lib.tp_tag_id(self.ctx, tag.encode()))
+            if found < 0:
+                msg = f"cannot add tag {tag!r}: the allocator holds at most 64 tags of up to 63 bytes"
+                raise AllocatorError("allocate", tag, msg)
+            self._ids[tag] = found
+            self._names[found] = tag
+        return found
+
+    def _check(self, rc: int, err: native.TpErr, tag: str | None = None) -> int:
+        if rc < 0:
+            raise native.error_of(err, tag if tag is not None else self._names.get(err.tag))
+        return rc
+
+    def errors(self) -> list[AllocatorError]:
+        """Errors of torch's malloc/free calls since the last call (oldest first), and forget them."""
+        buf = (native.TpErr * 16)()
+        n = int(self.lib.tp_errors(self.ctx, buf, 16))
+        return [native.error_of(buf[i], self._names.get(buf[i].tag)) for i in range(n)]
+
+    def slot(self, tag: str) -> tuple[int, int]:
+        """Addresses of a new malloc/free pair that allocates under ``tag`` (for ``torch._C._cuda_customAllocator``)."""
+        index = int(self.lib.tp_slot_bind(self.ctx, self.tag_id(tag)))
+        if index < 0:
+            raise AllocatorError("allocate", tag, "every native allocator slot is taken (128 per process)")
+        return int(self.lib.tp_slot_malloc_fn(index)), int(self.lib.tp_slot_free_fn(index))
+
+    # -- allocate and free ---------------------------------------------------------------------
+
+    def granularity(self, device: int) -> int:
+        """Mapping granularity of ``device``."""
+        out, err = ctypes.c_uint64(), native.TpErr()
+        self._check(self.lib.tp_granularity(self.ctx, device, ctypes.byref(out), ctypes.byref(err)), err)
+        return int(out.value)
+
+    def alloc(self, tag: str, device: int, nbytes: int) -> int:
+        """Map ``nbytes`` (rounded up to the granularity) under ``tag``; the address."""
+        out, err = ctypes.c_uint64(), native.TpErr()
+        rc = self.lib.tp_alloc_raw(self.ctx, self.tag_id(tag), device, nbytes, ctypes.byref(out), ctypes.byref(err))
+        self._check(rc, err, tag)
+        return int(out.value)
+
+    def free(self, address: int) -> None:
+        """Free an allocation (its mapping goes with its last user; asleep: only its address range)."""
+        err = native.TpErr()
+        self._check(self.lib.tp_free_raw(self.ctx, address, ctypes.byref(err)), err)
+
+    def trim(self, address: int) -> None:
+        """Give back the memory of a segment torch holds free in a pool it never allocates from again."""
+        err = native.TpErr()
+        self._check(self.lib.tp_trim(self.ctx, address, ctypes.byref(err)), err)
+
+    # -- sleep and wake --------------------------------------------------------------------------
+
+    def _tag_call(self, name: str, tag: str, *args: Any) -> int:
+        err = native.TpErr()
+        rc = getattr(self.lib, name)(self.ctx, self.tag_id(tag), *args, ctypes.byref(err))
+        return self._check(int(rc), err, tag)
+
+    def freeze(self, tag: str) -> None:
+        """A sleep starts: new allocations in ``tag`` are refused, frees keep their mappings until the release."""
+        self._tag_call("tp_freeze", tag)
+
+    def thaw(self, tag: str) -> None:
+        """The sleep of ``tag`` was called off: it takes allocations again (mappings freed meanwhile go)."""
+        self._tag_call("tp_thaw", tag)
+
+    def unmap_range(self, tag: str, lo: int = 0, hi: int = _ALL) -> int:
+        """Unmap the frozen tag's mappings inside ``[lo, hi)``; how many."""
+        return self._tag_call("tp_unmap_range", tag, lo, hi)
+
+    def map_back(self, tag: str) -> list[tuple[int, int]]:
+        """Map back (fresh) what :meth:`unmap_range` unmapped; the (start, size) ranges."""
+        cap = 4096
+        starts, sizes, count, err = native.u64s(cap), native.u64s(cap), ctypes.c_int(), native.TpErr()
+        rc = self.lib.tp_map_back(
+            self.ctx, self.tag_id(tag), starts, sizes, cap, ctypes.byref(count), ctypes.byref(err)
+        )
+        done = [(int(starts[i]), int(sizes[i])) for i in range(min(count.value, cap))]
+        self._check(rc, err, tag)
+        return done
+
+    def mark_released(self, tag: str) -> None:
+        """Every mapping of the frozen tag is unmapped: it is released."""
+        self._tag_call("tp_mark_released", tag)
+
+    def map_span(self, tag: str, start: int, size: int, device: int) -> None:
+        """Map ``[start, start + size)`` of a released tag with one new handle."""
+        self._tag_call("tp_map_span", tag, start, size, device)
+
+    def unmap_all(self, tag: str) -> int:
+        """Unmap every mapping of ``tag`` (a wake's rollback); how many would not unmap."""
+        err = native.TpErr()
+        return int(self.lib.tp_unmap_all(self.ctx, self.tag_id(tag), ctypes.byref(err)))
+
+    def mark_awake(self, tag: str) -> None:
+        """The released tag is mapped again: it takes allocations."""
+        self._tag_call("tp_mark_awake", tag)
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def allocations(self, tag: str | None = None) -> list[Live]:
+        """Live allocations (of ``tag``, or all), by address."""
+        tid = self.tag_id(tag) if tag is not None else -1
+        cap = 1024
+        while True:
+            addr, size, dev = native.u64s(cap), native.u64s(cap), (ctypes.c_int * cap)()
+            n = int(self.lib.tp_list(self.ctx, tid, addr, size, dev, cap))
+            if n <= cap:
+                return [(int(addr[i]), int(size[i]), int(dev[i])) for i in range(n)]
+            cap = n + 1024
+
+    def usage(self, tag: str) -> tuple[int, int, int]:
+        """(state, bytes, allocations) of ``tag``: state is native.ACTIVE, FROZEN or RELEASED."""
+        nbytes, count = ctypes.c_uint64(), ctypes.c_int()
+        state = self.lib.tp_usage(self.ctx, self.tag_id(tag), ctypes.byref(nbytes), ctypes.byref(count))
+        return int(state), int(nbytes.value), int(count.value)
+
+    def stats(self, tag: str | None = None) -> tuple[int, int, int, int]:
+        """(live slabs, their spare bytes, mapped bytes, mappings), of ``tag`` or of all."""
+        out = native.u64s(4)
+        self.lib.tp_stats(self.ctx, self.tag_id(tag) if tag is not None else -1, out)
+        return int(out[0]), int(out[1]), int(out[2]), int(out[3])
+
+    def close(self) -> int:
+        """Unmap everything and free the reservations; how many driver calls failed."""
+        return int(self.lib.tp_close(self.ctx))
