@@ -243,3 +243,56 @@ def test_pinned_bytes_track_the_driver_through_pins_takes_trims_and_close() -> N
     assert arena.pinned_bytes() == sim.host_used < 45 * C
     arena.close()
     assert arena.pinned_bytes() == sim.host_used == 0
+
+
+def test_a_failed_chunk_keeps_its_address_until_its_extents_come_back() -> None:
+    """A chunk whose pin failed holds its range while extents of it are out: no later take gets the address, its copy sees the failure."""
+    sim = SimDriver(granularity=C, reuse_host=True)  # mmap reuses a range given back
+    sim.fail("host_alloc")
+    arena = HostArena(sim, HostPolicy(chunk_bytes=C, threads=1))
+    first = arena.take(C)
+    assert arena.wait_ready(10)  # its pin failed: nothing is pending
+    second = pinned(arena, arena.take(C))  # another backup, taken before the first one copies
+    assert not {e.host for e in first} & {e.host for e in second}, "two backups were given the same host memory"
+    with pytest.raises(AllocatorError, match="injected failure"):
+        arena.wait_pinned(first[0].host)
+    arena.give(first)
+    assert arena.used_bytes() == C and sim.host_reserved == C  # the failed range went back; the second is intact
+    third = pinned(arena, arena.take(C))  # the address may now be reused
+    assert third[0].host == first[0].host and arena.used_bytes() == 2 * C
+    arena.give(second + third)
+    arena.close()
+    assert sim.host_used == 0 and sim.host_reserved == 0
+
+
+def test_a_take_gets_every_byte_when_a_chunk_it_counted_fails_meanwhile() -> None:
+    """A chunk pinned ahead that a take counts, then fails while the take reserves more: the take is whole, the copy refused."""
+
+    class FailsDuringReserve(GatedSim):
+        arena: HostArena
+        ahead = 0
+
+        def host_reserve(self, nbytes: int) -> int:
+            if self.ahead:  # the take's reservation: the chunk pinned ahead fails meanwhile
+                self.gate(self.ahead).set()
+                self.arena.wait_ready(10)
+            self.ahead = super().host_reserve(nbytes)
+            return self.ahead
+
+    sim = FailsDuringReserve(granularity=C)
+    sim.arena = arena = HostArena(sim, HostPolicy(prepin=True, chunk_bytes=C, threads=1))
+    sim.fail("host_alloc")
+    arena.want(C)  # one chunk reserved ahead, its pin held at the gate
+    for _ in range(1000):
+        if sim.started:
+            break
+        threading.Event().wait(0.01)
+    extents = arena.take(2 * C)
+    assert sum(e.nbytes for e in extents) == 2 * C, "a backup got fewer host bytes than it copies"
+    for e in extents:
+        sim.gate(e.chunk).set()
+    with pytest.raises(AllocatorError, match="injected failure"):  # the copy into the failed chunk is refused
+        pinned(arena, extents)
+    arena.give(extents)
+    arena.close()
+    assert sim.host_used == 0 and sim.host_reserved == 0

@@ -143,3 +143,23 @@ def test_several_devices_have_separate_capacity() -> None:
     assert sim.reserve(G, 0) != sim.reserve(G, 1)
     with pytest.raises(DriverError):
         sim.create(G, 2)
+
+
+def test_host_addresses_are_fresh_unless_reuse_is_asked() -> None:
+    """By default a given-back host range is never handed out again; with reuse_host the next reservation takes it."""
+    fresh = SimDriver()
+    a = fresh.host_reserve(4 * G)
+    fresh.host_unreserve(a, 4 * G)
+    assert fresh.host_reserve(4 * G) != a
+    sim = SimDriver(granularity=G, reuse_host=True)
+    base = sim.host_reserve(4 * G)
+    sim.host_alloc(2 * G, base)
+    sim.host_unreserve(base + 2 * G, G)  # a piece of a live reservation goes at once, as munmap does
+    assert sim.host_reserve(G) == base + 2 * G
+    assert sim.host_reserved == 4 * G
+    sim.host_free(base)
+    sim.host_unreserve(base + 3 * G, G)
+    assert sim.host_reserve(2 * G) == base  # given-back pieces merge
+    again = sim.host_alloc(2 * G, base)
+    sim.copy_d2h(again, mapped(sim), G, 0)  # the reused range is real memory
+    assert sim.host_reserved == 3 * G

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 from pathlib import Path
 
@@ -295,9 +296,14 @@ def test_reopened_log_continues(memory: FakeMemory, tmp_path: Path) -> None:
 
 def test_interrupted_log_refuses_until_recovered(memory: FakeMemory, tmp_path: Path) -> None:
     """A log that ends mid-sleep makes a new controller refuse commands until recover()."""
-    path = tmp_path / "events.jsonl"
-    first = SleepController(memory, log=path)
-    memory.backup = lambda tags: (_ for _ in ()).throw(SystemExit("killed"))  # type: ignore[method-assign]
+    live, path = tmp_path / "live.jsonl", tmp_path / "events.jsonl"
+    first = SleepController(memory, log=live)
+
+    def killed(tags: object) -> None:  # the process dies here: its log is what was on disk at that moment
+        shutil.copyfile(live, path)
+        raise SystemExit("killed")
+
+    memory.backup = killed  # type: ignore[assignment, method-assign]
     with pytest.raises(SystemExit):
         first.sleep(1)
     first.log.close()  # type: ignore[union-attr]
@@ -383,3 +389,41 @@ def test_rotation_snapshot_reaches_subscribers(memory: FakeMemory, tmp_path: Pat
     seqs = [e.seq for e in seen]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     assert EventKind.SNAPSHOT in {e.kind for e in seen}
+
+
+def test_idempotent_sleep_when_asleep_at_that_level_or_deeper_is_a_recorded_no_op(
+    ctl: SleepController, tmp_path: Path
+) -> None:
+    """sleep(idempotent=True) while asleep at that level or deeper records command_repeated; a shallower-to-deeper one is refused."""
+    ctl.sleep(2)
+    seq = ctl.last_seq
+    assert ctl.sleep(2, idempotent=True).state is State.ASLEEP_L2
+    assert ctl.sleep(1, idempotent=True).state is State.ASLEEP_L2  # deeper already
+    new = ctl.events(after=seq)
+    assert [e.kind for e in new] == [EventKind.COMMAND_REPEATED] * 2
+    assert new[0].data["command"] == "sleep" and new[0].data["args"] == {"level": 2}
+    assert "already asleep at level 2" in new[0].data["reason"]
+    with pytest.raises(InvalidTransition):
+        ctl.sleep(2)  # without idempotent the controller still refuses
+    ctl.wake()
+    ctl.sleep(1)
+    with pytest.raises(InvalidTransition):
+        ctl.sleep(2, idempotent=True)  # level 2 does not hold at level 1
+    assert replay(tmp_path / "events.jsonl").to_dict() == ctl.projection.to_dict()
+
+
+def test_idempotent_wake_of_resident_tags_is_a_recorded_no_op(ctl: SleepController, tmp_path: Path) -> None:
+    """wake(idempotent=True) that would restore nothing records command_repeated; unknown tags are still refused."""
+    seq = ctl.last_seq
+    assert ctl.wake(idempotent=True).state is State.AWAKE
+    assert ctl.wake(["weights"], idempotent=True).state is State.AWAKE
+    assert [e.kind for e in ctl.events(after=seq)] == [EventKind.COMMAND_REPEATED] * 2
+    with pytest.raises(UnknownTag):
+        ctl.wake(["wieghts"], idempotent=True)
+    ctl.sleep(1)
+    ctl.wake(["weights"])
+    seq = ctl.last_seq
+    assert ctl.wake(["weights"], idempotent=True).state is State.PARTIALLY_AWAKE  # weights resident already
+    assert [e.kind for e in ctl.events(after=seq)] == [EventKind.COMMAND_REPEATED]
+    assert ctl.wake(["kv_cache"], idempotent=True).state is State.AWAKE  # kv_cache was asleep: a real wake
+    assert replay(tmp_path / "events.jsonl").to_dict() == ctl.projection.to_dict()

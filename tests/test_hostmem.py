@@ -9,6 +9,7 @@ import pytest
 
 from torpor import HostBudgetExceeded, SleepController, State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
+from torpor.errors import TorporError
 from torpor.statemachine.events import EventKind
 from torpor.statemachine.hostmem import budget_refusal, device_report
 from torpor.statemachine.policy import AfterWake, HostMemoryPolicy, PinWhen, Policy
@@ -283,3 +284,35 @@ def test_release_mode_unpins_after_an_aborted_sleep_and_a_discard() -> None:
     assert alloc.pinned_bytes() == 16 * G
     ctl.discard(["weights"])
     assert alloc.host.wait_unpinned(10) and alloc.pinned_bytes() == 0 == sim.host_used
+
+
+class SettlingSim(SimDriver):
+    """A SimDriver reusing host addresses whose reservations first wait for the pins in flight to finish (a slow mmap)."""
+
+    alloc: TaggedAllocator | None = None
+
+    def host_reserve(self, nbytes: int) -> int:
+        if self.alloc is not None:
+            self.alloc.host.wait_ready(10)
+        return super().host_reserve(nbytes)
+
+
+def test_a_failed_pin_never_lets_two_backups_share_host_memory() -> None:
+    """A chunk whose pin failed keeps its address until its backup lets go: the sleep fails, no bytes are mixed."""
+    sim = SettlingSim(64 * MiB, granularity=G, reuse_host=True)
+    alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=4 * G, threads=1), slab_bytes=0)
+    sim.alloc = alloc
+    ctl = SleepController(alloc)
+    data = {**fill(alloc, "cudagraph", 1), **fill(alloc, "weights", 1)}  # two tags: two takes in one backup
+    sim.fail("host_alloc")  # the first tag's chunk; the second tag's reservation comes after it failed
+    failed = None
+    try:
+        ctl.sleep(1)
+    except TorporError as exc:
+        failed = exc
+        ctl.sleep(1)
+    ctl.wake()
+    assert all(alloc.read(a, len(b)) == b for a, b in data.items()), "a wake lost bytes: two backups shared memory"
+    assert failed is not None and "host_alloc" in str(failed)
+    alloc.close()
+    assert sim.host_used == 0 and sim.host_reserved == 0

@@ -23,6 +23,7 @@ from torpor.errors import (
     TorporError,
     UnknownSchemaVersion,
     UnknownTag,
+    UnsafeLogPath,
 )
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import SCHEMA_VERSION, EventKind
@@ -441,17 +442,22 @@ def test_log_files_are_private(tmp_path: Path) -> None:
     assert path.parent.stat().st_mode & 0o777 == 0o700
 
 
-def test_existing_open_directory_is_made_private(tmp_path: Path) -> None:
-    """A log directory that exists world-readable is tightened to 0700, the file to 0600."""
+def test_existing_open_directory_or_file_is_refused_not_chmodded(tmp_path: Path) -> None:
+    """A log directory others can write, or a log file others can write, is refused and keeps its mode (never chmodded)."""
     logs = tmp_path / "logs"
     logs.mkdir(mode=0o777)
     os.chmod(logs, 0o777)  # noqa: S103 - the test starts from an open directory on purpose
+    with pytest.raises(UnsafeLogPath, match="others can write the directory"):
+        EventLog(logs / "e.jsonl", fsync=False)
+    assert logs.stat().st_mode & 0o777 == 0o777
+    os.chmod(logs, 0o755)  # noqa: S103 - a usual home-directory mode
     path = logs / "e.jsonl"
     path.write_bytes(b"")
     os.chmod(path, 0o666)  # noqa: S103 - ditto, an open file
-    EventLog(path, fsync=False).close()
-    assert logs.stat().st_mode & 0o777 == 0o700
-    assert path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(UnsafeLogPath, match="others can write the file"):
+        EventLog(path, fsync=False)
+    assert path.stat().st_mode & 0o777 == 0o666
+    assert logs.stat().st_mode & 0o777 == 0o755
 
 
 def test_shared_sticky_directory_is_left_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

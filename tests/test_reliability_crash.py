@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,14 +37,19 @@ class Died(BaseException):
 class DyingMemory(FakeMemory):
     """FakeMemory that 'dies' at its ``n``-th memory call (counting backup, release, restore, drop_backup)."""
 
-    def __init__(self, tags: dict[str, int], die_at: int | None = None) -> None:
+    def __init__(
+        self, tags: dict[str, int], die_at: int | None = None, on_death: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(tags)
         self.die_at = die_at
+        self.on_death = on_death
         self.count = 0
 
     def _step(self) -> None:
         self.count += 1
         if self.die_at is not None and self.count == self.die_at:
+            if self.on_death is not None:
+                self.on_death()
             raise Died
 
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
@@ -159,15 +165,21 @@ def _scenario(ctrl: SleepController) -> None:
 
 @pytest.mark.parametrize("die_at", range(1, _crash_points() + 1))
 def test_death_at_each_memory_call_is_reported_and_recoverable(tmp_path: Path, die_at: int) -> None:
-    """Dying at the n-th memory call: replay says interrupted at that step; a new controller refuses until recover()."""
-    path = tmp_path / "e.jsonl"
-    mem = DyingMemory(TAGS, die_at=die_at)
-    live = SleepController(mem, EventLog(path, fsync=True))
+    """Dying at the n-th memory call: replay says interrupted at that step; a new controller refuses until recover().
+
+    The log a dead process leaves is the file as it was at that moment (copied
+    there); the live controller, which saw the same exception as an interrupt,
+    rolled back and agrees with its own log.
+    """
+    live_path, path = tmp_path / "live.jsonl", tmp_path / "e.jsonl"
+    mem = DyingMemory(TAGS, die_at=die_at, on_death=lambda: shutil.copyfile(live_path, path))
+    live = SleepController(mem, EventLog(live_path, fsync=True))
     with pytest.raises(Died):
         _scenario(live)
     live.log.close()  # type: ignore[union-attr]
+    assert replay(live_path).to_dict() == live.projection.to_dict()
+    assert not live.projection.interrupted
     proj = replay(path)
-    assert proj.to_dict() == live.projection.to_dict()
     events = list(read_events(path))
     assert proj.last_seq == events[-1].seq
     _check_last_step(proj, events)
@@ -179,19 +191,19 @@ def test_death_at_each_memory_call_is_reported_and_recoverable(tmp_path: Path, d
         assert proj.state in (State.AWAKE, State.PARTIALLY_AWAKE, State.ASLEEP_L1, State.ASLEEP_L2)
 
 
-def test_live_controller_refuses_after_an_escaping_error(tmp_path: Path) -> None:
-    """An error that escapes the memory mid-sleep leaves the live controller refusing with NotRecovered too."""
+def test_live_controller_rolls_back_an_escaping_interrupt(tmp_path: Path) -> None:
+    """An exception that is no error (an interrupt) escaping the memory mid-sleep rolls the live controller back."""
     path = tmp_path / "e.jsonl"
-    mem = DyingMemory(TAGS, die_at=2)
+    mem = DyingMemory(TAGS, die_at=3)  # drop_backup, backup, then the first release
     ctrl = SleepController(mem, EventLog(path, fsync=False))
     with pytest.raises(Died):
         ctrl.sleep(1)
-    assert ctrl.state is State.SUSPENDING
-    with pytest.raises(NotRecovered, match="suspending"):
-        ctrl.wake()
-    with pytest.raises(NotRecovered):
-        ctrl.sleep(1)
-    _recover_and_cycle(ctrl, path)
+    assert ctrl.state is State.AWAKE
+    assert ctrl.events()[-1].kind is EventKind.SLEEP_ABORTED
+    assert all(mem.content(t) is not None for t in TAGS)
+    ctrl.sleep(1)
+    ctrl.wake()
+    assert replay(path).to_dict() == ctrl.projection.to_dict()
 
 
 # -- SIGKILL ---------------------------------------------------------------------------

@@ -126,7 +126,10 @@ class SimRig:
     def __init__(self, seed: int = 0, *, prepin: bool = True, host_capacity: int = 64 * MiB) -> None:
         from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 
-        self.driver = SimDriver(capacity=64 * MiB, host_capacity=host_capacity, granularity=SIM_GRANULARITY)
+        # host addresses given back are reused, as mmap after munmap may (a failed pin must not mix backups)
+        self.driver = SimDriver(
+            capacity=64 * MiB, host_capacity=host_capacity, granularity=SIM_GRANULARITY, reuse_host=True
+        )
         policy = HostPolicy(prepin=prepin, chunk_bytes=SIM_CHUNK, threads=1)
         self.allocator = TaggedAllocator(driver=self.driver, host=policy)
         self.memory = self.allocator

@@ -54,7 +54,7 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         cumem.CuMemAllocator.instance,
         pynccl_allocator._graph_pool_id,
     )
-    for name in (activation.ENV_ACTIVE, "NCCL_GRAPH_REGISTER", "PROMETHEUS_MULTIPROC_DIR"):
+    for name in (activation.ENV_ACTIVE, "NCCL_GRAPH_REGISTER", "PROMETHEUS_MULTIPROC_DIR", facade.ENV_ENGINE):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(current_platform, "device_type", "cpu")
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
@@ -308,3 +308,48 @@ def test_vllm_worker_sleep_wake_and_discard(engine: Any, monkeypatch: pytest.Mon
     worker.wake_up(None)
     assert engine.allocator.controller.state.value == "awake"
     assert engine.driver.used == 24 * MiB
+
+
+def test_default_log_path_is_per_user_and_per_engine(
+    engine: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Defaults: a 0700 log directory per user, an engine name per activating process; a second writer is refused."""
+    import os
+    import stat
+    import tempfile
+
+    from torpor.errors import LogLocked
+    from torpor.testing import FakeMemory
+
+    assert os.environ[facade.ENV_ENGINE] == f"vllm-{os.getpid()}"  # set by activate(): ranks inherit it
+    monkeypatch.delenv(facade.ENV_LOG_DIR, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    theirs = tmp_path / "torpor-65534"  # another user's engines, in the same temp directory
+    theirs.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    first = facade.TorporMemAllocator(FakeMemory({"weights": 8}), rank=0, fsync=False)
+    path = first.controller.log.path  # type: ignore[union-attr]
+    mine = tmp_path / f"torpor-{os.geteuid()}"
+    assert path == mine / f"vllm-{os.getpid()}.rank0.jsonl"
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    other_engine = facade.TorporMemAllocator(FakeMemory({"weights": 8}), engine="vllm-1", rank=0, fsync=False)
+    assert other_engine.controller.log.path.parent == mine  # type: ignore[union-attr]  # no collision
+    same = facade.TorporMemAllocator(FakeMemory({"weights": 8}), rank=0, fsync=False)
+    with pytest.raises(LogLocked, match=str(path)):
+        same.controller  # noqa: B018 - a second writer of the same engine and rank
+    first.release_pools()
+    other_engine.release_pools()
+    assert list(theirs.iterdir()) == []
+
+
+def test_allocator_after_release_raises_controller_closed(engine: Any) -> None:
+    """After release_pools() (vLLM's shutdown), sleep and wake through the allocator raise ControllerClosed, not a file error."""
+    from torpor.errors import ControllerClosed
+
+    engine.allocator.controller  # noqa: B018 - started
+    engine.allocator.release_pools()
+    with pytest.raises(ControllerClosed, match="release_pools"):
+        engine.allocator.sleep()
+    with pytest.raises(ControllerClosed):
+        engine.allocator.wake_up(None)

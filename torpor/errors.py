@@ -138,10 +138,17 @@ class EventTooLarge(TorporError, ValueError):
 class NotRecovered(TorporError, RuntimeError):
     """The log ends inside a transition: the engine is not in a clean state."""
 
-    def __init__(self, state: str, last_seq: int, step: str) -> None:
+    def __init__(self, state: str, last_seq: int, step: str, cause: str = "") -> None:
         self.state = state
         self.last_seq = last_seq
         self.step = step
+        self.cause = cause
+        if cause:  # this process: the log could not record a rollback
+            super().__init__(
+                f"the event log ends in {state!r} at event #{last_seq} ({step}): {cause}; once the log can be "
+                "written again, call controller.recover(), which takes each tag's residency from the memory"
+            )
+            return
         super().__init__(
             f"the event log ends in {state!r} at event #{last_seq} ({step}): the process "
             "was interrupted mid-transition and memory may be partly released; call "
@@ -166,6 +173,67 @@ class MissingExtra(TorporError, ImportError):
             f"install the {extra!r} extra: pip install 'torpor[{extra}]' (or 'torpor[vllm]', which brings vLLM's torch)"
         )
         super().__init__(msg, name=module)
+
+
+class ControllerClosed(TorporError, RuntimeError):
+    """A command or record on a controller that was closed."""
+
+    def __init__(self, command: str, engine: str, rank: int, closed_at: int) -> None:
+        self.command = command
+        self.engine = engine
+        self.rank = rank
+        self.closed_at = closed_at
+        super().__init__(
+            f"cannot {command}: the controller of engine {engine!r} rank {rank} was closed at event #{closed_at}; "
+            "open a new SleepController on its log to continue"
+        )
+
+
+class UnsafeLogPath(TorporError, PermissionError):
+    """An event log path torpor will not write: a link, not a regular file, or owned or writable by someone else."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"refusing to write the event log {path}: {reason}")
+
+
+class NotAnEventLog(TorporError, ValueError):
+    """An existing file passed as an event log that is not one: torpor will not truncate or append to it."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"refusing to write the event log {path}: the file exists and is not a torpor event log ({reason}); "
+            "give a new path or a directory"
+        )
+
+
+class LogLocked(TorporError, RuntimeError):
+    """Another writer holds the event log (one writer per log, locked for the writer's lifetime)."""
+
+    def __init__(self, path: str, holder: str) -> None:
+        self.path = path
+        self.holder = holder
+        super().__init__(
+            f"cannot write the event log {path}: it is held by another writer ({holder}); "
+            "each engine rank needs its own log (set a different engine name, rank or log directory)"
+        )
+
+
+class LogWriteFailed(TorporError, OSError):
+    """An event could not be written (a full disk, an I/O error); the log was cut back to its last whole line."""
+
+    def __init__(self, path: str, kind: str, seq: int, reason: str) -> None:
+        self.path = path
+        self.kind = kind
+        self.seq = seq
+        self.reason = reason
+        super().__init__(
+            f"writing event #{seq} ({kind}) to {path} failed: {reason}; the log ends at its last whole line "
+            "and the event is not recorded"
+        )
 
 
 class GroupFailed(TorporError, RuntimeError):

@@ -11,6 +11,10 @@ before enqueueing the copies into it, so pinning chunk *n + 1* overlaps the copy
 into chunk *n*. Pinning ahead (:meth:`~HostArena.want`, one background thread)
 stays available for engines that want their first sleep at link speed.
 
+A range stays reserved or pinned while any record refers to it (a chunk whose
+pin failed stays, failed, until its extents come back), so addresses key chunks
+safely although mmap reuses a range given back (docs/allocator.md).
+
 Mechanism only: whether to pin ahead, whether to keep chunks after a wake, and
 the byte limit come from the controller's host-memory policy
 (``torpor.statemachine.policy.HostMemoryPolicy``) through :meth:`HostArena.configure`.
@@ -48,7 +52,6 @@ class HostArena:
         self._pending = 0  # bytes of chunks reserved, not yet registered
         self._pinning = 0  # pins in progress (pause waits for them)
         self._unpinning = 0  # bytes a background trim is still unpinning
-        self._failed: dict[int, Chunk] = {}  # chunks whose pinning failed, for the backup waiting on them
         self._cond = threading.Condition()
         self._target = 0
         self._thread: threading.Thread | None = None
@@ -76,7 +79,7 @@ class HostArena:
     def used_bytes(self) -> int:
         """Bytes of pinned host memory holding backups."""
         with self._cond:
-            return sum(c.used() for c in self._chunks.values())
+            return sum(c.used() for c in self._chunks.values() if c.error is None)
 
     def free_bytes(self) -> int:
         """Pinned (or being pinned) bytes not holding a backup."""
@@ -84,7 +87,7 @@ class HostArena:
             return self._free_locked()
 
     def _free_locked(self) -> int:
-        return sum(n for c in self._chunks.values() for _, n in c.free)
+        return sum(n for c in self._chunks.values() if c.error is None for _, n in c.free)
 
     # -- chunks ------------------------------------------------------------------------
 
@@ -95,14 +98,13 @@ class HostArena:
         self._pending += nbytes
         return c
 
-    def _drop_locked(self, c: Chunk) -> None:
-        if self._chunks.pop(c.host, None) is None:
-            return
+    def _remove_locked(self, c: Chunk) -> bool:
+        """Take ``c`` out of the records (before its range is unpinned or unreserved); False if it is not there."""
+        if self._chunks.get(c.host) is not c:
+            return False
+        del self._chunks[c.host]
         self._bases.remove(c.host)
-        if c.ready:
-            self._pinned -= c.nbytes
-        else:
-            self._pending -= c.nbytes
+        return True
 
     def _new_chunks(self, missing: int) -> list[int]:
         """Chunk sizes covering ``missing`` bytes: whole chunks, the last one cut to a multiple of 2 MiB (or the chunk)."""
@@ -113,8 +115,8 @@ class HostArena:
         whole, rest = divmod(missing, chunk)
         return [chunk] * whole + ([-(-rest // unit) * unit] if rest else [])
 
-    def _reserve(self, sizes: list[int]) -> list[Chunk]:
-        """Reserve chunks of ``sizes`` as one range of address space and list them, not yet pinned."""
+    def _reserve(self, sizes: list[int], carve: int = 0) -> tuple[list[Chunk], list[Extent]]:
+        """Reserve chunks of ``sizes`` as one range of address space (not yet pinned); carve ``carve`` bytes from them."""
         base = self.driver.host_reserve(sum(sizes))
         out = []
         with self._cond:
@@ -122,12 +124,12 @@ class HostArena:
             for n in sizes:
                 out.append(self._add_locked(base + offset, n))
                 offset += n
-        return out
+            return out, self._carve(out, carve)
 
     def _pin_chunk(self, c: Chunk) -> None:
         """Fault in and register one reserved chunk (any thread); failures are kept on the chunk."""
         with self._cond:
-            abandoned = self._closed or c.host not in self._chunks
+            abandoned = self._closed or self._chunks.get(c.host) is not c
             if not abandoned:
                 self._pinning += 1
         if abandoned:
@@ -138,20 +140,22 @@ class HostArena:
             self.driver.prepare_thread()
             self.driver.host_alloc(c.nbytes, c.host)
         except Exception as exc:  # kept on the chunk: the copy that needs it raises it
-            self._unreserve(c)
             with self._cond:
-                c.error = exc
-                self._drop_locked(c)
-                self._failed[c.host] = c
-                for old in list(self._failed)[:-4096]:
-                    del self._failed[old]
                 self._pinning -= 1
+                c.error = exc
+                held = self._chunks.get(c.host) is c
+                if held:
+                    self._pending -= c.nbytes
+                # extents of it are out: it keeps its range (and address) until they come back (give)
+                gone = not held or (c.used() == 0 and self._remove_locked(c))
                 self._cond.notify_all()
+            if gone:
+                self._unreserve(c)
             return
         with self._cond:
             self._pinning -= 1
             self.pin_seconds += time.perf_counter() - start
-            closed = self._closed or c.host not in self._chunks
+            closed = self._closed or self._chunks.get(c.host) is not c
             if not closed:
                 c.ready = True
                 self._pending -= c.nbytes
@@ -240,7 +244,7 @@ class HostArena:
                     continue
             failed: BaseException | None
             try:
-                reserved = self._reserve([chunk])
+                reserved, _ = self._reserve([chunk])
             except Exception as exc:
                 failed = exc
             else:
@@ -262,7 +266,8 @@ class HostArena:
         the pinned bytes would pass ``limit_bytes``, or when no range can be reserved.
         """
         with self._cond:
-            sizes = self._new_chunks(nbytes - self._free_locked())
+            free = self._free_locked()
+            sizes = self._new_chunks(nbytes - free)
             limit = self.policy.limit_bytes
             held = self._pinned + self._pending + self._unpinning
             if sizes and limit is not None and held + sum(sizes) > limit:
@@ -272,14 +277,16 @@ class HostArena:
                     f"{limit} bytes and {held} are pinned ({used} holding backups)"
                 )
                 raise AllocatorOutOfMemory("pin host memory", None, reason, call="host_alloc")
+            # carved now: a pending chunk counted free may fail before the lock is taken again
+            extents = self._carve([self._chunks[b] for b in self._bases], min(free, nbytes))
         fresh: list[Chunk] = []
         if sizes:
             try:
-                fresh = self._reserve(sizes)
+                fresh, more = self._reserve(sizes, nbytes - sum(e.nbytes for e in extents))
             except Exception as exc:
+                self.give(extents)
                 raise pin_error(exc, sum(sizes), self.pinned_bytes()) from exc
-        with self._cond:
-            extents = self._carve(nbytes)
+            extents += more
         if fresh:
             workers = max(1, min(len(fresh), self.policy.threads))
             pool = ThreadPoolExecutor(workers, thread_name_prefix="torpor-host-pin")
@@ -294,8 +301,6 @@ class HostArena:
             i = bisect.bisect_right(self._bases, host) - 1
             c = self._chunks.get(self._bases[i]) if i >= 0 else None
             if c is None or host >= c.host + c.nbytes:
-                c = next((f for f in self._failed.values() if f.host <= host < f.host + f.nbytes), None)
-            if c is None:
                 msg = f"host address {host:#x} is in no chunk of the arena ({len(self._chunks)} chunks)"
                 raise AllocatorError("pin host memory", None, msg)
             if c.ready:
@@ -308,29 +313,34 @@ class HostArena:
                 msg = "the host arena was closed while a backup waited for pinned memory"
                 raise AllocatorError("pin host memory", None, msg)
 
-    def _carve(self, nbytes: int) -> list[Extent]:
+    def _carve(self, chunks: list[Chunk], nbytes: int) -> list[Extent]:
+        """Up to ``nbytes`` of extents from ``chunks`` (in order), skipping chunks whose pin failed."""
         out: list[Extent] = []
         left = nbytes
-        for key in self._bases:
-            c = self._chunks[key]
-            while left:
+        for c in chunks:
+            while left and c.error is None:
                 got = c.take(left)
                 if got is None:
                     break
-                out.append(Extent(c.host + got[0], got[1], key))
+                out.append(Extent(c.host + got[0], got[1], c.host))
                 left -= got[1]
             if not left:
                 break
         return out
 
     def give(self, extents: Iterable[Extent]) -> None:
-        """Return extents; with ``keep_after_wake`` off, chunks left empty are unpinned."""
+        """Return extents; with ``keep_after_wake`` off, chunks left empty are unpinned; failed chunks left empty go."""
+        failed = []
         with self._cond:
             for e in extents:
                 c = self._chunks.get(e.chunk)
                 if c is not None:
                     c.give(e.host - c.host, e.nbytes)
+                    if c.error is not None and c.used() == 0 and self._remove_locked(c):
+                        failed.append(c)
             self._cond.notify_all()
+        for c in failed:  # out of every record now: the address may be reused
+            self._unreserve(c)
         if not self.policy.keep_after_wake:
             self.trim()
 
@@ -344,8 +354,7 @@ class HostArena:
         with self._cond:
             empty = [c for c in self._chunks.values() if c.ready and c.used() == 0]
             for c in empty:
-                del self._chunks[c.host]
-                self._bases.remove(c.host)
+                self._remove_locked(c)
             total = sum(c.nbytes for c in empty)
             self._pinned -= total
             self._unpinning += total
@@ -376,6 +385,7 @@ class HostArena:
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._pinning == 0 and self._unpinning == 0, timeout=60)
             chunks = [c for c in self._chunks.values() if c.ready]
+            failed = [c for c in self._chunks.values() if c.error is not None]
             self._chunks.clear()
             self._bases.clear()
             self._pinned = self._pending = 0
@@ -383,3 +393,5 @@ class HostArena:
             self._thread.join(timeout=30)
         for c in chunks:
             self._free(c)
+        for c in failed:
+            self._unreserve(c)

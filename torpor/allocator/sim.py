@@ -8,7 +8,10 @@ that sleep and wake keep every byte. The rules follow the CUDA VMM API where
 the allocator depends on them: a mapping needs a reservation and a live
 handle, an unmap takes the whole mapped range, releasing a mapped handle frees
 its memory only at the unmap. Pinned host memory is plain host memory here;
-copies are memmoves after checking both ranges. Failures: :meth:`SimDriver.fail`
+copies are memmoves after checking both ranges. Host addresses are never
+reused unless ``reuse_host`` asks for what mmap does: a piece of a host
+reservation given back (unreserved or unpinned) is unmapped at once, and the
+next reservation that fits takes its address (lowest first). Failures: :meth:`SimDriver.fail`
 arms the n-th next invocation of any call in :attr:`SimDriver.CALLS` (the
 library's calls and this class's alike); :attr:`SimDriver.calls` records every
 invocation, in order.
@@ -65,6 +68,9 @@ class SimDriver(Driver):
 
     ``overhead``: bytes per device reported in use by :meth:`mem_info` outside
     any handle (what a CUDA context, cuBLAS and NCCL hold on a real GPU).
+    ``reuse_host``: host address space given back is reused by the next
+    reservation that fits, as a real munmap then mmap may do (off: every
+    reservation is at a fresh address).
     """
 
     name = "sim"
@@ -77,6 +83,7 @@ class SimDriver(Driver):
         granularity: int = 2 * MiB,
         devices: int = 1,
         overhead: int = 0,
+        reuse_host: bool = False,
     ) -> None:
         self.lib = native.lib()
         self.native_sim = self.lib.tp_sim_new(devices, capacity, granularity)
@@ -95,6 +102,8 @@ class SimDriver(Driver):
             int, int
         ] = {}  # start -> bytes of host memory mapped there (a reservation or a fresh buffer)
         self._host_next = _HOST_BASE
+        self.reuse_host = reuse_host
+        self._host_holes: list[tuple[int, int]] = []  # (start, size) given back, sorted: reused with reuse_host
         self._host_reserved: dict[int, list[int]] = {}  # start -> [size, bytes not yet given back]
         self._pinned: dict[int, int] = {}  # start -> bytes pinned there
         self._host_starts: list[int] = []  # starts of pinned ranges, sorted
@@ -231,9 +240,44 @@ class SimDriver(Driver):
 
     def _host_reserve(self, nbytes: int) -> int:
         with self._lock:
-            address = self._new_buffer(nbytes)
+            address = self._reuse_hole(nbytes) if self.reuse_host else None
+            if address is None:
+                address = self._new_buffer(nbytes)
             self._host_reserved[address] = [nbytes, nbytes]
             return address
+
+    def _reuse_hole(self, nbytes: int) -> int | None:
+        """Map ``nbytes`` at the lowest given-back address where they fit (what mmap may do); None when none fits."""
+        size = (nbytes + _PAGE - 1) // _PAGE * _PAGE
+        for i, (start, n) in enumerate(self._host_holes):
+            if n < size:
+                continue
+            got = _libc().mmap(start, size, _PROT_RW, _MAP_FRESH, -1, 0)
+            if got != start:
+                if got not in (None, _MAP_FAILED):
+                    _libc().munmap(got, size)
+                continue
+            self._host_holes[i : i + 1] = [(start + size, n - size)] if n > size else []
+            return start
+        return None
+
+    def _give_back_piece(self, start: int, host: int, nbytes: int) -> None:
+        """With ``reuse_host``: unmap one piece of the reservation at ``start`` now; its address may be reused."""
+        size = self._host_reserved.pop(start)[0]
+        self._buffers.pop(start, None)  # the reservation is unmapped piece by piece from now on
+        end, cut = start + size, (nbytes + _PAGE - 1) // _PAGE * _PAGE
+        for lo, hi in ((start, host), (host + cut, end)):
+            if hi > lo:
+                self._host_reserved[lo] = [hi - lo, hi - lo]
+        _libc().munmap(host, cut)
+        holes = sorted([*self._host_holes, (host, cut)])
+        merged: list[tuple[int, int]] = []
+        for s, n in holes:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((s, n))
+        self._host_holes = merged
 
     def _reservation(self, host: int, nbytes: int) -> int | None:
         for start, (n, _) in self._host_reserved.items():
@@ -278,6 +322,9 @@ class SimDriver(Driver):
             start = self._reservation(host, nbytes)
             if start is None:
                 return  # a fresh pinned buffer (no reservation), or given back already
+            if self.reuse_host:
+                self._give_back_piece(start, host, nbytes)
+                return
             entry = self._host_reserved[start]
             entry[1] -= nbytes
             if entry[1] <= 0:

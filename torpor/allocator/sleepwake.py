@@ -88,7 +88,7 @@ class SleepWake:
                     taken.append(record)
                 for tag in tags:
                     self._enqueue_backup(tag, self._tags[tag], lives[tag])
-            except AllocatorError:
+            except BaseException:  # an error or an interrupt (Ctrl-C): no backup stays half made
                 for record in taken:
                     self._drop(record)
                 for tag in frozen:
@@ -138,11 +138,13 @@ class SleepWake:
                     self._remap(tag, self._tags[tag], lives[tag])
                 for device in {d for live in lives.values() for _, _, d in live}:
                     self.driver.wait(self.driver.record(device))
-            except Exception as exc:
+            except BaseException as exc:  # an error or an interrupt (Ctrl-C): unmap what this restore mapped
                 self._rollback_restore(todo, lives)
                 logger.warning(
                     "Rolling back %d mapped allocation(s) after a failed wake", sum(map(len, lives.values()))
                 )
+                if not isinstance(exc, Exception):
+                    raise
                 raise wrap("restore", current or None, exc) from exc
             seconds = time.perf_counter() - start
             out = {t: Transfer(t, 0, 0.0, self._tags[t].backed_up) for t in tags}
@@ -199,8 +201,10 @@ class SleepWake:
                 if i + 1 < len(groups):
                     hi = min(hi, groups[i + 1][0][0])
                 record.pending.append((self.driver.record(batch[0][3]), batch[0][0], hi))
-        except Exception as exc:
+        except BaseException as exc:
             self._settle(record)
+            if not isinstance(exc, Exception):  # an interrupt stays an interrupt
+                raise
             raise wrap("backup", tag, exc) from exc
 
     def _settle(self, record: TagState) -> None:
@@ -257,10 +261,12 @@ class SleepWake:
                 self.table.unmap_range(tag, lo, hi)
             record.pending.clear()
             self.table.unmap_range(tag)
-        except Exception as exc:
+        except BaseException as exc:  # an error or an interrupt (Ctrl-C): the tag stays resident
             self._settle(record)
             lost = self._map_back(tag, record)
             self._thaw_quietly(tag)
+            if not isinstance(exc, Exception):
+                raise
             detail = f"; {lost} bytes mapped back fresh (no backup)" if lost else ""
             error = wrap("release", tag, exc)
             error.reason += f" (tag left resident{detail})"

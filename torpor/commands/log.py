@@ -234,7 +234,8 @@ def replay_text(path: Path, proj: Projection) -> str:
         + (f", level {proj.level}" if proj.level else ""),
         f"transitions {proj.transitions}, refusals {proj.refusals}, pinned host backup {fmt_bytes(proj.pinned_bytes)}",
         f"graph pool  {proj.pool or 'none'}"
-        + (f", {len(proj.graphs)} graph(s): {', '.join(proj.graphs)}" if proj.graphs else ""),
+        + (f", {proj.graph_count} graph(s): {', '.join(proj.graphs)}" if proj.graphs else "")
+        + (f" (the last {len(proj.graphs)} shown)" if proj.graph_count > len(proj.graphs) else ""),
         "",
     ]
     rows = []

@@ -8,6 +8,12 @@ events, the same one :func:`torpor.statemachine.replay` computes from the log.
 Subscribers (telemetry, RL feeds) are called after each event and can never
 break the controller. Commands are serialized: one arriving while another is in
 flight is refused (``CommandInFlight``), never queued behind a lock.
+
+Anything raised inside a sleep or a wake (a memory error, a ``KeyboardInterrupt``,
+a log that cannot be written) rolls the command back, then is raised again. When
+the rollback itself cannot be recorded the controller stays in the transitional
+state and refuses with ``NotRecovered`` until :meth:`SleepController.recover`,
+which takes each tag's residency from the memory as it is.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ from transitions import Machine
 
 from torpor.errors import (
     CommandInFlight,
+    ControllerClosed,
     InvalidLevel,
     InvalidTransition,
+    LogWriteFailed,
     MemoryOperationFailed,
     NotRecovered,
     PoolBusy,
@@ -151,6 +159,9 @@ class SleepController:
         self.log: EventLog | None = log
         self._command_lock = threading.Lock()
         self._in_flight = ""
+        self._owner: int | None = None  # the thread running the command in flight
+        self._closed_at = 0  # the sequence number of the ``closed`` event, once closed
+        self._log_failure = ""  # why a rollback could not be recorded (the controller then needs recover())
         self._emit_lock = threading.RLock()
         self._changed = threading.Condition(self._emit_lock)
         self._subscribers: list[tuple[Subscriber, frozenset[EventKind] | None]] = []
@@ -240,20 +251,39 @@ class SleepController:
     # -- commands -------------------------------------------------------------
 
     @collective("sleep")
-    def sleep(self, level: int = 1) -> Projection:
-        """Put the engine to sleep at ``level`` (1 or 2); return the resulting projection."""
+    def sleep(self, level: int = 1, *, idempotent: bool = False) -> Projection:
+        """Put the engine to sleep at ``level`` (1 or 2); return the resulting projection.
+
+        ``idempotent``: a sleep while already asleep at ``level`` or deeper is a
+        no-op recorded as ``command_repeated`` instead of a refusal (what an
+        orchestrator that retries on every rank needs; the vLLM backend sets it).
+        """
         with self._command("sleep", level=level):
             if type(level) is not int or level not in (1, 2):  # not True, not 1.0
                 self._refuse("sleep", InvalidLevel(level))
+            if idempotent and self.state in ASLEEP and (self.projection.level or 0) >= level:
+                why = f"already asleep at level {self.projection.level} since event #{self.projection.since}"
+                return self._repeated("sleep", {"level": level}, why)
             self._guard("sleep")
             return self._sleep(level)
 
     @collective("wake")
-    def wake(self, tags: Sequence[str] | str | None = None) -> Projection:
-        """Wake ``tags`` (None: all); every non-deferrable tag is restored by any wake."""
+    def wake(self, tags: Sequence[str] | str | None = None, *, idempotent: bool = False) -> Projection:
+        """Wake ``tags`` (None: all); every non-deferrable tag is restored by any wake.
+
+        ``idempotent``: a wake that would restore nothing (every tag asked for,
+        and every tag any wake restores, is resident) is a no-op recorded as
+        ``command_repeated`` instead of a refusal; unknown tags are still refused.
+        """
         with self._command("wake", tags=tags):
+            wanted = None if tags is None else _tag_list(tags)
+            if idempotent and self.state in (State.AWAKE, State.PARTIALLY_AWAKE):
+                if wanted is not None:
+                    self._check_tags("wake", wanted)
+                if not self.policy.wake_set(wanted, self.projection.asleep_tags()):
+                    return self._repeated("wake", {"tags": wanted}, f"every tag asked for is resident ({self.state})")
             self._guard("wake")
-            return self._wake(None if tags is None else _tag_list(tags))
+            return self._wake(wanted)
 
     @collective("discard")
     def discard(self, tags: Sequence[str] | str) -> Projection:
@@ -304,16 +334,25 @@ class SleepController:
                 self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
             release_unused_host(self.memory, self.host_policy)
             if resident:
-                self._discard_resident(resident)
+                self._discard_resident(resident, dropped)
             return self.projection
 
-    def _discard_resident(self, tags: list[str]) -> None:
-        """Release resident tags without a backup (each tag fully or not at all)."""
+    def _discard_resident(self, tags: list[str], dropped: list[str]) -> None:
+        """Release resident tags without a backup (each tag fully or not at all); ``dropped``: backups gone already."""
         start = time.perf_counter()
         try:
             self.memory.drop_backup(tags)  # a stale backup must never come back as their content
         except TorporError as exc:
-            self._refuse("discard", exc)
+            if not dropped:  # nothing changed yet: a refusal
+                self._refuse("discard", exc)
+            self._emit(  # backups of asleep tags went already: the discard ends, partly done, and says why
+                EventKind.DISCARD_COMPLETED,
+                tags=[],
+                error=type(exc).__name__,
+                reason=f"{exc} (after dropping the backups of {', '.join(dropped)})",
+                seconds=time.perf_counter() - start,
+            )
+            raise
         was_awake = self.state is State.AWAKE
         done: list[str] = []
         error: TorporError | None = None
@@ -401,40 +440,111 @@ class SleepController:
         return self._emit(kind, **data)
 
     def recover(self) -> Projection:
-        """Accept that an interrupted transition left memory unknown; start clean from the memory's usage."""
+        """Accept that an interrupted transition left memory unknown; start clean from the memory as it is.
+
+        Each tag's residency is taken from the memory: a tag with nothing
+        resident and bytes on the host (or discarded) is asleep, so the
+        controller ends ``awake`` when everything is resident and
+        ``partially_awake`` otherwise (a wake then restores the rest).
+        """
         with self._command("recover"):
             self._guard("recover")
+            usage = self.memory.usage()
+            released = {
+                tag: {"host": u.host, "discarded": u.discarded}
+                for tag, u in usage.items()
+                if not u.resident and (u.host or u.discarded)
+            }
             self._emit(
                 EventKind.RECOVERED,
-                usage=self._resident_usage(),
+                usage={tag: u.resident for tag, u in usage.items()},
+                released=released,
                 interrupted_state=self.state.value,
                 interrupted_step=self.projection.last_step,
             )
+            self._log_failure = ""
             self._sync_machine()
             return self.projection
 
-    def close(self) -> None:
-        """Record the end of this controller's life and close the log."""
-        with self._emit_lock:
-            self._emit(EventKind.CLOSED, state=self.state.value)
-            if self.log is not None:
-                self.log.close()
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return bool(self._closed_at)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Record the end of this controller's life and close the log; later commands raise ``ControllerClosed``.
+
+        A command in flight in another thread is waited for (up to ``timeout``
+        seconds, None: as long as it takes; past it ``CommandInFlight`` is
+        raised and nothing is closed). Called from inside a command (a
+        subscriber) it raises ``CommandInFlight`` at once. Closing twice does nothing.
+        """
+        if self._owner == threading.get_ident():
+            raise CommandInFlight("close", self._in_flight, self.state.value)
+        if not self._command_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            raise CommandInFlight("close", self._in_flight, self.state.value)
+        try:
+            with self._emit_lock:
+                if self._closed_at:
+                    return
+                try:
+                    event = self._emit(EventKind.CLOSED, state=self.state.value)
+                    self._closed_at = event.seq
+                except LogWriteFailed:
+                    logger.exception("torpor: recording 'closed' failed; the log is closed anyway")
+                    self._closed_at = self._seq or 1
+                if self.log is not None:
+                    self.log.close()
+        finally:
+            self._command_lock.release()
 
     # -- internals ------------------------------------------------------------
 
     @contextmanager
     def _command(self, name: str, **args: Any) -> Iterator[None]:
+        if self._closed_at:
+            raise ControllerClosed(name, self.engine, self.rank, self._closed_at)
         if not self._command_lock.acquire(blocking=False):
             self._refuse(name, CommandInFlight(name, self._in_flight, self.state.value))
         try:
+            if self._closed_at:  # closed while this command waited for nothing: close() held the lock
+                raise ControllerClosed(name, self.engine, self.rank, self._closed_at)
+            self._owner = threading.get_ident()
             self._in_flight = f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
             if self.projection.interrupted and name != "recover":
                 step = self.projection.last_step
-                self._refuse(name, NotRecovered(self.state.value, self.projection.last_seq, step))
+                self._refuse(
+                    name, NotRecovered(self.state.value, self.projection.last_seq, step, cause=self._log_failure)
+                )
             yield
         finally:
             self._in_flight = ""
+            self._owner = None
             self._command_lock.release()
+
+    def _repeated(self, command: str, args: dict[str, Any], reason: str) -> Projection:
+        """Record a retried command whose effect already holds; nothing else changes."""
+        self._emit(EventKind.COMMAND_REPEATED, command=command, args=args, state=self.state.value, reason=reason)
+        logger.info("torpor: %s(%s) is a no-op: %s", command, args, reason)
+        return self.projection
+
+    def _note(self, ok: list[bool], kind: EventKind, **data: Any) -> bool:
+        """Record a rollback step unless an earlier one could not be; False (and ``ok[0]`` False) if not recorded.
+
+        Once one rollback event is missing, later ones would make the log say
+        something the memory does not: the log then ends mid-transition and
+        ``recover()`` reconciles it with the memory.
+        """
+        if not ok[0]:
+            return False
+        try:
+            self._emit(kind, **data)
+        except LogWriteFailed as exc:
+            ok[0] = False
+            self._log_failure = f"the rollback could not be recorded ({exc}); memory was rolled back"
+            logger.exception("torpor: recording a rollback failed; the controller needs recover()")
+            return False
+        return True
 
     def _guard(self, command: str) -> None:
         allowed = allowed_sources(command)
@@ -451,14 +561,17 @@ class SleepController:
     def _refuse(self, command: str, error: TorporError) -> None:
         # Bounded so that a refusal of oversized input (a huge tag name) is still logged, not EventTooLarge.
         holders = [_clip(str(h), 128) for h in list(getattr(error, "holders", ()))[:16]]
-        self._emit(
-            EventKind.REFUSED,
-            command=command,
-            reason=_clip(str(error), 2048),
-            error=type(error).__name__,
-            holders=holders,
-            state=self.state.value,
-        )
+        try:
+            self._emit(
+                EventKind.REFUSED,
+                command=command,
+                reason=_clip(str(error), 2048),
+                error=type(error).__name__,
+                holders=holders,
+                state=self.state.value,
+            )
+        except LogWriteFailed:  # the refusal is what the caller must see; the log says why it lacks it
+            logger.exception("torpor: recording the refusal of %s failed", command)
         raise error
 
     def _check_tags(self, command: str, tags: Sequence[str]) -> None:
@@ -488,6 +601,8 @@ class SleepController:
 
     def _emit(self, kind: EventKind, **data: Any) -> Event:
         with self._emit_lock:
+            if self._closed_at:
+                raise ControllerClosed(f"record {kind.value}", self.engine, self.rank, self._closed_at)
             event = make_event(kind, self._seq + 1, self.engine, self.rank, data)
             if self.log is not None:
                 self.log.append(event)
@@ -498,10 +613,14 @@ class SleepController:
                 snap = make_event(
                     EventKind.SNAPSHOT, self._seq + 1, self.engine, self.rank, {"projection": self.projection.to_dict()}
                 )
-                self.log.rotate(snap)
-                self._seq = snap.seq
-                self.projection.apply(snap)
-                delivered.append(snap)  # subscribers and events() see every sequence number, as the log does
+                try:
+                    self.log.rotate(snap)
+                except (OSError, TorporError):  # the active file keeps growing; the next try is max_bytes later
+                    logger.exception("torpor: rotating %s failed; appending to the active file", self.log.path)
+                else:
+                    self._seq = snap.seq
+                    self.projection.apply(snap)
+                    delivered.append(snap)  # subscribers and events() see every sequence number, as the log does
             self._recent.extend(delivered)
             if len(self._recent) > self._keep_events:
                 del self._recent[: len(self._recent) - self._keep_events]
@@ -529,39 +648,55 @@ class SleepController:
         self._step("sleep")
         offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
         discard = [t for t, a in plan.items() if a is Action.DISCARD]
+        released: list[Transfer] = []
+        backed_up: list[str] = []  # tags with a backup this sleep made (dropped again if it aborts)
+        phase, failed = "backup", None
+        undone = False
+
+        def undo_group(exc: TorporError) -> None:  # another rank failed: roll back here, then raise
+            nonlocal undone
+            undone = True
+            self._abort_sleep(level, start, "group", exc, released, plan, backed_up, None)
+
         try:
             self.memory.drop_backup(discard)  # a stale backup must never come back as a discarded tag's content
             backed = self.memory.backup(offload)
-        except TorporError as exc:
-            self._abort_sleep(level, start, "backup", exc, released=[])
-        for tag in offload:
-            t = backed[tag]
-            self._emit(EventKind.TAG_BACKED_UP, tag=tag, bytes=t.bytes, seconds=t.seconds)
-        released: list[Transfer] = []
-        for tag in offload + discard:  # offloaded tags first: a failure then loses nothing
-            if plan[tag] is Action.DISCARD:  # with a group: every rank agrees before anything is discarded
-                self._group_hold(lambda exc: self._abort_sleep(level, start, "group", exc, released, plan))
-            try:
+            backed_up = offload
+            for tag in offload:
+                t = backed[tag]
+                self._emit(EventKind.TAG_BACKED_UP, tag=tag, bytes=t.bytes, seconds=t.seconds)
+            phase = "release"
+            for tag in offload + discard:  # offloaded tags first: a failure then loses nothing
+                if plan[tag] is Action.DISCARD:  # with a group: every rank agrees before anything is discarded
+                    self._group_hold(undo_group)
+                failed = tag
                 done = self.memory.release([tag])[tag]
-            except TorporError as exc:
-                self._abort_sleep(level, start, "release", exc, released, plan, failed=tag)
-            released.append(done)
-            self._emit(EventKind.TAG_RELEASED, tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds)
-        self._group_hold(lambda exc: self._abort_sleep(level, start, "group", exc, released, plan))
-        seconds = time.perf_counter() - start
-        offloaded = sum(t.bytes for t in released if plan[t.tag] is Action.OFFLOAD)
-        discarded = sum(t.bytes for t in released if plan[t.tag] is Action.DISCARD)
-        self._emit(
-            EventKind.SLEEP_COMPLETED,
-            level=level,
-            seconds=seconds,
-            freed=offloaded + discarded,
-            offloaded=offloaded,
-            discarded=discarded,
-            pinned=self._pinned_bytes(),
-            host_budget=self.host_policy.budget_bytes,
-            device=device_report(self.memory),
-        )
+                released.append(done)
+                failed = None
+                self._emit(
+                    EventKind.TAG_RELEASED, tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds
+                )
+            self._group_hold(undo_group)
+            phase = "recording"
+            seconds = time.perf_counter() - start
+            offloaded = sum(t.bytes for t in released if plan[t.tag] is Action.OFFLOAD)
+            discarded = sum(t.bytes for t in released if plan[t.tag] is Action.DISCARD)
+            self._emit(
+                EventKind.SLEEP_COMPLETED,
+                level=level,
+                seconds=seconds,
+                freed=offloaded + discarded,
+                offloaded=offloaded,
+                discarded=discarded,
+                pinned=self._pinned_bytes(),
+                host_budget=self.host_policy.budget_bytes,
+                device=device_report(self.memory),
+            )
+        except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise
+            if undone or self.projection.state is not State.SUSPENDING:  # undone for the group, or the sleep stands
+                self._sync_machine()
+                raise
+            self._abort_sleep(level, start, phase, exc, released, plan, backed_up, failed)
         self._step("finish_sleep")
         logger.info(
             "sleep freed %.2f GiB (%.2f GiB to host, %.2f GiB discarded) in %.2f s",
@@ -577,25 +712,28 @@ class SleepController:
         level: int,
         start: float,
         phase: str,
-        exc: TorporError,
+        exc: BaseException,
         released: list[Transfer],
-        plan: Mapping[str, Action] | None = None,
-        failed: str | None = None,
+        plan: Mapping[str, Action],
+        backed_up: list[str],
+        failed: str | None,
     ) -> None:
-        """Undo a sleep that failed: map back what was released, drop backups, stay awake."""
-        rollback_error: TorporError | None = None
+        """Undo a sleep that failed: map back what was released, drop backups, stay awake; raise ``exc``."""
+        ok = [True]
+        rollback_error: BaseException | None = None
         # A discarded tag had no backup: rolling it back maps fresh memory, its content is gone. Say so.
         # The tag whose release failed may be partly released already (some allocations unmapped).
-        lost = [t.tag for t in released if plan is not None and plan.get(t.tag) is Action.DISCARD]
-        if failed is not None and plan is not None and plan.get(failed) is Action.DISCARD:
+        lost = [t.tag for t in released if plan.get(t.tag) is Action.DISCARD]
+        if failed is not None and plan.get(failed) is Action.DISCARD:
             lost.append(failed)
         for done in reversed(released):
             try:
                 back = self.memory.restore([done.tag])[done.tag]
-            except TorporError as again:
+            except BaseException as again:  # the first error is raised below
                 rollback_error = again
                 break
-            self._emit(
+            self._note(
+                ok,
                 EventKind.TAG_RESTORED,
                 tag=done.tag,
                 bytes=back.bytes,
@@ -605,7 +743,8 @@ class SleepController:
             )
         if rollback_error is not None:
             # Could not undo: what is released stays released; the sleep completes as far as it got.
-            self._emit(
+            if self._note(
+                ok,
                 EventKind.SLEEP_COMPLETED,
                 level=level,
                 seconds=time.perf_counter() - start,
@@ -614,22 +753,27 @@ class SleepController:
                 discarded=0,
                 pinned=self._pinned_bytes(),
                 incomplete=str(rollback_error),
-            )
-            self._step("finish_sleep")
+            ):
+                self._step("finish_sleep")
+            if not isinstance(exc, Exception):  # an interrupt stays an interrupt
+                raise exc
             raise MemoryOperationFailed(
                 "sleep rollback", None, f"{exc}; rolling back failed too: {rollback_error}"
             ) from exc
-        backed = [t for t, a in (plan or {}).items() if a is Action.OFFLOAD]  # backup() cleans up its own failure
-        if backed:
+        interrupt: BaseException | None = None
+        if backed_up:  # backup() cleans up its own failure
             try:
-                self.memory.drop_backup(backed)
-            except TorporError:
+                self.memory.drop_backup(backed_up)
+            except Exception:
                 logger.exception("dropping backups after an aborted sleep failed")
+            except BaseException as again:  # an interrupt while dropping: the backups leak, the abort goes on
+                interrupt = again
         release_unused_host(self.memory, self.host_policy)
         lost_txt = (
             f"; content of {', '.join(lost)} may be lost (discarded, or partly, before the failure)" if lost else ""
         )
-        self._emit(
+        if self._note(
+            ok,
             EventKind.SLEEP_ABORTED,
             level=level,
             reason=f"{phase} failed: {exc}{lost_txt}",
@@ -637,10 +781,12 @@ class SleepController:
             seconds=time.perf_counter() - start,
             usage=self._resident_usage(),
             lost=lost,
-        )
-        self._step("abort_sleep")
+        ):
+            self._step("abort_sleep")
         if released:
             logger.warning("Rolled back %d released tag(s) after a failed sleep%s", len(released), lost_txt)
+        if interrupt is not None and isinstance(exc, Exception):
+            raise interrupt from exc
         raise exc
 
     def _wake(self, tags: list[str] | None) -> Projection:
@@ -651,53 +797,73 @@ class SleepController:
         self._emit(EventKind.WAKE_REQUESTED, tags=tags, restoring=restoring)
         self._step("wake")
         restored: list[tuple[str, Transfer, str]] = []
-        for tag in restoring:
-            source = "host" if self.projection.residency[tag].host else "fresh"
-            try:
+        undone = False
+
+        def undo_group(exc: TorporError) -> None:  # another rank failed: roll back here, then raise
+            nonlocal undone
+            undone = True
+            self._fail_wake(tags, start, exc, restored)
+
+        try:
+            for tag in restoring:
+                source = "host" if self.projection.residency[tag].host else "fresh"
                 done = self.memory.restore([tag])[tag]
-            except TorporError as exc:
-                self._fail_wake(tags, start, exc, restored)
-            restored.append((tag, done, source))
-            self._emit(EventKind.TAG_RESTORED, tag=tag, bytes=done.bytes, source=source, seconds=done.seconds)
-        self._group_hold(lambda exc: self._fail_wake(tags, start, exc, restored))  # backups kept until the group agrees
+                restored.append((tag, done, source))
+                self._emit(EventKind.TAG_RESTORED, tag=tag, bytes=done.bytes, source=source, seconds=done.seconds)
+            self._group_hold(undo_group)  # backups kept until the group agrees
+        except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise
+            if undone:  # the group's rollback ran already
+                raise
+            self._fail_wake(tags, start, exc, restored)
+        interrupt: BaseException | None = None
         try:
             self.memory.drop_backup([t for t, _, _ in restored])
-        except TorporError:
+        except Exception:
             logger.exception("dropping backups after a wake failed; the wake itself succeeded")
+        except BaseException as exc:  # an interrupt here: every tag is back, the wake stands; raised once recorded
+            interrupt = exc
         host_released = release_unused_host(self.memory, self.host_policy)
         seconds = time.perf_counter() - start
-        self._emit(
-            EventKind.WAKE_COMPLETED,
-            tags=tags,
-            seconds=seconds,
-            restored=sum(t.bytes for _, t, _ in restored),
-            pinned=self._pinned_bytes(),
-            host_released=host_released,
-        )
+        try:
+            self._emit(
+                EventKind.WAKE_COMPLETED,
+                tags=tags,
+                seconds=seconds,
+                restored=sum(t.bytes for _, t, _ in restored),
+                pinned=self._pinned_bytes(),
+                host_released=host_released,
+            )
+        except LogWriteFailed as exc:  # every tag is back and its backup gone: nothing to roll back to
+            self._log_failure = f"the end of a wake could not be recorded ({exc}); every tag asked for is resident"
+            raise
         self._step("finish_wake")
+        if interrupt is not None:
+            raise interrupt
         return self.projection
 
     def _fail_wake(
-        self, tags: list[str] | None, start: float, exc: TorporError, restored: list[tuple[str, Transfer, str]]
+        self, tags: list[str] | None, start: float, exc: BaseException, restored: list[tuple[str, Transfer, str]]
     ) -> None:
+        ok = [True]
         if restored:
             logger.warning("Rolling back %d mapped tag(s)", len(restored))
         for tag, done, source in reversed(restored):
             action = "offload" if source == "host" else "discard"
             try:
                 self.memory.release([tag])
-            except TorporError:
+            except BaseException:  # the first error is raised below
                 logger.exception("rolling back tag %r after a failed wake failed; it stays resident", tag)
                 continue
-            self._emit(EventKind.TAG_ROLLED_BACK, tag=tag, bytes=done.bytes, action=action)
-        self._emit(
+            self._note(ok, EventKind.TAG_ROLLED_BACK, tag=tag, bytes=done.bytes, action=action)
+        if self._note(
+            ok,
             EventKind.WAKE_FAILED,
             tags=tags,
             reason=str(exc),
             error=type(exc).__name__,
             seconds=time.perf_counter() - start,
-        )
-        self._step("fail_wake")
+        ):
+            self._step("fail_wake")
         raise exc
 
     def _group_hold(self, undo: Callable[[TorporError], None] | None) -> None:

@@ -22,7 +22,8 @@ class EventKind(enum.StrEnum):
 
     - ``opened``: ``usage`` {tag: resident bytes}, ``memory`` (its class), ``previous_state``,
       ``host`` (the host-memory policy: ``pin``, ``after_wake``, ``budget_bytes``)
-    - ``recovered``: ``usage``, ``interrupted_state``, ``interrupted_step``
+    - ``recovered``: ``usage``, ``released`` {tag: {host, discarded}} (tags the memory holds released), ``interrupted_state``,
+      ``interrupted_step``
     - ``sleep_requested``: ``level``, ``plan`` {tag: offload|discard}, ``usage``
     - ``tag_backed_up``: ``tag``, ``bytes``, ``seconds``
     - ``tag_released``: ``tag``, ``bytes``, ``action`` (offload|discard), ``seconds``
@@ -47,6 +48,8 @@ class EventKind(enum.StrEnum):
     - ``hook_decision``: ``hook``, ``active``, ``detail`` (free-form strings)
     - ``snapshot``: ``projection`` (the projection at a log rotation)
     - ``closed``: ``state``
+    - ``command_repeated``: ``command``, ``args``, ``state``, ``reason`` (a retried command whose effect
+      already holds, accepted as a no-op: ``sleep``/``wake`` with ``idempotent=True``, as the vLLM backend calls them)
     - ``group_agreed``: ``group``, ``command``, ``round``, ``size``, ``result`` (commit|rollback),
       ``failed`` {rank: why}, ``voted`` (this rank's own vote: ok or not), ``seconds``
     """
@@ -73,6 +76,7 @@ class EventKind(enum.StrEnum):
     HOOK_DECISION = "hook_decision"
     SNAPSHOT = "snapshot"
     CLOSED = "closed"
+    COMMAND_REPEATED = "command_repeated"
     GROUP_AGREED = "group_agreed"
 
 

@@ -2,8 +2,11 @@
 
 Each line is one event, ``{"crc":"xxxxxxxx",...}``: the CRC-32 of the line with
 the ``"crc"`` member removed. Lines are flushed on every append and fsync'ed at
-transition boundaries (configurable). Files are created 0600 in a 0700
-directory. When the active file passes ``max_bytes`` it is renamed to
+transition boundaries (configurable). The writer, :class:`EventLog`
+(:mod:`torpor.statemachine.logwriter`, re-exported here), opens its files as
+:mod:`torpor.statemachine.logfile` describes (0600, no links followed, one
+writer per log, never a file that is not a torpor log), and a failed write is
+cut back to the last whole line. When the active file passes ``max_bytes`` it is renamed to
 ``NAME.SEQ`` (SEQ = its first sequence number) and the new file opens with a
 ``snapshot`` event, so replay stays correct when old segments are pruned
 (``keep`` of them are kept). A torn last line (a crash mid-write) is tolerated
@@ -17,15 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
-import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
-from torpor.statemachine.events import BOUNDARY_KINDS, SCHEMA_VERSION, Event, EventKind, plain_event
+from torpor.errors import LogCorrupted, UnknownSchemaVersion
+from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, plain_event
 from torpor.statemachine.payload import payload_problem
 
 logger = logging.getLogger(__name__)
@@ -260,131 +261,22 @@ def read_events(path: str | os.PathLike[str], max_line: int = DEFAULT_MAX_LINE) 
     return _events(path, max_line, one_file=False)
 
 
-def _tail_state(file: Path, max_line: int) -> tuple[int, int]:
-    """(last sequence number, length of the valid prefix) of an existing file."""
-    with open(file, "rb") as fh:
-        data = fh.read()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        logger.warning("%s: cutting a torn last line (%d bytes) before appending", file, len(data) - end)
-    last = 0
-    if end:
-        start = data.rfind(b"\n", 0, end - 1) + 1
-        last = decode_line(data[start : end - 1], str(file), data.count(b"\n", 0, end), max_line).seq
-    return last, end
-
-
-def _make_private(directory: Path) -> None:
-    """Make the log's directory 0700, unless it is shared (sticky, like /tmp, or someone else's): then only warn."""
-    st = directory.stat()
-    if st.st_mode & stat.S_ISVTX or st.st_uid != os.geteuid():
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            logger.warning(
-                "%s is a shared directory (mode %o): torpor leaves its mode as it is; the log files in it are 0600",
-                directory,
-                stat.S_IMODE(st.st_mode),
-            )
-        return
-    os.chmod(directory, 0o700)
-
-
-class EventLog:
-    """Append-only, checksummed JSON Lines event log for one engine rank.
-
-    ``fsync`` makes boundary events (those that begin or end a transition)
-    durable; ``max_bytes`` rotates the active file; ``keep`` bounds how many
-    rotated segments stay on disk (None keeps all).
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        fsync: bool = True,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_line: int = DEFAULT_MAX_LINE,
-        keep: int | None = None,
-    ) -> None:
-        self.path = Path(path)
-        self.fsync = fsync
-        self.max_bytes = max_bytes
-        self.max_line = max_line
-        self.keep = keep
-        self._lock = threading.Lock()
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _make_private(self.path.parent)
-        self.last_seq = 0
-        if self.path.exists():
-            self.last_seq, valid = _tail_state(self.path, max_line)
-            if valid < self.path.stat().st_size:
-                os.truncate(self.path, valid)
-        if not self.last_seq and segments(self.path)[: -1 if self.path.exists() else None]:
-            # No event in the active file (or none at all): a crash right after a rotation renamed it.
-            *_, last = read_events(self.path, max_line)
-            self.last_seq = last.seq
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        os.fchmod(fd, 0o600)
-        self._fh = os.fdopen(fd, "ab", buffering=0)
-        self._size = self.path.stat().st_size
-
-    def next_seq(self) -> int:
-        """The sequence number the next appended event must carry."""
-        return self.last_seq + 1
-
-    def append(self, event: Event) -> None:
-        """Write ``event``; fsync it when it is a boundary and ``fsync`` is on."""
-        line = encode_line(event)
-        if len(line) > self.max_line:
-            raise EventTooLarge(event.kind.value, len(line), self.max_line)
-        with self._lock:
-            if event.seq != self.last_seq + 1:
-                msg = f"event #{event.seq} appended after #{self.last_seq}: sequence numbers must follow on"
-                raise ValueError(msg)
-            self._fh.write(line)
-            if self.fsync and event.kind in BOUNDARY_KINDS:
-                os.fsync(self._fh.fileno())
-            self.last_seq = event.seq
-            self._size += len(line)
-
-    def needs_rotation(self) -> bool:
-        """True once the active file has passed ``max_bytes``."""
-        return self._size >= self.max_bytes
-
-    def rotate(self, snapshot: Event) -> None:
-        """Close the active file as a segment; start a new one with ``snapshot``."""
-        with self._lock:
-            self._fh.close()
-            first = next(read_events_file(self.path, self.max_line)).seq
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.{first:012d}"))
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            self._fh = os.fdopen(fd, "ab", buffering=0)
-            self._size = 0
-            if self.keep is not None:
-                old = segments(self.path)[:-1]
-                for stale in old[: max(0, len(old) - self.keep)]:
-                    stale.unlink()
-        self.append(snapshot)
-        if self.fsync:
-            os.fsync(self._fh.fileno())
-            dfd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-
-    def close(self) -> None:
-        """Close the file (events already appended stay)."""
-        with self._lock:
-            if not self._fh.closed:
-                self._fh.close()
-
-    def __enter__(self) -> EventLog:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def read_events_file(file: Path, max_line: int = DEFAULT_MAX_LINE) -> Iterator[Event]:
     """Events of one file (one segment) only; a torn last line is tolerated with a warning."""
     return _events(file, max_line, one_file=True)
+
+
+# The writer lives in its own module; it is imported here so that ``torpor.statemachine.log.EventLog`` keeps working.
+from torpor.statemachine.logwriter import EventLog  # noqa: E402
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_LINE",
+    "EventLog",
+    "decode_line",
+    "decode_lines",
+    "encode_line",
+    "read_events",
+    "read_events_file",
+    "segments",
+]

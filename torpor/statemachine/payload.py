@@ -109,6 +109,20 @@ def _projection(value: Any) -> str | None:
     return None
 
 
+def _released(value: Any) -> str | None:
+    """``recovered``'s released tags: {tag: {host, discarded}} with byte counts."""
+    if not isinstance(value, Mapping):
+        return f"must be an object, got {type(value).__name__}"
+    for tag, figures in value.items():
+        if not isinstance(figures, Mapping):
+            return f"[{tag!r}] must be an object, got {type(figures).__name__}"
+        for name in ("host", "discarded"):
+            problem = _int(figures.get(name))
+            if problem:
+                return f"[{tag!r}][{name!r}] {problem}"
+    return None
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -119,7 +133,7 @@ _Check = Callable[[Any], str | None]
 _TAG_BYTES: dict[str, _Check] = {"tag": _str, "bytes": _int}
 _RULES: dict[EventKind, tuple[dict[str, _Check], dict[str, _Check]]] = {
     EventKind.OPENED: ({}, {"usage": _usage, "memory": _str, "host": _opt_mapping}),
-    EventKind.RECOVERED: ({}, {"usage": _usage}),
+    EventKind.RECOVERED: ({}, {"usage": _usage, "released": _released}),
     EventKind.SLEEP_REQUESTED: ({"level": _int}, {"usage": _usage, "plan": _mapping}),
     EventKind.TAG_BACKED_UP: (_TAG_BYTES, {"seconds": _num}),
     EventKind.TAG_RELEASED: (_TAG_BYTES, {"action": _str, "seconds": _num}),
@@ -155,6 +169,7 @@ _RULES: dict[EventKind, tuple[dict[str, _Check], dict[str, _Check]]] = {
     EventKind.HOOK_DECISION: ({}, {}),
     EventKind.SNAPSHOT: ({"projection": _projection}, {}),
     EventKind.CLOSED: ({}, {"state": _str}),
+    EventKind.COMMAND_REPEATED: ({}, {"command": _str, "args": _mapping, "state": _str, "reason": _opt_str}),
     EventKind.GROUP_AGREED: (
         {"group": _str, "command": _str, "round": _int, "size": _int, "result": _str},
         {"failed": _mapping, "seconds": _num},

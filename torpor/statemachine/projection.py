@@ -17,6 +17,10 @@ from torpor.statemachine.log import read_events
 from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import ASLEEP, TRANSITIONAL, State
 
+#: How many capture sites a projection (and so a rotation snapshot) keeps: the most recent ones.
+#: ``graph_count`` counts them all; vLLM's piecewise capture makes thousands.
+MAX_GRAPH_SITES = 64
+
 
 @dataclass
 class Projection:
@@ -39,6 +43,7 @@ class Projection:
     device_asleep: dict[str, int] = field(default_factory=dict)
     pool: str | None = None
     graphs: list[str] = field(default_factory=list)
+    graph_count: int = 0
     transitions: int = 0
     refusals: int = 0
     group: dict[str, Any] | None = None
@@ -89,6 +94,7 @@ class Projection:
             "device_asleep": dict(self.device_asleep),
             "pool": self.pool,
             "graphs": list(self.graphs),
+            "graph_count": self.graph_count,
             "transitions": self.transitions,
             "refusals": self.refusals,
             "group": self.group,
@@ -120,7 +126,8 @@ class Projection:
             host_policy=dict(raw.get("host_policy", {})),
             device_asleep={str(k): int(v) for k, v in dict(raw.get("device_asleep", {})).items()},
             pool=raw.get("pool"),
-            graphs=[str(g) for g in raw.get("graphs", [])],
+            graphs=[str(g) for g in raw.get("graphs", [])][-MAX_GRAPH_SITES:],
+            graph_count=int(raw.get("graph_count", len(raw.get("graphs", [])))),
             transitions=int(raw.get("transitions", 0)),
             refusals=int(raw.get("refusals", 0)),
             group=thaw(raw["group"]) if raw.get("group") else None,
@@ -172,11 +179,24 @@ def _snapshot(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
 
 def _opened(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
     p.residency, p.asleep = {}, set()
-    p.graphs, p.pool, p.level, p.resume_from = [], None, None, None
+    p.graphs, p.graph_count, p.pool, p.level, p.resume_from = [], 0, None, None, None
     p._observe(data.get("usage", {}))
     if data.get("host") is not None:
         p.host_policy = thaw(data["host"])
     p._set_state(State.AWAKE, event)
+
+
+def _recovered(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
+    """Start clean from the memory as it is: resident tags from ``usage``, released ones from ``released``."""
+    p.residency, p.asleep = {}, set()
+    p.graphs, p.graph_count, p.pool, p.level, p.resume_from = [], 0, None, None, None
+    p._observe(data.get("usage", {}))
+    for tag, figures in dict(data.get("released") or {}).items():
+        old = p.residency.get(tag)
+        allocs = old.allocations if old is not None else 0
+        p.residency[tag] = _usage(0, int(figures["host"]), int(figures["discarded"]), allocs)
+        p.asleep.add(tag)
+    p._set_state(State.PARTIALLY_AWAKE if p.asleep else State.AWAKE, event)
 
 
 def _sleep_requested(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
@@ -258,11 +278,14 @@ def _pool_created(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
 def _graph_captured(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
     p.pool = str(data["pool"])
     p.graphs.append(str(data["site"]))
+    p.graph_count += 1
+    if len(p.graphs) > MAX_GRAPH_SITES:
+        del p.graphs[0]
     p._observe(data.get("usage", {}))
 
 
 def _pool_released(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
-    p.pool, p.graphs = None, []
+    p.pool, p.graphs, p.graph_count = None, [], 0
     if "usage" in data:
         p._observe(data["usage"])
 
@@ -287,17 +310,24 @@ def _group_agreed(p: Projection, event: Event, data: Mapping[str, Any]) -> None:
 _Step = Callable[[Projection, Event, Mapping[str, Any]], None]
 
 #: Facts that change nothing the projection holds beyond the last event.
-_NO_STATE = frozenset({EventKind.TAG_BACKED_UP, EventKind.HOOK_DECISION, EventKind.CLOSED})
+_NO_STATE = frozenset({EventKind.TAG_BACKED_UP, EventKind.HOOK_DECISION, EventKind.CLOSED, EventKind.COMMAND_REPEATED})
 
 #: Facts recorded beside a transition; they never become its ``last_step``.
 _SIDE_FACTS = frozenset(
-    {EventKind.REFUSED, EventKind.HOOK_DECISION, EventKind.USAGE_OBSERVED, EventKind.SNAPSHOT, EventKind.CLOSED}
+    {
+        EventKind.REFUSED,
+        EventKind.HOOK_DECISION,
+        EventKind.USAGE_OBSERVED,
+        EventKind.SNAPSHOT,
+        EventKind.CLOSED,
+        EventKind.COMMAND_REPEATED,
+    }
 )
 
 _STEP_OF: dict[EventKind, _Step] = {
     EventKind.SNAPSHOT: _snapshot,
     EventKind.OPENED: _opened,
-    EventKind.RECOVERED: _opened,
+    EventKind.RECOVERED: _recovered,
     EventKind.SLEEP_REQUESTED: _sleep_requested,
     EventKind.TAG_RELEASED: _tag_released,
     EventKind.TAG_RESTORED: _tag_restored,

@@ -50,7 +50,8 @@ TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "discard", "source": A, "dest": P},
     {"trigger": "capture", "source": A, "dest": None},
     {"trigger": "release_pool", "source": [A, P], "dest": None},
-    {"trigger": "recover", "source": [S, R], "dest": A},
+    {"trigger": "recover", "source": [S, R], "dest": A, "conditions": "all_resident"},
+    {"trigger": "recover", "source": [S, R], "dest": P, "unless": "all_resident"},
 ]
 
 #: Triggers a caller issues; the rest are steps the controller takes itself.

@@ -198,7 +198,7 @@ class MultiprocessSink:
         for part, value in proj.device_asleep.items():
             if part in ("in_use", "tagged", "untagged"):
                 self._set("torpor_asleep_device_bytes", (*base, part), float(value))
-        self._set("torpor_cudagraphs", base, float(len(proj.graphs)))
+        self._set("torpor_cudagraphs", base, float(proj.graph_count))
         for metric, name in _LAST.items():
             if metric in tracker.last:
                 self._set(name, base, tracker.last[metric])

@@ -250,7 +250,7 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
         if part in proj.device_asleep:
             value = float(proj.device_asleep[part])
             add("torpor_asleep_device_bytes", "torpor_asleep_device_bytes", (("part", part),), value)
-    add("torpor_cudagraphs", "torpor_cudagraphs", (), float(len(proj.graphs)))
+    add("torpor_cudagraphs", "torpor_cudagraphs", (), float(proj.graph_count))
     counters, hists = stats.snapshot()
     for metric, family in _COUNTERS.items():
         names = METRICS[family][1]

@@ -42,7 +42,7 @@ from typing import Any
 from torpor.errors import TorporError
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, NcclDecision, apply_nccl_defaults
 from torpor.hooks.predicate import CudagraphPoolDecision
-from torpor.hooks.vllm.facade import TorporMemAllocator, get_instance
+from torpor.hooks.vllm.facade import DEFAULT_ENGINE, ENV_ENGINE, TorporMemAllocator, get_instance
 from torpor.hooks.vllm.predicate import BACKEND, decision_for, extended_predicate, selects_torpor
 
 logger = logging.getLogger("torpor.vllm")
@@ -67,6 +67,7 @@ class Activation:
     slot_class: Any = None
     slot_previous: Any = None
     env_previous: str | None = None
+    engine_previous: str | None = None
     allocator: TorporMemAllocator | None = None
     decisions: list[CudagraphPoolDecision] = field(default_factory=list)
     nccl: list[NcclDecision] = field(default_factory=list)
@@ -182,6 +183,11 @@ def activate() -> Activation:
             cumem.CuMemAllocator.instance = allocator
         cls.use_cumem_cudagraph_pool = property(extended_predicate(original.fget), doc=original.__doc__)
         os.environ[ENV_ACTIVE] = "1"
+        state.engine_previous = os.environ.get(ENV_ENGINE)
+        if not state.engine_previous:
+            # One name per engine, shared by its ranks (they inherit the environment), never by two engines on a
+            # host: the process that selects torpor first (the API server, or the LLM's process) names the engine.
+            os.environ[ENV_ENGINE] = f"{DEFAULT_ENGINE}-{os.getpid()}"
         if not _process.atexit_registered:
             atexit.register(_release_at_exit)
             _process.atexit_registered = True
@@ -203,6 +209,10 @@ def deactivate() -> None:
             os.environ.pop(ENV_ACTIVE, None)
         else:
             os.environ[ENV_ACTIVE] = state.env_previous
+        if state.engine_previous is None:
+            os.environ.pop(ENV_ENGINE, None)
+        else:
+            os.environ[ENV_ENGINE] = state.engine_previous
 
 
 def is_active() -> bool:

@@ -5,7 +5,12 @@ vLLM's worker creates the backend on its first sleep
 ``resume(tags)`` and ``discard(tags)``; ``state()`` tells ``/health`` whether the
 engine serves. Each call is a guarded controller command: an invalid one is
 refused with a reason that names the state (and is recorded as an event), and
-what it did is recorded in the rank's event log. The capability classmethods
+what it did is recorded in the rank's event log. vLLM's executor sends each call
+to every rank and counts it done only when every rank succeeded, so after one
+rank failed the orchestrator repeats it on all of them: a repeated ``suspend``
+or ``resume`` whose effect already holds on this rank (asleep at that level or
+deeper; every tag asked for resident) is a no-op, recorded as a
+``command_repeated`` event, not a refusal. The capability classmethods
 answer for torpor's mechanism: memory is released and restored inside the
 process, so communicators, compiled artifacts and CUDA graphs stay valid, and
 nothing survives the process.
@@ -129,12 +134,18 @@ class TorporSleepBackend(_Base):  # type: ignore[misc, valid-type]
         return self._controller
 
     def suspend(self, level: int = 1) -> None:
-        """Sleep at ``level``: offload weights (level 1) or discard them (level 2); kv_cache discarded; graphs offloaded."""
-        self._controller.sleep(level)
+        """Sleep at ``level``: offload weights (level 1) or discard them (level 2); kv_cache discarded; graphs offloaded.
+
+        Already asleep at ``level`` or deeper (a retry after another rank failed): a recorded no-op.
+        """
+        self._controller.sleep(level, idempotent=True)
 
     def resume(self, tags: list[str] | None = None) -> None:
-        """Wake ``tags`` (None: all); every tag other than weights and kv_cache comes back with any wake."""
-        self._controller.wake(tags)
+        """Wake ``tags`` (None: all); every tag other than weights and kv_cache comes back with any wake.
+
+        Every tag asked for resident already (a retry after another rank failed): a recorded no-op.
+        """
+        self._controller.wake(tags, idempotent=True)
 
     def discard(self, tags: tuple[str, ...]) -> None:
         """Drop the host backups of asleep ``tags`` (their next wake maps fresh memory); refused while awake."""

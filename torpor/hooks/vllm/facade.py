@@ -27,8 +27,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from torpor.errors import TorporError
-from torpor.statemachine.controller import SleepController
+from torpor.errors import CommandInFlight, ControllerClosed, TorporError
+from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.policy import Policy
 from torpor.statemachine.protocol import Memory
 
@@ -41,11 +41,18 @@ ENV_ENGINE = "TORPOR_ENGINE"
 #: Overrides the rank torpor reads from vLLM's world group.
 ENV_RANK = "TORPOR_RANK"
 DEFAULT_ENGINE = "vllm"
+#: How long ``release_pools()`` (vLLM's shutdown, torpor's atexit) waits for a command in flight.
+CLOSE_TIMEOUT_S = 60.0
 
 
 def default_log_dir() -> Path:
-    """``$TORPOR_LOG_DIR``, else ``<tempdir>/torpor`` (``/tmp/torpor`` on Linux)."""
-    return Path(os.environ.get(ENV_LOG_DIR) or Path(tempfile.gettempdir()) / "torpor")
+    """``$TORPOR_LOG_DIR``, else ``<tempdir>/torpor-<uid>`` (``/tmp/torpor-1000``): one per user, 0700.
+
+    A directory per user, so that one user's engines never block another's (a
+    shared ``/tmp/torpor`` belongs to whoever made it first, and torpor refuses
+    a log directory that belongs to someone else).
+    """
+    return Path(os.environ.get(ENV_LOG_DIR) or Path(tempfile.gettempdir()) / f"torpor-{os.geteuid()}")
 
 
 def _group_attr(name: str, attr: str) -> int | None:
@@ -70,7 +77,7 @@ def worker_rank() -> int:
 
 
 def engine_name() -> str:
-    """``$TORPOR_ENGINE`` (default ``vllm``), with ``-dpN`` added when vLLM runs data parallel."""
+    """``$TORPOR_ENGINE`` (``vllm-<pid>`` once activated, see ``activation.activate``), ``-dpN`` added under data parallelism."""
     name = os.environ.get(ENV_ENGINE) or DEFAULT_ENGINE
     dp_size = _group_attr("_DP", "world_size")
     dp_rank = _group_attr("_DP", "rank_in_group")
@@ -128,6 +135,7 @@ class TorporMemAllocator:
         self._lock = threading.RLock()
         self._sites = itertools.count(1)
         self._closed = False
+        self._closed_controller: SleepController | None = None
         self._decisions_recorded = False
         self.telemetry: Any = None
 
@@ -153,19 +161,28 @@ class TorporMemAllocator:
 
     @property
     def controller(self) -> SleepController:
-        """This worker's SleepController, created on first use with the worker's rank."""
+        """This worker's SleepController, created on first use with the worker's rank; ``ControllerClosed`` once released."""
         with self._lock:
+            if self._closed:
+                closed = self._closed_controller
+                engine, rank = (closed.engine, closed.rank) if closed is not None else (self._engine or "?", -1)
+                seq = closed.last_seq if closed is not None else 0
+                raise ControllerClosed("use the allocator after release_pools()", engine, rank, seq)
             if self._controller is None:
                 self._controller = self._start()
             return self._controller
 
     def _start(self) -> SleepController:
         log_dir = Path(self._log_dir) if self._log_dir is not None else default_log_dir()
-        log_dir.mkdir(parents=True, exist_ok=True)
         engine = self._engine or engine_name()
         rank = self._rank if self._rank is not None else worker_rank()
-        controller = SleepController(
-            self.memory, log=log_dir, policy=self._policy, engine=engine, rank=rank, fsync=self._fsync
+        controller = SleepController(  # the log file's directory is created 0700 (or checked) by the log
+            self.memory,
+            log=log_path_for(log_dir, engine, rank),
+            policy=self._policy,
+            engine=engine,
+            rank=rank,
+            fsync=self._fsync,
         )
         if controller.projection.interrupted and controller.projection.pid != os.getpid():
             # The log ends inside a transition of an earlier process; this one starts with fresh memory.
@@ -213,15 +230,18 @@ class TorporMemAllocator:
                     level,
                     ", ".join(differ),
                 )
-        self.controller.sleep(level)
+        self.controller.sleep(level, idempotent=True)  # a retry on a rank already asleep is a recorded no-op
 
     def discard(self, tags: tuple[str, ...] | str) -> None:
         """Drop the host backup of asleep ``tags`` (``SleepController.discard``)."""
         self.controller.discard([tags] if isinstance(tags, str) else list(tags))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake ``tags`` (None: all); every tag other than weights and kv_cache comes back with any wake."""
-        self.controller.wake(tags)
+        """Wake ``tags`` (None: all); every tag other than weights and kv_cache comes back with any wake.
+
+        Every tag asked for resident already (a retry after another rank failed): a recorded no-op.
+        """
+        self.controller.wake(tags, idempotent=True)
 
     def get_current_usage(self) -> int:
         """Bytes of every allocation in the pools (resident, on the host or discarded), as CuMemAllocator counts."""
@@ -254,7 +274,12 @@ class TorporMemAllocator:
             except Exception:  # teardown must go on
                 logger.exception("torpor: detaching telemetry failed")
         if controller is not None:
-            controller.close()
+            self._closed_controller = controller
+            try:
+                controller.close(timeout=CLOSE_TIMEOUT_S)
+            except CommandInFlight:  # a command that never ends: closing the memory under it would be worse
+                logger.exception("torpor: a command is still in flight after %.0f s; memory left open", CLOSE_TIMEOUT_S)
+                return
         closer = getattr(self._memory, "close", None)
         if callable(closer):
             closer()

@@ -1,0 +1,267 @@
+"""Interrupts and shutdown: Ctrl-C inside any driver call of a sleep or wake rolls back and re-raises; close() is clean.
+
+The interrupt matrix reuses the fault matrix's scenarios and its simulated
+device rig: every driver call that a sleep or a wake makes (from a dry run) in
+turn raises ``KeyboardInterrupt`` instead of returning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_reliability_faults import SCENARIOS, Case, SimRig, _agree, _cases, _offloaded, _run, _sim_available
+
+from torpor.errors import CommandInFlight, ControllerClosed, LogWriteFailed, MemoryOperationFailed, NotRecovered
+from torpor.statemachine.controller import SleepController
+from torpor.statemachine.events import EventKind
+from torpor.statemachine.log import EventLog
+from torpor.statemachine.projection import replay
+from torpor.statemachine.states import TRANSITIONAL, State
+from torpor.testing import FakeMemory
+
+TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024}
+
+
+class _Interrupting:
+    """The native library as the allocator and the simulated device see it, raising Ctrl-C once a call has run.
+
+    CPython delivers SIGINT between bytecodes: a Ctrl-C that arrives while the
+    native library runs a driver call (most of them run inside the C table)
+    is raised as ``KeyboardInterrupt`` right after that library call returns
+    to Python. This proxy does exactly that for the ``nth`` next ``call``.
+    """
+
+    def __init__(self, lib: Any, driver: Any, call: str, nth: int) -> None:
+        self._lib = lib
+        self._driver = driver
+        self._index = driver.CALLS.index(call)
+        self._call = call
+        self._target = self._count() + nth
+        self.fired = False
+
+    def _count(self) -> int:
+        lib, sim = self._lib, self._driver.native_sim
+        n = int(lib.tp_sim_log(sim, 0, None, 0))
+        buf = ctypes.create_string_buffer(max(n, 1))
+        lib.tp_sim_log(sim, 0, buf, n)
+        return sum(1 for b in buf.raw[:n] if b & 0x7F == self._index)
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._lib, name)
+        if not callable(real) or name.startswith("tp_sim_log"):
+            return real
+
+        def call(*args: Any) -> Any:
+            result = real(*args)
+            if not self.fired and self._count() >= self._target:
+                self.fired = True
+                msg = f"Ctrl-C during {self._call}"
+                raise KeyboardInterrupt(msg)
+            return result
+
+        return call
+
+
+class InterruptRig(SimRig):
+    """The simulated device, where Ctrl-C arrives during an armed driver call."""
+
+    def arm(self, key: Hashable, nth: int) -> None:
+        """The ``nth`` next call ``key`` is interrupted (raised when the library returns to Python)."""
+        table = self.allocator.table
+        proxy = _Interrupting(table.lib, self.driver, str(key), nth)
+        table.lib = proxy
+        self.driver.lib = proxy
+
+
+def _interrupt_matrix() -> list[Any]:
+    if not _sim_available():
+        return [pytest.param(None, id="sim-not-built", marks=pytest.mark.skip(reason="TaggedAllocator not built"))]
+    return [pytest.param(case, id=str(case)) for case in _cases("sim")]
+
+
+@pytest.mark.parametrize("case", _interrupt_matrix())
+def test_interrupt_at_each_driver_call_rolls_back(tmp_path: Path, case: Case) -> None:
+    """Ctrl-C at each driver call of each sleep and wake: re-raised, rolled back, log agrees, every offloaded byte exact."""
+    rig = InterruptRig()
+    try:
+        path = tmp_path / "e.jsonl"
+        ctrl = SleepController(rig.memory, EventLog(path, fsync=False))
+        commands = SCENARIOS[case.scenario]
+        level = commands[0][1]
+        original = rig.content()
+        for command in commands[: case.step]:
+            _run(ctrl, command)
+        state, seq = ctrl.state, ctrl.last_seq
+        rig.arm(case.key, case.nth)
+        interrupted = False
+        try:
+            _run(ctrl, commands[case.step])
+        except KeyboardInterrupt:
+            interrupted = True
+        assert interrupted, f"the interrupt in {case.key} was swallowed"
+        assert ctrl.state not in TRANSITIONAL, f"left in {ctrl.state}"
+        kinds = [e.kind for e in ctrl.events(after=seq)]
+        if ctrl.state is state:  # rolled back, and says so
+            assert {EventKind.SLEEP_ABORTED, EventKind.WAKE_FAILED} & set(kinds), kinds
+        else:  # interrupted after the command was complete (dropping backups after a wake): it stands
+            assert kinds[-1] in (EventKind.WAKE_COMPLETED, EventKind.SLEEP_COMPLETED), kinds
+        _agree(ctrl, path)
+        for command in commands[case.step + 1 :]:
+            if command[0] == "wake" and ctrl.state is State.AWAKE:
+                continue
+            _run(ctrl, command)
+        if ctrl.state is not State.AWAKE:
+            ctrl.wake()
+        after = rig.content()
+        for tag in _offloaded(level):
+            assert after[tag] == original[tag], f"offloaded tag {tag!r} lost bytes ({case})"
+        rig.scribble()
+        again = rig.content()
+        ctrl.sleep(1)
+        ctrl.wake()
+        assert {t: rig.content()[t] for t in _offloaded(1)} == {t: again[t] for t in _offloaded(1)}
+        _agree(ctrl, path)
+    finally:
+        rig.close()
+
+
+def test_recover_reconciles_with_the_memory_as_it_is(tmp_path: Path) -> None:
+    """Left mid-sleep with tags really released (the disk filled, then the rollback failed): recover() says partially awake."""
+    memory = FakeMemory(TAGS)
+    path = tmp_path / "e.jsonl"
+    ctrl = SleepController(memory, EventLog(path, fsync=False))
+    before = {t: memory.content(t) for t in TAGS}
+    disk_full = _fill_disk_at(ctrl, path, EventKind.TAG_RELEASED, "weights")
+    memory.fail_once("restore", "weights")  # and mapping weights back fails too
+    with pytest.raises(MemoryOperationFailed, match="rolling back failed too"):
+        ctrl.sleep(1)
+    assert ctrl.state is State.SUSPENDING  # the log could record nothing more
+    assert memory.content("weights") is None and memory.content("runtime") is None
+    disk_full[0] = False  # space is back
+    proj = ctrl.recover()
+    assert proj.state is State.PARTIALLY_AWAKE
+    assert proj.asleep_tags() == ["runtime", "weights"]
+    assert replay(path).to_dict() == proj.to_dict()
+    ctrl.wake()
+    assert ctrl.state is State.AWAKE
+    assert {t: memory.content(t) for t in ("weights", "runtime")} == {t: before[t] for t in ("weights", "runtime")}
+    assert replay(path).to_dict() == ctrl.projection.to_dict()
+
+
+def _fill_disk_at(ctrl: SleepController, path: Path, kind: EventKind, tag: str) -> list[bool]:
+    """From the next ``kind`` event of ``tag`` on, every append fails with ENOSPC until the returned flag is cleared."""
+    log = ctrl.log
+    assert log is not None
+    real_append = log.append
+    full, armed = [False], [True]
+
+    def append(event: Any) -> None:
+        if armed[0] and event.kind is kind and event.data.get("tag") == tag:
+            full[0], armed[0] = True, False
+        if full[0]:
+            raise LogWriteFailed(str(path), event.kind.value, event.seq, "[Errno 28] No space left on device")
+        real_append(event)
+
+    log.append = append  # type: ignore[method-assign]
+    return full
+
+
+def test_close_waits_for_a_command_in_flight(tmp_path: Path) -> None:
+    """close() while a sleep is in flight waits for it, then closes; the log ends with the sleep and 'closed'."""
+    memory = FakeMemory(TAGS)
+    path = tmp_path / "e.jsonl"
+    ctrl = SleepController(memory, EventLog(path, fsync=False))
+    inside, go_on = threading.Event(), threading.Event()
+    real_release = memory.release
+
+    def release(tags: list[str]) -> Any:
+        inside.set()
+        go_on.wait(30)
+        return real_release(tags)
+
+    memory.release = release  # type: ignore[method-assign]
+    sleeper = threading.Thread(target=ctrl.sleep, args=(1,))
+    sleeper.start()
+    assert inside.wait(30)
+    with pytest.raises(CommandInFlight, match="sleep"):
+        ctrl.close(timeout=0)  # with a deadline that passes: refused, nothing closed
+    closer = threading.Thread(target=ctrl.close)
+    closer.start()
+    go_on.set()
+    sleeper.join(30)
+    closer.join(30)
+    assert not sleeper.is_alive() and not closer.is_alive()
+    kinds = [e.kind for e in ctrl.events()]
+    assert kinds[-2:] == [EventKind.SLEEP_COMPLETED, EventKind.CLOSED]
+    assert replay(path).state is State.ASLEEP_L1
+
+
+def test_commands_after_close_raise_controller_closed(tmp_path: Path) -> None:
+    """After close(), every command and record raises ControllerClosed (not a ValueError on a closed file); close twice is fine."""
+    ctrl = SleepController(FakeMemory(TAGS), EventLog(tmp_path / "e.jsonl", fsync=False))
+    ctrl.close()
+    ctrl.close()
+    for command in (
+        lambda: ctrl.sleep(1),
+        ctrl.wake,
+        lambda: ctrl.discard(["kv_cache"]),
+        ctrl.release_cudagraph_pool,
+        ctrl.recover,
+        ctrl.observe,
+        lambda: ctrl.record(EventKind.HOOK_DECISION, hook="x", active=True, detail=""),
+    ):
+        with pytest.raises(ControllerClosed, match="closed at event #"):
+            command()
+    assert [e.kind for e in replay_events(tmp_path / "e.jsonl")].count(EventKind.CLOSED) == 1
+
+
+def test_close_from_inside_a_command_is_refused(tmp_path: Path) -> None:
+    """close() from a subscriber (inside a command) raises CommandInFlight instead of deadlocking."""
+    ctrl = SleepController(FakeMemory(TAGS), EventLog(tmp_path / "e.jsonl", fsync=False))
+    seen: list[BaseException] = []
+
+    def closer(event: Any) -> None:
+        if event.kind is EventKind.SLEEP_REQUESTED:
+            try:
+                ctrl.close()
+            except CommandInFlight as exc:
+                seen.append(exc)
+
+    ctrl.subscribe(closer)
+    ctrl.sleep(1)
+    assert len(seen) == 1
+    assert ctrl.state is State.ASLEEP_L1
+    ctrl.close()
+    with pytest.raises(ControllerClosed):
+        ctrl.wake()
+
+
+def test_not_recovered_names_the_log_failure(tmp_path: Path) -> None:
+    """When a rollback cannot be recorded the controller refuses with NotRecovered naming why, until recover()."""
+    memory = FakeMemory(TAGS)
+    path = tmp_path / "e.jsonl"
+    ctrl = SleepController(memory, EventLog(path, fsync=False))
+    disk_full = _fill_disk_at(ctrl, path, EventKind.TAG_RELEASED, "weights")
+    with pytest.raises(LogWriteFailed, match="No space left"):
+        ctrl.sleep(1)
+    assert ctrl.state is State.SUSPENDING  # what the log says; the memory was rolled back
+    assert all(memory.content(t) is not None for t in TAGS)
+    with pytest.raises(NotRecovered, match="rollback could not be recorded"):
+        ctrl.wake()
+    disk_full[0] = False
+    assert ctrl.recover().state is State.AWAKE
+    ctrl.sleep(1)
+    ctrl.wake()
+    assert replay(path).to_dict() == ctrl.projection.to_dict()
+
+
+def replay_events(path: Path) -> list[Any]:
+    """Every event of the log at ``path``."""
+    from torpor.statemachine.log import read_events
+
+    return list(read_events(path))
