@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
-from support import TINY_LLAMA  # noqa: E402
+from support import TINY_LLAMA, model_less_worker  # noqa: E402
 
 from torpor.allocator import SimDriver, TaggedAllocator  # noqa: E402
 from torpor.errors import InvalidTransition  # noqa: E402
@@ -279,13 +279,7 @@ def test_vllm_worker_sleep_wake_and_discard(engine: Any, monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda *args: (capacity - engine.driver.used, capacity))
     model_config = torpor_model_config(engine.tmp)
     model_config.enable_cumem_allocator = True  # what vLLM's ModelConfig sets for sleep mode
-    worker = gpu_worker.Worker.__new__(gpu_worker.Worker)  # the worker's sleep path, without a model
-    worker.vllm_config = SimpleNamespace(model_config=model_config)
-    worker.model_config = model_config
-    worker.model_runner = SimpleNamespace(model=torch.nn.Linear(2, 2), get_draft_model=lambda: None)
-    worker._sleep_mode_backend = None
-    worker._sleep_saved_buffers, worker._sleep_saved_parameters, worker._sleep_saved_draft_buffers = {}, {}, {}
-    monkeypatch.setattr(worker, "synchronize_device", lambda: None)
+    worker = model_less_worker(model_config, monkeypatch)  # the worker's sleep path, without a model
 
     memory = engine.allocator.memory
     with worker._maybe_get_memory_pool_context(tag="weights"):

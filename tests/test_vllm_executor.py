@@ -21,6 +21,7 @@ pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
 import test_vllm_backend  # noqa: E402
+from support import model_less_worker  # noqa: E402
 from test_vllm_backend import fill, torpor_model_config  # noqa: E402
 
 from torpor.allocator import SimDriver, TaggedAllocator  # noqa: E402
@@ -43,20 +44,6 @@ class Rank(SimpleNamespace):
     worker: Any
     content: dict[str, tuple[int, bytes]]
     current: list[int]  # shared by all ranks: the rank whose call runs now (what the device calls answer for)
-
-
-def _worker(model_config: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """vLLM's GPU Worker with its sleep path intact and no model (as tests/test_vllm_backend.py builds it)."""
-    import torch
-
-    worker = gpu_worker.Worker.__new__(gpu_worker.Worker)
-    worker.vllm_config = SimpleNamespace(model_config=model_config)
-    worker.model_config = model_config
-    worker.model_runner = SimpleNamespace(model=torch.nn.Linear(2, 2), get_draft_model=lambda: None)
-    worker._sleep_mode_backend = None
-    worker._sleep_saved_buffers, worker._sleep_saved_parameters, worker._sleep_saved_draft_buffers = {}, {}, {}
-    monkeypatch.setattr(worker, "synchronize_device", lambda: None)
-    return worker
 
 
 @pytest.fixture
@@ -82,7 +69,7 @@ def ranks(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Rank]]:
                 TaggedAllocator(driver), log_dir=engine.logs, engine="vllm", rank=rank, fsync=False
             )
             facade.configure(allocator)  # what get_instance() answers in this rank's process
-            worker = _worker(model_config, monkeypatch)
+            worker = model_less_worker(model_config, monkeypatch)
             worker.sleep_mode_backend  # noqa: B018 - the backend binds to this rank's controller now
             content = {}
             for seed, (tag, size) in enumerate((("weights", 8 * MiB), ("kv_cache", 16 * MiB), ("runtime", 2 * MiB))):
