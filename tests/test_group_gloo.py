@@ -19,12 +19,13 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 KiB, MiB = 1 << 10, 1 << 20
@@ -177,17 +178,11 @@ def _main() -> int:
 # -- the tests (the parent) ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(tmp_path: Path, world: int, lose: str) -> list[dict[str, Any] | None]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         cmd = [sys.executable, __file__, "--rank", str(rank), "--world", str(world), "--port", str(port)]
