@@ -1,4 +1,4 @@
-"""Helpers shared by several test modules: Prometheus exposition samples, a tiny model config and a model-less Worker for vLLM, a free port, the two-GPU tests' worker processes."""
+"""Helpers shared by several test modules: Prometheus exposition samples, a tiny model config and a model-less Worker for vLLM, a free port, a real Prometheus, the two-GPU tests' worker processes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,40 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextmanager
+def real_prometheus(tmp: Path, target_port: int) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real Prometheus (on PATH) on a free loopback port, scraping ``127.0.0.1:target_port`` every second.
+
+    Yields its URL and process, and terminates it on leaving. Its configuration, data and log
+    (``prometheus.log``, warnings and worse) are in ``tmp``. It may not be ready yet: callers wait
+    for what they need (readiness, a first scrape) themselves.
+    """
+    config = tmp / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: torpor\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{target_port}']\n"
+    )
+    port = free_port()
+    with (tmp / "prometheus.log").open("w") as log:
+        proc = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            yield f"http://127.0.0.1:{port}", proc
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
 
 
 def model_less_worker(model_config: Any, monkeypatch: pytest.MonkeyPatch) -> Any:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
-import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -16,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import real_prometheus
 
 from torpor import SleepController
 from torpor.cli import main
@@ -114,12 +113,6 @@ class TimedMemory(FakeMemory):
         return {t: Transfer(t, x.bytes, x.bytes / LINK if x.offloaded else 0.0, x.offloaded) for t, x in done.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback test server
         return json.loads(response.read())
@@ -174,48 +167,28 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     memory = TimedMemory({"weights": 16 * GiB, "kv_cache": 40 * GiB, "cudagraph": GiB // 2, "runtime": GiB // 4})
     controller = SleepController(memory, engine="e2e", rank=0)
     server = serve(controller, 0)
-    config = tmp / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: torpor\n    static_configs:\n"
-        f"      - targets: ['127.0.0.1:{server.port}']\n"
-    )
-    port = _free_port()
-    log = (tmp / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/-/ready", timeout=2):  # noqa: S310
-                    break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail(f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}")
+        with real_prometheus(tmp, server.port) as (url, proc):
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    with urllib.request.urlopen(url + "/-/ready", timeout=2):  # noqa: S310
+                        break
+                except OSError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        pytest.fail(f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}")
+                    time.sleep(0.1)
+            # Prometheus applies new scrape targets only every 5 s: wait for the first scrape, then act.
+            while not [t for t in _get(url + "/api/v1/targets")["data"]["activeTargets"] if t["health"] == "up"]:
+                if time.monotonic() > deadline:
+                    pytest.fail(
+                        f"prometheus never scraped the endpoint: {(tmp / 'prometheus.log').read_text()[-2000:]}"
+                    )
                 time.sleep(0.1)
-        # Prometheus applies new scrape targets only every 5 s: wait for the first scrape, then act.
-        while not [t for t in _get(url + "/api/v1/targets")["data"]["activeTargets"] if t["health"] == "up"]:
-            if time.monotonic() > deadline:
-                pytest.fail(f"prometheus never scraped the endpoint: {(tmp / 'prometheus.log').read_text()[-2000:]}")
-            time.sleep(0.1)
-        _activity(controller, memory, 3.5)
-        _wait_for_a_scrape_after(url, time.time(), time.monotonic() + 30)
-        yield Run(url, server, controller)
+            _activity(controller, memory, 3.5)
+            _wait_for_a_scrape_after(url, time.time(), time.monotonic() + 30)
+            yield Run(url, server, controller)
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        log.close()
         server.close()
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
+from support import real_prometheus
 
 from torpor import SleepController
 from torpor.telemetry import Server, serve
@@ -296,9 +297,6 @@ def test_events_refuse_another_engine_or_rank(server: Server) -> None:
 @pytest.mark.prometheus
 def test_a_real_prometheus_scrape_takes_the_fast_path(controller: SleepController, tmp_path: Any) -> None:
     """A real Prometheus (its own Accept, preferring OpenMetrics, and gzip) gets the directly rendered text format."""
-    import socket
-    import subprocess
-
     with serve(controller, 0) as server:
         seen: list[tuple[str, str]] = []
         rendered: list[int] = []
@@ -314,32 +312,12 @@ def test_a_real_prometheus_scrape_takes_the_fast_path(controller: SleepControlle
             return render()
 
         server.routes["/metrics"], server._render = recording_route, counting_render
-        config = tmp_path / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: torpor\n    static_configs:\n"
-            f"      - targets: ['127.0.0.1:{server.port}']\n"
-        )
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        log = (tmp_path / "prometheus.log").open("w")
-        proc = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={config}",
-                f"--storage.tsdb.path={tmp_path / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
+        with real_prometheus(tmp_path, server.port) as (url, proc):
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    with urllib.request.urlopen(
-                        f"http://127.0.0.1:{port}/api/v1/query?query=up{{job=%22torpor%22}}", timeout=5
-                    ) as response:
+                    query = f"{url}/api/v1/query?query=up{{job=%22torpor%22}}"
+                    with urllib.request.urlopen(query, timeout=5) as response:  # noqa: S310 - loopback Prometheus
                         result = json.loads(response.read())["data"]["result"]
                     if result and result[0]["value"][1] == "1":
                         break
@@ -349,10 +327,6 @@ def test_a_real_prometheus_scrape_takes_the_fast_path(controller: SleepControlle
                     -2000:
                 ]
                 time.sleep(0.2)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=20)
-            log.close()
     assert seen, "prometheus never scraped"
     accept, encoding = seen[0]
     assert "application/openmetrics-text" in accept  # Prometheus prefers OpenMetrics...
