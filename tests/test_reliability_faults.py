@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import pytest
 
@@ -238,6 +238,48 @@ def _matrix(kind: str) -> list[Any]:
     return [pytest.param(case, id=str(case)) for case in _cases(kind)]
 
 
+class Armed(NamedTuple):
+    """A case's scenario run up to the command that meets the fault, with the fault armed."""
+
+    ctrl: SleepController
+    path: Path
+    commands: list[tuple[str, Any]]
+    level: int  # the scenario's sleep level
+    original: dict[str, Any]  # every tag's content before the scenario
+    state: State  # and the state and last event before the failing command
+    seq: int
+
+
+def _arm(rig: Rig, case: Case, tmp_path: Path) -> Armed:
+    """A controller logging to ``tmp_path/e.jsonl`` runs the case's commands before its step, then the fault is armed."""
+    path = tmp_path / "e.jsonl"
+    ctrl = SleepController(rig.memory, EventLog(path, fsync=False))
+    commands = SCENARIOS[case.scenario]
+    original = rig.content()
+    for command in commands[: case.step]:
+        _run(ctrl, command)
+    armed = Armed(ctrl, path, commands, commands[0][1], original, ctrl.state, ctrl.last_seq)
+    rig.arm(case.key, case.nth)
+    return armed
+
+
+def _finish(ctrl: SleepController, commands: Sequence[tuple[str, Any]]) -> None:
+    """Run the scenario's remaining ``commands`` (skipping a wake of an engine already awake), then wake what still sleeps."""
+    for command in commands:
+        if command[0] == "wake" and ctrl.state is State.AWAKE:
+            continue
+        _run(ctrl, command)
+    if ctrl.state is not State.AWAKE:
+        ctrl.wake()
+
+
+def _check_offloaded_back(rig: Rig, case: Case, level: int, original: dict[str, Any]) -> None:
+    """Every tag the scenario's sleep offloaded has its original content again."""
+    after = rig.content()
+    for tag in _offloaded(level):
+        assert after[tag] == original[tag], f"offloaded tag {tag!r} lost bytes ({case})"
+
+
 def _agree(ctrl: SleepController, path: Path) -> None:
     """The log and the live controller say the same, and the controller matches the memory's own usage."""
     assert replay(path).to_dict() == ctrl.projection.to_dict()
@@ -272,16 +314,7 @@ def _check_case(kind: str, case: Case, tmp_path: Path) -> None:
 
 
 def _check_case_on(rig: Rig, case: Case, tmp_path: Path) -> None:
-    path = tmp_path / "e.jsonl"
-    ctrl = SleepController(rig.memory, EventLog(path, fsync=False))
-    commands = SCENARIOS[case.scenario]
-    level = commands[0][1]
-    original = rig.content()
-    for command in commands[: case.step]:
-        _run(ctrl, command)
-    state = ctrl.state
-    seq = ctrl.last_seq
-    rig.arm(case.key, case.nth)
+    ctrl, path, commands, level, original, state, seq = _arm(rig, case, tmp_path)
     try:
         _run(ctrl, commands[case.step])
     except TorporError as exc:
@@ -296,16 +329,9 @@ def _check_case_on(rig: Rig, case: Case, tmp_path: Path) -> None:
         assert ctrl.state is not state, "the command neither failed nor moved the state"
     _agree(ctrl, path)
     # complete the scenario, then wake everything: every offloaded byte is back
-    for command in commands[case.step + 1 :]:
-        if command[0] == "wake" and ctrl.state is State.AWAKE:
-            continue
-        _run(ctrl, command)
-    if ctrl.state is not State.AWAKE:
-        ctrl.wake()
+    _finish(ctrl, commands[case.step + 1 :])
     assert ctrl.state is State.AWAKE
-    after = rig.content()
-    for tag in _offloaded(level):
-        assert after[tag] == original[tag], f"offloaded tag {tag!r} lost bytes ({case})"
+    _check_offloaded_back(rig, case, level, original)
     _agree(ctrl, path)
     # the memory works for the next cycle
     rig.scribble()

@@ -14,7 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_reliability_faults import SCENARIOS, Case, SimRig, _agree, _cases, _offloaded, _run, _sim_available
+from test_reliability_faults import (
+    Case,
+    SimRig,
+    _agree,
+    _arm,
+    _cases,
+    _check_offloaded_back,
+    _finish,
+    _offloaded,
+    _run,
+    _sim_available,
+)
 
 from torpor.errors import CommandInFlight, ControllerClosed, LogWriteFailed, MemoryOperationFailed, NotRecovered
 from torpor.statemachine.controller import SleepController
@@ -89,15 +100,7 @@ def test_interrupt_at_each_driver_call_rolls_back(tmp_path: Path, case: Case) ->
     """Ctrl-C at each driver call of each sleep and wake: re-raised, rolled back, log agrees, every offloaded byte exact."""
     rig = InterruptRig()
     try:
-        path = tmp_path / "e.jsonl"
-        ctrl = SleepController(rig.memory, EventLog(path, fsync=False))
-        commands = SCENARIOS[case.scenario]
-        level = commands[0][1]
-        original = rig.content()
-        for command in commands[: case.step]:
-            _run(ctrl, command)
-        state, seq = ctrl.state, ctrl.last_seq
-        rig.arm(case.key, case.nth)
+        ctrl, path, commands, level, original, state, seq = _arm(rig, case, tmp_path)
         interrupted = False
         try:
             _run(ctrl, commands[case.step])
@@ -111,15 +114,8 @@ def test_interrupt_at_each_driver_call_rolls_back(tmp_path: Path, case: Case) ->
         else:  # interrupted after the command was complete (dropping backups after a wake): it stands
             assert kinds[-1] in (EventKind.WAKE_COMPLETED, EventKind.SLEEP_COMPLETED), kinds
         _agree(ctrl, path)
-        for command in commands[case.step + 1 :]:
-            if command[0] == "wake" and ctrl.state is State.AWAKE:
-                continue
-            _run(ctrl, command)
-        if ctrl.state is not State.AWAKE:
-            ctrl.wake()
-        after = rig.content()
-        for tag in _offloaded(level):
-            assert after[tag] == original[tag], f"offloaded tag {tag!r} lost bytes ({case})"
+        _finish(ctrl, commands[case.step + 1 :])
+        _check_offloaded_back(rig, case, level, original)
         rig.scribble()
         again = rig.content()
         ctrl.sleep(1)
