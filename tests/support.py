@@ -1,4 +1,4 @@
-"""Helpers shared by several test modules: Prometheus exposition samples, a tiny model config and a model-less Worker for vLLM, a free port, a real Prometheus, the two-GPU tests' worker processes."""
+"""Helpers shared by several test modules: Prometheus exposition samples, a tiny model config and a model-less Worker for vLLM, a free port, a held call, a real Prometheus, the two-GPU tests' worker processes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,6 +64,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def hold_call(obj: Any, name: str, wait: float) -> tuple[threading.Event, threading.Event]:
+    """Make ``obj.name`` wait mid-command: returns ``(inside, go_on)``.
+
+    A call sets ``inside`` on entering, then waits for ``go_on`` (at most ``wait`` seconds) before
+    running the real method, so a test can act while a command is in flight.
+    """
+    inside, go_on = threading.Event(), threading.Event()
+    real = getattr(obj, name)
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        inside.set()
+        go_on.wait(wait)
+        return real(*args, **kwargs)
+
+    setattr(obj, name, held)
+    return inside, go_on
 
 
 @contextmanager

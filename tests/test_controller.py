@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from support import hold_call
 
 from torpor import SleepController, State, replay
 from torpor.errors import (
@@ -146,15 +147,7 @@ def test_wake_failure_rolls_back_and_stays_asleep(ctl: SleepController, memory: 
 
 def test_command_in_flight_is_refused(ctl: SleepController, memory: FakeMemory) -> None:
     """A command arriving while another is in flight is refused at once, not queued."""
-    entered, release = threading.Event(), threading.Event()
-    original = memory.backup
-
-    def slow_backup(tags):  # type: ignore[no-untyped-def]
-        entered.set()
-        release.wait(5)
-        return original(tags)
-
-    memory.backup = slow_backup  # type: ignore[method-assign]
+    entered, release = hold_call(memory, "backup", wait=5)
     worker = threading.Thread(target=ctl.sleep, args=(1,))
     worker.start()
     assert entered.wait(5)

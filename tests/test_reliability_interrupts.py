@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import hold_call
 from test_reliability_faults import (
     Case,
     SimRig,
@@ -172,15 +173,7 @@ def test_close_waits_for_a_command_in_flight(tmp_path: Path) -> None:
     memory = FakeMemory(TAGS)
     path = tmp_path / "e.jsonl"
     ctrl = SleepController(memory, EventLog(path, fsync=False))
-    inside, go_on = threading.Event(), threading.Event()
-    real_release = memory.release
-
-    def release(tags: list[str]) -> Any:
-        inside.set()
-        go_on.wait(30)
-        return real_release(tags)
-
-    memory.release = release  # type: ignore[method-assign]
+    inside, go_on = hold_call(memory, "release", wait=30)
     sleeper = threading.Thread(target=ctrl.sleep, args=(1,))
     sleeper.start()
     assert inside.wait(30)
