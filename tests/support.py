@@ -123,7 +123,7 @@ def model_less_worker(model_config: Any, monkeypatch: pytest.MonkeyPatch) -> Any
     import torch
     from vllm.v1.worker import gpu_worker
 
-    worker = gpu_worker.Worker.__new__(gpu_worker.Worker)
+    worker: Any = gpu_worker.Worker.__new__(gpu_worker.Worker)
     worker.vllm_config = SimpleNamespace(model_config=model_config)
     worker.model_config = model_config
     worker.model_runner = SimpleNamespace(model=torch.nn.Linear(2, 2), get_draft_model=lambda: None)
