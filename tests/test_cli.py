@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -264,25 +265,45 @@ def test_replay_names_the_interrupted_step(tmp_path: Path, capsys: pytest.Captur
     assert "controller.recover()" in out and "suspending" in out
 
 
-def test_follow_prints_events_as_they_are_appended(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+class _Rows(io.StringIO):
+    """Captured stdout that signals when the first timeline row (``#SEQ ...``) has been written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_row = threading.Event()
+
+    def write(self, text: str) -> int:
+        """Keep the text; signal on a row."""
+        written = super().write(text)
+        if text.startswith("#"):
+            self.first_row.set()
+        return written
+
+
+def test_follow_prints_events_as_they_are_appended(tmp_path: Path) -> None:
     """`log follow` prints the last N events, then events another writer appends, then stops on --timeout."""
     path = tmp_path / "eng.rank0.jsonl"
     ctrl = SleepController(FakeMemory(TAGS), log=path, engine="eng", fsync=False)
     first = ctrl.last_seq
+    out = _Rows()
+    got: dict[str, int] = {}
 
-    def writer() -> None:
-        time.sleep(0.4)
-        ctrl.sleep(1)
-        ctrl.wake()
+    def follower() -> None:
+        with contextlib.redirect_stdout(out):
+            got["rc"] = main(["log", "follow", str(path), "-n", "1", "--timeout", "3", "--interval", "0.05"])
 
-    thread = threading.Thread(target=writer)
+    thread = threading.Thread(target=follower)
     thread.start()
     try:
-        rc = main(["log", "follow", str(path), "-n", "1", "--timeout", "1.5", "--interval", "0.05"])
+        # Append only once the follower is following (it printed the old event), not after a fixed delay.
+        assert out.first_row.wait(60)
+        ctrl.sleep(1)
+        ctrl.wake()
     finally:
-        thread.join()
-    assert rc == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")]
+        thread.join(60)
+    assert not thread.is_alive()
+    assert got["rc"] == 0
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("#")]
     assert rows[0].startswith(f"#{first} ")
     assert [int(r.split()[0][1:]) for r in rows] == list(range(first, ctrl.last_seq + 1))
     assert "asleep_l1" in "\n".join(rows) and rows[-1].split()[2] == "awake"
@@ -354,3 +375,50 @@ def test_python_dash_m_torpor_runs_the_cli() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("stateDiagram-v2")
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor --version` prints `torpor X.Y.Z` (torpor.__version__, the one source of the version) and exits 0."""
+    import torpor
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"torpor {torpor.__version__}\n"
+    done = _run("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"torpor {torpor.__version__}"
+
+
+def test_demo_host_binds_the_metrics_endpoint_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor demo --host ADDR` serves its metrics on ADDR and prints that address."""
+    assert main(["demo", "--cycles", "1", "--device", "sim", "--host", "127.0.0.2", "--log-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"metrics\s+http://127\.0\.0\.2:\d+/metrics", out), out
+
+
+def test_bench_progress_goes_to_stderr(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`torpor bench > bench.md` is clean: progress lines go to stderr, stdout is the Markdown report alone."""
+    import types
+
+    from torpor.allocator import benchmark
+    from torpor.commands import bench
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
+    monkeypatch.setattr(bench, "require", lambda module, feature: fake_torch)
+
+    def fake_run(**kwargs: object) -> dict[str, object]:
+        log = kwargs["log"]
+        assert callable(log)
+        log("workload 8 GiB/64: cycle 1/4")
+        return {"rows": []}
+
+    monkeypatch.setattr(benchmark, "run", fake_run)
+    monkeypatch.setattr(benchmark, "markdown", lambda data: "| workload | sleep |\n")
+    assert main(["bench", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "| workload | sleep |\n\n"
+    assert "workload 8 GiB/64: cycle 1/4" in captured.err
+    assert (tmp_path / "bench.md").read_text() == "| workload | sleep |\n"

@@ -108,6 +108,16 @@ def test_help_has_an_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert "lag" in out
 
 
+def test_sizes_are_formatted_like_the_other_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Sizes use the unit that fits (512.00 MiB, 3.00 KiB, 0 B), as `torpor log` and the demo print them, not 0.50 GiB."""
+    memory = FakeMemory({"weights": 512 << 20, "kv_cache": 3 << 10})
+    c = SleepController(memory, log=EventLog(log_path_for(tmp_path, "small", 0), fsync=False), engine="small", rank=0)
+    c.sleep(1)
+    assert main(["status", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.endswith("kv_cache 3.00 KiB discarded, weights 512.00 MiB on host"), line
+
+
 def test_shows_pinned_host_memory_budget_and_what_stayed_on_the_device(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -127,8 +137,8 @@ def test_shows_pinned_host_memory_budget_and_what_stayed_on_the_device(
     ctl.sleep(1)
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "host pinned 0.25 GiB (budget 0.50 GiB; pinned at_sleep, keep after wake)" in out[2]
-    assert "the GPU kept 0.25 GiB in use: torpor tags 0.00 GiB, untagged 0.25 GiB" in out[2]
+    assert "host pinned 256.00 MiB (budget 512.00 MiB; pinned at_sleep, keep after wake)" in out[2]
+    assert "the GPU kept 256.00 MiB in use: torpor tags 0 B, untagged 256.00 MiB" in out[2]
     assert main(["status", str(tmp_path), "--json"]) == 0
     rank = json.loads(capsys.readouterr().out)["engines"][0]["ranks"][0]
     assert rank["device_asleep"]["untagged"] == 1 << 28 and rank["pinned_bytes"] == 1 << 28

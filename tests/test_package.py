@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,100 @@ def test_subpackage_names_load_on_first_use() -> None:
     assert torpor.TaggedAllocator is TaggedAllocator
     assert torpor.attach is attach
     assert torpor.follow is follow
+
+
+def _pyproject() -> dict[str, object]:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_license_file_and_spdx_metadata() -> None:
+    """LICENSE holds the Apache-2.0 text, and pyproject declares it as an SPDX expression with license-files."""
+    project = _pyproject()["project"]
+    assert isinstance(project, dict)
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_version_is_written_once() -> None:
+    """The version lives in torpor.__version__ only: pyproject reads it (dynamic), CHANGELOG has a section for it."""
+    data = _pyproject()
+    project = data["project"]
+    assert isinstance(project, dict)
+    assert "version" not in project
+    assert project["dynamic"] == ["version"]
+    assert data["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "torpor.__version__"}  # type: ignore[index]
+    assert re.fullmatch(r"\d+\.\d+\.\d+([ab]\d+|rc\d+)?", torpor.__version__)
+    assert f"## [{torpor.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_metadata_has_classifiers_urls_and_keywords() -> None:
+    """pyproject carries classifiers (with the license left to the SPDX field), project URLs and keywords."""
+    project = _pyproject()["project"]
+    assert isinstance(project, dict)
+    classifiers = project["classifiers"]
+    assert "Typing :: Typed" in classifiers
+    assert not [c for c in classifiers if c.startswith("License ::")]  # PEP 639: the expression says it
+    assert {"Homepage", "Source", "Issues", "Changelog"} <= set(project["urls"])
+    assert "vllm" in project["keywords"]
+
+
+def test_torch_is_an_extra_not_a_dependency() -> None:
+    """torch and cuda-bindings are in the cuda extra (the vllm extra includes it), not in the core dependencies."""
+    project = _pyproject()["project"]
+    assert isinstance(project, dict)
+    names = [re.split(r"[<>=!~\[ ;]", d)[0] for d in project["dependencies"]]
+    assert "torch" not in names and "cuda-bindings" not in names
+    extras = project["optional-dependencies"]
+    assert {re.split(r"[<>=!~ ]", d)[0] for d in extras["cuda"]} == {"torch", "cuda-bindings"}
+    assert "torpor[cuda]" in extras["vllm"]
+
+
+def test_built_wheel_metadata(tmp_path: Path) -> None:
+    """The wheel setuptools builds says License-Expression Apache-2.0, ships LICENSE, has the version, and needs no torch."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".gpu", ".whl", "out"),
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = tmp_path.glob("torpor-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        meta = zf.read(meta_name).decode()
+    assert f"Version: {torpor.__version__}\n" in meta
+    assert "License-Expression: Apache-2.0\n" in meta
+    assert "License-File: LICENSE\n" in meta
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    for line in requires:
+        if line.split()[1].startswith(("torch", "cuda-bindings")):
+            assert 'extra == "cuda"' in line, line
+    assert "Project-URL: Changelog" in meta

@@ -11,6 +11,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,11 @@ import pytest
 from torpor import SleepController
 from torpor.cli import main
 from torpor.errors import TorporError
+from torpor.statemachine.events import EventKind
 from torpor.statemachine.protocol import Transfer
 from torpor.telemetry import METRICS, Server, serve
-from torpor.telemetry.dashboard import dashboard, render_dashboard
+from torpor.telemetry.dashboard import STATE_CODES, dashboard, render_dashboard
+from torpor.telemetry.plot import STATE_COLOURS
 from torpor.testing import FakeMemory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,17 +70,30 @@ def test_dashboard_has_the_required_panels_and_variables() -> None:
         assert title in titles
     names = [v["name"] for v in model["templating"]["list"]]
     assert names == ["datasource", "engine", "rank"]
+    assert titles["Last sleep and wake"]["type"] == "stat"
     assert len({p["id"] for p in model["panels"]}) == len(model["panels"])
     assert all(p["gridPos"]["x"] + p["gridPos"]["w"] <= 24 for p in model["panels"])
+
+
+def test_state_timeline_maps_each_state_to_its_plot_colour() -> None:
+    """The state timeline shows one row per rank, each state by name in the colour `torpor plot` gives it."""
+    panel = next(p for p in dashboard()["panels"] if p["title"] == "State")
+    (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
+    shown = {int(v): (o["text"], o["color"]) for v, o in mapping["options"].items()}
+    assert shown == {code: (state.value, STATE_COLOURS[state]) for code, (state) in enumerate(STATE_COLOURS)}
+    assert [name for _, name, _ in STATE_CODES] == [s.value for s in STATE_COLOURS]
+    assert panel["targets"][0]["expr"].startswith("max by (torpor_engine, torpor_rank) (")
 
 
 def test_every_query_uses_known_metrics_and_both_variables() -> None:
     """Each panel query filters on $engine and $rank and names only metrics torpor exposes."""
     known = set(METRICS)
     for title, expr in panel_queries(dashboard()):
-        assert 'engine=~"$engine"' in expr, title
-        assert 'rank=~"$rank"' in expr, title
-        for name in re.findall(r"torpor_[a-z_]+", expr):
+        assert 'torpor_engine=~"$engine"' in expr, title
+        assert 'torpor_rank=~"$rank"' in expr, title
+        rest = re.sub(r"torpor_engine|torpor_rank|\$engine|\$rank", "", expr)
+        assert not re.search(r"\b(engine|rank)\b", rest), (title, expr)  # vLLM's `engine` label is an index
+        for name in re.findall(r"(torpor_[a-z_]+)\{", expr):  # metric names (labels are followed by =)
             base = re.sub(r"_(bucket|count|sum)$", "", name)
             assert name in known or base in known, (title, name)
 
@@ -127,8 +143,32 @@ def _activity(controller: SleepController, memory: FakeMemory, seconds: float) -
         time.sleep(0.2)
 
 
+@dataclass
+class Run:
+    """The Prometheus fixture: its URL, the endpoint it scrapes, and the controller that ran."""
+
+    url: str
+    server: Server
+    controller: SleepController
+
+
+def _wait_for_a_scrape_after(url: str, wall: float, deadline: float) -> None:
+    """Wait until Prometheus holds a sample scraped after ``wall`` (Unix time): it then shows the run's final values.
+
+    Prometheus scrapes every second; reading right after the last transition reads the scrape
+    before it. A sample's timestamp is its scrape's start, so one newer than ``wall`` saw it all.
+    """
+    while True:
+        result = _instant(url, 'max(timestamp(torpor_info{torpor_engine="e2e"}))')
+        if result and float(result[0]["value"][1]) > wall:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"no scrape after {wall} within the deadline: {result}")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Server]]:
+def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     """A real Prometheus on loopback scraping a torpor endpoint every second during a sleep/wake run."""
     tmp = tmp_path_factory.mktemp("prometheus")
     memory = TimedMemory({"weights": 16 * GiB, "kv_cache": 40 * GiB, "cudagraph": GiB // 2, "runtime": GiB // 4})
@@ -170,7 +210,8 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
                 pytest.fail(f"prometheus never scraped the endpoint: {(tmp / 'prometheus.log').read_text()[-2000:]}")
             time.sleep(0.1)
         _activity(controller, memory, 3.5)
-        yield url, server
+        _wait_for_a_scrape_after(url, time.time(), time.monotonic() + 30)
+        yield Run(url, server, controller)
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -186,9 +227,9 @@ def _instant(url: str, expr: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.prometheus
-def test_every_panel_query_returns_data_from_a_real_prometheus(prometheus: tuple[str, Server]) -> None:
+def test_every_panel_query_returns_data_from_a_real_prometheus(prometheus: Run) -> None:
     """Each dashboard query, run through Prometheus's HTTP API, returns at least one finite value."""
-    url, _ = prometheus
+    url = prometheus.url
     queries = panel_queries(json.loads(COMMITTED.read_text()))
     missing: dict[str, str] = {}
     deadline = time.monotonic() + 20
@@ -206,12 +247,12 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(prometheus: tuple
 
 
 @pytest.mark.prometheus
-def test_panel_values_match_the_run(prometheus: tuple[str, Server]) -> None:
+def test_panel_values_match_the_run(prometheus: Run) -> None:
     """What Prometheus scraped agrees with the run: the final state, bytes by residency, bandwidth near the link speed."""
-    url, _ = prometheus
-    awake = _instant(url, 'torpor_state{engine="e2e", state="awake"}')
+    url = prometheus.url
+    awake = _instant(url, 'torpor_state{torpor_engine="e2e", state="awake"}')
     assert [float(r["value"][1]) for r in awake] == [1.0]
-    resident = _instant(url, 'sum(torpor_tag_bytes{engine="e2e", residency="resident"})')
+    resident = _instant(url, 'sum(torpor_tag_bytes{torpor_engine="e2e", residency="resident"})')
     assert float(resident[0]["value"][1]) == 16 * GiB + 40 * GiB + GiB // 2 + GiB // 4
     bandwidth = _instant(
         url,
@@ -221,9 +262,28 @@ def test_panel_values_match_the_run(prometheus: tuple[str, Server]) -> None:
 
 
 @pytest.mark.prometheus
-def test_dashboard_variables_resolve(prometheus: tuple[str, Server]) -> None:
+def test_dashboard_variables_resolve(prometheus: Run) -> None:
     """The engine and rank variables' label_values queries find the scraped engine and rank."""
-    url, _ = prometheus
+    url = prometheus.url
     match = urllib.parse.urlencode({"match[]": "torpor_info"})
-    assert "e2e" in _get(f"{url}/api/v1/label/engine/values?{match}")["data"]
-    assert "0" in _get(f"{url}/api/v1/label/rank/values?{match}")["data"]
+    assert "e2e" in _get(f"{url}/api/v1/label/torpor_engine/values?{match}")["data"]
+    assert "0" in _get(f"{url}/api/v1/label/torpor_rank/values?{match}")["data"]
+
+
+def _panel_values(title: str, url: str) -> list[float]:
+    panel = next(p for p in dashboard()["panels"] if p["title"] == title)
+    return [float(r["value"][1]) for t in panel["targets"] for r in _instant(url, substitute(t["expr"]))]
+
+
+@pytest.mark.prometheus
+def test_state_and_last_duration_panels_match_the_run(prometheus: Run) -> None:
+    """The state timeline shows the code mapped to 'awake'; the last sleep/wake panel shows the last events' seconds."""
+    awake = next(code for code, name, _ in STATE_CODES if name == "awake")
+    assert _panel_values("State", prometheus.url) == [awake]
+    events = prometheus.controller.events(0)
+    sleep = next(e for e in reversed(events) if e.kind is EventKind.SLEEP_COMPLETED)
+    wake = next(e for e in reversed(events) if e.kind is EventKind.WAKE_COMPLETED)
+    assert _panel_values("Last sleep and wake", prometheus.url) == [
+        pytest.approx(sleep.data["seconds"]),
+        pytest.approx(wake.data["seconds"]),
+    ]

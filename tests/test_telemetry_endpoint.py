@@ -65,7 +65,7 @@ def test_metrics_serves_the_exposition(server: Server, controller: SleepControll
     status, headers, body = fetch(server.url + "/metrics")
     assert status == 200
     assert headers["Content-Type"].startswith("text/plain")
-    assert b'torpor_state{engine="e",rank="0",state="asleep_l1"} 1.0' in body
+    assert b'torpor_state{state="asleep_l1",torpor_engine="e",torpor_rank="0"} 1.0' in body
     assert b"torpor_tag_bytes" in body
 
 
@@ -267,7 +267,7 @@ def test_prometheus_scrapes_get_the_fast_text_format(controller: SleepController
     status, headers, body = _get(server.url + "/metrics", {"Accept": PROMETHEUS_ACCEPT})
     assert status == 200
     assert headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-    assert b'torpor_state{engine="e",rank="0",state="asleep_l1"} 1.0' in body
+    assert b'torpor_state{state="asleep_l1",torpor_engine="e",torpor_rank="0"} 1.0' in body
     assert b"# EOF" not in body
     status, headers, zipped = _get(server.url + "/metrics", {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"})
     assert headers["Content-Encoding"] == "gzip" and "Accept-Encoding" in headers["Vary"]

@@ -79,7 +79,7 @@ def test_per_rank_values_are_not_summed_across_processes(tmp_path: Path) -> None
     run_worker(tmp_path, 0, "sleep1,refuse")
     run_worker(tmp_path, 1, "sleep2,wake_weights")
     got = read(tmp_path)
-    r0, r1 = {"engine": "mp", "rank": "0"}, {"engine": "mp", "rank": "1"}
+    r0, r1 = {"torpor_engine": "mp", "torpor_rank": "0"}, {"torpor_engine": "mp", "torpor_rank": "1"}
     assert get(got, "torpor_state", **r0, state="asleep_l1") == 1
     assert get(got, "torpor_state", **r0, state="awake") == 0
     assert get(got, "torpor_state", **r1, state="partially_awake") == 1
@@ -89,7 +89,7 @@ def test_per_rank_values_are_not_summed_across_processes(tmp_path: Path) -> None
     assert get(got, "torpor_tag_bytes", **r1, tag="kv_cache", residency="discarded") == 4000
     assert get(got, "torpor_transitions_total", **r0, from_state="awake", to_state="suspending") == 1
     assert get(got, "torpor_transitions_total", **r1, from_state="resuming", to_state="partially_awake") == 1
-    assert get(got, "torpor_refusals_total", **r0, command="sleep", reason="InvalidTransition") == 1
+    assert get(got, "torpor_refusals_total", **r0, command="sleep", error_type="InvalidTransition") == 1
     assert get(got, "torpor_sleep_duration_seconds_count", **r1, level="2") == 1
     assert get(got, "torpor_wake_duration_seconds_count", **r1, tags="weights") == 1
     assert get(got, "torpor_info", **r0, version="0.1.0", driver="FakeMemory") == 1
@@ -102,7 +102,7 @@ def test_a_restarted_rank_shows_its_latest_state_and_keeps_its_counts(tmp_path: 
     run_worker(tmp_path, 0, "sleep1")
     run_worker(tmp_path, 0, "")
     got = read(tmp_path)
-    r0 = {"engine": "mp", "rank": "0"}
+    r0 = {"torpor_engine": "mp", "torpor_rank": "0"}
     assert get(got, "torpor_state", **r0, state="awake") == 1
     assert get(got, "torpor_state", **r0, state="asleep_l1") == 0
     assert get(got, "torpor_tag_bytes", **r0, tag="weights", residency="resident") == 1000

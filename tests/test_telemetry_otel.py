@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import pytest
@@ -11,10 +13,15 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from torpor import SleepController
+from torpor import HostMemoryPolicy, Policy, SleepController
+from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.errors import InvalidTransition, MemoryOperationFailed
-from torpor.telemetry import attach
+from torpor.telemetry import METRICS, attach
+from torpor.telemetry.otel import OTEL_INSTRUMENTS, otel_instrument
+from torpor.telemetry.prometheus import BASE_LABELS, DURATION_BUCKETS
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4000, "kv_cache": 8000, "cudagraph": 300, "runtime": 50}
@@ -105,7 +112,7 @@ def test_refusal_is_a_span_event(otel: Any) -> None:
     (event,) = span.events
     assert event.name == "torpor.refused"
     assert event.attributes is not None
-    assert event.attributes["torpor.reason"] == "InvalidTransition"
+    assert event.attributes["error.type"] == "InvalidTransition"
     assert event.attributes["torpor.state"] == "awake"
 
 
@@ -122,7 +129,7 @@ def test_failed_wake_ends_its_span_with_an_error(otel: Any) -> None:
     wake = next(s for s in exporter.get_finished_spans() if s.name == "torpor.wake")
     assert wake.status.status_code is StatusCode.ERROR
     assert wake.attributes is not None
-    assert wake.attributes["torpor.error"] == "MemoryOperationFailed"
+    assert wake.attributes["error.type"] == "MemoryOperationFailed"
     assert [e.name for e in wake.events] and all(e.name == "torpor.rolled_back" for e in wake.events)
 
 
@@ -137,12 +144,10 @@ def test_metrics_gauges_and_histograms(otel: Any) -> None:
         controller.wake()
     points = metric_points(reader)
     resident = {
-        p.attributes["torpor.tag"]: p.value
-        for p in points["torpor.tag.bytes"]
-        if p.attributes["torpor.residency"] == "resident"
+        p.attributes["tag"]: p.value for p in points["torpor.tag.bytes"] if p.attributes["residency"] == "resident"
     }
     assert resident == TAGS
-    current = [p.attributes["torpor.state"] for p in points["torpor.state"] if p.value == 1]
+    current = [p.attributes["state"] for p in points["torpor.state"] if p.value == 1]
     assert current == ["awake"]
     assert sum(p.count for p in points["torpor.sleep.duration"]) == 1
     assert sum(p.count for p in points["torpor.wake.duration"]) == 1
@@ -159,3 +164,146 @@ def test_without_an_sdk_it_is_a_no_op() -> None:
     assert handle.otel is not None
     assert handle.otel.span is None
     handle.detach()
+
+
+# -- the OpenTelemetry path into Prometheus -------------------------------------------------
+
+#: The Collector's unit mapping (pkg/translator/prometheus, normalize_name.go), the part torpor uses.
+COLLECTOR_UNITS = {"s": "seconds", "ms": "milliseconds", "By": "bytes", "1": ""}
+
+
+def collector_name(name: str, unit: str, kind: str) -> str:
+    """The Prometheus name the Collector's prometheus exporter gives an OTel metric (suffixes on, the default).
+
+    Tokens split on non-alphanumerics; ``{...}`` annotations dropped from the unit; the unit's
+    suffix appended unless a token already is it; counters end in ``total``, gauges of unit ``1``
+    in ``ratio``.
+    """
+    tokens = [t for t in re.split(r"[^a-zA-Z0-9]+", name) if t]
+    bare = re.sub(r"\{[^}]*\}", "", unit)
+    main, _, per = bare.partition("/")
+    suffix = COLLECTOR_UNITS.get(main, main)
+    if suffix and suffix not in tokens:
+        tokens.append(suffix)
+    if per:
+        tokens += ["per", {"s": "second", "m": "minute", "h": "hour"}.get(per, per)]
+    if kind == "counter":
+        tokens = [t for t in tokens if t != "total"] + ["total"]
+    if kind == "gauge" and unit == "1":
+        tokens = [t for t in tokens if t != "ratio"] + ["ratio"]
+    return "_".join(tokens)
+
+
+def collector_label(key: str) -> str:
+    """The Prometheus label the Collector makes of an attribute key (non-alphanumerics become ``_``)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def test_collector_naming_rules_reproduce_the_reported_names() -> None:
+    """The rules above give what the issue saw through the Collector: unit "1" gauges become torpor_state_ratio."""
+    assert collector_name("torpor.state", "1", "gauge") == "torpor_state_ratio"
+    assert collector_name("torpor.transitions", "1", "counter") == "torpor_transitions_total"
+    assert collector_label("torpor.engine") == "torpor_engine"
+
+
+def _run_both_paths(otel: Any) -> tuple[CollectorRegistry, Any]:
+    """One controller feeding torpor's Prometheus collector and the OTel SDK at once, through sleeps, wakes, a failure."""
+    tracer_provider, _, meter_provider, _ = otel
+    registry = CollectorRegistry()
+    memory = FakeMemory(TAGS)
+    controller = SleepController(memory, engine="both", rank=3)
+    attach(controller, registry=registry, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    controller.sleep(1)
+    with pytest.raises(InvalidTransition):
+        controller.sleep(1)
+    controller.wake(["weights"])
+    controller.wake(["kv_cache"])
+    controller.sleep(2)
+    memory.fail_once("restore", "runtime")
+    with pytest.raises(MemoryOperationFailed):
+        controller.wake()
+    controller.wake()
+    # A second rank on the simulated device with a host budget: what stays on the device while asleep.
+    sim = SimDriver(64 << 20, granularity=1 << 16, overhead=3 << 20)
+    alloc = TaggedAllocator(sim, slab_bytes=0)
+    alloc.allocate(2 << 20, "weights")
+    budgeted = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(budget_bytes=8 << 20)), engine="both", rank=4)
+    attach(budgeted, registry=registry, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    budgeted.sleep(1)
+    return registry, controller
+
+
+def _finite_families(registry: CollectorRegistry) -> set[str]:
+    """torpor's families with at least one finite sample (OpenTelemetry has no infinite values)."""
+    return {
+        family.name if family.type != "counter" else f"{family.name}_total"
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        if any(math.isfinite(s.value) for s in family.samples)
+    }
+
+
+def test_instruments_translate_to_torpor_s_prometheus_names_and_labels(otel: Any) -> None:
+    """Every OTel metric torpor records, named by the Collector's rules, is a torpor Prometheus family with its labels."""
+    registry, _ = _run_both_paths(otel)
+    reader = otel[3]
+    data = reader.get_metrics_data()
+    seen: set[str] = set()
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                kind = {"Sum": "counter", "Gauge": "gauge", "Histogram": "histogram"}[type(m.data).__name__]
+                name = collector_name(m.name, m.unit or "", kind)
+                assert name in METRICS, (m.name, m.unit, name)
+                assert {"info": "gauge"}.get(METRICS[name][0], METRICS[name][0]) == kind, (name, kind)
+                labels = set(BASE_LABELS) | set(METRICS[name][1])
+                for point in m.data.data_points:
+                    assert {collector_label(k) for k in point.attributes} == labels, (m.name, point.attributes)
+                if kind == "histogram":
+                    assert all(list(p.explicit_bounds) == list(DURATION_BUCKETS) for p in m.data.data_points)
+                seen.add(name)
+    assert seen == _finite_families(registry) & set(METRICS), _finite_families(registry) ^ seen
+    assert {"torpor_asleep_device_bytes", "torpor_host_budget_bytes", "torpor_failures_total"} <= seen
+
+
+def test_every_family_has_an_instrument_that_translates_back() -> None:
+    """Every Prometheus family (a new one too, through the derived name) has an OTel name and unit that translate back."""
+    kinds = {"info": "gauge"}
+    for family, (kind, _, _) in {**METRICS, "torpor_host_budget_bytes": ("gauge", (), "")}.items():
+        name, unit = otel_instrument(family)
+        assert collector_name(name, unit, kinds.get(kind, kind)) == family, (family, name, unit)
+    assert set(OTEL_INSTRUMENTS) <= set(METRICS)
+    assert otel_instrument("torpor_host_budget_bytes") == ("torpor.host.budget.bytes", "By")
+
+
+def _samples(text: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            if not s.name.startswith("torpor_"):
+                continue  # target_info
+            labels = frozenset((k, v) for k, v in s.labels.items() if not k.startswith("otel_scope_"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def test_sdk_prometheus_exporter_gives_the_same_series_as_torpor_s_own(otel: Any) -> None:
+    """Through the SDK's PrometheusMetricReader, the same run gives the same torpor_* samples, labels and values."""
+    prometheus_exporter = pytest.importorskip("opentelemetry.exporter.prometheus")
+    otel_registry = CollectorRegistry()
+    reader = prometheus_exporter.PrometheusMetricReader(registry=otel_registry)
+    tracer_provider = otel[0]
+    meter_provider = MeterProvider(metric_readers=[reader])
+    try:
+        registry, _ = _run_both_paths((tracer_provider, None, meter_provider, None))
+        ours = _samples(generate_latest(registry))
+        theirs = _samples(generate_latest(otel_registry))
+    finally:
+        meter_provider.shutdown()
+    # OpenTelemetry drops non-finite measurements: a rank without a host budget (+Inf here) has no
+    # torpor_host_budget_bytes series there, which the rules and the dashboard read the same way.
+    ours = {k: v for k, v in ours.items() if math.isfinite(v)}
+    assert set(theirs) == set(ours), {"only torpor": set(ours) - set(theirs), "only otel": set(theirs) - set(ours)}
+    for key, value in ours.items():
+        assert theirs[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+    assert any(name == "torpor_failures_total" for name, _ in ours)
+    assert any(name == "torpor_last_wake_duration_seconds" for name, _ in ours)

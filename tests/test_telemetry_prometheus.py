@@ -37,7 +37,7 @@ def test_state_is_one_series_per_state_with_one_set() -> None:
     assert set(states) == {s.value for s in State}
     assert {s for s, v in states.items() if v == 1.0} == {"asleep_l2"}
     controller.wake()
-    assert value(samples(registry), "torpor_state", engine="e", rank="2", state="awake") == 1.0
+    assert value(samples(registry), "torpor_state", torpor_engine="e", torpor_rank="2", state="awake") == 1.0
 
 
 def test_bytes_per_tag_and_residency_follow_the_policy() -> None:
@@ -45,7 +45,7 @@ def test_bytes_per_tag_and_residency_follow_the_policy() -> None:
     registry = CollectorRegistry()
     controller = SleepController(FakeMemory(TAGS), engine="e", rank=0)
     attach(controller, registry=registry, otel=False)
-    base = {"engine": "e", "rank": "0"}
+    base = {"torpor_engine": "e", "torpor_rank": "0"}
     assert value(samples(registry), "torpor_tag_bytes", **base, tag="weights", residency="resident") == 4000
     controller.sleep(1)
     got = samples(registry)
@@ -63,7 +63,7 @@ def test_counters_and_histograms_count_what_happened() -> None:
     attach(controller, registry=registry, otel=False)
     run_cycle(controller)
     got = samples(registry)
-    base = {"engine": "e", "rank": "1"}
+    base = {"torpor_engine": "e", "torpor_rank": "1"}
     assert value(got, "torpor_transitions_total", **base, from_state="awake", to_state="suspending") == 1
     assert value(got, "torpor_transitions_total", **base, from_state="resuming", to_state="partially_awake") == 1
     assert value(got, "torpor_transitions_total", **base, from_state="resuming", to_state="awake") == 1
@@ -71,7 +71,7 @@ def test_counters_and_histograms_count_what_happened() -> None:
     assert value(got, "torpor_wake_duration_seconds_count", **base, tags="weights") == 1
     assert value(got, "torpor_wake_duration_seconds_count", **base, tags="kv_cache") == 1
     assert value(got, "torpor_wake_duration_seconds_bucket", **base, tags="kv_cache", le="+Inf") == 1
-    assert value(got, "torpor_refusals_total", **base, command="sleep", reason="InvalidTransition") == 1
+    assert value(got, "torpor_refusals_total", **base, command="sleep", error_type="InvalidTransition") == 1
     assert value(got, "torpor_tag_transfer_bytes_total", **base, tag="weights", direction="device_to_host") == 4000
     assert value(got, "torpor_tag_transfer_bytes_total", **base, tag="weights", direction="host_to_device") == 4000
     assert (
@@ -91,8 +91,8 @@ def test_failures_count_aborted_sleeps_by_error_class() -> None:
     with pytest.raises(MemoryOperationFailed):
         controller.sleep(1)
     got = samples(registry)
-    base = {"engine": "default", "rank": "0"}
-    assert value(got, "torpor_failures_total", **base, operation="sleep", reason="MemoryOperationFailed") == 1
+    base = {"torpor_engine": "default", "torpor_rank": "0"}
+    assert value(got, "torpor_failures_total", **base, operation="sleep", error_type="MemoryOperationFailed") == 1
     assert ("torpor_sleep_duration_seconds_count", frozenset({**base, "level": "1"}.items())) not in got
     assert value(got, "torpor_state", **base, state="awake") == 1
 
@@ -105,9 +105,9 @@ def test_ranks_in_one_registry_are_separate_series() -> None:
     assert len({id(h.collector) for h in handles}) == 1
     controllers[1].sleep(1)
     got = samples(registry)
-    assert value(got, "torpor_state", engine="e", rank="0", state="awake") == 1
-    assert value(got, "torpor_state", engine="e", rank="1", state="asleep_l1") == 1
-    assert value(got, "torpor_state", engine="e", rank="2", state="awake") == 1
+    assert value(got, "torpor_state", torpor_engine="e", torpor_rank="0", state="awake") == 1
+    assert value(got, "torpor_state", torpor_engine="e", torpor_rank="1", state="asleep_l1") == 1
+    assert value(got, "torpor_state", torpor_engine="e", torpor_rank="2", state="awake") == 1
 
 
 def test_detach_removes_the_series_and_the_collector() -> None:
@@ -155,10 +155,10 @@ def test_the_global_registry_is_the_default() -> None:
 
     handle = attach(SleepController(FakeMemory(TAGS), engine="global-test"), otel=False)
     try:
-        assert b'engine="global-test"' in generate_latest(REGISTRY)
+        assert b'torpor_engine="global-test"' in generate_latest(REGISTRY)
     finally:
         handle.detach()
-    assert b'engine="global-test"' not in generate_latest(REGISTRY)
+    assert b'torpor_engine="global-test"' not in generate_latest(REGISTRY)
 
 
 @pytest.mark.prometheus
@@ -194,7 +194,9 @@ def test_direct_rendering_is_the_same_text_as_generate_latest() -> None:
     controllers[2].sleep(2)
     text = collector.exposition()
     assert text == generate_latest(registry)
-    assert b'rank="2",state="asleep_l2"} 1.0' in text
+    assert (
+        b'torpor_state{state="asleep_l2",torpor_engine="odd \\"name\\"\\\\with\\nbreaks",torpor_rank="2"} 1.0' in text
+    )
 
 
 def test_scrapes_during_transitions_are_consistent() -> None:
@@ -253,8 +255,8 @@ def test_a_source_needs_only_projection_events_and_subscribe() -> None:
     attach(ReadOnly(controller), registry=registry, otel=False)
     controller.sleep(1)
     got = samples(registry)
-    assert value(got, "torpor_state", engine="ro", rank="4", state="asleep_l1") == 1
-    assert value(got, "torpor_info", engine="ro", rank="4", version="0.1.0", driver="FakeMemory") == 1
+    assert value(got, "torpor_state", torpor_engine="ro", torpor_rank="4", state="asleep_l1") == 1
+    assert value(got, "torpor_info", torpor_engine="ro", torpor_rank="4", version="0.1.0", driver="FakeMemory") == 1
 
 
 def test_an_interrupted_log_shows_the_transitional_state(tmp_path: Path) -> None:
@@ -265,12 +267,20 @@ def test_an_interrupted_log_shows_the_transitional_state(tmp_path: Path) -> None
     reopened = SleepController(FakeMemory(TAGS), log=tmp_path, engine="crash", fsync=False)
     registry = CollectorRegistry()
     attach(reopened, registry=registry, otel=False)
-    assert value(samples(registry), "torpor_state", engine="crash", rank="0", state="suspending") == 1
+    assert value(samples(registry), "torpor_state", torpor_engine="crash", torpor_rank="0", state="suspending") == 1
     reopened.recover()
     got = samples(registry)
-    assert value(got, "torpor_state", engine="crash", rank="0", state="awake") == 1
+    assert value(got, "torpor_state", torpor_engine="crash", torpor_rank="0", state="awake") == 1
     assert (
-        value(got, "torpor_transitions_total", engine="crash", rank="0", from_state="suspending", to_state="awake") == 1
+        value(
+            got,
+            "torpor_transitions_total",
+            torpor_engine="crash",
+            torpor_rank="0",
+            from_state="suspending",
+            to_state="awake",
+        )
+        == 1
     )
 
 
@@ -285,7 +295,7 @@ def test_exposition_of_a_registry_renders_torpor_families_only() -> None:
     assert exposition(registry) == b""
     attach(SleepController(FakeMemory(TAGS), engine="x"), registry=registry, otel=False)
     text = exposition(registry)
-    assert b'torpor_state{engine="x",rank="0",state="awake"} 1.0' in text
+    assert b'torpor_state{state="awake",torpor_engine="x",torpor_rank="0"} 1.0' in text
     assert b"someone_else" not in text
     assert text in generate_latest(registry)
 
@@ -302,10 +312,10 @@ def test_a_second_controller_with_the_same_rank_is_refused() -> None:
         attach(second, registry=registry, otel=False)
     assert second._subscribers == []
     first.sleep(1)
-    assert value(samples(registry), "torpor_state", engine="dup", rank="0", state="asleep_l1") == 1
+    assert value(samples(registry), "torpor_state", torpor_engine="dup", torpor_rank="0", state="asleep_l1") == 1
     handle.detach()
     attach(second, registry=registry, otel=False)
-    assert value(samples(registry), "torpor_state", engine="dup", rank="0", state="awake") == 1
+    assert value(samples(registry), "torpor_state", torpor_engine="dup", torpor_rank="0", state="awake") == 1
 
 
 def test_host_budget_and_what_stays_on_the_device_while_asleep() -> None:
@@ -319,7 +329,7 @@ def test_host_budget_and_what_stays_on_the_device_while_asleep() -> None:
     registry = CollectorRegistry()
     controller = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(budget_bytes=8 << 20)), engine="e")
     attach(controller, registry=registry, otel=False)
-    base = {"engine": "e", "rank": "0"}
+    base = {"torpor_engine": "e", "torpor_rank": "0"}
     assert value(samples(registry), "torpor_host_budget_bytes", **base) == 8 << 20
     assert not [k for k in samples(registry) if k[0] == "torpor_asleep_device_bytes"]
     controller.sleep(1)
@@ -329,4 +339,4 @@ def test_host_budget_and_what_stays_on_the_device_while_asleep() -> None:
     assert value(got, "torpor_pinned_host_bytes", **base) == 2 << 20
     other = SleepController(FakeMemory(TAGS), policy=Policy(host=HostMemoryPolicy()), engine="f")
     attach(other, registry=registry, otel=False)
-    assert value(samples(registry), "torpor_host_budget_bytes", engine="f", rank="0") == float("inf")
+    assert value(samples(registry), "torpor_host_budget_bytes", torpor_engine="f", torpor_rank="0") == float("inf")

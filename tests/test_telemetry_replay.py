@@ -125,11 +125,11 @@ def test_serve_a_log_directory(tmp_path: Path) -> None:
             first = json.loads(r.read().splitlines()[0])
         assert first["seq"] == mark + 1
         assert time.monotonic() - start < 5
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # the sidecar polls the file; wait for the state, do not race it
         while time.monotonic() < deadline:
             with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:  # noqa: S310
                 body = r.read()
-            if b'torpor_state{engine="w",rank="0",state="asleep_l2"} 1.0' in body:
+            if b'torpor_state{state="asleep_l2",torpor_engine="w",torpor_rank="0"} 1.0' in body:
                 break
             time.sleep(0.1)
-        assert b'torpor_state{engine="w",rank="0",state="asleep_l2"} 1.0' in body
+        assert b'torpor_state{state="asleep_l2",torpor_engine="w",torpor_rank="0"} 1.0' in body

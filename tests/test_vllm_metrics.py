@@ -59,7 +59,7 @@ def test_worker_metrics_reach_vllm_metrics_endpoint(tmp_path: Path, monkeypatch:
         state = [
             line
             for line in text.splitlines()
-            if line.startswith("torpor_state{") and f'rank="{rank}"' in line and 'state="asleep_l1"' in line
+            if line.startswith("torpor_state{") and f'torpor_rank="{rank}"' in line and 'state="asleep_l1"' in line
         ]
         assert state, f"no asleep_l1 series for rank {rank} in /metrics"
         assert state[0].endswith(" 1.0")

@@ -36,8 +36,8 @@ def import_cumem() -> Any:
 
 
 @pytest.fixture
-def sandbox(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """Everything the plugin may change in this process, put back afterwards."""
+def sandbox(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    """Everything the plugin may change in this process, put back afterwards; event logs go to the test's own dir."""
     from vllm import plugins
     from vllm.config import VllmConfig
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
@@ -60,6 +60,8 @@ def sandbox(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         "PROMETHEUS_MULTIPROC_DIR",
     ):
         monkeypatch.delenv(name, raising=False)
+    # Not the default <tempdir>/torpor: another user's (or another run's) logs there are not ours to write.
+    monkeypatch.setenv("TORPOR_LOG_DIR", str(tmp_path / "torpor-logs"))
     monkeypatch.setattr(current_platform, "device_type", "cpu")  # vLLM's DeviceConfig needs one here
     predicate.forget_decisions()
     reset_warnings()

@@ -15,6 +15,7 @@ from torpor.errors import (
     LogLocked,
     LogWriteFailed,
     MemoryOperationFailed,
+    MissingExtra,
     NotAnEventLog,
     NotRecovered,
     OutOfMemory,
@@ -44,7 +45,7 @@ from torpor.statemachine import (
     replay,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject reads it: tool.setuptools.dynamic)
 
 #: Names of the other subpackages, importable from ``torpor`` and loaded on first use, so that
 #: ``import torpor`` stays light (no torch, no Prometheus registry touched).
@@ -104,6 +105,7 @@ __all__ = [
     "LogWriteFailed",
     "Memory",
     "MemoryOperationFailed",
+    "MissingExtra",
     "NotAnEventLog",
     "NotRecovered",
     "OutOfMemory",

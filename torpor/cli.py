@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from torpor import __version__
 from torpor.errors import TorporError
 
 #: Subcommand modules under ``torpor.commands``, in --help order.
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Put a GPU inference engine to sleep and wake it without losing a byte, and watch it.",
         epilog="example: torpor demo --cycles 3",
     )
+    parser.add_argument("--version", action="version", version=f"torpor {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:

@@ -156,6 +156,25 @@ class NotRecovered(TorporError, RuntimeError):
         )
 
 
+class MissingExtra(TorporError, ImportError):
+    """A GPU feature was used where its optional dependencies are not installed.
+
+    ``feature`` says what was asked for, ``module`` which import failed, and
+    ``extra`` the ``pip install`` extra that brings it.
+    """
+
+    def __init__(self, feature: str, module: str, extra: str = "cuda", cause: str = "") -> None:
+        self.feature = feature
+        self.module = module
+        self.extra = extra
+        why = f" ({cause})" if cause else ""
+        msg = (
+            f"{feature} needs {module}, which cannot be imported here{why}; "
+            f"install the {extra!r} extra: pip install 'torpor[{extra}]' (or 'torpor[vllm]', which brings vLLM's torch)"
+        )
+        super().__init__(msg, name=module)
+
+
 class ControllerClosed(TorporError, RuntimeError):
     """A command or record on a controller that was closed."""
 

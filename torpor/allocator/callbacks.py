@@ -56,6 +56,9 @@ class TorchPools:
     """One pluggable allocator and MemPool per tag, plus the generations of the graph pool."""
 
     def __init__(self, allocator: TaggedAllocator) -> None:
+        from torpor.extras import require
+
+        require("torch", "TaggedAllocator's CUDA memory pools (use_memory_pool, capture)")
         self.allocator = allocator
         self._allocators: dict[str, Any] = {}
         self._pools: dict[str, Any] = {}

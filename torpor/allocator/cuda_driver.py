@@ -23,9 +23,9 @@ _OOM_CODES = frozenset({2})  # CUDA_ERROR_OUT_OF_MEMORY
 
 
 def _cu() -> Any:
-    from cuda.bindings import driver as cu
+    from torpor.extras import require
 
-    return cu
+    return require("cuda.bindings.driver", "the CUDA driver (CudaDriver, TaggedAllocator on a GPU)")
 
 
 _PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE

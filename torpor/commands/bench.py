@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from torpor.extras import require
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``bench`` subcommand."""
@@ -19,7 +21,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "8 GiB in 64 allocations, 4 GiB in 2048 x 2 MiB and a small transformer's graph pool; "
             "write bench.json and bench.md."
         ),
-        epilog="example: torpor bench --out out/bench   (then: python benchmarks/plot_bench.py out/bench/bench.json)",
+        epilog="example: torpor bench --out out/bench > bench.md   (progress on stderr; then: python benchmarks/plot_bench.py out/bench/bench.json)",
     )
     p.add_argument("--cycles", type=int, default=4, help="sleep/wake cycles per workload (default 4)")
     p.add_argument("--no-sweep", action="store_true", help="skip the byte and segment sweeps used by the plots")
@@ -30,8 +32,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and write its results."""
-    import torch
-
+    torch = require("torch", "torpor bench")
     if not torch.cuda.is_available():
         print("torpor bench: no CUDA device here; run it on a GPU machine (docs/allocator.md)", file=sys.stderr)
         return 2
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         cycles=args.cycles,
         sweep=not args.no_sweep,
         tms=not args.no_tms,
-        log=lambda s: print(s, flush=True),
+        log=lambda s: print(s, file=sys.stderr, flush=True),  # progress; stdout is the report alone
         save=save,
     )
     save(data)

@@ -17,11 +17,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "wake it: level 1 full wake, level 1 selective wake (weights, then kv_cache), level 2 with a weight "
         "reload. Checks every wake bit-exact, serves Prometheus metrics on loopback, writes the event log, "
         "a timeline PNG and the Grafana dashboard. Uses CUDA when available, else the simulated device.",
-        epilog="example: torpor demo --cycles 3 --device sim --port 0",
+        epilog="example: torpor demo --cycles 3 --device sim --port 0   (or --keep-serving --host 0.0.0.0 --port 9400)",
     )
     p.add_argument("--cycles", type=int, default=3, metavar="N", help="sleep/wake cycles to run (3 covers each kind)")
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda if available, else sim (default)")
-    p.add_argument("--port", type=int, default=0, help="metrics port on 127.0.0.1 (0: any free port, the default)")
+    p.add_argument("--port", type=int, default=0, help="metrics port (0: any free port, the default)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for a Prometheus on another host)",
+    )
     p.add_argument("--log-dir", type=Path, metavar="DIR", help="where the event log goes (default: a new temp dir)")
     p.add_argument(
         "--keep-serving", action="store_true", help="keep the metrics endpoint up after the cycles, until Ctrl-C"
@@ -32,6 +37,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo with the parsed options."""
     opts = DemoOptions(
-        cycles=args.cycles, device=args.device, port=args.port, log_dir=args.log_dir, keep_serving=args.keep_serving
+        cycles=args.cycles,
+        device=args.device,
+        port=args.port,
+        host=args.host,
+        log_dir=args.log_dir,
+        keep_serving=args.keep_serving,
     )
     return run_demo(opts)

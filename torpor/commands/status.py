@@ -6,9 +6,8 @@ import argparse
 import json
 import sys
 
+from torpor.demo.report import fmt_bytes
 from torpor.hooks.fleet import EngineView, FleetView, RankView, fleet, wait_fleet
-
-GiB = 1024**3
 
 #: States ``--wait`` accepts.
 WAIT_STATES = ("awake", "asleep", "asleep_l1", "asleep_l2", "partially_awake", "closed")
@@ -51,16 +50,12 @@ def _tags(engine: EngineView, rank: int) -> str:
     parts = []
     for tag, u in sorted(engine.rank(rank).residency.items()):
         if u.resident:
-            parts.append(f"{tag} {u.resident / GiB:.2f} GiB resident")
+            parts.append(f"{tag} {fmt_bytes(u.resident)} resident")
         elif u.host:
-            parts.append(f"{tag} {u.host / GiB:.2f} GiB on host")
+            parts.append(f"{tag} {fmt_bytes(u.host)} on host")
         elif u.discarded:
-            parts.append(f"{tag} {u.discarded / GiB:.2f} GiB discarded")
+            parts.append(f"{tag} {fmt_bytes(u.discarded)} discarded")
     return ", ".join(parts)
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
 
 
 def memory_line(r: RankView) -> str:
@@ -69,13 +64,13 @@ def memory_line(r: RankView) -> str:
     budget = r.host_policy.get("budget_bytes")
     if r.pinned_bytes or budget is not None or r.device_asleep:
         pin, after = r.host_policy.get("pin", "?"), r.host_policy.get("after_wake", "?")
-        limit = "no budget" if budget is None else f"budget {_gib(budget)}"
-        parts.append(f"host pinned {_gib(r.pinned_bytes)} ({limit}; pinned {pin}, {after} after wake)")
+        limit = "no budget" if budget is None else f"budget {fmt_bytes(budget)}"
+        parts.append(f"host pinned {fmt_bytes(r.pinned_bytes)} ({limit}; pinned {pin}, {after} after wake)")
     d = r.device_asleep
     if d:
         parts.append(
-            f"at the last sleep the GPU kept {_gib(d.get('in_use', 0))} in use: torpor tags {_gib(d.get('tagged', 0))}, "
-            f"untagged {_gib(d.get('untagged', 0))} (CUDA context, NCCL/cuBLAS, torch's default pool)"
+            f"at the last sleep the GPU kept {fmt_bytes(d.get('in_use', 0))} in use: torpor tags {fmt_bytes(d.get('tagged', 0))}, "
+            f"untagged {fmt_bytes(d.get('untagged', 0))} (CUDA context, NCCL/cuBLAS, torch's default pool)"
         )
     return "; ".join(parts)
 

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from torpor.demo.cycles import CYCLE_KINDS, render, run_cycle
 from torpor.demo.report import Progress, fmt_bytes
 from torpor.demo.workload import DemoError, Workload
-from torpor.errors import PoolBusy, TorporError
+from torpor.errors import MissingExtra, PoolBusy, TorporError
 from torpor.statemachine import SleepController, log_path_for
 
 DEVICES = ("auto", "cuda", "sim")
@@ -58,6 +58,12 @@ def pick_device(requested: str) -> tuple[str, str]:
         return "sim", "asked for with --device sim"
     if cuda_available():
         return "cuda", "CUDA is available" if requested == "auto" else "asked for with --device cuda"
+    from torpor.extras import available
+
+    if not available("torch"):
+        if requested == "cuda":
+            raise MissingExtra("the GPU demo (--device cuda)", "torch")
+        return "sim", "torch is not installed; pip install 'torpor[cuda]' for the GPU demo"
     if requested == "cuda":
         msg = "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device sim"
         raise ValueError(msg)
@@ -246,16 +252,19 @@ def _keep_serving(server: Any, keep: bool, say: Callable[[str], None]) -> None:
     if not keep:
         say(f"  {'metrics'.ljust(17)}  {url} (closed now; --keep-serving keeps it up for a Prometheus)")
         return
-    say(f"serving {url} until Ctrl-C; point a Prometheus scrape job at it (static_configs: ['{url.split('/')[2]}'])")
-    say(f"  $ curl -s {url} | grep '^torpor_'")
     stop = threading.Event()
     restore: list[tuple[signal.Signals, Any]] = []
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C and SIGTERM (docker stop, systemd) end the serving, also when the shell that started
-        # the demo in the background left SIGINT ignored.
+        # the demo in the background left SIGINT ignored. Installed before saying so: whoever reads
+        # the line below may signal at once.
         for signum in (signal.SIGINT, signal.SIGTERM):
             restore.append((signum, signal.signal(signum, lambda *_: stop.set())))
     try:
+        say(
+            f"serving {url} until Ctrl-C; point a Prometheus scrape job at it (static_configs: ['{url.split('/')[2]}'])"
+        )
+        say(f"  $ curl -s {url} | grep '^torpor_'")
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:

@@ -11,10 +11,29 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from torpor.statemachine.states import State
+from torpor.telemetry.plot import STATE_COLOURS
+
 UID = "torpor-sleep"
 TITLE = "torpor: sleep and wake"
-SEL = 'engine=~"$engine", rank=~"$rank"'
+#: Every query selects the dashboard's engine and rank variables. torpor's labels are
+#: ``torpor_engine`` and ``torpor_rank`` (vLLM's own ``engine`` label is an index), the same on
+#: torpor's Prometheus exporter and through OpenTelemetry's Prometheus translation.
+SEL = 'torpor_engine=~"$engine", torpor_rank=~"$rank"'
 RATE = "$__rate_interval"
+BY_RANK = "torpor_engine, torpor_rank"
+RANK_LEGEND = "{{torpor_engine}} rank {{torpor_rank}}"
+
+#: The number each state is drawn as on the state timeline (its order in State), its name and colour.
+STATE_CODES: tuple[tuple[int, str, str], ...] = tuple(
+    (index, state.value, STATE_COLOURS[state]) for index, state in enumerate(State)
+)
+
+
+def _state_code_query() -> str:
+    """One series per rank whose value is the code of the state it is in (torpor_state is 1 for that state only)."""
+    parts = [f'(torpor_state{{{SEL}, state="{name}"}} == 1) * {code}' for code, name, _ in STATE_CODES]
+    return f"max by ({BY_RANK}) ({' or '.join(parts)})"
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,8 @@ class Panel:
     width: int = 12
     height: int = 8
     stacked: bool = False
+    #: Value mappings: (value, text, colour) shown instead of the number.
+    mappings: tuple[tuple[int, str, str], ...] = ()
 
 
 def _quantiles(metric: str, by: str, what: str) -> tuple[Target, ...]:
@@ -55,10 +76,23 @@ PANELS: tuple[Panel, ...] = (
         "State",
         "state-timeline",
         "none",
-        (Target(f"max by (engine, rank, state) (torpor_state{{{SEL}}}) == 1", "{{engine}} rank {{rank}}: {{state}}"),),
-        "Which state each rank is in over time (awake, suspending, asleep_l1, asleep_l2, partially_awake, resuming).",
+        (Target(_state_code_query(), RANK_LEGEND),),
+        "Which state each rank is in over time, one row per rank, in the colours of `torpor plot`.",
         width=24,
         height=7,
+        mappings=STATE_CODES,
+    ),
+    Panel(
+        "Last sleep and wake",
+        "stat",
+        "s",
+        (
+            Target(f"max by ({BY_RANK}) (torpor_last_sleep_duration_seconds{{{SEL}}})", f"sleep {RANK_LEGEND}"),
+            Target(f"max by ({BY_RANK}) (torpor_last_wake_duration_seconds{{{SEL}}})", f"wake {RANK_LEGEND}"),
+        ),
+        "How long the last completed sleep and wake took, per rank (sleeps minutes apart leave the percentiles empty).",
+        width=24,
+        height=5,
     ),
     Panel(
         "Bytes per tag by residency",
@@ -72,7 +106,7 @@ PANELS: tuple[Panel, ...] = (
         "Pinned host memory",
         "timeseries",
         "bytes",
-        (Target(f"sum by (engine, rank) (torpor_pinned_host_bytes{{{SEL}}})", "{{engine}} rank {{rank}}"),),
+        (Target(f"sum by ({BY_RANK}) (torpor_pinned_host_bytes{{{SEL}}})", RANK_LEGEND),),
         "Pinned host memory held for backups, per rank.",
     ),
     Panel(
@@ -132,8 +166,8 @@ PANELS: tuple[Panel, ...] = (
         "short",
         (
             Target(
-                f"sum by (command, reason) (increase(torpor_refusals_total{{{SEL}}}[{RATE}]))",
-                "{{command}}: {{reason}}",
+                f"sum by (command, error_type) (increase(torpor_refusals_total{{{SEL}}}[{RATE}]))",
+                "{{command}}: {{error_type}}",
             ),
         ),
         "Commands the guard refused, by command and error class.",
@@ -144,8 +178,8 @@ PANELS: tuple[Panel, ...] = (
         "short",
         (
             Target(
-                f"sum by (operation, reason) (increase(torpor_failures_total{{{SEL}}}[{RATE}]))",
-                "{{operation}}: {{reason}}",
+                f"sum by (operation, error_type) (increase(torpor_failures_total{{{SEL}}}[{RATE}]))",
+                "{{operation}}: {{error_type}}",
             ),
         ),
         "Sleeps aborted (rolled back) and wakes failed, by error class.",
@@ -154,7 +188,7 @@ PANELS: tuple[Panel, ...] = (
         "Ranks",
         "table",
         "none",
-        (Target(f"max by (engine, rank, version, driver) (torpor_info{{{SEL}}})", instant=True),),
+        (Target(f"max by ({BY_RANK}, version, driver) (torpor_info{{{SEL}}})", instant=True),),
         "Every rank with its torpor version and memory driver.",
         width=24,
         height=6,
@@ -190,8 +224,29 @@ def _panel(index: int, panel: Panel, x: int, y: int) -> dict[str, Any]:
             for i, t in enumerate(panel.targets)
         ],
     }
+    if panel.mappings:
+        out["fieldConfig"]["defaults"]["mappings"] = [
+            {
+                "type": "value",
+                "options": {
+                    str(value): {"text": text, "color": colour, "index": i}
+                    for i, (value, text, colour) in enumerate(panel.mappings)
+                },
+            }
+        ]
+        out["fieldConfig"]["defaults"]["color"] = {"mode": "fixed", "fixedColor": "text"}
     if panel.kind == "state-timeline":
-        out["options"].update({"mergeValues": True, "showValue": "never", "rowHeight": 0.8})
+        out["options"].update({"mergeValues": True, "showValue": "auto", "rowHeight": 0.8, "alignValue": "left"})
+    if panel.kind == "stat":
+        out["options"].update(
+            {
+                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                "colorMode": "none",
+                "graphMode": "none",
+                "textMode": "value_and_name",
+                "orientation": "horizontal",
+            }
+        )
     return out
 
 
@@ -244,8 +299,8 @@ def dashboard() -> dict[str, Any]:
                     "current": {},
                     "hide": 0,
                 },
-                _variable("engine", "label_values(torpor_info, engine)"),
-                _variable("rank", 'label_values(torpor_info{engine=~"$engine"}, rank)'),
+                _variable("engine", "label_values(torpor_info, torpor_engine)"),
+                _variable("rank", 'label_values(torpor_info{torpor_engine=~"$engine"}, torpor_rank)'),
             ]
         },
         "annotations": {"list": []},

@@ -73,6 +73,8 @@ class _Metrics:
                 "torpor_host_budget_bytes",
                 "torpor_asleep_device_bytes",
                 "torpor_cudagraphs",
+                "torpor_last_sleep_duration_seconds",
+                "torpor_last_wake_duration_seconds",
             )
         }
         self.counters = {
@@ -150,6 +152,9 @@ class MultiprocessSink:
                 self._child(counter, (*base, *obs.labels)).inc(obs.value)
             else:
                 self._child(self.metrics.histograms[obs.metric], (*base, *obs.labels)).observe(obs.value)
+            last = _LAST.get(obs.metric)
+            if last is not None:
+                self._set(last, base, obs.value)
         if event.kind in _TAG_KINDS:
             tag = str(event.data["tag"])
             usage = tracker.fold.residency.get(tag)
@@ -194,6 +199,13 @@ class MultiprocessSink:
             if part in ("in_use", "tagged", "untagged"):
                 self._set("torpor_asleep_device_bytes", (*base, part), float(value))
         self._set("torpor_cudagraphs", base, float(proj.graph_count))
+        for metric, name in _LAST.items():
+            if metric in tracker.last:
+                self._set(name, base, tracker.last[metric])
+
+
+#: Tracker observations whose last value is a gauge.
+_LAST = {"sleep_seconds": "torpor_last_sleep_duration_seconds", "wake_seconds": "torpor_last_wake_duration_seconds"}
 
 
 #: Events that change one tag's residency and nothing else but, perhaps, the state.

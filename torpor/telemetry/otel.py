@@ -5,23 +5,33 @@ Spans are built from events after the fact, with the events' own times: a
 one child span per tag (bytes, offload or discard, seconds), span events for
 rollbacks and refusals, and an error status when a sleep aborts or a wake
 fails. A refusal outside any transition gets a short span of its own named
-after the refused command. Metrics go through the meter: observable gauges for
-bytes and state, histograms for durations, counters for refusals and
-transitions. With no SDK configured the API's no-op providers make
-all of this free; providers can be injected (tests pass the SDK's in-memory ones).
+after the refused command. Metrics go through the meter: one instrument per
+Prometheus family (:data:`OTEL_INSTRUMENTS`), named so that OpenTelemetry's
+Prometheus translation gives back Prometheus's names and labels, with bucket
+advice on the duration histograms. With no SDK configured the API's no-op
+providers make all of this free; providers can be injected (tests pass the SDK's in-memory ones).
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.states import State
+from torpor.telemetry.prometheus import (
+    _COUNTERS,
+    _HISTOGRAMS,
+    BASE_LABELS,
+    DURATION_BUCKETS,
+    METRICS,
+    RankStats,
+    rank_samples,
+)
 from torpor.telemetry.tracker import Observation, Tracker, woken_label
 
 SCOPE = "torpor"
@@ -43,59 +53,110 @@ _PROXIES = frozenset({"ProxyTracerProvider", "_ProxyMeterProvider", "ProxyMeterP
 _STARTS = frozenset({EventKind.OPENED, EventKind.SLEEP_REQUESTED, EventKind.WAKE_REQUESTED, EventKind.REFUSED})
 
 
+#: The OpenTelemetry instrument behind each Prometheus family: (name, unit). OpenTelemetry's
+#: Prometheus translation (the Collector's ``prometheus`` exporter and the SDK's
+#: ``PrometheusMetricReader``: unit suffix unless the name has it, ``_total`` on counters,
+#: ``{...}`` annotations dropped) turns each back into the family's name, so the shipped
+#: dashboard and rules read either path (tests/test_telemetry_otel.py checks both rule sets).
+OTEL_INSTRUMENTS: dict[str, tuple[str, str]] = {
+    "torpor_info": ("torpor.info", ""),
+    "torpor_state": ("torpor.state", "{state}"),
+    "torpor_state_since_timestamp_seconds": ("torpor.state_since.timestamp", "s"),
+    "torpor_tag_bytes": ("torpor.tag.bytes", "By"),
+    "torpor_pinned_host_bytes": ("torpor.pinned_host.bytes", "By"),
+    "torpor_last_sleep_duration_seconds": ("torpor.last_sleep.duration", "s"),
+    "torpor_last_wake_duration_seconds": ("torpor.last_wake.duration", "s"),
+    "torpor_cudagraphs": ("torpor.cudagraphs", "{graph}"),
+    "torpor_transitions_total": ("torpor.transitions", "{transition}"),
+    "torpor_sleep_duration_seconds": ("torpor.sleep.duration", "s"),
+    "torpor_wake_duration_seconds": ("torpor.wake.duration", "s"),
+    "torpor_tag_transfer_bytes_total": ("torpor.tag.transfer.bytes", "By"),
+    "torpor_tag_transfer_seconds_total": ("torpor.tag.transfer.seconds", "s"),
+    "torpor_refusals_total": ("torpor.refusals", "{refusal}"),
+    "torpor_failures_total": ("torpor.failures", "{failure}"),
+    "torpor_events_total": ("torpor.events", "{event}"),
+}
+
+#: Metric attribute per Prometheus label where they differ; the translation maps each back
+#: (``.`` becomes ``_``). Labels not listed are their own attribute name.
+OTEL_ATTRIBUTES: dict[str, str] = {
+    "torpor_engine": "torpor.engine",
+    "torpor_rank": "torpor.rank",
+    "error_type": "error.type",
+}
+
+
+def attribute(label: str) -> str:
+    """The OpenTelemetry metric attribute for a Prometheus label of torpor's."""
+    return OTEL_ATTRIBUTES.get(label, label)
+
+
+def _attributes(family: str, values: tuple[str, ...]) -> dict[str, Any]:
+    return {attribute(label): value for label, value in zip(METRICS[family][1], values, strict=True)}
+
+
+def otel_instrument(family: str) -> tuple[str, str]:
+    """(name, unit) of the OpenTelemetry instrument for a Prometheus family of torpor's.
+
+    From :data:`OTEL_INSTRUMENTS`, else derived so that the translation gives the family back:
+    ``torpor_x_y_bytes`` -> ``torpor.x.y.bytes`` in ``By``, ``..._seconds`` in ``s``, ``_total`` dropped.
+    """
+    known = OTEL_INSTRUMENTS.get(family)
+    if known is not None:
+        return known
+    base = family.removesuffix("_total")
+    unit = "By" if base.endswith("_bytes") else "s" if base.endswith("_seconds") else ""
+    return base.replace("_", "."), unit
+
+
+def _attribute_value(label: str, value: str) -> Any:
+    return int(value) if label == BASE_LABELS[1] else value
+
+
 class _Instruments:
-    """The meter's instruments for one meter provider, shared by every tracker attached to it."""
+    """The meter's instruments for one meter provider, shared by every tracker attached to it.
+
+    Gauges read the same samples Prometheus does (:func:`rank_samples` of the live projection),
+    so every gauge family has its instrument; counters and histograms record the tracker's
+    observations as they come.
+    """
 
     def __init__(self, meter_provider: metrics.MeterProvider | None, version: str) -> None:
         meter = metrics.get_meter(SCOPE, version, meter_provider=meter_provider)
+        self.version = version
         self.trackers: list[Tracker] = []
         self.lock = threading.Lock()
-        meter.create_observable_gauge(
-            "torpor.tag.bytes", [self._tag_bytes], unit="By", description="Bytes of each memory tag by residency"
-        )
-        meter.create_observable_gauge(
-            "torpor.pinned_host.bytes", [self._pinned], unit="By", description="Pinned host memory held for backups"
-        )
-        meter.create_observable_gauge(
-            "torpor.state", [self._state], unit="1", description="1 for the state each rank is in, 0 for the others"
-        )
-        self.sleep_duration = meter.create_histogram(
-            "torpor.sleep.duration", unit="s", description="Duration of completed sleeps, by level"
-        )
-        self.wake_duration = meter.create_histogram(
-            "torpor.wake.duration", unit="s", description="Duration of completed wakes, by woken tags"
-        )
-        self.transitions = meter.create_counter("torpor.transitions", unit="1", description="State transitions")
-        self.refusals = meter.create_counter("torpor.refusals", unit="1", description="Commands refused by the guard")
+        for family, (kind, _, doc) in METRICS.items():
+            if kind in ("gauge", "info"):
+                name, unit = otel_instrument(family)
+                meter.create_observable_gauge(name, [self._gauge(family)], unit=unit, description=doc)
+        self.histograms: dict[str, metrics.Histogram] = {}
+        for metric, family in _HISTOGRAMS.items():
+            name, unit = otel_instrument(family)
+            self.histograms[metric] = meter.create_histogram(
+                name,
+                unit=unit,
+                description=METRICS[family][2],
+                explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
+            )
+        self.counters: dict[str, metrics.Counter] = {}
+        for metric, family in _COUNTERS.items():
+            name, unit = otel_instrument(family)
+            self.counters[metric] = meter.create_counter(name, unit=unit, description=METRICS[family][2])
 
-    def _each(self) -> Iterator[tuple[dict[str, Any], Tracker]]:
-        with self.lock:
-            trackers = list(self.trackers)
-        for tracker in trackers:
-            yield {"torpor.engine": tracker.engine, "torpor.rank": tracker.rank}, tracker
+    def _gauge(self, family: str) -> Callable[[metrics.CallbackOptions], Iterable[metrics.Observation]]:
+        def observe(_options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+            with self.lock:
+                trackers = list(self.trackers)
+            out: list[metrics.Observation] = []
+            for tracker in trackers:
+                for sample in rank_samples(tracker, RankStats(), self.version):
+                    if sample[0] == family and math.isfinite(sample[3]):  # OTel has no +Inf (no host budget)
+                        attrs = {attribute(k): _attribute_value(k, v) for k, v in sample[2]}
+                        out.append(metrics.Observation(sample[3], attrs))
+            return out
 
-    def _tag_bytes(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        out: list[metrics.Observation] = []
-        for base, tracker in self._each():
-            for tag, usage in sorted(dict(tracker.source.projection.residency).items()):
-                for residency, value in (
-                    ("resident", usage.resident),
-                    ("host", usage.host),
-                    ("discarded", usage.discarded),
-                ):
-                    attrs = {**base, "torpor.tag": tag, "torpor.residency": residency}
-                    out.append(metrics.Observation(value, attrs))
-        return out
-
-    def _pinned(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        return [metrics.Observation(t.source.projection.pinned_bytes, base) for base, t in self._each()]
-
-    def _state(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        out: list[metrics.Observation] = []
-        for base, tracker in self._each():
-            current = tracker.source.projection.state
-            out.extend(metrics.Observation(1 if s is current else 0, {**base, "torpor.state": s.value}) for s in State)
-        return out
+        return observe
 
 
 _instruments: dict[int, tuple[object, _Instruments]] = {}
@@ -129,6 +190,10 @@ class OtelSink:
         self._spans_on = _live(tracer_provider, trace.get_tracer_provider, trace.NoOpTracerProvider)
         self.instruments = _instruments_for(meter_provider, version)
         self.base: dict[str, Any] = {"torpor.engine": tracker.engine, "torpor.rank": tracker.rank}
+        self.metric_base: dict[str, Any] = {
+            attribute(BASE_LABELS[0]): tracker.engine,
+            attribute(BASE_LABELS[1]): tracker.rank,
+        }
         self.span: Span | None = None
         self._backed_up: dict[str, Event] = {}
         with self.instruments.lock:
@@ -179,22 +244,20 @@ class OtelSink:
             keys = ("seconds", "freed", "offloaded", "discarded", "restored", "pinned")
             self._close(when, {f"torpor.{k}": data[k] for k in keys if k in data and data[k] is not None})
         elif kind in (EventKind.SLEEP_ABORTED, EventKind.WAKE_FAILED):
-            self._close(when, {"torpor.error": str(data.get("error", ""))}, str(data.get("reason", "")))
+            self._close(when, {"error.type": str(data.get("error", "")) or "TorporError"}, str(data.get("reason", "")))
         elif kind is EventKind.REFUSED:
             self._refused(event)
 
     def _record(self, observations: list[Observation]) -> None:
         inst = self.instruments
         for obs in observations:
-            if obs.metric == "sleep_seconds":
-                inst.sleep_duration.record(obs.value, {**self.base, "torpor.level": obs.labels[0]})
-            elif obs.metric == "wake_seconds":
-                inst.wake_duration.record(obs.value, {**self.base, "torpor.tags": obs.labels[0]})
-            elif obs.metric == "transition":
-                attrs = {**self.base, "torpor.from_state": obs.labels[0], "torpor.to_state": obs.labels[1]}
-                inst.transitions.add(1, attrs)
-            elif obs.metric == "refusal":
-                inst.refusals.add(1, {**self.base, "torpor.command": obs.labels[0], "torpor.reason": obs.labels[1]})
+            histogram = inst.histograms.get(obs.metric)
+            if histogram is not None:
+                histogram.record(obs.value, {**self.metric_base, **_attributes(_HISTOGRAMS[obs.metric], obs.labels)})
+                continue
+            counter = inst.counters.get(obs.metric)
+            if counter is not None:
+                counter.add(obs.value, {**self.metric_base, **_attributes(_COUNTERS[obs.metric], obs.labels)})
 
     def _open(self, name: str, when: int, attrs: dict[str, Any]) -> None:
         if self.span is not None:  # a transition the events never closed (a crash): end it as unknown
@@ -242,7 +305,7 @@ class OtelSink:
         data, when = event.data, _ns(event.wall)
         attrs = {
             "torpor.command": str(data.get("command", "")),
-            "torpor.reason": str(data.get("error", "")),
+            "error.type": str(data.get("error", "")) or "TorporError",
             "torpor.message": str(data.get("reason", "")),
             "torpor.state": str(data.get("state", "")),
         }

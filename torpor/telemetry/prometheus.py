@@ -6,7 +6,12 @@ and histograms (transitions, sleep and wake durations, per-tag transfers,
 refusals, failures) are accumulated from events by the tracker. One collector
 serves every controller attached to the same registry, so eight ranks in one
 process give one family per metric. Names carry the ``torpor_`` prefix and base
-units, and never clash with vLLM's own ``vllm:`` sleep metrics.
+units, and never clash with vLLM's own ``vllm:`` sleep metrics; the engine
+and rank labels are ``torpor_engine`` and ``torpor_rank``, because vLLM's
+``engine`` label on the same ``/metrics`` holds an engine index. Label names
+are what OpenTelemetry's Prometheus translation makes of the OTel sink's
+attributes (``torpor.engine`` -> ``torpor_engine``, ``error.type`` ->
+``error_type``), so one dashboard reads either path.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from torpor.telemetry.tracker import Observation, Tracker
 #: fast link takes tens of milliseconds, a first sleep that pins gigabytes seconds.
 DURATION_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RESIDENCIES: tuple[str, ...] = ("resident", "host", "discarded")
-BASE_LABELS: tuple[str, ...] = ("engine", "rank")
+BASE_LABELS: tuple[str, ...] = ("torpor_engine", "torpor_rank")
 
 #: Every metric family this module exposes: name (as exposed) -> (type, extra labels, help).
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -48,6 +53,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Bytes of each memory tag by residency (resident, host, discarded)",
     ),
     "torpor_pinned_host_bytes": ("gauge", (), "Pinned host memory held for backups"),
+    "torpor_last_sleep_duration_seconds": ("gauge", (), "Duration of the last completed sleep"),
+    "torpor_last_wake_duration_seconds": ("gauge", (), "Duration of the last completed wake"),
     "torpor_host_budget_bytes": (
         "gauge",
         (),
@@ -83,10 +90,14 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
     "torpor_refusals_total": (
         "counter",
-        ("command", "reason"),
+        ("command", "error_type"),
         "Commands refused by the guard, by command and error class",
     ),
-    "torpor_failures_total": ("counter", ("operation", "reason"), "Sleeps aborted and wakes failed, by error class"),
+    "torpor_failures_total": (
+        "counter",
+        ("operation", "error_type"),
+        "Sleeps aborted and wakes failed, by error class",
+    ),
     "torpor_events_total": ("counter", ("kind",), "Events recorded, by kind"),
 }
 
@@ -157,6 +168,8 @@ _COUNTERS = {
     "event": "torpor_events_total",
 }
 _HISTOGRAMS = {"sleep_seconds": "torpor_sleep_duration_seconds", "wake_seconds": "torpor_wake_duration_seconds"}
+#: Gauges of the last completed sleep and wake (the tracker keeps the values; none before the first one).
+_LAST = {"sleep_seconds": "torpor_last_sleep_duration_seconds", "wake_seconds": "torpor_last_wake_duration_seconds"}
 
 #: One sample: family, sample name, sorted (label, value) pairs, value, and its ``name{labels} `` text.
 Sample = tuple[str, str, tuple[tuple[str, str], ...], float, str]
@@ -205,7 +218,7 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
     ``series`` memoises each series' sorted labels and line prefix across scrapes (a rank's series are few).
     """
     proj = tracker.source.projection
-    base = (("engine", tracker.engine), ("rank", str(tracker.rank)))
+    base = ((BASE_LABELS[0], tracker.engine), (BASE_LABELS[1], str(tracker.rank)))
     out: list[Sample] = []
     memo: SeriesCache = {} if series is None else series
 
@@ -227,6 +240,10 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
             value = float(getattr(usage, residency))
             add("torpor_tag_bytes", "torpor_tag_bytes", (("residency", residency), ("tag", tag)), value)
     add("torpor_pinned_host_bytes", "torpor_pinned_host_bytes", (), float(proj.pinned_bytes))
+    for metric, family in _LAST.items():
+        last = tracker.last.get(metric)
+        if last is not None:
+            add(family, family, (), last)
     budget = proj.host_policy.get("budget_bytes")
     add("torpor_host_budget_bytes", "torpor_host_budget_bytes", (), float("inf") if budget is None else float(budget))
     for part in ("in_use", "tagged", "untagged"):

@@ -102,6 +102,25 @@ def interpret(event: Event, before: State, after: State) -> Iterator[Observation
         yield Observation("failure", ("wake", str(data.get("error", "TorporError"))), 1.0)
 
 
+#: Observations whose last value the tracker keeps (the "last sleep / last wake" gauges).
+LAST_METRICS = frozenset({"sleep_seconds", "wake_seconds"})
+
+
+def _last_durations(source: Source, upto: int) -> dict[str, float]:
+    """The last completed sleep's and wake's seconds among the source's recent events up to ``upto``."""
+    found: dict[str, float] = {}
+    for event in reversed(source.events(0)):
+        if event.seq > upto:
+            continue
+        if event.kind is EventKind.SLEEP_COMPLETED and not event.data.get("incomplete"):
+            found.setdefault("sleep_seconds", float(event.data.get("seconds", 0.0)))
+        elif event.kind is EventKind.WAKE_COMPLETED:
+            found.setdefault("wake_seconds", float(event.data.get("seconds", 0.0)))
+        if len(found) == len(LAST_METRICS):
+            break
+    return found
+
+
 def _driver_of(source: Source) -> str:
     """The memory class: from the latest ``opened`` event, else the source's ``memory`` attribute."""
     for event in reversed(source.events(0)):
@@ -126,6 +145,8 @@ class Tracker:
         self.fold = Projection()
         self.seq = 0
         self.driver = "unknown"
+        #: The last completed sleep's and wake's seconds (``sleep_seconds``, ``wake_seconds``), once known.
+        self.last: dict[str, float] = {}
         proj = source.projection
         #: Label values, fixed for the tracker's life.
         self.engine = str(getattr(source, "engine", "") or proj.engine or "default")
@@ -133,8 +154,10 @@ class Tracker:
         self._unsubscribe = source.subscribe(self._on_event)
         start = Projection.from_dict(source.projection.to_dict())
         driver = _driver_of(source)
+        last = _last_durations(source, start.last_seq)
         with self._lock:
             self.fold, self.seq, self.driver = start, start.last_seq, driver
+            self.last.update(last)
             pending, self._pending = self._pending or [], None
             for event in pending:
                 self._handle(event)
@@ -173,6 +196,9 @@ class Tracker:
         if event.kind is EventKind.OPENED and "memory" in event.data:
             self.driver = str(event.data["memory"])
         observations = list(interpret(event, before, self.fold.state))
+        for obs in observations:
+            if obs.metric in LAST_METRICS:
+                self.last[obs.metric] = obs.value
         for sink in self.sinks:
             try:
                 sink.handle(self, event, observations)
