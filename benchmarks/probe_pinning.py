@@ -1,7 +1,7 @@
 """GPU probe: how much does pinning host memory in a background thread stall an awake engine, per chunk size, thread count and method?
 
 Run on a CUDA machine: ``python benchmarks/probe_pinning.py [GiB]``. The
-"engine" is a loop of ``torpor.allocator.benchmark.engine_step`` (a 16 MiB
+"engine" is a loop of ``torpor.bench.engine_step`` (a 16 MiB
 pinned input copy, a bf16 matmul, 32 small kernels, synchronize). For each configuration a background pool pins
 GiB of host memory while the loop runs; printed: pinning time, step median,
 p99 and max, and the stall (time the steps took beyond the idle median).
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from cuda.bindings import driver as cu
 
-from torpor.allocator.benchmark import engine_step
+from torpor.bench import engine_step
 
 MiB = 1 << 20
 GiB = 1 << 30

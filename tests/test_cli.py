@@ -403,7 +403,7 @@ def test_bench_progress_goes_to_stderr(
     """`torpor bench > bench.md` is clean: progress lines go to stderr, stdout is the Markdown report alone."""
     import types
 
-    from torpor.allocator import benchmark
+    import torpor.bench as benchmark
     from torpor.commands import bench
 
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))

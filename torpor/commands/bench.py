@@ -36,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("torpor bench: no CUDA device here; run it on a GPU machine (docs/allocator.md)", file=sys.stderr)
         return 2
-    from torpor.allocator.benchmark import markdown
-    from torpor.allocator.benchmark import run as run_bench
+    from torpor.bench import markdown
+    from torpor.bench import run as run_bench
 
     out = args.out or Path(os.environ.get("OUT") or "out/bench")
     out.mkdir(parents=True, exist_ok=True)

@@ -37,13 +37,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, runtime_checkable
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from torpor.errors import CommandInFlight, GroupFailed, TorporError
-from torpor.statemachine.events import EventKind
-
-if TYPE_CHECKING:
-    from torpor.statemachine.controller import SleepController
+from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.states import State
 
 #: Seconds a rank waits for the others' votes before it counts them as failed.
 DEFAULT_TIMEOUT = 120.0
@@ -54,6 +52,24 @@ UNHEARD = b""
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+class Participant(Protocol):
+    """What a group needs of the controller it runs commands for (``SleepController`` meets it)."""
+
+    group: GroupMember | None
+
+    @property
+    def state(self) -> State:
+        """The controller's current state."""
+        ...
+
+    def _refuse(self, command: str, error: TorporError) -> None: ...
+
+    def _emit(self, kind: EventKind, **data: Any) -> Event: ...
+
+
+C = TypeVar("C", bound=Participant)
 
 
 @runtime_checkable
@@ -237,7 +253,7 @@ class GroupMember:
         self.last: Outcome | None = None
 
     def run(
-        self, ctl: SleepController, command: str, method: Callable[..., R], args: tuple[Any, ...], kw: dict[str, Any]
+        self, ctl: Participant, command: str, method: Callable[..., R], args: tuple[Any, ...], kw: dict[str, Any]
     ) -> R:
         """Run ``method`` as the group's next command: vote, and commit or compensate with every rank."""
         if not self._lock.acquire(blocking=False):
@@ -264,7 +280,7 @@ class GroupMember:
             self._txn = None
             self._lock.release()
 
-    def hold(self, ctl: SleepController, undo: Callable[[TorporError], None] | None) -> None:
+    def hold(self, ctl: Participant, undo: Callable[[TorporError], None] | None) -> None:
         """The command's local part is prepared: vote ok; when another rank failed, ``undo`` it and raise."""
         txn = self._txn
         if txn is None or txn.voted:
@@ -277,7 +293,7 @@ class GroupMember:
             undo(error)  # raises ``error`` once undone (or a worse error when undoing failed)
         raise error
 
-    def _vote(self, ctl: SleepController, txn: _Txn, ok: bool, reason: str = "") -> Outcome:
+    def _vote(self, ctl: Participant, txn: _Txn, ok: bool, reason: str = "") -> Outcome:
         txn.voted = True
         a = self.agreement
         vote = Vote(a.rank, txn.round, txn.command, ok, reason, time.time())
@@ -306,11 +322,11 @@ class GroupMember:
 
 def collective(
     command: str,
-) -> Callable[[Callable[Concatenate[SleepController, P], R]], Callable[Concatenate[SleepController, P], R]]:
+) -> Callable[[Callable[Concatenate[C, P], R]], Callable[Concatenate[C, P], R]]:
     """Decorate a controller command: with a group it runs collectively, without one it runs as written."""
 
-    def wrap(method: Callable[Concatenate[SleepController, P], R]) -> Callable[Concatenate[SleepController, P], R]:
-        def run(self: SleepController, /, *args: P.args, **kw: P.kwargs) -> R:
+    def wrap(method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[C, P], R]:
+        def run(self: C, /, *args: P.args, **kw: P.kwargs) -> R:
             member = self.group
             if member is None:
                 return method(self, *args, **kw)
@@ -320,10 +336,3 @@ def collective(
         return run
 
     return wrap
-
-
-def undo_discard(ctl: SleepController, tags: list[str], error: TorporError) -> None:
-    """Compensate a prepared discard of resident tags: map them back (fresh memory), then raise ``error``."""
-    if tags:
-        ctl._wake(tags)
-    raise error

@@ -65,3 +65,9 @@ def device_report(memory: Memory) -> dict[str, Any] | None:
     except Exception:  # a report must never fail a sleep
         return None
     return {"total": dev.total, "in_use": dev.in_use, "tagged": dev.tagged, "untagged": dev.untagged}
+
+
+def pinned_bytes(memory: Memory) -> int:
+    """Pinned host bytes the memory holds now, as an event field; 0 for a memory that does not say."""
+    pinned = getattr(memory, "pinned_bytes", None)
+    return int(pinned()) if callable(pinned) else 0

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from torpor.allocator.bench_host import HOST_MODES, host_markdown
-from torpor.allocator.benchmark import Result, markdown
+from torpor.bench import Result, markdown
+from torpor.bench.host import HOST_MODES, host_markdown
 from torpor.statemachine.policy import AfterWake, HostMemoryPolicy, PinWhen
 
 GiB = 1 << 30

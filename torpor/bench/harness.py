@@ -1,0 +1,111 @@
+"""The whole ``torpor bench`` run: every workload on every system, the host-memory modes, the sweeps for the plots."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from torpor.allocator.cuda_driver import transparent_huge_pages
+from torpor.allocator.tagged import TaggedAllocator
+from torpor.bench.device import measure_floor
+from torpor.bench.host import HOST_MODES, measure_pageable
+from torpor.bench.interference import measure_pinning_interference
+from torpor.bench.report import pins_text, row_line
+from torpor.bench.result import GiB, MiB, Result
+from torpor.bench.systems import run_baseline_raw, run_tms_raw, run_torpor_graphs, run_torpor_raw
+
+
+def run(
+    cycles: int = 4,
+    sweep: bool = True,
+    tms: bool = True,
+    log: Callable[[str], None] = print,
+    save: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every workload on every system, plus the sweeps for the plots; returns a JSON-ready dict (``save``: after each part)."""
+    import torch
+
+    d2h, h2d = measure_floor()
+    log(f"floor: pinned D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s")
+    log(f"transparent huge pages: {transparent_huge_pages()}; {os.cpu_count()} CPUs")
+    results: list[Result] = []
+    main = [("8 GiB / 64", 64, 128 * MiB), ("4 GiB / 2048 x 2 MiB", 2048, 2 * MiB)]
+    for name, n, size in main:
+        for runner in (run_torpor_raw, run_baseline_raw) + ((run_tms_raw,) if tms else ()):
+            r = runner(name, n, size, 2 if runner is run_tms_raw else cycles)
+            results.append(r)
+            log(row_line(r.row(d2h, h2d)))
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    modes: list[Result] = []
+    for name, n, size in main:
+        for host in HOST_MODES:
+            r = run_torpor_raw(name, n, size, 3, host=host)
+            r.system = f"torpor ({r.host_mode})"
+            modes.append(r)
+            log(row_line(r.row(d2h, h2d)) + f" pinned awake/asleep/after wake {pins_text(r)}")
+            gc.collect()
+            torch.cuda.empty_cache()
+    pageable = measure_pageable()
+    log("pageable D2H: fresh {:.1f} GB/s, reused {:.1f} GB/s".format(*(v / 1e9 for v in pageable.values())))
+    flat = TaggedAllocator(slab_bytes=0)
+    r = run_torpor_raw("4 GiB / 2048 x 2 MiB", 2048, 2 * MiB, cycles, flat)
+    r.system = "torpor (no slabs)"
+    flat.close()
+    results.append(r)
+    log(row_line(r.row(d2h, h2d)))
+    r = run_torpor_graphs(cycles)
+    results.append(r)
+    log(row_line(r.row(d2h, h2d)))
+    gc.collect()
+    torch.cuda.empty_cache()
+    interference = measure_pinning_interference()
+    log(
+        "awake step while pinning {pin_bytes} B ahead ({pin_s:.1f} s): median {busy_median_ms:.3f} ms "
+        "vs idle {idle_median_ms:.3f} ms ({slowdown_median:.2f}x), p99 {busy_p99_ms:.3f} vs {idle_p99_ms:.3f} ms "
+        "({busy_steps} and {idle_steps} steps)".format(**interference)
+    )
+    sweeps: list[dict[str, Any]] = []
+
+    def snapshot() -> dict[str, Any]:
+        return {
+            "machine": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "floor_d2h_Bps": d2h,
+            "floor_h2d_Bps": h2d,
+            "cycles": cycles,
+            "rows": [r.row(d2h, h2d) for r in results],
+            "raw": [asdict(r) for r in results],
+            "sweeps": sweeps,
+            "awake_interference": interference,
+            "host_modes": [r.row(d2h, h2d) for r in modes],
+            "pageable_d2h": pageable,
+            "transparent_huge_pages": transparent_huge_pages(),
+            "cpus": os.cpu_count(),
+        }
+
+    if save is not None:
+        save(snapshot())
+    if sweep:
+        shared = TaggedAllocator()
+        points = [("bytes", GiB * k // (128 * MiB), 128 * MiB) for k in (1, 2, 4, 8)]
+        points += [("segments", n, 2 * GiB // n) for n in (16, 128, 1024)]
+        for axis, n, size in points:
+            r = run_torpor_raw(f"sweep {axis}", n, size, 3, shared)
+            b = run_baseline_raw(f"sweep {axis}", n, size, 3, keep_host_cache=axis == "bytes")
+            for res in (r, b):
+                row = res.row(d2h, h2d)
+                row["axis"] = axis
+                sweeps.append(row)
+                log(row_line(row))
+            gc.collect()
+            torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
+        shared.close()
+    return snapshot()

@@ -1,0 +1,261 @@
+"""The controller's core: construction, the event recorder, the reading API and the state machine's cross-check.
+
+Every command module (:mod:`~torpor.statemachine.sleeping`,
+:mod:`~torpor.statemachine.waking`, ...) builds on :class:`ControllerBase`;
+:class:`~torpor.statemachine.controller.SleepController` joins them. This
+module is where events are made, written, folded into the projection and handed
+to subscribers (:meth:`ControllerBase._emit`), and where the ``transitions``
+machine is stepped after the projection changed and must agree with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transitions import Machine
+
+from torpor.errors import ControllerClosed, TorporError
+from torpor.statemachine.events import Event, EventKind, make_event
+from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
+from torpor.statemachine.hostmem import apply_host_policy
+from torpor.statemachine.log import EventLog, read_events
+from torpor.statemachine.policy import DEFAULT_POLICY, Policy
+from torpor.statemachine.projection import Projection, project
+from torpor.statemachine.protocol import Memory
+from torpor.statemachine.states import TRANSITIONS, State
+
+logger = logging.getLogger("torpor")
+
+Subscriber = Callable[[Event], None]
+GiB = 1024**3
+
+
+class _Model:
+    """The ``transitions`` model: holds the machine state and the guard predicates."""
+
+    state: str
+
+    def __init__(self, owner: ControllerBase) -> None:
+        self._owner = owner
+
+    def level_is_1(self) -> bool:
+        return self._owner.projection.level == 1
+
+    def level_is_2(self) -> bool:
+        return self._owner.projection.level == 2
+
+    def came_from_awake(self) -> bool:
+        return self._owner.projection.resume_from is State.AWAKE
+
+    def came_from_partial(self) -> bool:
+        return self._owner.projection.resume_from is State.PARTIALLY_AWAKE
+
+    def came_from_l1(self) -> bool:
+        return self._owner.projection.resume_from is State.ASLEEP_L1
+
+    def came_from_l2(self) -> bool:
+        return self._owner.projection.resume_from is State.ASLEEP_L2
+
+    def all_resident(self) -> bool:
+        return not self._owner.projection.asleep_tags()
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+
+
+def _tag_list(tags: Sequence[str] | str) -> list[str]:
+    """Tags as a list without repeats; one tag may be given as a plain string."""
+    return list(dict.fromkeys([tags] if isinstance(tags, str) else tags))
+
+
+def _names_a_directory(path: Path, given: str) -> bool:
+    """Whether a ``log`` path names a directory: existing, ending in a separator, or new and without a suffix."""
+    if path.is_dir() or given.endswith(("/", "\\")):
+        return True
+    return not path.exists() and not path.suffix
+
+
+def log_path_for(directory: str | Path, engine: str, rank: int) -> Path:
+    """The file of ``engine``'s rank ``rank`` inside a shared log directory."""
+    return Path(directory) / f"{engine}.rank{rank}.jsonl"
+
+
+class ControllerBase:
+    """One engine rank's controller without its commands: the events, the projection, the machine, the reading API.
+
+    See :class:`~torpor.statemachine.controller.SleepController` for the
+    arguments; the command modules add the commands.
+    """
+
+    def __init__(
+        self,
+        memory: Memory,
+        log: EventLog | str | Path | None = None,
+        policy: Policy | None = None,
+        engine: str = "default",
+        rank: int = 0,
+        *,
+        fsync: bool = True,
+        keep_events: int = 10_000,
+        group: object | None = None,
+        group_timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.memory = memory
+        self.policy = policy or DEFAULT_POLICY
+        self.host_policy = self.policy.host_policy()
+        apply_host_policy(memory, self.host_policy)
+        self.engine = engine
+        self.rank = rank
+        self.group = None if group is None else GroupMember(as_agreement(group), group_timeout)
+        if isinstance(log, str | Path):
+            path = Path(log)
+            if _names_a_directory(path, str(log)):
+                path = log_path_for(path, engine, rank)
+            log = EventLog(path, fsync=fsync)
+        self.log: EventLog | None = log
+        self._command_lock = threading.Lock()
+        self._in_flight = ""
+        self._owner: int | None = None  # the thread running the command in flight
+        self._closed_at = 0  # the sequence number of the ``closed`` event, once closed
+        self._log_failure = ""  # why a rollback could not be recorded (the controller then needs recover())
+        self._emit_lock = threading.RLock()
+        self._changed = threading.Condition(self._emit_lock)
+        self._subscribers: list[tuple[Subscriber, frozenset[EventKind] | None]] = []
+        self._recent: list[Event] = []
+        self._keep_events = keep_events
+        self.projection = Projection(engine=engine, rank=rank)
+        self._seq = 0
+        if self.log is not None and self.log.last_seq:
+            self.projection = project(read_events(self.log.path))
+            self._seq = self.log.last_seq
+        self._model = _Model(self)
+        self._machine = Machine(
+            model=self._model,
+            states=[s.value for s in State],
+            transitions=TRANSITIONS,
+            initial=self.projection.state.value,
+            auto_transitions=False,
+        )
+        if not self.projection.interrupted:
+            self._emit(
+                EventKind.OPENED,
+                usage=self._resident_usage(),
+                memory=type(memory).__name__,
+                previous_state=self.projection.state.value if self._seq else None,
+                host=self.host_policy.to_dict(),
+            )
+            self._sync_machine()
+
+    # -- reading --------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        """The current state (a projection of the events)."""
+        return self.projection.state
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the last event recorded."""
+        return self._seq
+
+    def events(self, after: int = 0) -> list[Event]:
+        """Recent events (up to ``keep_events``) with a sequence number above ``after``."""
+        with self._emit_lock:
+            return [e for e in self._recent if e.seq > after]
+
+    def subscribe(self, callback: Subscriber, kinds: Iterable[EventKind | str] | None = None) -> Callable[[], None]:
+        """Call ``callback(event)`` after each event (of ``kinds``); return an unsubscribe function."""
+        wanted = None if kinds is None else frozenset(EventKind(k) for k in kinds)
+        entry = (callback, wanted)
+        with self._emit_lock:
+            self._subscribers.append(entry)
+
+        def unsubscribe() -> None:
+            with self._emit_lock:
+                if entry in self._subscribers:
+                    self._subscribers.remove(entry)
+
+        return unsubscribe
+
+    def wait_for(self, state: State | str, timeout: float | None = None) -> bool:
+        """Block until the controller is in ``state``; False on timeout."""
+        target = State(state)
+        with self._changed:
+            return self._changed.wait_for(lambda: self.projection.state is target, timeout)
+
+    async def wait_for_async(self, state: State | str, timeout: float | None = None) -> bool:
+        """Asyncio variant of :meth:`wait_for`; never blocks the event loop."""
+        target = State(state)
+        loop = asyncio.get_running_loop()
+        reached: asyncio.Future[bool] = loop.create_future()
+
+        def on_event(_: Event) -> None:
+            if self.projection.state is target:
+                loop.call_soon_threadsafe(lambda: None if reached.done() else reached.set_result(True))
+
+        unsubscribe = self.subscribe(on_event)
+        try:
+            if self.projection.state is target:
+                return True
+            try:
+                return await asyncio.wait_for(reached, timeout)
+            except TimeoutError:
+                return False
+        finally:
+            unsubscribe()
+
+    def _resident_usage(self) -> dict[str, int]:
+        return {tag: u.resident for tag, u in self.memory.usage().items()}
+
+    def _sync_machine(self) -> None:
+        self._machine.set_state(self.projection.state.value, self._model)
+
+    def _step(self, trigger: str) -> None:
+        """Fire an internal trigger; the machine must agree with the projection."""
+        getattr(self._model, trigger)()
+        if self._model.state != self.projection.state.value:
+            msg = f"state machine says {self._model.state!r} after {trigger!r}, events say {self.projection.state.value!r}"
+            raise TorporError(msg)
+
+    def _emit(self, kind: EventKind, **data: Any) -> Event:
+        with self._emit_lock:
+            if self._closed_at:
+                raise ControllerClosed(f"record {kind.value}", self.engine, self.rank, self._closed_at)
+            event = make_event(kind, self._seq + 1, self.engine, self.rank, data)
+            if self.log is not None:
+                self.log.append(event)
+            self._seq = event.seq
+            self.projection.apply(event)
+            delivered = [event]
+            if self.log is not None and kind is not EventKind.SNAPSHOT and self.log.needs_rotation():
+                snap = make_event(
+                    EventKind.SNAPSHOT, self._seq + 1, self.engine, self.rank, {"projection": self.projection.to_dict()}
+                )
+                try:
+                    self.log.rotate(snap)
+                except (OSError, TorporError):  # the active file keeps growing; the next try is max_bytes later
+                    logger.exception("torpor: rotating %s failed; appending to the active file", self.log.path)
+                else:
+                    self._seq = snap.seq
+                    self.projection.apply(snap)
+                    delivered.append(snap)  # subscribers and events() see every sequence number, as the log does
+            self._recent.extend(delivered)
+            if len(self._recent) > self._keep_events:
+                del self._recent[: len(self._recent) - self._keep_events]
+            self._changed.notify_all()
+            for sent in delivered:
+                for callback, kinds in list(self._subscribers):
+                    if kinds is not None and sent.kind not in kinds:
+                        continue
+                    try:
+                        callback(sent)
+                    except Exception:  # a subscriber must never break the controller
+                        logger.exception("torpor subscriber %r failed on event #%d %s", callback, sent.seq, sent.kind)
+            return event

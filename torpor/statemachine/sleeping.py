@@ -1,0 +1,115 @@
+"""The sleep command: guard, plan, check the host budget, back up, release, agree with the group, record.
+
+Anything raised inside (a memory error, a ``KeyboardInterrupt``, a log that
+cannot be written) rolls the sleep back through
+:func:`~torpor.statemachine.rollback.abort_sleep`, then is raised again.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torpor.errors import InvalidLevel, TorporError
+from torpor.statemachine.base import GiB, logger
+from torpor.statemachine.events import EventKind
+from torpor.statemachine.gate import CommandGate
+from torpor.statemachine.group import collective
+from torpor.statemachine.hostmem import backup_bytes, budget_refusal, device_report, pinned_bytes
+from torpor.statemachine.policy import Action
+from torpor.statemachine.projection import Projection
+from torpor.statemachine.protocol import Transfer
+from torpor.statemachine.rollback import abort_sleep
+from torpor.statemachine.states import ASLEEP, State
+
+
+class Sleeping(CommandGate):
+    """``sleep(level)``: offload or discard every resident tag the policy plans, all or nothing."""
+
+    @collective("sleep")
+    def sleep(self, level: int = 1, *, idempotent: bool = False) -> Projection:
+        """Put the engine to sleep at ``level`` (1 or 2); return the resulting projection.
+
+        ``idempotent``: a sleep while already asleep at ``level`` or deeper is a
+        no-op recorded as ``command_repeated`` instead of a refusal (what an
+        orchestrator that retries on every rank needs; the vLLM backend sets it).
+        """
+        with self._command("sleep", level=level):
+            if type(level) is not int or level not in (1, 2):  # not True, not 1.0
+                self._refuse("sleep", InvalidLevel(level))
+            if idempotent and self.state in ASLEEP and (self.projection.level or 0) >= level:
+                why = f"already asleep at level {self.projection.level} since event #{self.projection.since}"
+                return self._repeated("sleep", {"level": level}, why)
+            self._guard("sleep")
+            return self._sleep(level)
+
+    def _sleep(self, level: int) -> Projection:
+        start = time.perf_counter()
+        usage = self._resident_usage()
+        candidates = [t for t in usage if t not in set(self.projection.asleep_tags())]
+        plan = self.policy.plan(level, candidates)
+        offloading = backup_bytes(self.memory, [t for t, a in plan.items() if a is Action.OFFLOAD], usage)
+        over = budget_refusal(self.host_policy, self.projection, offloading)
+        if over is not None:  # before anything is touched
+            self._refuse("sleep", over)
+        self._emit(EventKind.SLEEP_REQUESTED, level=level, plan={t: a.value for t, a in plan.items()}, usage=usage)
+        self._step("sleep")
+        offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
+        discard = [t for t, a in plan.items() if a is Action.DISCARD]
+        released: list[Transfer] = []
+        backed_up: list[str] = []  # tags with a backup this sleep made (dropped again if it aborts)
+        phase, failed = "backup", None
+        undone = False
+
+        def undo_group(exc: TorporError) -> None:  # another rank failed: roll back here, then raise
+            nonlocal undone
+            undone = True
+            abort_sleep(self, level, start, "group", exc, released, plan, backed_up, None)
+
+        try:
+            self.memory.drop_backup(discard)  # a stale backup must never come back as a discarded tag's content
+            backed = self.memory.backup(offload)
+            backed_up = offload
+            for tag in offload:
+                t = backed[tag]
+                self._emit(EventKind.TAG_BACKED_UP, tag=tag, bytes=t.bytes, seconds=t.seconds)
+            phase = "release"
+            for tag in offload + discard:  # offloaded tags first: a failure then loses nothing
+                if plan[tag] is Action.DISCARD:  # with a group: every rank agrees before anything is discarded
+                    self._group_hold(undo_group)
+                failed = tag
+                done = self.memory.release([tag])[tag]
+                released.append(done)
+                failed = None
+                self._emit(
+                    EventKind.TAG_RELEASED, tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds
+                )
+            self._group_hold(undo_group)
+            phase = "recording"
+            seconds = time.perf_counter() - start
+            offloaded = sum(t.bytes for t in released if plan[t.tag] is Action.OFFLOAD)
+            discarded = sum(t.bytes for t in released if plan[t.tag] is Action.DISCARD)
+            self._emit(
+                EventKind.SLEEP_COMPLETED,
+                level=level,
+                seconds=seconds,
+                freed=offloaded + discarded,
+                offloaded=offloaded,
+                discarded=discarded,
+                pinned=pinned_bytes(self.memory),
+                host_budget=self.host_policy.budget_bytes,
+                device=device_report(self.memory),
+            )
+        except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise
+            if undone or self.projection.state is not State.SUSPENDING:  # undone for the group, or the sleep stands
+                self._sync_machine()
+                raise
+            abort_sleep(self, level, start, phase, exc, released, plan, backed_up, failed)
+        self._step("finish_sleep")
+        logger.info(
+            "sleep freed %.2f GiB (%.2f GiB to host, %.2f GiB discarded) in %.2f s",
+            (offloaded + discarded) / GiB,
+            offloaded / GiB,
+            discarded / GiB,
+            seconds,
+        )
+        return self.projection
