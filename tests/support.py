@@ -1,16 +1,11 @@
-"""Helpers shared by several test modules: Prometheus exposition samples, a tiny model config and a model-less Worker for vLLM, a free port, a held call, a real Prometheus, the two-GPU tests' worker processes."""
+"""Helpers shared by several test modules: Prometheus exposition samples, a tiny model config and a model-less Worker for vLLM, a free port, a held call, a real Prometheus."""
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
-import json
-import os
 import socket
 import subprocess
-import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,10 +15,6 @@ import pytest
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
-
-ROOT = Path(__file__).resolve().parent.parent
-# NVLink multicast stays off in multi-GPU workers (see the device notes on the two-GPU machines).
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -131,95 +122,3 @@ def model_less_worker(model_config: Any, monkeypatch: pytest.MonkeyPatch) -> Any
     worker._sleep_saved_buffers, worker._sleep_saved_parameters, worker._sleep_saved_draft_buffers = {}, {}, {}
     monkeypatch.setattr(worker, "synchronize_device", lambda: None)
     return worker
-
-
-def rank_worker_main(
-    description: str | None,
-    timeout: float,
-    work: Callable[[argparse.Namespace, dict[str, Any]], None],
-    modes: Sequence[str] = (),
-) -> int:
-    """A multi-GPU test's worker process (the test file run as a script by :func:`spawn_ranks`).
-
-    Parses ``--rank --port --logdir --out`` (and ``--mode``, one of ``modes``, the first by
-    default), runs ``work(args, result)`` and writes ``result`` to ``--out`` as JSON even when it
-    fails, with the error under ``"error"``, so a failure shows how far it got. A hung worker prints
-    every thread's Python stack and exits 30 s before the parent's kill at ``timeout``.
-    """
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--logdir", required=True)
-    if modes:
-        parser.add_argument("--mode", choices=list(modes), default=modes[0])
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    result: dict[str, Any] = {}
-    faulthandler.dump_traceback_later(timeout - 30, exit=True)
-    try:
-        work(args, result)
-    except BaseException as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        Path(args.out).write_text(json.dumps(result))
-    return 0
-
-
-def spawn_ranks(
-    script: str,
-    tmp_path: Path,
-    *,
-    world: int,
-    timeout: float,
-    args: Sequence[str] = (),
-    env: Mapping[str, str] | None = None,
-    evidence: str | None = None,
-) -> tuple[list[dict[str, Any]], list[int], str]:
-    """Run ``script`` once per rank (a :func:`rank_worker_main`) on one loopback port, NVLink multicast off.
-
-    Each rank gets ``--rank --port --logdir tmp_path/logs --out tmp_path/rank<r>.json`` then ``args``;
-    its output goes to ``tmp_path/rank<r>.log``. The environment is this one without
-    NCCL_GRAPH_REGISTER, plus :data:`NO_MULTICAST` and ``env``. A rank still running at ``timeout``
-    is killed with the others. Returns the ranks' results, exit codes and output tails; fails the
-    test when a rank wrote no result or an error. ``evidence``: print each rank's log lines that
-    contain it (for the record, not asserted).
-    """
-    environ = {k: v for k, v in os.environ.items() if k != "NCCL_GRAPH_REGISTER"}
-    environ.update(NO_MULTICAST)
-    environ.update(env or {})
-    environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), environ.get("PYTHONPATH", "")) if p)
-    environ["PYTHONUNBUFFERED"] = "1"
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        cmd = [sys.executable, script, "--rank", str(rank), "--port", str(port), "--logdir", str(tmp_path / "logs")]
-        cmd += ["--out", str(tmp_path / f"rank{rank}.json"), *args]
-        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115  (closed below)
-        procs.append((subprocess.Popen(cmd, env=environ, stdout=log, stderr=subprocess.STDOUT), log))
-    codes = []
-    for proc, log in procs:
-        try:
-            codes.append(proc.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            for p, _ in procs:
-                p.kill()
-            codes.append(-9)
-        finally:
-            log.close()
-    outputs = "\n".join(
-        f"--- rank {r} (exit {c}):\n" + (tmp_path / f"rank{r}.log").read_text()[-8000:] for r, c in enumerate(codes)
-    )
-    missing = [r for r in range(world) if not (tmp_path / f"rank{r}.json").exists()]
-    if missing:
-        pytest.fail(f"workers {missing} wrote no result:\n{outputs}")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    print(json.dumps(results, indent=1))
-    if evidence is not None:
-        for r in range(world):
-            said = [line for line in (tmp_path / f"rank{r}.log").read_text().splitlines() if evidence in line]
-            print(f"rank {r}:", said or f"no line with {evidence}")
-    errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
-    if errors:
-        pytest.fail(f"workers failed ({'; '.join(errors)}); results so far: {json.dumps(results)}\n{outputs}")
-    return results, codes, outputs

@@ -14,16 +14,23 @@ captured all-reduce graph replays the right sum. NVLink multicast stays off
 
 from __future__ import annotations
 
+import argparse
+import faulthandler
+import json
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import rank_worker_main, spawn_ranks
 
+ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 N = 1 << 20  # elements per tensor (4 MiB of float32)
 WORKER_TIMEOUT = 150
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _worker(rank: int, port: int, logdir: str, result: dict[str, Any]) -> None:
@@ -130,13 +137,63 @@ def _worker(rank: int, port: int, logdir: str, result: dict[str, Any]) -> None:
 
 
 def _main() -> int:
-    return rank_worker_main(__doc__, WORKER_TIMEOUT, lambda a, result: _worker(a.rank, a.port, a.logdir, result))
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--logdir", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result: dict[str, Any] = {}
+    faulthandler.dump_traceback_later(WORKER_TIMEOUT - 30, exit=True)
+    try:
+        _worker(args.rank, args.port, args.logdir, result)
+    except BaseException as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.mark.gpu2
 def test_full_gpu_on_rank1_rolls_the_group_back_then_it_wakes_and_replays(tmp_path: Path) -> None:
     """Rank 1's wake fails (GPU full): both ranks raise GroupFailed and stay asleep intact; after freeing, the group wakes and the all-reduce graph replays right."""
-    results, codes, outputs = spawn_ranks(__file__, tmp_path, world=WORLD, timeout=WORKER_TIMEOUT)
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_GRAPH_REGISTER"}
+    env.update(NO_MULTICAST)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        cmd = [sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--logdir", str(tmp_path / "logs")]
+        cmd += ["--out", str(tmp_path / f"rank{rank}.json")]
+        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115  (closed below)
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    codes = []
+    for proc, log in procs:
+        try:
+            codes.append(proc.wait(timeout=WORKER_TIMEOUT))
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                p.kill()
+            codes.append(-9)
+        finally:
+            log.close()
+    outputs = "\n".join(f"--- rank {r}:\n" + (tmp_path / f"rank{r}.log").read_text()[-6000:] for r in range(WORLD))
+    missing = [r for r in range(WORLD) if not (tmp_path / f"rank{r}.json").exists()]
+    if missing:
+        pytest.fail(f"workers {missing} wrote no result:\n{outputs}")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    print(json.dumps(results, indent=1))
+    errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
+    if errors:
+        pytest.fail(f"workers failed ({'; '.join(errors)}):\n{outputs}")
     for rank, r in enumerate(results):
         assert r["before"] == [6.0, 6.0]
         assert r["asleep"] == "asleep_l1"

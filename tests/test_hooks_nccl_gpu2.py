@@ -12,18 +12,24 @@ NVSHMEM_DISABLE_NVLS=1).
 
 from __future__ import annotations
 
+import argparse
+import faulthandler
+import json
 import logging
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import rank_worker_main, spawn_ranks
 
+ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 N = 1 << 20  # elements per tensor (4 MiB of float32)
 WORKER_TIMEOUT = 120  # seconds; a healthy run takes a small part of it
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 # -- the worker (runs in a child process) ------------------------------------------------
@@ -174,28 +180,77 @@ def _worker(rank: int, port: int, logdir: str, mode: str, result: dict[str, Any]
 
 
 def _main() -> int:
-    return rank_worker_main(
-        __doc__,
-        WORKER_TIMEOUT,
-        lambda a, result: _worker(a.rank, a.port, a.logdir, a.mode, result),
-        ("run", "register1"),
-    )
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--logdir", required=True)
+    parser.add_argument("--mode", choices=["run", "register1"], default="run")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result: dict[str, Any] = {}
+    # a hung worker prints every thread's Python stack and exits before the parent's kill
+    faulthandler.dump_traceback_later(WORKER_TIMEOUT - 30, exit=True)
+    try:
+        _worker(args.rank, args.port, args.logdir, args.mode, result)
+    except BaseException as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        Path(args.out).write_text(json.dumps(result))
+    return 0
 
 
 # -- the tests (run by pytest in the parent) ----------------------------------------------
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _spawn(tmp_path: Path, mode: str, extra_env: dict[str, str]) -> tuple[list[dict[str, Any]], list[int], str]:
     """Run the two workers; their results, exit codes and output tails (fails when a result is missing)."""
-    env = {  # NCCL then logs the NCCL_* values it read from the environment
-        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "INFO"),
-        "NCCL_DEBUG_SUBSYS": os.environ.get("NCCL_DEBUG_SUBSYS", "ENV"),
-        **extra_env,
-    }
-    args = ["--mode", mode]
-    return spawn_ranks(
-        __file__, tmp_path, world=WORLD, timeout=WORKER_TIMEOUT, args=args, env=env, evidence="GRAPH_REGISTER"
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_GRAPH_REGISTER"}
+    env.update(NO_MULTICAST)
+    env.update(extra_env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("NCCL_DEBUG", "INFO")  # NCCL then logs the NCCL_* values it read from the environment
+    env.setdefault("NCCL_DEBUG_SUBSYS", "ENV")
+    port = _free_port()
+    logdir = tmp_path / "logs"
+    procs = []
+    for rank in range(WORLD):
+        cmd = [sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--logdir", str(logdir)]
+        cmd += ["--mode", mode, "--out", str(tmp_path / f"rank{rank}.json")]
+        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115  (closed below)
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    codes = []
+    for proc, log in procs:
+        try:
+            codes.append(proc.wait(timeout=WORKER_TIMEOUT))
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                p.kill()
+            codes.append(-9)
+        finally:
+            log.close()
+    outputs = "\n".join(
+        f"--- rank {r} (exit {c}):\n" + (tmp_path / f"rank{r}.log").read_text()[-8000:] for r, c in enumerate(codes)
     )
+    missing = [r for r in range(WORLD) if not (tmp_path / f"rank{r}.json").exists()]
+    if missing:
+        pytest.fail(f"workers {missing} wrote no result:\n{outputs}")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    print(json.dumps(results, indent=1))
+    for r in range(WORLD):  # what NCCL itself says it read (evidence for the record, not asserted)
+        said = [line for line in (tmp_path / f"rank{r}.log").read_text().splitlines() if "GRAPH_REGISTER" in line]
+        print(f"rank {r} NCCL:", said or "no NCCL_GRAPH_REGISTER line")
+    errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
+    if errors:
+        pytest.fail(f"workers failed ({'; '.join(errors)}); results so far: {json.dumps(results)}\n{outputs}")
+    return results, codes, outputs
 
 
 @pytest.mark.gpu2
