@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from torpor.errors import TorporError
 from torpor.statemachine.controller import SleepController
-from torpor.statemachine.log import EventLog
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.protocol import Transfer
 from torpor.testing import FakeMemory
 

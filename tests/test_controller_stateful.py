@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from torpor import SleepController, State, replay
 from torpor.errors import TorporError
 from torpor.statemachine.events import EventKind
-from torpor.statemachine.log import EventLog
+from torpor.statemachine.logwriter import EventLog
 from torpor.testing import FakeMemory
 
 SIZES = {"weights": 4096, "kv_cache": 8192, "cudagraph": 1024, "runtime": 512}

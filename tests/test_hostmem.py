@@ -12,8 +12,9 @@ from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import TorporError
 from torpor.statemachine.events import EventKind
 from torpor.statemachine.hostmem import budget_refusal, device_report
+from torpor.statemachine.log import replay
 from torpor.statemachine.policy import AfterWake, HostMemoryPolicy, PinWhen, Policy
-from torpor.statemachine.projection import Projection, replay
+from torpor.statemachine.projection import Projection
 from torpor.testing import FakeMemory
 
 G = 64 * 1024

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import torpor.statemachine.log as log_module
 from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
 from torpor.statemachine.events import Event, EventKind, make_event
-from torpor.statemachine.log import EventLog, decode_line, encode_line, read_events, read_events_file, segments
+from torpor.statemachine.log import decode_line, encode_line, read_events, read_events_file, segments
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.projection import Projection
 
 _EMPTY_PROJECTION = Projection().to_dict()  # what a snapshot of a fresh rank holds

@@ -27,8 +27,8 @@ from torpor.errors import (
 )
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import SCHEMA_VERSION, EventKind
-from torpor.statemachine.log import DEFAULT_MAX_LINE, EventLog, decode_line, read_events
-from torpor.statemachine.projection import replay
+from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_line, read_events, replay
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.states import State
 from torpor.testing import FakeMemory
 

@@ -22,8 +22,8 @@ import pytest
 from torpor.errors import TorporError
 from torpor.statemachine.controller import SleepController, _clip
 from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.log import EventLog, read_events
-from torpor.statemachine.projection import replay
+from torpor.statemachine.log import read_events, replay
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.protocol import Transfer
 from torpor.statemachine.states import State
 from torpor.testing import FakeMemory

@@ -19,8 +19,9 @@ import pytest
 from torpor.errors import NotRecovered
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.log import EventLog, read_events, segments
-from torpor.statemachine.projection import Projection, replay
+from torpor.statemachine.log import read_events, replay, segments
+from torpor.statemachine.logwriter import EventLog
+from torpor.statemachine.projection import Projection
 from torpor.statemachine.protocol import Transfer
 from torpor.statemachine.states import TRANSITIONAL, State
 from torpor.testing import FakeMemory

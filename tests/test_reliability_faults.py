@@ -22,9 +22,9 @@ import pytest
 from torpor.errors import OutOfMemory, TorporError
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import EventKind
-from torpor.statemachine.log import EventLog
+from torpor.statemachine.log import replay
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.policy import DEFAULT_POLICY, Action
-from torpor.statemachine.projection import replay
 from torpor.statemachine.protocol import Memory, Transfer
 from torpor.statemachine.states import State
 from torpor.testing import FakeMemory

@@ -31,8 +31,8 @@ from test_reliability_faults import (
 from torpor.errors import CommandInFlight, ControllerClosed, LogWriteFailed, MemoryOperationFailed, NotRecovered
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import EventKind
-from torpor.statemachine.log import EventLog
-from torpor.statemachine.projection import replay
+from torpor.statemachine.log import replay
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.states import TRANSITIONAL, State
 from torpor.testing import FakeMemory
 

@@ -21,7 +21,8 @@ from torpor.errors import LogCorrupted
 from torpor.hooks.follow import Follower, follow
 from torpor.statemachine import SleepController, replay
 from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.log import EventLog, encode_line, read_events, segments
+from torpor.statemachine.log import encode_line, read_events, segments
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.projection import Projection
 from torpor.telemetry import serve
 from torpor.telemetry.replay import LogSource

@@ -14,8 +14,9 @@ from torpor.errors import EventTooLarge, LogLocked, LogWriteFailed, NotAnEventLo
 from torpor.statemachine import log as log_module
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.log import EventLog, read_events, segments
-from torpor.statemachine.projection import MAX_GRAPH_SITES, replay
+from torpor.statemachine.log import read_events, replay, segments
+from torpor.statemachine.logwriter import EventLog
+from torpor.statemachine.projection import MAX_GRAPH_SITES
 from torpor.statemachine.states import State
 from torpor.testing import FakeMemory
 
@@ -175,7 +176,7 @@ def _is_log(fd: int) -> bool:
 FULL_DISK = """
 import json, os, resource, signal, sys
 from torpor.statemachine.controller import SleepController
-from torpor.statemachine.log import EventLog
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.states import State
 from torpor.testing import FakeMemory
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torpor import errors
+from torpor._version import __version__
 from torpor.errors import (
     CommandInFlight,
     ControllerClosed,
@@ -44,8 +45,6 @@ from torpor.statemachine import (
     Transfer,
     replay,
 )
-
-__version__ = "0.1.0"  # the one place the version is written (pyproject reads it: tool.setuptools.dynamic)
 
 #: Names of the other subpackages, importable from ``torpor`` and loaded on first use, so that
 #: ``import torpor`` stays light (no torch, no Prometheus registry touched).

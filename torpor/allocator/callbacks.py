@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torpor.allocator.graphpool import GraphPool
+from torpor.extras import require
 
 if TYPE_CHECKING:
     from torpor.allocator.tagged import TaggedAllocator
@@ -56,8 +57,6 @@ class TorchPools:
     """One pluggable allocator and MemPool per tag, plus the generations of the graph pool."""
 
     def __init__(self, allocator: TaggedAllocator) -> None:
-        from torpor.extras import require
-
         require("torch", "TaggedAllocator's CUDA memory pools (use_memory_pool, capture)")
         self.allocator = allocator
         self._allocators: dict[str, Any] = {}

@@ -18,13 +18,12 @@ from typing import Any
 
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import DriverError, DriverOutOfMemory
+from torpor.extras import require
 
 _OOM_CODES = frozenset({2})  # CUDA_ERROR_OUT_OF_MEMORY
 
 
 def _cu() -> Any:
-    from torpor.extras import require
-
     return require("cuda.bindings.driver", "the CUDA driver (CudaDriver, TaggedAllocator on a GPU)")
 
 

@@ -23,6 +23,8 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from torpor.allocator import native
+from torpor.allocator.callbacks import TorchPools
+from torpor.allocator.cuda_driver import CudaDriver
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError
 from torpor.allocator.graphpool import CaptureHandle, GraphPool, PoolId, call_graph_pool_hooks
@@ -73,8 +75,6 @@ class TaggedAllocator(SleepWake):
         default_device: int = 0,
     ) -> None:
         if driver is None:
-            from torpor.allocator.cuda_driver import CudaDriver
-
             driver = CudaDriver()
         self.driver = driver
         self.table = NativeTable(driver, slab_bytes)
@@ -349,8 +349,6 @@ class TaggedAllocator(SleepWake):
 
     def _torch_pools(self) -> Any:
         if self._torch is None:
-            from torpor.allocator.callbacks import TorchPools
-
             self._torch = TorchPools(self)
         return self._torch
 

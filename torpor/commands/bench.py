@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from torpor import bench as benchmark
 from torpor.extras import require
 
 
@@ -36,17 +37,14 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("torpor bench: no CUDA device here; run it on a GPU machine (docs/allocator.md)", file=sys.stderr)
         return 2
-    from torpor.bench import markdown
-    from torpor.bench import run as run_bench
-
     out = args.out or Path(os.environ.get("OUT") or "out/bench")
     out.mkdir(parents=True, exist_ok=True)
 
     def save(data: dict[str, object]) -> None:
         (out / "bench.json").write_text(json.dumps(data, indent=1, default=str))
-        (out / "bench.md").write_text(markdown(data))
+        (out / "bench.md").write_text(benchmark.markdown(data))
 
-    data = run_bench(
+    data = benchmark.run(
         cycles=args.cycles,
         sweep=not args.no_sweep,
         tms=not args.no_tms,
@@ -54,5 +52,5 @@ def run(args: argparse.Namespace) -> int:
         save=save,
     )
     save(data)
-    print(markdown(data))
+    print(benchmark.markdown(data))
     return 0

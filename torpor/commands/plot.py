@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torpor.telemetry.plot import plot
+from torpor.telemetry.replay import resolve_log
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``plot`` subcommand."""
@@ -27,12 +30,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Draw the timeline and say where it went."""
-    try:
-        from torpor.telemetry.plot import plot
-        from torpor.telemetry.replay import resolve_log
-    except ImportError as exc:  # pragma: no cover - matplotlib missing
-        msg = f"plotting needs matplotlib (pip install 'torpor[plot]'): {exc}"
-        raise ValueError(msg) from None
     log = resolve_log(args.log, args.engine, args.rank)
     out = plot(log, args.output, args.title)
     print(f"wrote {out}")

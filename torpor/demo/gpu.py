@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from torpor.allocator import TaggedAllocator
 from torpor.demo.workload import BATCH_SIZES, Check
 from torpor.statemachine import Memory, SleepController
 
@@ -32,8 +33,6 @@ class GpuWorkload:
 
     def __init__(self, seed: int = 0) -> None:
         import torch
-
-        from torpor.allocator import TaggedAllocator
 
         self.torch: Any = torch
         self.seed = seed

@@ -15,10 +15,16 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from torpor.demo.cycles import CYCLE_KINDS, render, run_cycle
+from torpor.demo.gpu import GpuWorkload
 from torpor.demo.report import Progress, fmt_bytes
+from torpor.demo.sim import SimWorkload
 from torpor.demo.workload import DemoError, Workload
 from torpor.errors import MissingExtra, PoolBusy, TorporError
+from torpor.extras import available
 from torpor.statemachine import SleepController, log_path_for
+from torpor.telemetry.dashboard import render_dashboard
+from torpor.telemetry.endpoint import serve
+from torpor.telemetry.plot import plot
 
 DEVICES = ("auto", "cuda", "sim")
 GRAFANA_CURL = (
@@ -58,8 +64,6 @@ def pick_device(requested: str) -> tuple[str, str]:
         return "sim", "asked for with --device sim"
     if cuda_available():
         return "cuda", "CUDA is available" if requested == "auto" else "asked for with --device cuda"
-    from torpor.extras import available
-
     if not available("torch"):
         if requested == "cuda":
             raise MissingExtra("the GPU demo (--device cuda)", "torch")
@@ -74,11 +78,7 @@ def make_workload(device: str) -> Workload:
     """The workload for ``device``; DemoError when the allocator it needs is missing."""
     try:
         if device == "cuda":
-            from torpor.demo.gpu import GpuWorkload
-
             return GpuWorkload()
-        from torpor.demo.sim import SimWorkload
-
         return SimWorkload()
     except ImportError as exc:
         msg = f"the {device} demo needs {exc.name or 'a module'} which cannot be imported here ({exc})"
@@ -87,10 +87,6 @@ def make_workload(device: str) -> Workload:
 
 def _serve(controller: SleepController, port: int, host: str) -> tuple[Any, str]:
     """Start the metrics endpoint; (server or None, a line saying where or why not)."""
-    try:
-        from torpor.telemetry.endpoint import serve
-    except ImportError as exc:
-        return None, f"not available in this build ({exc})"
     try:
         server = serve(controller, port=port, host=host)
     except OSError as exc:
@@ -121,8 +117,6 @@ def _artifacts(log: Path, out_dir: Path) -> list[tuple[str, str, str]]:
     ]
     png = out_dir / "timeline.png"
     try:
-        from torpor.telemetry.plot import plot
-
         plot(log, png, title="torpor demo")
         found.append(("timeline PNG", str(png), f"$ xdg-open {png}"))
     except ImportError as exc:
@@ -130,8 +124,6 @@ def _artifacts(log: Path, out_dir: Path) -> list[tuple[str, str, str]]:
         found.append(("timeline PNG", "not written: matplotlib is not installed", f"$ {hint}"))
     dash = out_dir / "grafana-dashboard.json"
     try:
-        from torpor.telemetry.dashboard import render_dashboard
-
         text = render_dashboard()
         dash.write_text(text)
         # the same, wrapped for Grafana's HTTP API, so one curl line loads it

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.demo.workload import BATCH_SIZES, Check
 from torpor.statemachine import Memory, SleepController
 
@@ -53,8 +54,6 @@ class SimWorkload:
     device = "sim"
 
     def __init__(self, scale: int = SCALE, seed: int = 0) -> None:
-        from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
-
         self.scale = scale
         self.seed = seed
         total = sum(n for _, _, n in GPU_LAYOUT) // scale + GRAPH_BYTES * len(BATCH_SIZES)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, thaw
 from torpor.statemachine.group import Agreement, GroupMember, LocalGroup
-from torpor.statemachine.log import EventLog, decode_line, read_events, read_events_file, segments
+from torpor.statemachine.log import decode_line, read_events, read_events_file, replay, segments
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.policy import DEFAULT_POLICY, Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
-from torpor.statemachine.projection import Projection, project, replay
+from torpor.statemachine.projection import Projection, project
 from torpor.statemachine.protocol import DeviceMemory, GraphPoolMemory, HostMemory, Memory, TagUsage, Transfer
 from torpor.statemachine.states import COMMANDS, TRANSITIONS, State, allowed_sources, diagram_markdown, mermaid
 

@@ -23,7 +23,8 @@ from torpor.errors import ControllerClosed, TorporError
 from torpor.statemachine.events import Event, EventKind, make_event
 from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
 from torpor.statemachine.hostmem import apply_host_policy
-from torpor.statemachine.log import EventLog, read_events
+from torpor.statemachine.log import read_events
+from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.policy import DEFAULT_POLICY, Policy
 from torpor.statemachine.projection import Projection, project
 from torpor.statemachine.protocol import Memory

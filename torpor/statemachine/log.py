@@ -28,6 +28,7 @@ from typing import Any
 from torpor.errors import LogCorrupted, UnknownSchemaVersion
 from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, plain_event
 from torpor.statemachine.payload import payload_problem
+from torpor.statemachine.projection import Projection, project
 
 logger = logging.getLogger(__name__)
 
@@ -266,17 +267,21 @@ def read_events_file(file: Path, max_line: int = DEFAULT_MAX_LINE) -> Iterator[E
     return _events(file, max_line, one_file=True)
 
 
-# The writer lives in its own module; it is imported here so that ``torpor.statemachine.log.EventLog`` keeps working.
-from torpor.statemachine.logwriter import EventLog  # noqa: E402
+def replay(source: str | os.PathLike[str] | Iterable[Event]) -> Projection:
+    """The projection of a log file (all its segments) or of an iterable of events."""
+    if isinstance(source, str | os.PathLike):
+        return project(read_events(source), where=str(source))
+    return project(source)
+
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_LINE",
-    "EventLog",
     "decode_line",
     "decode_lines",
     "encode_line",
     "read_events",
     "read_events_file",
+    "replay",
     "segments",
 ]

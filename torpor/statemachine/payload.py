@@ -20,7 +20,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.events import Event, EventKind, thaw
+from torpor.statemachine.projection import Projection
 
 MAX_INT = 2**63 - 1
 
@@ -99,9 +100,6 @@ def _mapping(value: Any) -> str | None:
 def _projection(value: Any) -> str | None:
     if not isinstance(value, Mapping):
         return f"must be an object, got {type(value).__name__}"
-    from torpor.statemachine.events import thaw
-    from torpor.statemachine.projection import Projection  # imports the log module: import it late
-
     try:
         Projection.from_dict(thaw(value))
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:

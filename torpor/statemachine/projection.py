@@ -9,18 +9,16 @@ is in :mod:`~torpor.statemachine.fold`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 from torpor.errors import LogCorrupted
 from torpor.statemachine.events import Event
 from torpor.statemachine.fold import NO_STATE as _NO_STATE
 from torpor.statemachine.fold import STEPS as _STEPS
-from torpor.statemachine.log import read_events
 from torpor.statemachine.projection_data import MAX_GRAPH_SITES, ProjectionData
 from torpor.statemachine.states import ASLEEP, State
 
-__all__ = ["MAX_GRAPH_SITES", "_NO_STATE", "_STEPS", "Projection", "is_asleep", "project", "replay"]
+__all__ = ["MAX_GRAPH_SITES", "_NO_STATE", "_STEPS", "Projection", "is_asleep", "project"]
 
 
 class Projection(ProjectionData):
@@ -60,13 +58,6 @@ def project(events: Iterable[Event], start: Projection | None = None, where: str
             reason = f"event #{event.seq} ({event.kind.value}) has a malformed payload: {type(exc).__name__}: {exc}"
             raise LogCorrupted(where, event.seq, reason) from None
     return proj
-
-
-def replay(source: str | os.PathLike[str] | Iterable[Event]) -> Projection:
-    """The projection of a log file (all its segments) or of an iterable of events."""
-    if isinstance(source, str | os.PathLike):
-        return project(read_events(source), where=str(source))
-    return project(source)
 
 
 def is_asleep(state: State) -> bool:

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from torpor.telemetry import negotiate
+from torpor.telemetry import multiprocess, negotiate
 from torpor.telemetry.feed import (
     EVENTS_PARAMS,
     NDJSON,
@@ -49,6 +49,8 @@ from torpor.telemetry.feed import (
     parse_query,
     seconds_param,
 )
+from torpor.telemetry.replay import LogSource, resolve_log
+from torpor.telemetry.session import attach
 from torpor.telemetry.tracker import Source
 
 logger = logging.getLogger("torpor.telemetry")
@@ -349,9 +351,6 @@ def serve(
     ``source`` None serves ``/metrics`` only (an API server in multiprocess mode); a
     path serves an event log written by another process (:class:`~torpor.telemetry.replay.LogSource`).
     """
-    from torpor.telemetry import attach, multiprocess
-    from torpor.telemetry.replay import LogSource, resolve_log
-
     closers: list[Callable[[], None]] = []
     render: Callable[[], bytes] | None = None
     if isinstance(source, str | os.PathLike):

@@ -16,14 +16,11 @@ only.
 from __future__ import annotations
 
 from torpor.hooks.vllm.activation import (
-    ENV_ACTIVE,
     ENV_PROBE,
-    Activation,
     ActivationError,
     activate,
     deactivate,
     install_probe,
-    is_active,
     register,
     register_backend,
     remove_probe,
@@ -41,6 +38,7 @@ from torpor.hooks.vllm.facade import (
     get_instance,
 )
 from torpor.hooks.vllm.predicate import BACKEND, decision_for, extended_predicate, selects_torpor
+from torpor.hooks.vllm.process import ENV_ACTIVE, Activation, is_active
 
 __all__ = [
     "BACKEND",

@@ -34,21 +34,24 @@ import atexit
 import importlib
 import logging
 import os
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.errors import TorporError
-from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, NcclDecision, apply_nccl_defaults
-from torpor.hooks.predicate import CudagraphPoolDecision
-from torpor.hooks.vllm.facade import DEFAULT_ENGINE, ENV_ENGINE, TorporMemAllocator, get_instance
+from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, apply_nccl_defaults
+from torpor.hooks.vllm.facade import DEFAULT_ENGINE, ENV_ENGINE, get_instance
 from torpor.hooks.vllm.predicate import BACKEND, decision_for, extended_predicate, selects_torpor
+from torpor.hooks.vllm.process import (  # noqa: F401 (current, is_active: re-exported, the old path)
+    ENV_ACTIVE,
+    Activation,
+    _lock,
+    _process,
+    current,
+    is_active,
+)
 
 logger = logging.getLogger("torpor.vllm")
 
-#: Set by :func:`activate`; a process that loads the plugin with it set activates at once (spawned workers).
-ENV_ACTIVE = "TORPOR_VLLM_ACTIVE"
 #: ``0`` leaves ``VllmConfig`` untouched at load (no probe); torpor then activates only with ``TORPOR_VLLM_ACTIVE=1``.
 ENV_PROBE = "TORPOR_VLLM_PROBE"
 BACKEND_MODULE = "torpor.hooks.vllm.backend"
@@ -57,32 +60,6 @@ BACKEND_CLASS = "TorporSleepBackend"
 
 class ActivationError(TorporError, RuntimeError):
     """torpor cannot take over vLLM's allocator in this process (vLLM's CuMemAllocator already holds memory)."""
-
-
-@dataclass
-class Activation:
-    """What :func:`activate` changed, so :func:`deactivate` can put it back."""
-
-    predicate: property
-    slot_class: Any = None
-    slot_previous: Any = None
-    env_previous: str | None = None
-    engine_previous: str | None = None
-    allocator: TorporMemAllocator | None = None
-    decisions: list[CudagraphPoolDecision] = field(default_factory=list)
-    nccl: list[NcclDecision] = field(default_factory=list)
-
-
-class _Process:
-    """What this process has changed in vLLM (process-wide by nature: vLLM's classes are)."""
-
-    active: Activation | None = None
-    probe_original: Callable[..., Any] | None = None
-    atexit_registered = False
-
-
-_lock = threading.RLock()
-_process = _Process()
 
 
 def _vllm_config_class() -> Any:
@@ -213,16 +190,6 @@ def deactivate() -> None:
             os.environ.pop(ENV_ENGINE, None)
         else:
             os.environ[ENV_ENGINE] = state.engine_previous
-
-
-def is_active() -> bool:
-    """True while :func:`activate` is in effect in this process."""
-    return _process.active is not None
-
-
-def current() -> Activation | None:
-    """The activation in effect (None: inactive)."""
-    return _process.active
 
 
 def _release_at_exit() -> None:

@@ -39,7 +39,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
-from torpor.hooks.vllm.facade import require_controller
+from torpor.hooks.vllm.facade import get_instance, require_controller
 from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
 from torpor.statemachine.states import State
 
@@ -164,8 +164,6 @@ class TorporSleepBackend(_Base):  # type: ignore[misc, valid-type]
     @classmethod
     def is_supported(cls) -> bool:
         """True where torpor's allocator can run: CUDA (not ROCm) is available, or a memory was configured (a simulated device)."""
-        from torpor.hooks.vllm.facade import get_instance
-
         if get_instance().configured:
             return True
         try:

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from torpor.errors import CommandInFlight, ControllerClosed, TorporError
+from torpor.hooks.vllm import process
+from torpor.hooks.vllm.wiring import on_controller_started, record_when_known
 from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.policy import Policy
 from torpor.statemachine.protocol import Memory
@@ -193,8 +195,6 @@ class TorporMemAllocator:
                 controller.projection.pid,
             )
             controller.recover()
-        from torpor.hooks.vllm.wiring import on_controller_started
-
         self._decisions_recorded = on_controller_started(controller, self)
         logger.info("torpor: engine %s rank %d logs to %s", engine, rank, log_dir)
         return controller
@@ -255,8 +255,6 @@ class TorporMemAllocator:
         site = f"{_capture_site()} #{next(self._sites)}"
         controller = self.controller
         if not self._decisions_recorded:
-            from torpor.hooks.vllm.wiring import record_when_known
-
             self._decisions_recorded = record_when_known(controller)
         with controller.capture(site) as pool:
             yield pool
@@ -337,13 +335,11 @@ def current_controller() -> SleepController | None:
 
 def require_controller(what: str) -> SleepController:
     """The controller, or :class:`NotWired` naming why vLLM is not on torpor's allocator here."""
-    from torpor.hooks.vllm import activation
-
-    if not activation.is_active():
+    if not process.is_active():
         msg = (
             f"cannot {what}: sleep backend 'torpor' is selected but torpor is not active in process {os.getpid()}, "
             "so vLLM allocated its memory with CuMemAllocator; the plugin activates when a VllmConfig selecting "
-            f"torpor is built in this process or a parent, or when {activation.ENV_ACTIVE}=1 is set "
+            f"torpor is built in this process or a parent, or when {process.ENV_ACTIVE}=1 is set "
             "(needed for launchers that pass no environment, e.g. Ray without VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY=TORPOR_)"
         )
         raise NotWired(msg)

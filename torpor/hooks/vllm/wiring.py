@@ -20,6 +20,7 @@ from torpor.hooks.allreduce import register_graph_buffers
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER
 from torpor.hooks.predicate import CudagraphPoolDecision
 from torpor.hooks.vllm.predicate import decision_for
+from torpor.hooks.vllm.process import current
 from torpor.statemachine.events import EventKind
 
 if TYPE_CHECKING:
@@ -33,13 +34,11 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 def known_decision() -> CudagraphPoolDecision | None:
     """The graph-pool decision for this process: from vLLM's current config, else the one taken at activation."""
-    from torpor.hooks.vllm import activation
-
     config_module = importlib.import_module("vllm.config") if _vllm_imported() else None
     config = config_module.get_current_vllm_config_or_none() if config_module is not None else None
     if config is not None and getattr(config, "model_config", None) is not None:
         return decision_for(config)
-    state = activation.current()
+    state = current()
     if state is not None and state.decisions:
         return state.decisions[-1]
     return None

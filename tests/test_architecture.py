@@ -1,0 +1,391 @@
+"""The import contract: the layer table, the direction between layers, no cycles, no hidden imports.
+
+The flow has one direction: command -> guard -> plan -> allocator -> events -> projections.
+This file holds the one layer table (docs/architecture.md is generated from it:
+``python tests/test_architecture.py`` rewrites the doc) and checks every module under
+``torpor/`` by reading its source (``ast``), not by importing it.
+
+An import ``from a.b import c`` where ``a.b.c`` is a module counts as importing ``a.b.c``;
+importing ``a.b.c`` is not counted as importing the packages ``a`` and ``a.b`` (the same rule
+import-linter uses), so a package's ``__init__`` is a facade placed in its own layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "torpor"
+DOC = ROOT / "docs" / "architecture.md"
+
+#: The layers, lowest first. A module imports only from its own layer or a lower one.
+#: Each entry is a module name or a package prefix ending in ``.*`` (the package and all
+#: below it); the most specific entry wins.
+LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "core",
+        "events, states, tag policy, payload checks, the projection as a fold, the memory "
+        "protocol, every error class: no I/O, no threads, no torch",
+        (
+            "torpor._version",
+            "torpor.errors",
+            "torpor.extras",
+            "torpor.statemachine.events",
+            "torpor.statemachine.states",
+            "torpor.statemachine.policy",
+            "torpor.statemachine.payload",
+            "torpor.statemachine.projection",
+            "torpor.statemachine.projection_data",
+            "torpor.statemachine.fold",
+            "torpor.statemachine.protocol",
+        ),
+    ),
+    (
+        "log",
+        "the event log on disk: its codec, writer, files and the readers that follow it",
+        (
+            "torpor.statemachine.log",
+            "torpor.statemachine.logwriter",
+            "torpor.statemachine.logfile",
+            "torpor.hooks.follow",
+            "torpor.telemetry.replay",
+        ),
+    ),
+    (
+        "controller",
+        "the guard and the plan: commands checked against the projection, memory calls, "
+        "events appended, rollback, TP groups",
+        (
+            "torpor.statemachine",
+            "torpor.statemachine.base",
+            "torpor.statemachine.controller",
+            "torpor.statemachine.discarding",
+            "torpor.statemachine.gate",
+            "torpor.statemachine.graphs",
+            "torpor.statemachine.group",
+            "torpor.statemachine.hostmem",
+            "torpor.statemachine.lifecycle",
+            "torpor.statemachine.rollback",
+            "torpor.statemachine.sleeping",
+            "torpor.statemachine.waking",
+        ),
+    ),
+    (
+        "mechanism and subscribers",
+        "the allocator (mechanism, no policy), telemetry and the hooks/integrations "
+        "(subscribers), the HTTP client and the test helpers",
+        ("torpor.allocator.*", "torpor.telemetry.*", "torpor.hooks.*", "torpor.client", "torpor.testing"),
+    ),
+    (
+        "entry points",
+        "the package facade, the CLI and its commands, the demo and the benchmark harness",
+        ("torpor", "torpor.__main__", "torpor.cli", "torpor.commands.*", "torpor.demo.*", "torpor.bench.*"),
+    ),
+)
+
+#: Function-level imports of torpor modules allowed, with the reason (module, imported) -> why.
+#: Function-level imports of optional third-party packages (torch, cuda-bindings, ...) are allowed.
+LATE_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("torpor.hooks.vllm.backend", "torpor.hooks.distributed"): (
+        "torpor.hooks.distributed imports torch.distributed (an optional third-party package) at module "
+        "level; the backend loads it only when vLLM hands it a torch process group. No cycle: "
+        "torpor.hooks.distributed does not import the backend (test_no_import_cycles counts this edge)."
+    ),
+}
+
+#: Modules the allocator (mechanism) must never import: the controller, telemetry, hooks.
+ALLOCATOR_FORBIDDEN = ("controller", "torpor.telemetry", "torpor.hooks")
+
+#: Modules the core must never import (no torch, no threads, no I/O machinery).
+CORE_FORBIDDEN = (
+    "torch",
+    "threading",
+    "multiprocessing",
+    "concurrent",
+    "subprocess",
+    "socket",
+    "selectors",
+    "asyncio",
+    "http",
+    "urllib",
+    "signal",
+    "fcntl",
+    "mmap",
+)
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, where it is, and how it runs."""
+
+    module: str  # the importing module
+    target: str  # the imported module (or name's module)
+    where: str  # file:line
+    late: bool  # inside a function
+    typing_only: bool  # under ``if TYPE_CHECKING:``
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    """Every module under torpor/, by dotted name."""
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
+    """The imports of one module, targets resolved to modules where they are modules."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    where_file = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    found: list[Import] = []
+
+    def visit(node: ast.AST, late: bool, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            child_late = late or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.body:
+                    visit_stmt(stmt, late, True)
+                for stmt in child.orelse:
+                    visit_stmt(stmt, late, typing_only)
+                continue
+            visit_stmt(child, child_late, typing_only)
+
+    def add(target: str, node: ast.stmt, late: bool, typing_only: bool) -> None:
+        found.append(Import(name, target, f"{where_file}:{node.lineno}", late, typing_only))
+
+    def visit_stmt(node: ast.AST, late: bool, typing_only: bool) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node, late, typing_only)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                add(candidate if candidate in known else base, node, late, typing_only)
+        else:
+            visit(node, late, typing_only)
+
+    visit(tree, False, False)
+    return found
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a torpor module (the most specific entry wins)."""
+    best: tuple[int, int] | None = None  # (specificity, layer)
+    for index, (_, _, entries) in enumerate(LAYERS):
+        for entry in entries:
+            if entry.endswith(".*"):
+                prefix = entry[:-2]
+                if module == prefix or module.startswith(prefix + "."):
+                    score = len(prefix)
+                else:
+                    continue
+            elif module == entry:
+                score = len(entry) + 1_000
+            else:
+                continue
+            if best is None or score > best[0]:
+                best = (score, index)
+    if best is None:
+        msg = f"{module} is in no layer of tests/test_architecture.py's LAYERS: add it"
+        raise LookupError(msg)
+    return best[1]
+
+
+def all_imports() -> list[Import]:
+    """Every import of every torpor module."""
+    known = modules()
+    return [imp for name, path in known.items() for imp in imports(name, path, known)]
+
+
+def _torpor(target: str) -> bool:
+    return target == "torpor" or target.startswith("torpor.")
+
+
+def _in(target: str, prefixes: tuple[str, ...]) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in prefixes)
+
+
+def layer_violations() -> list[str]:
+    """Imports of a higher layer, as 'file:line module (layer) imports target (layer)'."""
+    out = []
+    for imp in all_imports():
+        if not _torpor(imp.target):
+            continue
+        mine, theirs = layer_of(imp.module), layer_of(imp.target)
+        if theirs > mine:
+            out.append(f"{imp.where}: {imp.module} ({LAYERS[mine][0]}) imports {imp.target} ({LAYERS[theirs][0]})")
+    return out
+
+
+def late_imports() -> list[str]:
+    """Function-level imports of torpor modules not listed in LATE_IMPORT_EXCEPTIONS."""
+    found = [
+        f"{imp.where}: {imp.module} imports {imp.target} inside a function"
+        for imp in all_imports()
+        if imp.late and not imp.typing_only and _torpor(imp.target)
+        if (imp.module, imp.target) not in LATE_IMPORT_EXCEPTIONS
+    ]
+    return list(dict.fromkeys(found))
+
+
+def cycles() -> list[str]:
+    """Import cycles between modules over runtime imports (TYPE_CHECKING imports excluded)."""
+    graph: dict[str, dict[str, str]] = {}
+    for imp in all_imports():
+        if _torpor(imp.target) and not imp.typing_only and imp.target != imp.module:
+            graph.setdefault(imp.module, {}).setdefault(imp.target, imp.where)
+    found: list[str] = []
+    seen: set[frozenset[str]] = set()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, {})):
+            if state.get(nxt) == 1:
+                loop = [*stack[stack.index(nxt) :], nxt]
+                key = frozenset(loop)
+                if key not in seen:
+                    seen.add(key)
+                    steps = ", ".join(f"{a} -> {b} ({graph[a][b]})" for a, b in itertools.pairwise(loop))
+                    found.append(steps)
+            elif nxt not in state:
+                walk(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node)
+    return found
+
+
+def render_table() -> str:
+    """The layer table as markdown (docs/architecture.md holds it between markers)."""
+    lines = ["| layer | what | modules |", "|---|---|---|"]
+    known = modules()
+    for index, (title, what, _) in enumerate(LAYERS):
+        members = sorted(m for m in known if layer_of(m) == index)
+        names = ", ".join(f"`{m}`" for m in members)
+        lines.append(f"| {index} {title} | {what} | {names} |")
+    return "\n".join(lines) + "\n"
+
+
+BEGIN = "<!-- layers: generated by `python tests/test_architecture.py`; do not edit by hand -->\n"
+END = "<!-- /layers -->\n"
+
+
+def rendered_doc(text: str) -> str:
+    """``text`` with the layer table between its markers replaced by the table LAYERS gives."""
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return head + BEGIN + render_table() + END + tail
+
+
+def test_every_module_is_in_a_layer() -> None:
+    """Every module under torpor/ is placed in exactly one layer of the table."""
+    for module in modules():
+        layer_of(module)
+
+
+def test_imports_go_down_the_layers() -> None:
+    """A module imports only from its own layer or a lower one (file:line of each offender)."""
+    offenders = layer_violations()
+    assert not offenders, "imports against the layer direction:\n" + "\n".join(offenders)
+
+
+def test_no_import_cycles() -> None:
+    """No two torpor modules import each other, directly or through others."""
+    found = cycles()
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_no_function_level_torpor_imports() -> None:
+    """No torpor module is imported inside a function (the way a cycle gets hidden)."""
+    found = late_imports()
+    assert not found, "function-level imports of torpor modules:\n" + "\n".join(found)
+
+
+def test_every_late_import_exception_is_still_needed() -> None:
+    """Each entry of LATE_IMPORT_EXCEPTIONS names a function-level import that exists."""
+    late = {(i.module, i.target) for i in all_imports() if i.late and _torpor(i.target)}
+    stale = sorted(set(LATE_IMPORT_EXCEPTIONS) - late)
+    assert not stale, f"LATE_IMPORT_EXCEPTIONS lists imports that are gone: {stale}"
+
+
+def test_core_has_no_torch_threads_or_io_machinery() -> None:
+    """The core layer imports no torch, threading, sockets, subprocesses or signals."""
+    offenders = [
+        f"{imp.where}: {imp.module} imports {imp.target}"
+        for imp in all_imports()
+        if layer_of(imp.module) == 0 and _in(imp.target, CORE_FORBIDDEN)
+    ]
+    assert not offenders, "the core imports I/O, threads or torch:\n" + "\n".join(offenders)
+
+
+def test_statemachine_never_imports_torch() -> None:
+    """No module of torpor.statemachine imports torch, at any level."""
+    offenders = [
+        f"{imp.where}: {imp.module} imports {imp.target}"
+        for imp in all_imports()
+        if _in(imp.module, ("torpor.statemachine",)) and _in(imp.target, ("torch",))
+    ]
+    assert not offenders, "torpor.statemachine imports torch:\n" + "\n".join(offenders)
+
+
+def test_allocator_imports_no_controller_telemetry_or_hooks() -> None:
+    """The allocator (mechanism) imports neither the controller, telemetry nor the hooks."""
+    offenders = [
+        f"{imp.where}: {imp.module} imports {imp.target}"
+        for imp in all_imports()
+        if _in(imp.module, ("torpor.allocator",))
+        and _torpor(imp.target)
+        and (layer_of(imp.target) == 2 or _in(imp.target, ALLOCATOR_FORBIDDEN[1:]))
+    ]
+    assert not offenders, "the allocator imports policy or subscribers:\n" + "\n".join(offenders)
+
+
+def test_the_contract_catches_an_upward_import(tmp_path: Path) -> None:
+    """A core module importing the controller is named with its file and line."""
+    path = PACKAGE / "statemachine" / "events.py"
+    fake = imports("torpor.statemachine.events", path, modules())
+    assert all(layer_of(i.target) == 0 for i in fake if _torpor(i.target))
+    source = tmp_path / "probe.py"
+    source.write_text("import os\n\ndef f():\n    from torpor.statemachine import controller\n")
+    found = imports("torpor.statemachine.events", source, modules())
+    (late,) = [i for i in found if _torpor(i.target)]
+    assert late.late and late.target == "torpor.statemachine.controller" and late.where.endswith("probe.py:4")
+    assert layer_of(late.target) > layer_of(late.module)
+
+
+def test_docs_architecture_has_the_layer_table() -> None:
+    """docs/architecture.md's layer table is the one LAYERS generates."""
+    text = DOC.read_text()
+    assert BEGIN in text and END in text, "docs/architecture.md lost its layer markers"
+    assert text == rendered_doc(text), "docs/architecture.md is stale: run python tests/test_architecture.py"
+
+
+if __name__ == "__main__":
+    DOC.write_text(rendered_doc(DOC.read_text()))
+    sys.stdout.write(f"wrote {DOC.relative_to(ROOT)}\n")
