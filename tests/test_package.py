@@ -78,13 +78,14 @@ def test_license_file_and_spdx_metadata() -> None:
 
 
 def test_version_is_written_once() -> None:
-    """The version lives in torpor.__version__ only: pyproject reads it (dynamic), CHANGELOG has a section for it."""
+    """The version is written once, in torpor/_version.py (torpor.__version__ re-exports it): pyproject reads it (dynamic), CHANGELOG has a section for it."""
     data = _pyproject()
     project = data["project"]
     assert isinstance(project, dict)
     assert "version" not in project
     assert project["dynamic"] == ["version"]
-    assert data["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "torpor.__version__"}  # type: ignore[index]
+    assert data["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "torpor._version.__version__"}  # type: ignore[index]
+    assert torpor.__version__ is torpor._version.__version__
     assert re.fullmatch(r"\d+\.\d+\.\d+([ab]\d+|rc\d+)?", torpor.__version__)
     assert f"## [{torpor.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
 

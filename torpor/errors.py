@@ -313,3 +313,73 @@ class HostBudgetExceeded(TorporError, RuntimeError):
             "sleep at level 2 (discards weights), or wake the asleep tags first"
         )
         super().__init__(msg)
+
+
+class DriverError(MemoryOperationFailed):
+    """A driver call failed; ``call`` names it and ``code`` is the driver's error code when known."""
+
+    def __init__(self, call: str, reason: str, code: int | None = None) -> None:
+        self.code = code
+        super().__init__("driver call", None, reason, call=call)
+
+
+class DriverOutOfMemory(DriverError, OutOfMemory):
+    """A driver call ran out of device or pinned host memory."""
+
+
+class AllocatorError(MemoryOperationFailed):
+    """An allocator operation (allocate, backup, release, restore, capture) failed or was refused."""
+
+
+class AllocatorOutOfMemory(AllocatorError, OutOfMemory):
+    """An allocator operation ran out of device or pinned host memory; nothing was lost."""
+
+
+class TelemetryError(TorporError):
+    """Base of the errors torpor.telemetry raises."""
+
+
+class DuplicateRank(TelemetryError, ValueError):
+    """A second controller with the same engine and rank attached where the first is still exposed.
+
+    Two sources with the same labels would give duplicate series, which
+    Prometheus rejects. Carries ``engine``, ``rank`` and ``where`` (the registry
+    or the multiprocess directory).
+    """
+
+    def __init__(self, engine: str, rank: int, where: str) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.where = where
+        super().__init__(
+            f"cannot attach engine {engine!r} rank {rank} to {where}: a controller with the same engine and rank "
+            "is already attached there (its series would be duplicated); detach it first or use another engine name"
+        )
+
+
+class BadRequest(TorporError, ValueError):
+    """A query the endpoint refuses; the message is the 400 body's reason."""
+
+
+class CaptureRoutingError(TorporError, RuntimeError):
+    """A capture could not be routed (the pool is active but no controller was given)."""
+
+
+class GroupUnsupported(TorporError, ValueError):
+    """A process group torpor cannot agree over (torch.distributed not initialized, or this process not in it)."""
+
+
+class FleetError(TorporError, ValueError):
+    """A directory that holds no per-rank event logs (or is not a directory)."""
+
+
+class NotWired(TorporError, RuntimeError):
+    """torpor was selected but vLLM in this process does not use torpor's allocator."""
+
+
+class ActivationError(TorporError, RuntimeError):
+    """torpor cannot take over vLLM's allocator in this process (vLLM's CuMemAllocator already holds memory)."""
+
+
+class DemoError(TorporError, RuntimeError):
+    """The demo cannot run here (a missing piece, or a device it cannot use)."""

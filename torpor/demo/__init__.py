@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from torpor.demo.cycles import CYCLE_KINDS, CycleKind, CycleResult, run_cycle
 from torpor.demo.run import DEVICES, DemoOptions, pick_device, run_demo
-from torpor.demo.workload import BATCH_SIZES, DEMO_TAGS, Check, DemoError, Workload
+from torpor.demo.workload import BATCH_SIZES, DEMO_TAGS, Check, Workload
+from torpor.errors import DemoError
 
 __all__ = [
     "BATCH_SIZES",

@@ -18,8 +18,8 @@ from torpor.demo.cycles import CYCLE_KINDS, render, run_cycle
 from torpor.demo.gpu import GpuWorkload
 from torpor.demo.report import Progress, fmt_bytes
 from torpor.demo.sim import SimWorkload
-from torpor.demo.workload import DemoError, Workload
-from torpor.errors import MissingExtra, PoolBusy, TorporError
+from torpor.demo.workload import Workload
+from torpor.errors import DemoError, MissingExtra, PoolBusy, TorporError
 from torpor.extras import available
 from torpor.statemachine import SleepController, log_path_for
 from torpor.telemetry.dashboard import render_dashboard

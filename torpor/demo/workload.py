@@ -6,7 +6,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from torpor.errors import TorporError
+from torpor.errors import (
+    DemoError,  # noqa: F401 (re-exported: the old import path)
+)
 from torpor.statemachine import Memory, SleepController
 
 #: The tags the demo puts memory under, in the order tables list them.
@@ -14,10 +16,6 @@ DEMO_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cudagraph", "runtime")
 
 #: Batch sizes a graph is captured for (one graph each, all in the cudagraph pool).
 BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-
-
-class DemoError(TorporError, RuntimeError):
-    """The demo cannot run here (a missing piece, or a device it cannot use)."""
 
 
 @dataclass(frozen=True)

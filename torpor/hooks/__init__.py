@@ -11,10 +11,10 @@ here, so this package works without vLLM installed.
 
 from __future__ import annotations
 
+from torpor.errors import CaptureRoutingError
 from torpor.hooks._warn import reset_warnings
 from torpor.hooks.allreduce import register_graph_buffers
 from torpor.hooks.capture import (
-    CaptureRoutingError,
     NcclGraphPoolHook,
     capture_pool,
     in_plain_capture,

@@ -20,7 +20,9 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from torpor.allocator.graphpool import call_graph_pool_hooks, exchange_graph_pool_hook, slot_graph_pool_hook
-from torpor.errors import TorporError
+from torpor.errors import (
+    CaptureRoutingError,
+)
 from torpor.hooks.predicate import CudagraphPoolDecision
 
 if TYPE_CHECKING:
@@ -28,10 +30,6 @@ if TYPE_CHECKING:
 
 #: Called with the pool a capture is about to use (an id, a handle, or None for a private pool).
 NcclGraphPoolHook = Callable[[object], None]
-
-
-class CaptureRoutingError(TorporError, RuntimeError):
-    """A capture could not be routed (the pool is active but no controller was given)."""
 
 
 _plain: ContextVar[bool] = ContextVar("torpor_plain_capture", default=False)

@@ -30,7 +30,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torpor.errors import TorporError
+from torpor.errors import (
+    GroupUnsupported,
+)
 from torpor.statemachine.group import UNHEARD, Vote
 
 #: A rank waits this many timeouts for rank 0's list: rank 0 may arrive up to one timeout later and then
@@ -40,10 +42,6 @@ LIST_WAIT = 2.0
 STALE_AFTER = 1.5
 #: Rounds whose keys rank 0 keeps in the store (older ones are deleted).
 KEEP_ROUNDS = 2
-
-
-class GroupUnsupported(TorporError, ValueError):
-    """A process group torpor cannot agree over (torch.distributed not initialized, or this process not in it)."""
 
 
 class TorchGroup:

@@ -26,7 +26,10 @@ import re
 import time
 from pathlib import Path
 
-from torpor.errors import TorporError
+from torpor.errors import (
+    FleetError,
+    TorporError,
+)
 from torpor.hooks.fleetview import ENGINE_STATES, EngineView, FleetView, GroupView, RankView, group_view, merge
 from torpor.hooks.follow import Follower
 from torpor.statemachine.events import Event, EventKind
@@ -50,10 +53,6 @@ __all__ = [
 ]
 
 _LOG_NAME = re.compile(r"^(?P<engine>.+)\.rank(?P<rank>\d+)\.jsonl(?:\.\d+)?$")
-
-
-class FleetError(TorporError, ValueError):
-    """A directory that holds no per-rank event logs (or is not a directory)."""
 
 
 def rank_logs(directory: str | os.PathLike[str]) -> dict[str, dict[int, Path]]:

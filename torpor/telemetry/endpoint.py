@@ -38,17 +38,9 @@ from urllib.parse import urlsplit
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from torpor.errors import BadRequest
 from torpor.telemetry import multiprocess, negotiate
-from torpor.telemetry.feed import (
-    EVENTS_PARAMS,
-    NDJSON,
-    BadRequest,
-    EventFeed,
-    events_query,
-    int_param,
-    parse_query,
-    seconds_param,
-)
+from torpor.telemetry.feed import EVENTS_PARAMS, NDJSON, EventFeed, events_query, int_param, parse_query, seconds_param
 from torpor.telemetry.replay import LogSource, resolve_log
 from torpor.telemetry.session import attach
 from torpor.telemetry.tracker import Source

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from urllib.parse import parse_qsl
 
+from torpor.errors import BadRequest
 from torpor.statemachine.events import Event
 from torpor.telemetry.tracker import Source
 
@@ -35,10 +36,6 @@ from torpor.telemetry.tracker import Source
 EVENTS_PARAMS = ("engine", "rank", "after", "limit", "wait")
 NDJSON = "application/x-ndjson"
 _SEQ = attrgetter("seq")
-
-
-class BadRequest(ValueError):
-    """A query the endpoint refuses; the message is the 400 body's reason."""
 
 
 def int_param(params: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:

@@ -15,9 +15,9 @@ only.
 
 from __future__ import annotations
 
+from torpor.errors import ActivationError, NotWired
 from torpor.hooks.vllm.activation import (
     ENV_PROBE,
-    ActivationError,
     activate,
     deactivate,
     install_probe,
@@ -30,7 +30,6 @@ from torpor.hooks.vllm.facade import (
     ENV_ENGINE,
     ENV_LOG_DIR,
     ENV_RANK,
-    NotWired,
     TorporMemAllocator,
     configure,
     current_controller,

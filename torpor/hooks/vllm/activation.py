@@ -37,7 +37,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from torpor.errors import TorporError
+from torpor.errors import (
+    ActivationError,
+)
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, apply_nccl_defaults
 from torpor.hooks.vllm.facade import DEFAULT_ENGINE, ENV_ENGINE, get_instance
 from torpor.hooks.vllm.predicate import BACKEND, decision_for, extended_predicate, selects_torpor
@@ -56,10 +58,6 @@ logger = logging.getLogger("torpor.vllm")
 ENV_PROBE = "TORPOR_VLLM_PROBE"
 BACKEND_MODULE = "torpor.hooks.vllm.backend"
 BACKEND_CLASS = "TorporSleepBackend"
-
-
-class ActivationError(TorporError, RuntimeError):
-    """torpor cannot take over vLLM's allocator in this process (vLLM's CuMemAllocator already holds memory)."""
 
 
 def _vllm_config_class() -> Any:

@@ -38,11 +38,11 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from torpor.errors import TorporError
+from torpor.errors import BadRequest, TorporError
 from torpor.hooks.fleet import FleetError, fleet, rank_logs
 from torpor.hooks.vllm.facade import default_log_dir
 from torpor.telemetry.endpoint import source_error
-from torpor.telemetry.feed import NDJSON, BadRequest, EventFeed, events_query
+from torpor.telemetry.feed import NDJSON, EventFeed, events_query
 from torpor.telemetry.replay import LogSource
 
 MAX_WAIT = 30.0

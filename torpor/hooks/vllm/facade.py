@@ -27,7 +27,11 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from torpor.errors import CommandInFlight, ControllerClosed, TorporError
+from torpor.errors import (
+    CommandInFlight,
+    ControllerClosed,
+    NotWired,
+)
 from torpor.hooks.vllm import process
 from torpor.hooks.vllm.wiring import on_controller_started, record_when_known
 from torpor.statemachine.controller import SleepController, log_path_for
@@ -291,10 +295,6 @@ class TorporMemAllocator:
     def release_cudagraph_pool(self) -> int:
         """Drop the graph pool once no graph uses it (refused while asleep or referenced); bytes it held."""
         return self.controller.release_cudagraph_pool()
-
-
-class NotWired(TorporError, RuntimeError):
-    """torpor was selected but vLLM in this process does not use torpor's allocator."""
 
 
 class _Slot:
