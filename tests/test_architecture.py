@@ -13,7 +13,6 @@ import-linter uses), so a package's ``__init__`` is a facade placed in its own l
 from __future__ import annotations
 
 import ast
-import builtins
 import itertools
 import sys
 from dataclasses import dataclass
@@ -385,62 +384,6 @@ def test_docs_architecture_has_the_layer_table() -> None:
     text = DOC.read_text()
     assert BEGIN in text and END in text, "docs/architecture.md lost its layer markers"
     assert text == rendered_doc(text), "docs/architecture.md is stale: run python tests/test_architecture.py"
-
-
-#: Where each error class used to live; those paths keep working by re-export.
-OLD_ERROR_PATHS = {
-    "torpor.allocator.errors": ("DriverError", "DriverOutOfMemory", "AllocatorError", "AllocatorOutOfMemory"),
-    "torpor.telemetry.errors": ("TelemetryError", "DuplicateRank"),
-    "torpor.telemetry.feed": ("BadRequest",),
-    "torpor.telemetry.endpoint": ("BadRequest",),
-    "torpor.hooks.capture": ("CaptureRoutingError",),
-    "torpor.hooks.fleet": ("FleetError",),
-    "torpor.hooks.vllm.facade": ("NotWired",),
-    "torpor.hooks.vllm.activation": ("ActivationError",),
-    "torpor.demo.workload": ("DemoError",),
-}
-
-
-def _exception_names() -> set[str]:
-    """Builtin exception names and the classes torpor/errors.py defines."""
-    builtin = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)}
-    builtin = {n for n in builtin if issubclass(getattr(builtins, n), BaseException)}
-    tree = ast.parse((PACKAGE / "errors.py").read_text())
-    return builtin | {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
-
-
-def test_every_error_class_lives_in_torpor_errors() -> None:
-    """No module but torpor/errors.py defines an exception class (file:line of each that does)."""
-    exceptions = _exception_names()
-    offenders = []
-    for name, path in modules().items():
-        if name == "torpor.errors":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef):
-                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
-                if bases & exceptions:
-                    offenders.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: {node.name}")
-    assert not offenders, "error classes outside torpor/errors.py:\n" + "\n".join(offenders)
-
-
-def test_old_error_paths_still_work() -> None:
-    """Each moved error class is still importable from where it used to live, as the same class."""
-    import importlib
-
-    import torpor.errors
-
-    for module, names in OLD_ERROR_PATHS.items():
-        loaded = importlib.import_module(module)
-        for name in names:
-            assert getattr(loaded, name) is getattr(torpor.errors, name), f"{module}.{name}"
-
-
-def test_bad_request_is_a_torpor_error_and_still_a_value_error() -> None:
-    """BadRequest derives from TorporError and still from ValueError (existing except clauses catch it)."""
-    from torpor.errors import BadRequest, TorporError
-
-    assert issubclass(BadRequest, TorporError) and issubclass(BadRequest, ValueError)
 
 
 if __name__ == "__main__":
