@@ -23,10 +23,15 @@ def _snapshot(p: ProjectionData, event: Event, data: Mapping[str, Any]) -> None:
     p.__dict__.update(snap.__dict__)
 
 
-def _opened(p: ProjectionData, event: Event, data: Mapping[str, Any]) -> None:
+def _start_clean(p: ProjectionData, data: Mapping[str, Any]) -> None:
+    """What ``opened`` and ``recovered`` share: forget the tags, pool and graphs; take the memory's ``usage``."""
     p.residency, p.asleep = {}, set()
     p.graphs, p.graph_count, p.pool, p.level, p.resume_from = [], 0, None, None, None
     p._observe(data.get("usage", {}))
+
+
+def _opened(p: ProjectionData, event: Event, data: Mapping[str, Any]) -> None:
+    _start_clean(p, data)
     if data.get("host") is not None:
         p.host_policy = thaw(data["host"])
     p._set_state(State.AWAKE, event)
@@ -34,9 +39,7 @@ def _opened(p: ProjectionData, event: Event, data: Mapping[str, Any]) -> None:
 
 def _recovered(p: ProjectionData, event: Event, data: Mapping[str, Any]) -> None:
     """Start clean from the memory as it is: resident tags from ``usage``, released ones from ``released``."""
-    p.residency, p.asleep = {}, set()
-    p.graphs, p.graph_count, p.pool, p.level, p.resume_from = [], 0, None, None, None
-    p._observe(data.get("usage", {}))
+    _start_clean(p, data)
     for tag, figures in dict(data.get("released") or {}).items():
         old = p.residency.get(tag)
         allocs = old.allocations if old is not None else 0
