@@ -184,12 +184,7 @@ def _events(path: str | os.PathLike[str], max_line: int, *, one_file: bool) -> I
         lines, torn_tail = _read_file(Path(path))
         yield from decode_lines(lines, str(path), 0, max_line)
         if torn_tail:
-            logger.warning(
-                "%s:%d: ignoring a torn last line (%d bytes): the writer was interrupted",
-                path,
-                len(lines) + 1,
-                len(torn_tail),
-            )
+            _warn_torn(path, len(lines) + 1, len(torn_tail))
         return
     active = Path(path)
     if not segments(active):
@@ -235,16 +230,15 @@ def _events(path: str | os.PathLike[str], max_line: int, *, one_file: bool) -> I
         if torn_tail:
             if first is not None:
                 raise LogCorrupted(name, len(lines) + 1, "unterminated line in a rotated segment")
-            logger.warning(
-                "%s:%d: ignoring a torn last line (%d bytes): the writer was interrupted",
-                file,
-                len(lines) + 1,
-                len(torn_tail),
-            )
+            _warn_torn(file, len(lines) + 1, len(torn_tail))
         if first is None:
             if head is None and (picked := _next_file(active, expected, done)) is not None and picked[0] is not None:
                 continue  # an empty new active file: a rotation renamed the one we listed; read that segment first
             return  # the active file is the last
+
+
+def _warn_torn(file: str | os.PathLike[str], lineno: int, nbytes: int) -> None:
+    logger.warning("%s:%d: ignoring a torn last line (%d bytes): the writer was interrupted", file, lineno, nbytes)
 
 
 def _missed(active: Path, expected: int, found: int, done: set[int], current: int | None) -> bool:
