@@ -29,7 +29,9 @@ import logging
 import os
 import select
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -70,8 +72,6 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up or stalls is routine: a debug line, never a traceback on stderr."""
-        import sys
-
         exc = sys.exc_info()[1]
         if isinstance(exc, ConnectionError | TimeoutError):
             logger.debug("client %s went away: %s", client_address, exc)
@@ -278,8 +278,6 @@ class Server:
 
     def _wait(self, handler: _Handler, feed: EventFeed, after: int, wait: float) -> bool:
         """Wait for an event above ``after`` (or ``wait`` seconds); False when the client hung up meanwhile."""
-        import time
-
         deadline = time.monotonic() + wait
         watch_client = True
         while (waker := feed.waker(after)) is not None:
