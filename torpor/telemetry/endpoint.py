@@ -42,7 +42,16 @@ from prometheus_client.registry import CollectorRegistry
 
 from torpor.errors import BadRequest
 from torpor.telemetry import multiprocess, negotiate
-from torpor.telemetry.feed import EVENTS_PARAMS, NDJSON, EventFeed, events_query, int_param, parse_query, seconds_param
+from torpor.telemetry.feed import (
+    EVENTS_PARAMS,
+    NDJSON,
+    EventFeed,
+    events_headers,
+    events_query,
+    int_param,
+    parse_query,
+    seconds_param,
+)
 from torpor.telemetry.replay import LogSource, resolve_log
 from torpor.telemetry.session import attach
 from torpor.telemetry.tracker import Source
@@ -267,14 +276,9 @@ class Server:
         if not batch.count and error is not None:
             handler._error(503, f"stuck: the log cannot be read past event #{batch.latest}: {error}", stuck=True)
             return
-        headers = {
-            "X-Torpor-Last-Seq": str(batch.latest),
-            "X-Torpor-Engine": str(getattr(self.source, "engine", "") or self.source.projection.engine),
-            "X-Torpor-Rank": str(getattr(self.source, "rank", self.source.projection.rank)),
-        }
-        if batch.first is not None:
-            headers["X-Torpor-First-Seq"] = str(batch.first)
-        handler._send(200, batch.body, NDJSON, headers)
+        engine = str(getattr(self.source, "engine", "") or self.source.projection.engine)
+        rank = getattr(self.source, "rank", self.source.projection.rank)
+        handler._send(200, batch.body, NDJSON, events_headers(batch, engine, rank))
 
     def _wait(self, handler: _Handler, feed: EventFeed, after: int, wait: float) -> bool:
         """Wait for an event above ``after`` (or ``wait`` seconds); False when the client hung up meanwhile."""
