@@ -32,14 +32,14 @@ from typing import Any
 
 from torpor.errors import EndpointError, StateTimeout
 from torpor.statemachine.events import Event
-from torpor.statemachine.states import State
+from torpor.statemachine.states import ASLEEP, State
 
 logger = logging.getLogger("torpor.client")
 
 #: Longest long-poll the endpoints grant (seconds); longer waits are made of several polls.
 MAX_POLL = 30.0
 #: ``wait_for`` targets beyond the state names: ``asleep`` is either level.
-ASLEEP_STATES = frozenset({State.ASLEEP_L1.value, State.ASLEEP_L2.value})
+ASLEEP_STATES = frozenset(s.value for s in ASLEEP)
 
 
 class Client:

@@ -29,7 +29,9 @@ import logging
 import os
 import select
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -40,7 +42,16 @@ from prometheus_client.registry import CollectorRegistry
 
 from torpor.errors import BadRequest
 from torpor.telemetry import multiprocess, negotiate
-from torpor.telemetry.feed import EVENTS_PARAMS, NDJSON, EventFeed, events_query, int_param, parse_query, seconds_param
+from torpor.telemetry.feed import (
+    EVENTS_PARAMS,
+    NDJSON,
+    EventFeed,
+    events_headers,
+    events_query,
+    int_param,
+    parse_query,
+    seconds_param,
+)
 from torpor.telemetry.replay import LogSource, resolve_log
 from torpor.telemetry.session import attach
 from torpor.telemetry.tracker import Source
@@ -70,8 +81,6 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up or stalls is routine: a debug line, never a traceback on stderr."""
-        import sys
-
         exc = sys.exc_info()[1]
         if isinstance(exc, ConnectionError | TimeoutError):
             logger.debug("client %s went away: %s", client_address, exc)
@@ -267,19 +276,12 @@ class Server:
         if not batch.count and error is not None:
             handler._error(503, f"stuck: the log cannot be read past event #{batch.latest}: {error}", stuck=True)
             return
-        headers = {
-            "X-Torpor-Last-Seq": str(batch.latest),
-            "X-Torpor-Engine": str(getattr(self.source, "engine", "") or self.source.projection.engine),
-            "X-Torpor-Rank": str(getattr(self.source, "rank", self.source.projection.rank)),
-        }
-        if batch.first is not None:
-            headers["X-Torpor-First-Seq"] = str(batch.first)
-        handler._send(200, batch.body, NDJSON, headers)
+        engine = str(getattr(self.source, "engine", "") or self.source.projection.engine)
+        rank = getattr(self.source, "rank", self.source.projection.rank)
+        handler._send(200, batch.body, NDJSON, events_headers(batch, engine, rank))
 
     def _wait(self, handler: _Handler, feed: EventFeed, after: int, wait: float) -> bool:
         """Wait for an event above ``after`` (or ``wait`` seconds); False when the client hung up meanwhile."""
-        import time
-
         deadline = time.monotonic() + wait
         watch_client = True
         while (waker := feed.waker(after)) is not None:

@@ -148,6 +148,14 @@ class Batch:
     latest: int
 
 
+def events_headers(batch: Batch, engine: str, rank: int) -> dict[str, str]:
+    """The ``X-Torpor-*`` headers of an ``/events`` answer, alike on both endpoints."""
+    headers = {"X-Torpor-Last-Seq": str(batch.latest), "X-Torpor-Engine": engine, "X-Torpor-Rank": str(rank)}
+    if batch.first is not None:
+        headers["X-Torpor-First-Seq"] = str(batch.first)
+    return headers
+
+
 class EventFeed:
     """The last ``keep`` events of ``source``, their JSON lines cached, and a :class:`Waker` for long-polls."""
 

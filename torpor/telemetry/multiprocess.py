@@ -27,7 +27,7 @@ from torpor.statemachine.events import Event, EventKind
 from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import State
 from torpor.telemetry.errors import DuplicateRank
-from torpor.telemetry.prometheus import BASE_LABELS, DURATION_BUCKETS, METRICS
+from torpor.telemetry.prometheus import BASE_LABELS, DURATION_BUCKETS, LAST_GAUGES, METRICS
 from torpor.telemetry.tracker import Observation, Tracker
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -152,7 +152,7 @@ class MultiprocessSink:
                 self._child(counter, (*base, *obs.labels)).inc(obs.value)
             else:
                 self._child(self.metrics.histograms[obs.metric], (*base, *obs.labels)).observe(obs.value)
-            last = _LAST.get(obs.metric)
+            last = LAST_GAUGES.get(obs.metric)
             if last is not None:
                 self._set(last, base, obs.value)
         if event.kind in _TAG_KINDS:
@@ -199,13 +199,9 @@ class MultiprocessSink:
             if part in ("in_use", "tagged", "untagged"):
                 self._set("torpor_asleep_device_bytes", (*base, part), float(value))
         self._set("torpor_cudagraphs", base, float(proj.graph_count))
-        for metric, name in _LAST.items():
+        for metric, name in LAST_GAUGES.items():
             if metric in tracker.last:
                 self._set(name, base, tracker.last[metric])
-
-
-#: Tracker observations whose last value is a gauge.
-_LAST = {"sleep_seconds": "torpor_last_sleep_duration_seconds", "wake_seconds": "torpor_last_wake_duration_seconds"}
 
 
 #: Events that change one tag's residency and nothing else but, perhaps, the state.

@@ -169,7 +169,10 @@ _COUNTERS = {
 }
 _HISTOGRAMS = {"sleep_seconds": "torpor_sleep_duration_seconds", "wake_seconds": "torpor_wake_duration_seconds"}
 #: Gauges of the last completed sleep and wake (the tracker keeps the values; none before the first one).
-_LAST = {"sleep_seconds": "torpor_last_sleep_duration_seconds", "wake_seconds": "torpor_last_wake_duration_seconds"}
+LAST_GAUGES = {
+    "sleep_seconds": "torpor_last_sleep_duration_seconds",
+    "wake_seconds": "torpor_last_wake_duration_seconds",
+}
 
 #: One sample: family, sample name, sorted (label, value) pairs, value, and its ``name{labels} `` text.
 Sample = tuple[str, str, tuple[tuple[str, str], ...], float, str]
@@ -240,7 +243,7 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
             value = float(getattr(usage, residency))
             add("torpor_tag_bytes", "torpor_tag_bytes", (("residency", residency), ("tag", tag)), value)
     add("torpor_pinned_host_bytes", "torpor_pinned_host_bytes", (), float(proj.pinned_bytes))
-    for metric, family in _LAST.items():
+    for metric, family in LAST_GAUGES.items():
         last = tracker.last.get(metric)
         if last is not None:
             add(family, family, (), last)

@@ -42,7 +42,7 @@ from torpor.errors import BadRequest, TorporError
 from torpor.hooks.fleet import FleetError, fleet, rank_logs
 from torpor.hooks.vllm.facade import default_log_dir
 from torpor.telemetry.endpoint import source_error
-from torpor.telemetry.feed import NDJSON, EventFeed, events_query
+from torpor.telemetry.feed import NDJSON, EventFeed, events_headers, events_query
 from torpor.telemetry.replay import LogSource
 
 MAX_WAIT = 30.0
@@ -204,14 +204,7 @@ class TorporEndpointPlugin:
             stuck = source_error(source)
             if not batch.count and stuck is not None:
                 return error(503, f"stuck: {path} cannot be read past event #{batch.latest}: {stuck}")
-            headers = {
-                "X-Torpor-Last-Seq": str(batch.latest),
-                "X-Torpor-Engine": source.engine,
-                "X-Torpor-Rank": str(source.rank),
-                "Cache-Control": "no-store",
-            }
-            if batch.first is not None:
-                headers["X-Torpor-First-Seq"] = str(batch.first)
+            headers = events_headers(batch, source.engine, source.rank) | {"Cache-Control": "no-store"}
             return Response(batch.body, media_type=NDJSON, headers=headers)
 
         app.include_router(router)
