@@ -300,9 +300,8 @@ class GroupMember:
         start = time.perf_counter()
         try:
             raw = a.exchange(txn.round, vote.encode(), self.timeout)
-        except Exception as exc:  # an adapter must not raise; if it does, nobody else was heard
+        except Exception:  # an adapter must not raise; if it does, nobody else was heard
             raw = [vote.encode() if r == a.rank else None for r in range(a.size)]
-            reason = f"{reason}; agreement failed: {type(exc).__name__}: {exc}" if reason else ""
         failed = decide(raw, self.timeout)
         outcome = Outcome(a.name, txn.command, txn.round, a.size, failed, time.perf_counter() - start)
         self.last = outcome

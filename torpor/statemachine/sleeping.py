@@ -47,14 +47,13 @@ class Sleeping(CommandGate):
         usage = self._resident_usage()
         candidates = [t for t in usage if t not in set(self.projection.asleep_tags())]
         plan = self.policy.plan(level, candidates)
-        offloading = backup_bytes(self.memory, [t for t, a in plan.items() if a is Action.OFFLOAD], usage)
-        over = budget_refusal(self.host_policy, self.projection, offloading)
+        offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
+        discard = [t for t, a in plan.items() if a is Action.DISCARD]
+        over = budget_refusal(self.host_policy, self.projection, backup_bytes(self.memory, offload, usage))
         if over is not None:  # before anything is touched
             self._refuse("sleep", over)
         self._emit(EventKind.SLEEP_REQUESTED, level=level, plan={t: a.value for t, a in plan.items()}, usage=usage)
         self._step("sleep")
-        offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
-        discard = [t for t, a in plan.items() if a is Action.DISCARD]
         released: list[Transfer] = []
         backed_up: list[str] = []  # tags with a backup this sleep made (dropped again if it aborts)
         phase, failed = "backup", None
