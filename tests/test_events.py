@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 
 import pytest
 
-from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, make_event, plain_event
+from torpor.errors import LogCorrupted
+from torpor.statemachine.codec import decode_line, decode_lines, encode_line
+from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, make_event
 
 
 def test_event_is_frozen() -> None:
@@ -86,21 +89,26 @@ def test_data_that_is_not_an_object_is_rejected() -> None:
         Event.from_dict(raw)
 
 
-def test_plain_event_matches_from_parsed_or_declines() -> None:
-    """plain_event builds what _from_parsed builds for the log's plain form and declines anything else."""
+def test_plain_and_other_log_forms_build_the_same_event() -> None:
+    """The codec's fast path builds what decode_line builds for the plain form; other forms go to decode_line."""
     event = make_event(EventKind.WAKE_COMPLETED, 9, "e", 2, {"tags": ["w"], "usage": {"w": 1}, "seconds": 0.5})
-    assert plain_event(json.loads(event.to_json())) == Event._from_parsed(json.loads(event.to_json())) == event
-    assert type(plain_event(json.loads(event.to_json()))) is Event
+    line = encode_line(event)[:-1]
+    fast = next(decode_lines([line], "p"))
+    assert fast == decode_line(line, "p", 1) == Event.from_dict(json.loads(event.to_json())) == event
+    assert type(fast) is Event
     for name, value in (("wall", 2), ("seq", 1.0), ("pid", True), ("engine", 3), ("rank", None), ("data", [])):
         raw = json.loads(event.to_json())
         raw[name] = value
-        assert plain_event(raw) is None
-    for name in ("kind", "seq", "data"):
-        raw = json.loads(event.to_json())
-        del raw[name]
-        with pytest.raises(KeyError):
-            plain_event(raw)
-    raw = json.loads(event.to_json())
-    raw["kind"] = "exploded"
-    with pytest.raises(KeyError):
-        plain_event(raw)
+        body = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+        signed = b'{"crc":"%08x",' % zlib.crc32(body) + body[1:]
+        try:
+            expected: object = decode_line(signed, "p", 1)
+        except LogCorrupted as exc:
+            expected = str(exc)
+        try:
+            got: object = next(decode_lines([signed], "p"))
+        except LogCorrupted as exc:
+            got = str(exc)
+        assert got == expected
+    with pytest.raises(ValueError, match="exploded"):
+        Event.from_dict({**json.loads(event.to_json()), "kind": "exploded"})

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from torpor.statemachine import payload
-from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.events import PAYLOADS, Event, EventKind
 
 
 def test_every_event_kind_has_a_payload_rule() -> None:
-    """A kind added without a rule would make every reader fail with KeyError: each kind has one."""
-    assert set(payload._RULES) == set(EventKind)
+    """A kind added without a rule would make every reader fail with KeyError: each kind has one, from its class."""
+    assert set(payload._CHECKS) == set(PAYLOADS) == set(EventKind)
+    for kind, cls in PAYLOADS.items():
+        assert set(payload._CHECKS[kind]) == set(cls.fields)
 
 
 def test_a_group_outcome_missing_its_result_is_named() -> None:
