@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "torpor.errors",
             "torpor.extras",
             "torpor.statemachine.events",
+            "torpor.statemachine.fields",
             "torpor.statemachine.states",
             "torpor.statemachine.policy",
             "torpor.statemachine.payload",
@@ -48,6 +49,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "log",
         "the event log on disk: its codec, writer, files and the readers that follow it",
         (
+            "torpor.statemachine.codec",
             "torpor.statemachine.log",
             "torpor.statemachine.logwriter",
             "torpor.statemachine.logfile",

@@ -25,6 +25,7 @@ tuples) when an :class:`~torpor.statemachine.events.Event` is built over it
 from __future__ import annotations
 
 import enum
+import inspect
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -93,8 +94,9 @@ class Payload(dict[str, Any]):
             raise TypeError(msg)
         cls.kind = kind
         fields = dict(cls.fields)
-        for name, hint in cls.__dict__.get("__annotations__", {}).items():
-            if get_origin(hint) is ClassVar:
+        for name, hint in inspect.get_annotations(cls).items():
+            origin: object = get_origin(hint)
+            if origin is ClassVar:
                 continue
             if isinstance(hint, str):
                 msg = f"{cls.__name__}.{name}: annotations must be evaluated (no `from __future__ import annotations`)"

@@ -174,7 +174,9 @@ def _checks_of(kind: EventKind) -> dict[str, _Check]:
     for field in PAYLOADS[kind].fields.values():
         check = CHECKS.get(field.type)
         if check is None:  # a field of a new type: say which check it needs rather than read it unchecked
-            msg = f"no payload check for {PAYLOADS[kind].__name__}.{field.name} of type {field.type!r}: add one to CHECKS"
+            msg = (
+                f"no payload check for {PAYLOADS[kind].__name__}.{field.name} of type {field.type!r}: add one to CHECKS"
+            )
             raise ImportError(msg)
         checks[field.name] = check
     return checks
