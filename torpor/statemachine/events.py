@@ -346,7 +346,7 @@ class Event:
         Nothing is checked here: the log's readers check what they decode
         (:func:`~torpor.statemachine.payload.payload_problem`).
         """
-        payload = PAYLOADS[kind](data or ())  # a copy: the caller's dict is not shared
+        payload = PAYLOADS[kind]() if data is None else PAYLOADS[kind](data)  # a copy: the caller's is not shared
         for key, value in dict.items(payload):  # freeze nested values (fields.freeze_nested, inline: once per line)
             if type(value) not in _SCALARS:
                 dict.__setitem__(payload, key, freeze(value))

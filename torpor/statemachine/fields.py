@@ -59,7 +59,12 @@ def freeze(value: Any) -> Any:
         return value
     if kind is dict or isinstance(value, Mapping):
         scalars = _SCALARS
-        return MappingProxyType({str(k): v if type(v) in scalars else freeze(v) for k, v in value.items()})
+        return MappingProxyType(
+            {
+                k if type(k) is str else str(k): v if type(v) in scalars else freeze(v)  # JSON's keys are strings
+                for k, v in value.items()
+            }
+        )
     if kind is list or kind is tuple:
         return tuple(v if type(v) in _SCALARS else freeze(v) for v in value)
     return value
