@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Annotated, Any
 
-from torpor.statemachine.fields import _SCALARS, Field, Payload, freeze, thaw
+from torpor.statemachine.fields import SCALARS, Field, Payload, freeze, thaw
 
 SCHEMA_VERSION = 1
 
@@ -348,7 +348,7 @@ class Event:
         """
         payload = PAYLOADS[kind]() if data is None else PAYLOADS[kind](data)  # a copy: the caller's is not shared
         for key, value in dict.items(payload):  # freeze nested values (fields.freeze_nested, inline: once per line)
-            if type(value) not in _SCALARS:
+            if type(value) not in SCALARS:
                 dict.__setitem__(payload, key, freeze(value))
         # One store of the whole instance dict: a frozen dataclass refuses attribute stores, and
         # nine object.__setattr__ calls (one per field) cost more than the rest of a replayed line.

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, NoReturn, get_origin
 #: The default of a field that must be present.
 REQUIRED: Any = object()
 #: Values :func:`freeze` leaves as they are.
-_SCALARS = frozenset({str, int, float, bool, type(None)})
+SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +55,10 @@ class Field:
 def freeze(value: Any) -> Any:
     """A read-only copy of a JSON-like value: mappings become read-only mappings (str keys), lists tuples."""
     kind = type(value)
-    if kind in _SCALARS:
+    if kind in SCALARS:
         return value
     if kind is dict or isinstance(value, Mapping):
-        scalars = _SCALARS
+        scalars = SCALARS
         return MappingProxyType(
             {
                 k if type(k) is str else str(k): v if type(v) in scalars else freeze(v)  # JSON's keys are strings
@@ -66,7 +66,7 @@ def freeze(value: Any) -> Any:
             }
         )
     if kind is list or kind is tuple:
-        return tuple(v if type(v) in _SCALARS else freeze(v) for v in value)
+        return tuple(v if type(v) in SCALARS else freeze(v) for v in value)
     return value
 
 
