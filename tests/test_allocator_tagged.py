@@ -278,8 +278,9 @@ def test_release_failure_leaves_the_tag_resident_and_intact(slab: int, nth: int)
     data = fill(alloc, "w", [G] * 6)
     alloc.backup(["w"])
     sim.fail("unmap", nth=nth)
-    with pytest.raises(MemoryOperationFailed, match="left resident"):
+    with pytest.raises(MemoryOperationFailed, match="left resident") as failed:
         alloc.release(["w"])
+    assert failed.value.reason.endswith("(tag left resident)") and str(failed.value).endswith(failed.value.reason)
     assert alloc.usage()["w"].resident == 6 * G
     assert intact(alloc, data)
 
