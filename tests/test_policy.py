@@ -101,7 +101,9 @@ def test_negative_budget_is_refused() -> None:
 def test_tags_discarded_at_every_level_are_never_backed_up() -> None:
     """never_backed_up() names the tags every level discards (kv_cache, workspace by default), not a tag one level offloads."""
     assert DEFAULT_POLICY.never_backed_up() == {"kv_cache", "workspace"}
-    offloading_kv = Policy(levels={1: {"kv_cache": Action.OFFLOAD}, 2: {"kv_cache": Action.DISCARD, "x": Action.DISCARD}})
+    offloading_kv = Policy(
+        levels={1: {"kv_cache": Action.OFFLOAD}, 2: {"kv_cache": Action.DISCARD, "x": Action.DISCARD}}
+    )
     assert offloading_kv.never_backed_up() == frozenset()
     assert Policy(levels={}).never_backed_up() == frozenset()
 
@@ -112,4 +114,4 @@ def test_the_tag_vocabulary_is_the_policy_s() -> None:
 
     named = [policy.WEIGHTS, policy.KV_CACHE, policy.CUDAGRAPH, policy.RUNTIME, policy.WORKSPACE]
     assert named == TAGS and policy.DEFAULT_TAG == "default"
-    assert policy.DEFERRABLE == {policy.WEIGHTS, policy.KV_CACHE} and policy.NEVER_DISCARD == {policy.CUDAGRAPH}
+    assert {policy.WEIGHTS, policy.KV_CACHE} == policy.DEFERRABLE and {policy.CUDAGRAPH} == policy.NEVER_DISCARD
