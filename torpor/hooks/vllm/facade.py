@@ -36,7 +36,7 @@ from torpor.hooks.capture import cumem_capture
 from torpor.hooks.vllm import process
 from torpor.hooks.vllm.wiring import on_controller_started, record_when_known
 from torpor.statemachine.controller import SleepController, log_path_for
-from torpor.statemachine.policy import WEIGHTS, Policy
+from torpor.statemachine.policy import DEFAULT_TAG, WEIGHTS, Policy
 from torpor.statemachine.protocol import Memory
 
 logger = logging.getLogger("torpor.vllm")
@@ -120,7 +120,7 @@ class TorporMemAllocator:
     given or as read from vLLM and the environment).
     """
 
-    default_tag = "default"
+    default_tag = DEFAULT_TAG  # as vLLM's CuMemAllocator.default_tag
 
     def __init__(
         self,
