@@ -6,8 +6,7 @@ allocation calls take neither the GIL nor any Python lock, whichever thread
 makes them (frees route by slot, not by thread). Nothing raises across the C
 boundary: a failed malloc returns NULL (torch raises its out-of-memory error)
 and the library keeps the reason, which :meth:`TaggedAllocator.pending_errors`
-returns and ``use_memory_pool`` raises. :class:`TorchBinding` makes the pools at
-the first use on CUDA. Slots live as long as the process (torch
+returns and ``use_memory_pool`` raises. Slots live as long as the process (torch
 may call them at interpreter exit; after ``close`` the library ignores them).
 """
 
@@ -16,15 +15,16 @@ from __future__ import annotations
 import atexit
 import gc
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torpor.allocator.driver import Driver
 from torpor.allocator.graphpool import GraphPool
-from torpor.allocator.tagbook import TagBook
 from torpor.extras import require
 from torpor.statemachine.policy import CUDAGRAPH
+
+if TYPE_CHECKING:
+    from torpor.allocator.tagged import TaggedAllocator
 
 _KEEP_ALIVE: list[object] = []  # torch allocators made on native slots: never collected
 
@@ -55,18 +55,11 @@ def live_blocks(segment: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 class TorchPools:
-    """One pluggable allocator and MemPool per tag, plus the generations of the graph pool.
+    """One pluggable allocator and MemPool per tag, plus the generations of the graph pool."""
 
-    ``book``: the allocator's tags (and its native table); ``driver``: what
-    prepares a device for copies; ``detach_graph``: takes the allocator's current
-    graph pool away (at teardown its MemPool goes with the others).
-    """
-
-    def __init__(self, book: TagBook, driver: Driver, detach_graph: Callable[[], GraphPool | None]) -> None:
+    def __init__(self, allocator: TaggedAllocator) -> None:
         require("torch", "TaggedAllocator's CUDA memory pools (use_memory_pool, capture)")
-        self.book = book
-        self.driver = driver
-        self._detach_graph = detach_graph
+        self.allocator = allocator
         self._allocators: dict[str, Any] = {}
         self._pools: dict[str, Any] = {}
         self._local = threading.local()
@@ -81,8 +74,8 @@ class TorchPools:
         with self._lock:
             found = self._allocators.get(tag)
             if found is None:
-                self.book.state(tag)
-                malloc_ptr, free_ptr = self.book.table.slot(tag)
+                self.allocator.tag_state(tag)
+                malloc_ptr, free_ptr = self.allocator.table.slot(tag)
                 found = torch._C._cuda_customAllocator(malloc_ptr, free_ptr)
                 _KEEP_ALIVE.append(found)
                 self._allocators[tag] = found
@@ -109,7 +102,7 @@ class TorchPools:
         stack: list[list[Any]] = self._local.__dict__.setdefault("stack", [])
         device = torch.cuda.current_device()
         if device not in self._devices:  # the copy/pinning side: this device's context and copy stream, made now
-            self.driver.prepare_device(device)
+            self.allocator.driver.prepare_device(device)
             self._devices.add(device)
         pool = self.pool(tag)
         if stack:  # torch serves the first matching pool: step out of the outer one while inside
@@ -163,47 +156,6 @@ class TorchPools:
             torch.cuda.synchronize()
             self._pools.clear()
             gc.collect()
-        graph = self._detach_graph()
+        graph = self.allocator.graphs.detach()  # teardown: the graph pool's MemPool goes with the others
         if graph is not None and graph.mempool is not None:
             self.drop(graph)
-
-
-class TorchBinding:
-    """An allocator's :class:`TorchPools`, made at the first use on CUDA (nothing imports torch before)."""
-
-    def __init__(self, book: TagBook, driver: Driver, detach_graph: Callable[[], GraphPool | None]) -> None:
-        self._book = book
-        self._driver = driver
-        self._detach_graph = detach_graph
-        self._lock = threading.Lock()
-        self._pools: TorchPools | None = None
-
-    @property
-    def made(self) -> bool:
-        """True once the torch pools exist."""
-        return self._pools is not None
-
-    def pools(self) -> TorchPools:
-        """The torch pools, made now on first use (raises ``MissingExtra`` without torch)."""
-        pools = self._pools
-        if pools is None:
-            with self._lock:
-                pools = self._pools
-                if pools is None:
-                    pools = self._pools = TorchPools(self._book, self._driver, self._detach_graph)
-        return pools
-
-    def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
-        """Segment -> its blocks in use, where torch has a pool of ``tag`` (None: every byte counts as live).
-
-        The graph pool is backed up whole: blocks a capture freed are still the graphs' working memory.
-        """
-        pools = self._pools
-        if pools is None or tag == CUDAGRAPH:
-            return None
-        return pools.live_ranges(tag)
-
-    def close(self) -> None:
-        """Close the torch pools if they were made (torch frees their segments through the native free)."""
-        if self._pools is not None:
-            self._pools.close()

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 
-from torpor.allocator.callbacks import TorchBinding, TorchPools
+from torpor.allocator.callbacks import TorchPools
 from torpor.allocator.cuda_driver import CudaDriver
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError
@@ -37,6 +37,7 @@ from torpor.allocator.offload import HostArena, HostPolicy
 from torpor.allocator.sleepwake import SleepWake, TagState
 from torpor.allocator.table import NativeTable
 from torpor.allocator.tagbook import TagBook
+from torpor.allocator.torchbinding import TorchBinding
 from torpor.statemachine.policy import CUDAGRAPH, DEFAULT_TAG
 from torpor.statemachine.protocol import DeviceMemory, TagUsage
 
@@ -94,7 +95,7 @@ class TaggedAllocator(SleepWake):
         self.default_device = default_device
         self.book = TagBook(self.table)
         self.graphs = GraphPoolState(self.book, capture_observers)
-        self.torch_binding = TorchBinding(self.book, driver, self.graphs.detach)
+        self.torch_binding = TorchBinding(self)
         self._lock = self.book.lock  # what SleepWake works under: the book's lock and records, not copies
         self._tags = self.book.records
         self._granularity = functools.cache(self.table.granularity)
@@ -279,7 +280,7 @@ class TaggedAllocator(SleepWake):
         with self._lock:
             for record in self._tags.values():
                 self._settle(record)
-            if self.torch_binding.made:
+            if self.torch_binding.current is not None:
                 self.graphs.detach()
                 self.torch_binding.close()  # torch frees its cached segments through the native free
             failed = self.table.close()
@@ -298,6 +299,11 @@ class TaggedAllocator(SleepWake):
 
     def _torch_pools(self) -> TorchPools:
         return self.torch_binding.pools()
+
+    @property
+    def _torch(self) -> TorchPools | None:
+        """The torch pools, None before the first use on CUDA (the name the sleep path looks them up by)."""
+        return self.torch_binding.current
 
 
 def capture_context(allocator: TaggedAllocator, site: str) -> AbstractContextManager[CaptureHandle]:
