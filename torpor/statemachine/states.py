@@ -10,19 +10,20 @@ nothing else about whether a command may run; the docs' diagram and its table
 are generated from the same data (``torpor diagram``; a test keeps
 ``docs/state-diagram.md`` current).
 
-*Why torpor's own table and not the ``transitions`` package.* The state is a
-projection of the events (the same fold live and in replay), so a second
-object holding the state, as a ``transitions.Machine`` model does, can only
-follow it and be cross-checked; a lookup here costs one dict access where a
-``Machine`` trigger cost about 16 µs, on every command and every step; its
-refusal (``MachineError: Can't trigger event``) names neither the state's
-event nor who holds what, so every message was rebuilt anyway; its machine is
-not thread-safe without ``LockedMachine`` while the controller serializes
-commands itself; and the Mermaid diagram is drawn from this data without its
-diagrams extension (graphviz). The steps' conditions (``level_is_1``,
+*Why torpor's own table and not the ``transitions`` package* (which an earlier
+version stepped beside the projection, only to cross-check it). The state is a
+projection of the events (the same fold live and in replay), so a second object
+holding the state, as a ``transitions.Machine`` model does, can only follow it;
+a verdict here is one dict lookup where a ``Machine`` trigger cost 16 to 35 µs,
+on every command and every step; its refusal (``MachineError: Can't trigger
+event sleep from state asleep_l1!``) names neither since when nor what holds
+the state, so every message was rebuilt anyway; its machine is not thread-safe
+without ``LockedMachine`` while the controller serializes commands itself; and
+the Mermaid diagram is drawn from this data without its diagrams extension.
+docs/statemachine.md has the figures. The steps' conditions (``level_is_1``,
 ``all_resident``, ...) are predicates of the projection in :data:`CONDITIONS`;
-:func:`destination` evaluates them, which the tests use to check that the fold
-moves only along the table's edges.
+:func:`destination` evaluates them, which the tests use to check that the
+events move the state only along the table's edges.
 
 This module is the core layer: no I/O, no threads, no torch.
 """
