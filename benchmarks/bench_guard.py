@@ -1,8 +1,8 @@
 """Benchmark: the controller's command path (the guard every command goes through), per command.
 
-Run: python benchmarks/bench_guard.py [--cycles 2000]
+Run: python benchmarks/bench_guard.py [--cycles 300]
 
-Two loops, each timed in CPU seconds (best of five, so a loaded machine inflates
+Three loops, each timed in CPU seconds (best of fifteen, so a loaded machine inflates
 nothing), with no log (events kept in memory only) so the figure is the command
 path itself:
 
@@ -32,7 +32,7 @@ G = 64 * 1024
 MiB = 1 << 20
 
 
-def _best(run: Callable[[], int], repeats: int = 5) -> float:
+def _best(run: Callable[[], int], repeats: int = 15) -> float:
     """Lowest CPU seconds per command over ``repeats`` runs of ``run`` (which returns its command count)."""
     best = float("inf")
     for _ in range(repeats):
@@ -101,12 +101,12 @@ def refusals(cycles: int) -> float:
 def main() -> None:
     """Print the figures as a Markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cycles", type=int, default=2000)
+    parser.add_argument("--cycles", type=int, default=300)
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     )
-    print("| loop | µs per command (CPU, best of 5) |")
+    print("| loop | µs per command (CPU, best of 15) |")
     print("| --- | --- |")
     print(f"| sleep(1)/wake() on TaggedAllocator + SimDriver | {sim_cycles(args.cycles) * 1e6:.1f} |")
     print(f"| sleep(1)/wake() on FakeMemory | {fake_cycles(args.cycles) * 1e6:.1f} |")
