@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,16 @@ def test_off_table_moves_catches_a_move_the_table_lacks() -> None:
     assert off_table_moves([opened, released, moved]) == [
         "#3 wake_completed: awake -> partially_awake, the table says None"
     ]
+
+
+def test_the_transitions_package_is_not_used() -> None:
+    """Running commands imports no ``transitions`` package: the table is the only state model (not a dependency)."""
+    code = (
+        "import sys, torpor; from torpor.testing import FakeMemory; "
+        "c = torpor.SleepController(FakeMemory({'weights': 1})); c.sleep(1); c.wake(); "
+        "print(sorted(m for m in sys.modules if m == 'transitions' or m.startswith('transitions.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"transitions' not in pyproject
