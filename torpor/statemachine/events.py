@@ -312,6 +312,7 @@ if set(PAYLOADS) != set(EventKind):  # a kind without a class would make every r
     raise ImportError(_msg)
 
 
+_PAYLOAD_OF: dict[EventKind, type[Payload]] = dict(PAYLOADS)  # a plain dict: one lookup per event built
 _set = object.__setattr__
 
 
@@ -346,10 +347,11 @@ class Event:
         Nothing is checked here: the log's readers check what they decode
         (:func:`~torpor.statemachine.payload.payload_problem`).
         """
-        payload = PAYLOADS[kind]() if data is None else PAYLOADS[kind](data)  # a copy: the caller's is not shared
-        for key, value in dict.items(payload):  # freeze nested values (fields.freeze_nested, inline: once per line)
-            if type(value) not in SCALARS:
-                dict.__setitem__(payload, key, freeze(value))
+        payload = _PAYLOAD_OF[kind]() if data is None else _PAYLOAD_OF[kind](data)  # a copy: the caller's is not shared
+        if not SCALARS.issuperset(map(type, dict.values(payload))):  # nested values: freeze them (C-level test first)
+            for key, value in dict.items(payload):
+                if type(value) not in SCALARS:
+                    dict.__setitem__(payload, key, freeze(value))
         # One store of the whole instance dict: a frozen dataclass refuses attribute stores, and
         # nine object.__setattr__ calls (one per field) cost more than the rest of a replayed line.
         _set(
