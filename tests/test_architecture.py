@@ -36,6 +36,8 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "torpor.extras",
             "torpor.statemachine.events",
             "torpor.statemachine.fields",
+            "torpor.statemachine.kinds",
+            "torpor.statemachine.payloads",
             "torpor.statemachine.states",
             "torpor.statemachine.policy",
             "torpor.statemachine.payload",

@@ -2,315 +2,58 @@
 
 An :class:`Event` is the envelope every part of torpor passes around (sequence
 number, times, pid, engine, rank) and its payload, ``event.data``: an instance
-of the kind's payload class below (:data:`PAYLOADS`), whose annotated fields
-are the kind's schema. Read a payload by its typed attributes
+of the kind's payload class (:mod:`torpor.statemachine.payloads`), whose
+annotated fields are the kind's schema. Read a payload by its typed attributes
 (``event.data.tag`` once ``isinstance(event.data, TagReleased)``, or a
 ``match`` on the class); it is also a read-only mapping of the fields present,
 which is the log's JSON form. Adding a field to a kind is one line in its
 class (with a default, so old logs still read) plus the code that reads it.
+The kinds, the payload classes and their base are re-exported here.
 """
 
-# No ``from __future__ import annotations``: the payload classes read their evaluated annotations.
+from __future__ import annotations
 
-import enum
 import json
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Annotated, Any
+from typing import Any
 
 from torpor.statemachine.fields import SCALARS, Field, Payload, freeze, thaw
-
-SCHEMA_VERSION = 1
-
-
-class EventKind(enum.StrEnum):
-    """Every kind of fact the controller records; each has one payload class (:data:`PAYLOADS`)."""
-
-    OPENED = "opened"
-    RECOVERED = "recovered"
-    SLEEP_REQUESTED = "sleep_requested"
-    TAG_BACKED_UP = "tag_backed_up"
-    TAG_RELEASED = "tag_released"
-    SLEEP_COMPLETED = "sleep_completed"
-    SLEEP_ABORTED = "sleep_aborted"
-    WAKE_REQUESTED = "wake_requested"
-    TAG_RESTORED = "tag_restored"
-    TAG_ROLLED_BACK = "tag_rolled_back"
-    WAKE_COMPLETED = "wake_completed"
-    WAKE_FAILED = "wake_failed"
-    TAG_DISCARDED = "tag_discarded"
-    DISCARD_COMPLETED = "discard_completed"
-    REFUSED = "refused"
-    POOL_CREATED = "pool_created"
-    GRAPH_CAPTURED = "graph_captured"
-    POOL_RELEASED = "pool_released"
-    USAGE_OBSERVED = "usage_observed"
-    HOOK_DECISION = "hook_decision"
-    SNAPSHOT = "snapshot"
-    CLOSED = "closed"
-    COMMAND_REPEATED = "command_repeated"
-    GROUP_AGREED = "group_agreed"
-
-
-#: Kinds that end (or begin) a transition: the log makes them durable.
-BOUNDARY_KINDS: frozenset[EventKind] = frozenset(
-    {
-        EventKind.OPENED,
-        EventKind.RECOVERED,
-        EventKind.SLEEP_REQUESTED,
-        EventKind.SLEEP_COMPLETED,
-        EventKind.SLEEP_ABORTED,
-        EventKind.WAKE_REQUESTED,
-        EventKind.WAKE_COMPLETED,
-        EventKind.WAKE_FAILED,
-        EventKind.DISCARD_COMPLETED,
-        EventKind.SNAPSHOT,
-        EventKind.CLOSED,
-        EventKind.GROUP_AGREED,
-    }
+from torpor.statemachine.kinds import BOUNDARY_KINDS, KIND_NAMED, SCHEMA_VERSION, EventKind
+from torpor.statemachine.payloads import (
+    PAYLOADS,
+    Closed,
+    CommandRepeated,
+    Device,
+    DiscardCompleted,
+    GraphCaptured,
+    GroupAgreed,
+    HookDecision,
+    Opened,
+    PoolCreated,
+    PoolReleased,
+    ProjectionForm,
+    Recovered,
+    Refused,
+    Released,
+    SleepAborted,
+    SleepCompleted,
+    SleepRequested,
+    Snapshot,
+    TagBackedUp,
+    TagDiscarded,
+    TagReleased,
+    TagRestored,
+    TagRolledBack,
+    Tags,
+    Usage,
+    UsageObserved,
+    WakeCompleted,
+    WakeFailed,
+    WakeRequested,
 )
-
-# -- the field types (each has one check in torpor.statemachine.payload) ---------------
-
-#: Bytes per tag, ``{tag: bytes}``.
-Usage = Mapping[str, int]
-#: Tag names, or None for "all tags".
-Tags = tuple[str, ...] | None
-#: What stays on the device while asleep (``total``, ``in_use``, ``tagged``, ``untagged``), or None.
-Device = Annotated[Mapping[str, int] | None, "signed byte counts"]
-#: Tags the memory holds released: ``{tag: {"host": bytes, "discarded": bytes}}``.
-Released = Mapping[str, Mapping[str, int]]
-#: A projection's JSON form (:meth:`~torpor.statemachine.projection.Projection.to_dict`).
-ProjectionForm = Annotated[Mapping[str, Any], "projection"]
-
-_NO_USAGE: Usage = MappingProxyType({})
-_NOTHING: Mapping[str, Any] = MappingProxyType({})
-
-
-# -- one payload class per kind -------------------------------------------------------
-
-
-class Opened(Payload, kind=EventKind.OPENED):
-    """A controller opened: the memory's ``usage``, its class, the state before, the host-memory policy."""
-
-    usage: Usage = _NO_USAGE
-    memory: str = ""
-    previous_state: str | None = None
-    host: Mapping[str, Any] | None = None  # pin, after_wake, budget_bytes
-
-
-class Recovered(Payload, kind=EventKind.RECOVERED):
-    """``recover()`` took the memory as it is after an interrupted transition."""
-
-    usage: Usage = _NO_USAGE
-    released: Released = _NOTHING
-    interrupted_state: str | None = None
-    interrupted_step: str | None = None
-
-
-class SleepRequested(Payload, kind=EventKind.SLEEP_REQUESTED):
-    """A sleep began: its level, its plan ``{tag: offload|discard}``, the usage before."""
-
-    level: int
-    plan: Mapping[str, str] = _NOTHING
-    usage: Usage = _NO_USAGE
-
-
-class TagBackedUp(Payload, kind=EventKind.TAG_BACKED_UP):
-    """A tag's content copied to the host (before its release)."""
-
-    tag: str
-    bytes: int
-    seconds: float = 0.0
-
-
-class TagReleased(Payload, kind=EventKind.TAG_RELEASED):
-    """A tag's physical memory released: its content on the host (``offload``) or gone (``discard``)."""
-
-    tag: str
-    bytes: int
-    action: str = ""
-    seconds: float = 0.0
-
-
-class SleepCompleted(Payload, kind=EventKind.SLEEP_COMPLETED):
-    """A sleep finished; ``incomplete`` says why a failed sleep's rollback left it part done."""
-
-    level: int | None = None
-    seconds: float = 0.0
-    freed: int = 0
-    offloaded: int = 0
-    discarded: int = 0
-    pinned: int | None = None  # pinned host bytes held after the sleep; None: not said
-    host_budget: int | None = None
-    device: Device = None
-    incomplete: str | None = None
-
-
-class SleepAborted(Payload, kind=EventKind.SLEEP_ABORTED):
-    """A sleep failed and was rolled back; ``lost`` names tags whose content may be gone."""
-
-    level: int | None = None
-    reason: str | None = None
-    error: str | None = None
-    seconds: float = 0.0
-    usage: Usage = _NO_USAGE
-    lost: tuple[str, ...] = ()
-
-
-class WakeRequested(Payload, kind=EventKind.WAKE_REQUESTED):
-    """A wake began: the tags asked for (None: all) and those to restore."""
-
-    tags: Tags = None
-    restoring: Tags = None
-
-
-class TagRestored(Payload, kind=EventKind.TAG_RESTORED):
-    """A tag mapped back: from the ``host`` backup, ``fresh`` memory, or by a sleep's ``rollback`` (``lost``)."""
-
-    tag: str
-    bytes: int
-    source: str = ""
-    seconds: float = 0.0
-    lost: bool = False
-
-
-class TagRolledBack(Payload, kind=EventKind.TAG_ROLLED_BACK):
-    """A failed wake released a tag it had mapped again (``action`` as in ``tag_released``)."""
-
-    tag: str
-    bytes: int
-    action: str = ""
-
-
-class WakeCompleted(Payload, kind=EventKind.WAKE_COMPLETED):
-    """A wake finished; ``host_released``: pinned bytes given back by the host-memory policy."""
-
-    tags: Tags = None
-    seconds: float = 0.0
-    restored: int = 0
-    pinned: int | None = None
-    host_released: int = 0
-    usage: Usage | None = None
-
-
-class WakeFailed(Payload, kind=EventKind.WAKE_FAILED):
-    """A wake failed and was rolled back to asleep."""
-
-    tags: Tags = None
-    reason: str | None = None
-    error: str | None = None
-    seconds: float = 0.0
-
-
-class TagDiscarded(Payload, kind=EventKind.TAG_DISCARDED):
-    """A host backup dropped while asleep."""
-
-    tag: str
-    bytes: int
-
-
-class DiscardCompleted(Payload, kind=EventKind.DISCARD_COMPLETED):
-    """A discard ended: the resident tags released without backup; ``error``/``reason`` when part done."""
-
-    tags: Tags = None
-    reason: str | None = None
-    error: str | None = None
-    seconds: float = 0.0
-
-
-class Refused(Payload, kind=EventKind.REFUSED):
-    """A command refused: why, the error class, who holds what, the state it was refused in."""
-
-    command: str = ""
-    reason: str | None = None
-    error: str | None = None
-    holders: tuple[str, ...] = ()
-    state: str = ""
-
-
-class PoolCreated(Payload, kind=EventKind.POOL_CREATED):
-    """A CUDA-graph memory pool created."""
-
-    pool: str
-
-
-class GraphCaptured(Payload, kind=EventKind.GRAPH_CAPTURED):
-    """A CUDA graph captured at ``site`` into ``pool``."""
-
-    site: str
-    pool: str
-    seconds: float = 0.0
-    usage: Usage | None = None
-
-
-class PoolReleased(Payload, kind=EventKind.POOL_RELEASED):
-    """The graph pool and its graphs released."""
-
-    pool: str | None = None
-    bytes: int = 0
-    usage: Usage | None = None
-
-
-class UsageObserved(Payload, kind=EventKind.USAGE_OBSERVED):
-    """The memory's resident bytes per tag, observed."""
-
-    usage: Usage
-
-
-class HookDecision(Payload, kind=EventKind.HOOK_DECISION):
-    """A hook's decision (graph-pool routing, all-reduce, NCCL), recorded from outside."""
-
-    hook: str = ""
-    active: bool = False
-    detail: str = ""
-
-
-class Snapshot(Payload, kind=EventKind.SNAPSHOT):
-    """The projection at a log rotation: replay starts from here when older segments are gone."""
-
-    projection: ProjectionForm
-
-
-class Closed(Payload, kind=EventKind.CLOSED):
-    """The controller closed, in ``state``."""
-
-    state: str = ""
-
-
-class CommandRepeated(Payload, kind=EventKind.COMMAND_REPEATED):
-    """A retried command whose effect already holds, accepted as a no-op (``idempotent=True``)."""
-
-    command: str = ""
-    args: Mapping[str, Any] = _NOTHING
-    state: str = ""
-    reason: str | None = None
-
-
-class GroupAgreed(Payload, kind=EventKind.GROUP_AGREED):
-    """A TP group's outcome: ``commit`` or ``rollback``, who failed and why, this rank's own vote."""
-
-    group: str
-    command: str
-    round: int
-    size: int
-    result: str
-    failed: Mapping[str, str] = _NOTHING
-    voted: bool = True
-    seconds: float = 0.0
-
-
-#: The payload class of each kind.
-PAYLOADS: Mapping[EventKind, type[Payload]] = MappingProxyType(
-    {EventKind(cls.kind): cls for cls in Payload.__subclasses__()}
-)
-if set(PAYLOADS) != set(EventKind):  # a kind without a class would make every reader fail
-    _msg = f"event kinds without a payload class: {sorted(set(EventKind) - set(PAYLOADS))}"
-    raise ImportError(_msg)
-
 
 _PAYLOAD_OF: dict[EventKind, type[Payload]] = dict(PAYLOADS)  # a plain dict: one lookup per event built
 _set = object.__setattr__
@@ -393,7 +136,7 @@ class Event:
         return time.strftime("%H:%M:%S", time.localtime(self.wall))
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "Event":
+    def from_dict(cls, raw: Mapping[str, Any]) -> Event:
         """Build an event from its log form (a copy); ``ValueError`` names what is wrong."""
         get = raw.get
         kind: Any = get("kind")
@@ -423,8 +166,6 @@ class Event:
         )
 
 
-#: Each kind by its name (a dict lookup: faster than ``EventKind(name)``).
-KIND_NAMED: Mapping[str, EventKind] = MappingProxyType({k.value: k for k in EventKind})
 _KINDS = KIND_NAMED
 _ENVELOPE: dict[str, type] = {"seq": int, "pid": int, "rank": int, "engine": str}
 

@@ -7,7 +7,7 @@ folds it, so every reader (replay, follow, the endpoint, the CLI) refuses such
 a line with ``LogCorrupted`` naming its file and line instead of failing
 later with a ``KeyError`` or an ``OverflowError`` far from the line.
 
-The checks derive from the payload classes of :mod:`torpor.statemachine.events`:
+The checks derive from the payload classes of :mod:`torpor.statemachine.payloads`:
 each declared field is checked by its type (:data:`CHECKS`, one check per type:
 byte counts and levels are integers in ``0..2**63-1``, seconds finite
 non-negative numbers, tags strings, usages objects of tag to bytes), and a field
@@ -22,8 +22,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torpor.statemachine.events import PAYLOADS, Device, Event, EventKind, ProjectionForm, Released, Tags, Usage
+from torpor.statemachine.events import Event
 from torpor.statemachine.fields import thaw
+from torpor.statemachine.kinds import EventKind
+from torpor.statemachine.payloads import PAYLOADS, Device, ProjectionForm, Released, Tags, Usage
 from torpor.statemachine.projection import Projection
 
 MAX_INT = 2**63 - 1
