@@ -224,26 +224,12 @@ class Tail:
 
     def _read(self) -> Iterator[Event]:
         """The events of the whole lines after :attr:`_pos` in the held file."""
-        fd = self._fd
-        if fd is None:
+        lines = self._chunk()
+        if not lines:
             return
-        if os.fstat(fd).st_size < self._pos:
-            self._log.warning("%s shrank below what was read (%d bytes); reading it again", self.path, self._pos)
-            self._pos, self._lineno, self._first_in_file = 0, 0, True
-        chunks = []
-        pos = self._pos
-        while data := os.pread(fd, _CHUNK, pos):
-            chunks.append(data)
-            pos += len(data)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        end = data.rfind(b"\n") + 1
-        self._torn = len(data) - end
-        if not end:
-            return
-        lines = data[: end - 1].split(b"\n")
         seen = self.last_seq
         yield from self._lines(lines, str(self.path), self._lineno, search=True)
-        self._pos += end
+        self._pos += sum(map(len, lines)) + len(lines)
         self._lineno += len(lines)
         if not self._checked_after:
             self._checked_after = True
@@ -255,6 +241,22 @@ class Tail:
                     seen,
                     seen + 1,
                 )
+
+    def _chunk(self) -> list[bytes]:
+        """The whole lines (without newlines) after :attr:`_pos` in the held file; sets :attr:`_torn`."""
+        fd = self._fd
+        if fd is None:
+            return []
+        size = os.fstat(fd).st_size
+        if size < self._pos:
+            self._log.warning("%s shrank below what was read (%d bytes); reading it again", self.path, self._pos)
+            self._pos, self._lineno, self._first_in_file = 0, 0, True
+        data = os.pread(fd, max(size - self._pos, 0), self._pos)
+        while more := os.pread(fd, _CHUNK, self._pos + len(data)):  # it grew since fstat
+            data += more
+        lines = data.split(b"\n")
+        self._torn = len(lines.pop())
+        return lines
 
     def _lines(self, lines: list[bytes], name: str, lineno: int, *, search: bool) -> Iterator[Event]:
         """The events of ``lines`` (the first is line ``lineno + 1`` of ``name``) after :attr:`last_seq`.
