@@ -46,8 +46,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (
         "log",
-        "the event log on disk: its codec, writer, files, the one tailer every reader uses, and the subscriber "
-        "fan-out",
+        "the event log on disk: its codec, writer, files, the one tailer every reader uses, and the subscriber fan-out",
         (
             "torpor.statemachine.log",
             "torpor.statemachine.tail",

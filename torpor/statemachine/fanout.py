@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 from torpor.statemachine.events import Event, EventKind
 
 S = TypeVar("S")
+C = TypeVar("C", bound=Callable[[Event], object])
 
 _Entry = tuple[S, frozenset[EventKind] | None]
 
@@ -80,7 +81,7 @@ class Fanout(Generic[S]):
     def __repr__(self) -> str:
         return f"Fanout({self._what}, {len(self._entries)} subscribed)"
 
-    def publish(self: Fanout[Callable[[Event], object]], event: Event) -> None:
+    def publish(self: Fanout[C], event: Event) -> None:
         """Call every subscriber that wants ``event`` with it, in subscription order."""
         for callback, kinds in self._entries:
             if kinds is not None and event.kind not in kinds:

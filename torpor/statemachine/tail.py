@@ -248,7 +248,8 @@ class Tail:
         if fd is None:
             return []
         size = os.fstat(fd).st_size
-        if size < self._pos:
+        if size < self._pos or (self._pos and os.pread(fd, 1, self._pos - 1) != b"\n"):
+            # Cut below what was read (and perhaps written again past it): what follows is not where we were.
             self._log.warning("%s shrank below what was read (%d bytes); reading it again", self.path, self._pos)
             self._pos, self._lineno, self._first_in_file = 0, 0, True
         data = os.pread(fd, max(size - self._pos, 0), self._pos)
