@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, thaw
+from torpor.statemachine.fanout import Fanout
 from torpor.statemachine.group import Agreement, GroupMember, LocalGroup
 from torpor.statemachine.log import decode_line, read_events, read_events_file, replay, segments
 from torpor.statemachine.logwriter import EventLog
@@ -15,6 +16,7 @@ from torpor.statemachine.policy import DEFAULT_POLICY, Action, AfterWake, HostMe
 from torpor.statemachine.projection import Projection, project
 from torpor.statemachine.protocol import DeviceMemory, GraphPoolMemory, HostMemory, Memory, TagUsage, Transfer
 from torpor.statemachine.states import COMMANDS, TRANSITIONS, State, allowed_sources, diagram_markdown, mermaid
+from torpor.statemachine.tail import Tail
 
 __all__ = [
     "COMMANDS",
@@ -28,6 +30,7 @@ __all__ = [
     "Event",
     "EventKind",
     "EventLog",
+    "Fanout",
     "GraphPoolMemory",
     "GroupMember",
     "HostMemory",
@@ -40,6 +43,7 @@ __all__ = [
     "SleepController",
     "State",
     "TagUsage",
+    "Tail",
     "Transfer",
     "allowed_sources",
     "decode_line",

@@ -4,10 +4,12 @@
 polls for appended lines and hands each new event to its subscribers, so
 ``serve(LogSource(path), port)`` (or ``serve(path, port)``) exposes
 ``/metrics``, ``/state`` and ``/events`` for an engine running elsewhere on the
-host, without touching it. It reads through the same tailer as ``torpor log
-follow`` and :func:`~torpor.hooks.follow.follow` (:class:`~torpor.hooks.follow.Follower`):
-only complete lines, rotation seen as rotation (renamed segments read in
-order, pruned ones skipped from a snapshot), each new byte read once.
+host, without touching it. It reads through the log's one tailer
+(:class:`~torpor.statemachine.tail.Tail`, as :class:`~torpor.hooks.follow.Follower`),
+like ``torpor log follow`` and :func:`~torpor.hooks.follow.follow`: only
+complete lines, rotation seen as rotation (renamed segments read in order,
+pruned ones skipped from a snapshot), each new byte read once; and hands each
+event to its subscribers through the one fan-out (:class:`~torpor.statemachine.fanout.Fanout`).
 
 A bad line stops the source there: :attr:`LogSource.error` holds the
 ``LogCorrupted`` error (file and line), it is logged once, the projection stays
