@@ -153,14 +153,20 @@ class Tail:
                     yield from self._from_segments(None)  # not created yet, or mid-rotation
                     if not self._open():
                         return
-                yield from self._read()
+                if lines := self._chunk():
+                    seen = self.last_seq
+                    yield from self._lines(lines, str(self.path), self._lineno, search=True)
+                    self._advance(lines, seen)
                 if self._first_in_file:  # no event in it yet: a crash right after a rotation renamed the last one
                     yield from self._from_segments(None)
                 if not self._replaced():
                     if self.strict and self._torn:
                         _warn_torn(self.path, self._lineno + 1, self._torn)
                     return
-                yield from self._read()  # what the writer wrote before it renamed the file
+                if lines := self._chunk():  # what the writer wrote before it renamed the file
+                    seen = self.last_seq
+                    yield from self._lines(lines, str(self.path), self._lineno, search=True)
+                    self._advance(lines, seen)
                 if self._torn and self.strict:
                     raise LogCorrupted(str(self.path), self._lineno + 1, "unterminated line in a rotated segment")
                 self._close()
@@ -222,13 +228,8 @@ class Tail:
             return True
         return (st.st_dev, st.st_ino) != self._ident
 
-    def _read(self) -> Iterator[Event]:
-        """The events of the whole lines after :attr:`_pos` in the held file."""
-        lines = self._chunk()
-        if not lines:
-            return
-        seen = self.last_seq
-        yield from self._lines(lines, str(self.path), self._lineno, search=True)
+    def _advance(self, lines: list[bytes], seen: int) -> None:
+        """Move past ``lines`` of the held file, all read (``seen``: :attr:`last_seq` before them)."""
         self._pos += sum(map(len, lines)) + len(lines)
         self._lineno += len(lines)
         if not self._checked_after:
@@ -270,16 +271,19 @@ class Tail:
         expected = self.last_seq + 1
         floor = 0 if search else self.last_seq  # a segment's events up to here were handed out already
         first = self._first_in_file if search else False
+        number = lineno  # the last line handled outside the common case (counted when the next one is)
+        run = expected  # ``expected`` when the current run of common-case lines began
         try:
-            for number, event in enumerate(self._decode(lines, name, lineno, self.max_line), lineno + 1):
+            for event in self._decode(lines, name, lineno, self.max_line):
                 if event.seq == expected and not first:  # the common case: the next event
                     self.last_seq = expected
                     expected += 1
                     yield event
                     continue
+                number += expected - run + 1  # the run's lines, then this one
                 first = False
                 yield from self._other(event, name, number, search=search, floor=floor)
-                expected = self.last_seq + 1
+                expected = run = self.last_seq + 1
         except TorporError as exc:
             line = getattr(exc, "line", None)
             if search and getattr(exc, "path", None) == name and isinstance(line, int) and line > lineno:
