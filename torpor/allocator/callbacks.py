@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from torpor.allocator.graphpool import GraphPool
 from torpor.extras import require
+from torpor.statemachine.policy import CUDAGRAPH
 
 if TYPE_CHECKING:
     from torpor.allocator.tagged import TaggedAllocator
@@ -131,7 +132,7 @@ class TorchPools:
         """A fresh MemPool for the graph pool (tag cudagraph) wrapped as a :class:`GraphPool`."""
         import torch
 
-        mempool = torch.cuda.MemPool(self.torch_allocator("cudagraph"))
+        mempool = torch.cuda.MemPool(self.torch_allocator(CUDAGRAPH))
         return GraphPool(mempool.id, mempool)
 
     def drop(self, pool: GraphPool) -> None:
@@ -155,7 +156,6 @@ class TorchPools:
             torch.cuda.synchronize()
             self._pools.clear()
             gc.collect()
-        graph = self.allocator._graph_pool
+        graph = self.allocator.graphs.detach()  # teardown: the graph pool's MemPool goes with the others
         if graph is not None and graph.mempool is not None:
-            self.allocator._graph_pool = None
             self.drop(graph)
