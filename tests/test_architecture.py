@@ -49,10 +49,12 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (
         "log",
-        "the event log on disk: its codec, writer, files and the readers that follow it",
+        "the event log on disk: its codec, writer, files, the one tailer every reader uses, and the subscriber fan-out",
         (
             "torpor.statemachine.codec",
             "torpor.statemachine.log",
+            "torpor.statemachine.tail",
+            "torpor.statemachine.fanout",
             "torpor.statemachine.logwriter",
             "torpor.statemachine.logfile",
             "torpor.hooks.follow",

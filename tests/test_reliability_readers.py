@@ -111,7 +111,7 @@ def test_a_rotation_between_listing_and_reading_is_seen(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, new_file: str
 ) -> None:
     """The active file renamed just before the reader opens it (new file empty, or opened by its snapshot): no event is lost."""
-    import torpor.statemachine.log as log_module
+    import torpor.statemachine.tail as tail_module
 
     path = tmp_path / "r.jsonl"
     proj = Projection()
@@ -122,10 +122,10 @@ def test_a_rotation_between_listing_and_reading_is_seen(
     proj.apply(snap)
     _append(log, proj, 3)  # segment r.jsonl.1 holds #1..#3; the active file #4 (snapshot) .. #7
     expected = list(range(1, 8))
-    real = log_module._read_file
+    real = tail_module._open
     rotated = []
 
-    def rotating(file: Path) -> tuple[list[bytes], bytes]:
+    def rotating(file: Path) -> int:
         if file == path and not rotated:  # the writer rotates right before the reader opens the active file
             rotated.append(1)
             snap = _snapshot(log, proj)
@@ -137,7 +137,7 @@ def test_a_rotation_between_listing_and_reading_is_seen(
                 expected.append(snap.seq)
         return real(file)
 
-    monkeypatch.setattr(log_module, "_read_file", rotating)
+    monkeypatch.setattr(tail_module, "_open", rotating)
     assert [e.seq for e in read_events(path)] == expected
     log.close()
 

@@ -170,6 +170,55 @@ def test_long_polls_do_not_reparse_the_log(monkeypatch: pytest.MonkeyPatch, tmp_
     assert len(decoded) == 1
 
 
+def test_state_reads_only_what_was_appended(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """/torpor/state decodes only the lines appended since the last request, not every rank's log again."""
+    import torpor.statemachine.codec as codec_module
+
+    controllers = ranks(tmp_path, 2)
+    for _ in range(100):
+        controllers[0].observe()
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    assert client.get("/torpor/state").json()["state"] == "awake"  # the first request reads each log once
+    decoded: list[int] = []
+    check = codec_module.payload_problem  # called once per decoded line
+
+    def counting(event: Any) -> Any:
+        decoded.append(1)
+        return check(event)
+
+    monkeypatch.setattr(codec_module, "payload_problem", counting)
+    assert client.get("/torpor/state").json()["state"] == "awake"
+    assert decoded == []
+    for c in controllers:
+        c.sleep(1)
+    appended = sum(c.last_seq for c in controllers) - 100 - 2  # what the sleeps wrote after the opening events
+    body = client.get("/torpor/state").json()
+    assert body["state"] == "asleep"
+    assert [r["last_seq"] for r in body["engines"][0]["ranks"]] == [c.last_seq for c in controllers]
+    assert len(decoded) == appended
+
+
+def test_state_names_a_bad_line_and_heals_when_it_is_repaired(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A rank log that grows a bad line is unreadable (naming file and line) until the line is repaired in place."""
+    from torpor.statemachine.events import EventKind, make_event
+    from torpor.statemachine.log import encode_line
+
+    (controller,) = ranks(tmp_path, 1)
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    assert client.get("/torpor/state").json()["state"] == "awake"
+    path = controller.log.path  # type: ignore[union-attr]
+    good = path.read_bytes()
+    lines = good.count(b"\n")
+    controller.log.close()  # type: ignore[union-attr]
+    path.write_bytes(good + b'{"crc":"00000000","schema":1}\n')
+    rank = client.get("/torpor/state").json()["engines"][0]["ranks"][0]
+    assert rank["state"] == "unreadable" and f"{path}:{lines + 1}:" in rank["error"]
+    repaired = make_event(EventKind.USAGE_OBSERVED, lines + 1, "vllm", 0, {"usage": {"weights": 1}})
+    path.write_bytes(good + encode_line(repaired))  # the bad line repaired in place
+    rank = client.get("/torpor/state").json()["engines"][0]["ranks"][0]
+    assert rank["state"] == "awake" and rank["last_seq"] == lines + 1
+
+
 def test_waiters_are_bounded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Beyond MAX_WAITERS waiting long-polls a new one gets 503 with Retry-After; a plain read still answers."""
     from torpor.hooks.vllm import endpoint as route

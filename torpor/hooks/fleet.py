@@ -24,6 +24,7 @@ import asyncio
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torpor.errors import (
@@ -47,6 +48,7 @@ __all__ = [
     "group_view",
     "merge",
     "project_rank",
+    "rank_follower",
     "rank_logs",
     "wait_fleet",
     "wait_fleet_async",
@@ -89,6 +91,13 @@ def _first_event(path: Path) -> Event | None:
     return decode_line(line[:-1], str(path), 1)
 
 
+def rank_follower(path: Path) -> Follower:
+    """A follower of one rank's log from the snapshot that opens its active file (from its start without one)."""
+    first = _first_event(path)
+    after = first.seq - 1 if first is not None and first.kind is EventKind.SNAPSHOT else 0
+    return Follower(path, after=after)
+
+
 def project_rank(path: Path) -> Projection:
     """The projection of one rank's log, read the way :class:`~torpor.hooks.Follower` reads it.
 
@@ -97,15 +106,13 @@ def project_rank(path: Path) -> Projection:
     same however long the history. A line being written is not an error, and
     pruned segments are skipped with a warning; a corrupted line raises.
     """
-    first = _first_event(path)
-    after = first.seq - 1 if first is not None and first.kind is EventKind.SNAPSHOT else 0
-    with Follower(path, after=after) as follower:
+    with rank_follower(path) as follower:
         return project(follower.read_available())
 
 
-def _rank_view(engine: str, rank: int, path: Path) -> RankView:
+def _rank_view(engine: str, rank: int, path: Path, read: Callable[[Path], Projection]) -> RankView:
     try:
-        proj = project_rank(path)
+        proj = read(path)
     except (TorporError, OSError, ValueError) as exc:
         return RankView(engine, rank, path, "unreadable", error=str(exc))
     if proj.last_seq == 0:
@@ -129,12 +136,20 @@ def _rank_view(engine: str, rank: int, path: Path) -> RankView:
     )
 
 
-def fleet(directory: str | os.PathLike[str], *, engine: str | None = None, world_size: int | None = None) -> FleetView:
+def fleet(
+    directory: str | os.PathLike[str],
+    *,
+    engine: str | None = None,
+    world_size: int | None = None,
+    read: Callable[[Path], Projection] = project_rank,
+) -> FleetView:
     """The engine-wide view of every engine logging into ``directory`` (or only ``engine``).
 
     Ranks missing from the numbering (below the highest rank seen, or below
     ``world_size`` when given) count as lagging with no log. Raises
-    :class:`FleetError` for a directory that holds no per-rank logs.
+    :class:`FleetError` for a directory that holds no per-rank logs. ``read``
+    gives a rank log's projection (:func:`project_rank`, or a reader that keeps
+    a tail per rank and reads only what was appended, as the vLLM route does).
     """
     root = Path(directory)
     logs = rank_logs(root)
@@ -151,7 +166,7 @@ def fleet(directory: str | os.PathLike[str], *, engine: str | None = None, world
     for name, files in sorted(logs.items()):
         size = max(max(files) + 1, world_size or 0)
         ranks = [
-            _rank_view(name, rank, files[rank]) if rank in files else RankView(name, rank, None, "no log")
+            _rank_view(name, rank, files[rank], read) if rank in files else RankView(name, rank, None, "no log")
             for rank in range(size)
         ]
         views.append(merge(name, ranks))

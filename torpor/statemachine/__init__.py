@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, thaw
+from torpor.statemachine.fanout import Fanout
 from torpor.statemachine.group import Agreement, GroupMember, LocalGroup
 from torpor.statemachine.log import decode_line, read_events, read_events_file, replay, segments
 from torpor.statemachine.logwriter import EventLog
@@ -25,6 +26,7 @@ from torpor.statemachine.states import (
     diagram_markdown,
     mermaid,
 )
+from torpor.statemachine.tail import Tail
 
 __all__ = [
     "COMMANDS",
@@ -39,6 +41,7 @@ __all__ = [
     "Event",
     "EventKind",
     "EventLog",
+    "Fanout",
     "GraphPoolMemory",
     "GroupMember",
     "HostMemory",
@@ -51,6 +54,7 @@ __all__ = [
     "SleepController",
     "State",
     "TagUsage",
+    "Tail",
     "Transfer",
     "Verdict",
     "allowed_sources",

@@ -21,6 +21,7 @@ from typing import Any
 
 from torpor.errors import ControllerClosed, TorporError
 from torpor.statemachine.events import Event, EventKind, make_event
+from torpor.statemachine.fanout import Fanout
 from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
 from torpor.statemachine.hostmem import apply_host_policy
 from torpor.statemachine.log import read_events
@@ -98,7 +99,7 @@ class ControllerBase:
         self._log_failure = ""  # why a rollback could not be recorded (the controller then needs recover())
         self._emit_lock = threading.RLock()
         self._changed = threading.Condition(self._emit_lock)
-        self._subscribers: list[tuple[Subscriber, frozenset[EventKind] | None]] = []
+        self._subscribers: Fanout[Subscriber] = Fanout(logger, "torpor subscriber")
         self._recent: list[Event] = []
         self._keep_events = keep_events
         self.projection = Projection(engine=engine, rank=rank)
@@ -134,15 +135,12 @@ class ControllerBase:
 
     def subscribe(self, callback: Subscriber, kinds: Iterable[EventKind | str] | None = None) -> Callable[[], None]:
         """Call ``callback(event)`` after each event (of ``kinds``); return an unsubscribe function."""
-        wanted = None if kinds is None else frozenset(EventKind(k) for k in kinds)
-        entry = (callback, wanted)
-        with self._emit_lock:
-            self._subscribers.append(entry)
+        with self._emit_lock:  # not while an event is being delivered
+            remove = self._subscribers.subscribe(callback, kinds)
 
         def unsubscribe() -> None:
             with self._emit_lock:
-                if entry in self._subscribers:
-                    self._subscribers.remove(entry)
+                remove()
 
         return unsubscribe
 
@@ -203,11 +201,5 @@ class ControllerBase:
                 del self._recent[: len(self._recent) - self._keep_events]
             self._changed.notify_all()
             for sent in delivered:
-                for callback, kinds in list(self._subscribers):
-                    if kinds is not None and sent.kind not in kinds:
-                        continue
-                    try:
-                        callback(sent)
-                    except Exception:  # a subscriber must never break the controller
-                        logger.exception("torpor subscriber %r failed on event #%d %s", callback, sent.seq, sent.kind)
+                self._subscribers.publish(sent)  # a subscriber that raises is logged; it never breaks the controller
             return event

@@ -4,10 +4,12 @@
 polls for appended lines and hands each new event to its subscribers, so
 ``serve(LogSource(path), port)`` (or ``serve(path, port)``) exposes
 ``/metrics``, ``/state`` and ``/events`` for an engine running elsewhere on the
-host, without touching it. It reads through the same tailer as ``torpor log
-follow`` and :func:`~torpor.hooks.follow.follow` (:class:`~torpor.hooks.follow.Follower`):
-only complete lines, rotation seen as rotation (renamed segments read in
-order, pruned ones skipped from a snapshot), each new byte read once.
+host, without touching it. It reads through the log's one tailer
+(:class:`~torpor.statemachine.tail.Tail`, as :class:`~torpor.hooks.follow.Follower`),
+like ``torpor log follow`` and :func:`~torpor.hooks.follow.follow`: only
+complete lines, rotation seen as rotation (renamed segments read in order,
+pruned ones skipped from a snapshot), each new byte read once; and hands each
+event to its subscribers through the one fan-out (:class:`~torpor.statemachine.fanout.Fanout`).
 
 A bad line stops the source there: :attr:`LogSource.error` holds the
 ``LogCorrupted`` error (file and line), it is logged once, the projection stays
@@ -28,8 +30,9 @@ from pathlib import Path
 from torpor.errors import TorporError
 from torpor.hooks.follow import Follower
 from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.log import segments
+from torpor.statemachine.fanout import Fanout
 from torpor.statemachine.projection import Projection
+from torpor.statemachine.tail import segments
 
 logger = logging.getLogger("torpor.telemetry")
 
@@ -68,7 +71,7 @@ class LogSource:
         #: The error the log is stuck at (a ``LogCorrupted`` naming file and line), or None while it reads.
         self.error: TorporError | None = None
         self._recent: deque[Event] = deque(maxlen=keep_events)
-        self._subscribers: list[Callable[[Event], None]] = []
+        self._subscribers: Fanout[Callable[[Event], None]] = Fanout(logger)
         self._lock = threading.RLock()
         self._follower = Follower(self.path)
         self._stop = threading.Event()
@@ -101,19 +104,12 @@ class LogSource:
         self, callback: Callable[[Event], None], kinds: Iterable[EventKind | str] | None = None
     ) -> Callable[[], None]:
         """Call ``callback(event)`` for each new event (of ``kinds``); return an unsubscribe function."""
-        wanted = None if kinds is None else frozenset(EventKind(k) for k in kinds)
-
-        def entry(event: Event) -> None:
-            if wanted is None or event.kind in wanted:
-                callback(event)
-
-        with self._lock:
-            self._subscribers.append(entry)
+        with self._lock:  # not while events are being delivered
+            remove = self._subscribers.subscribe(callback, kinds)
 
         def unsubscribe() -> None:
             with self._lock:
-                if entry in self._subscribers:
-                    self._subscribers.remove(entry)
+                remove()
 
         return unsubscribe
 
@@ -153,11 +149,7 @@ class LogSource:
             self.projection = Projection()  # the follower saw the log started anew
         self.projection.apply(event)
         self._recent.append(event)
-        for callback in list(self._subscribers):
-            try:
-                callback(event)
-            except Exception:  # a subscriber must never stop the follower
-                logger.exception("subscriber %r failed on event #%d", callback, event.seq)
+        self._subscribers.publish(event)  # a subscriber that raises is logged; it never stops the follower
 
     def _follow(self) -> None:
         while not self._stop.wait(self.poll):

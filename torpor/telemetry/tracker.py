@@ -28,6 +28,7 @@ from torpor.statemachine.events import (
     WakeCompleted,
     WakeFailed,
 )
+from torpor.statemachine.fanout import Fanout
 from torpor.statemachine.projection import Projection
 from torpor.statemachine.states import State
 
@@ -154,7 +155,9 @@ class Tracker:
 
     def __init__(self, source: Source, sinks: Iterable[Sink] = ()) -> None:
         self.source = source
-        self.sinks: list[Sink] = list(sinks)
+        self.sinks: Fanout[Sink] = Fanout(logger, "telemetry sink")
+        for sink in sinks:
+            self.sinks.subscribe(sink)
         self._lock = threading.Lock()
         self._pending: list[Event] | None = []
         self.fold = Projection()
@@ -183,13 +186,12 @@ class Tracker:
             prime = getattr(sink, "prime", None)
             if callable(prime):
                 prime(self)
-            self.sinks.append(sink)
+            self.sinks.subscribe(sink)
 
     def remove_sink(self, sink: Sink) -> None:
         """Stop feeding ``sink``."""
         with self._lock:
-            if sink in self.sinks:
-                self.sinks.remove(sink)
+            self.sinks.unsubscribe(sink)
 
     def close(self) -> None:
         """Unsubscribe from the source; sinks keep what they have."""
@@ -214,8 +216,5 @@ class Tracker:
         for obs in observations:
             if obs.metric in LAST_METRICS:
                 self.last[obs.metric] = obs.value
-        for sink in self.sinks:
-            try:
-                sink.handle(self, event, observations)
-            except Exception:  # a telemetry sink must never break the others or the controller
-                logger.exception("telemetry sink %r failed on event #%d %s", sink, event.seq, event.kind.value)
+        # a telemetry sink that raises is logged; it never breaks the others or the controller
+        self.sinks.deliver(event, lambda sink: sink.handle(self, event, observations))

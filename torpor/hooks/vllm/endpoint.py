@@ -18,7 +18,9 @@ those logs and change nothing:
 Each rank log is read by one :class:`~torpor.telemetry.replay.LogSource` per
 API server (the tailer ``torpor log follow`` uses), started at the first
 request for it: every request answers from its recent events, and a long-poll
-waits for its next event, never re-reading the log. At most ``MAX_WAITERS``
+waits for its next event, never re-reading the log. ``/torpor/state`` keeps one
+follower and projection per rank log too, so a request reads only what was
+appended since the last one, not every rank's log again. At most ``MAX_WAITERS``
 long-polls wait at once (503 beyond); one whose client hangs up leaves at once.
 
 A bad parameter gets a 400 naming it; a directory without logs a 404; a log
@@ -39,8 +41,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from torpor.errors import BadRequest, TorporError
-from torpor.hooks.fleet import FleetError, fleet, rank_logs
+from torpor.hooks.fleet import FleetError, FleetView, fleet, rank_follower, rank_logs
+from torpor.hooks.follow import Follower
 from torpor.hooks.vllm.facade import default_log_dir
+from torpor.statemachine.events import EventKind
+from torpor.statemachine.projection import Projection
+from torpor.statemachine.tail import segments
 from torpor.telemetry.endpoint import source_error
 from torpor.telemetry.feed import NDJSON, EventFeed, events_headers, events_query
 from torpor.telemetry.replay import LogSource
@@ -67,6 +73,47 @@ def _rank_log(directory: Path, engine: str | None, rank: int) -> Path:
         msg = f"engine {engine!r} has no log for rank {rank}; ranks: {', '.join(map(str, sorted(logs[engine])))}"
         raise FleetError(msg)
     return logs[engine][rank]
+
+
+class _RankStates:
+    """One follower and projection per rank log for ``/torpor/state``: a request reads only what was appended.
+
+    A follower starts at the snapshot that opens the rank's active file (as
+    :func:`~torpor.hooks.fleet.project_rank` does) and is kept; a rank whose log
+    has a bad line is unreadable (naming file and line) until the line is repaired.
+    A log that is gone is let go at the next request.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranks: dict[Path, tuple[Follower, Projection]] = {}
+
+    def _read(self, path: Path) -> Projection:
+        entry = self._ranks.get(path)
+        if entry is None:
+            entry = self._ranks[path] = (rank_follower(path), Projection())
+        follower, proj = entry
+        for event in follower.read_available():
+            if event.seq == 1 and event.kind is not EventKind.SNAPSHOT and proj.last_seq:
+                proj = Projection()  # the log was started anew
+                self._ranks[path] = (follower, proj)
+            proj.apply(event)
+        return proj
+
+    def view(self, directory: Path, engine: str | None) -> FleetView:
+        """The engine-wide view of ``directory``, each rank log read from where the last request left it."""
+        with self._lock:
+            view = fleet(directory, engine=engine, read=self._read)
+            for path in [p for p in self._ranks if not segments(p)]:
+                self._ranks.pop(path)[0].close()
+            return view
+
+    def close(self) -> None:
+        """Close every follower."""
+        with self._lock:
+            ranks, self._ranks = list(self._ranks.values()), {}
+        for follower, _ in ranks:
+            follower.close()
 
 
 class _Tails:
@@ -140,8 +187,14 @@ class TorporEndpointPlugin:
     def __init__(self, log_dir: str | Path | None = None) -> None:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.tails = _Tails()
+        self.states = _RankStates()
         #: ``/torpor/events`` long-polls waiting right now (at most ``MAX_WAITERS``).
         self.waiting = 0
+
+    def close(self) -> None:
+        """Stop every rank log's tail (the routes start them again when asked)."""
+        self.tails.close()
+        self.states.close()
 
     def directory(self, request: Request) -> Path:
         """The shared log directory: this plugin's, the app state's, else ``TORPOR_LOG_DIR``'s default."""
@@ -162,7 +215,7 @@ class TorporEndpointPlugin:
             """The engine-wide sleep state merged from the per-rank event logs."""
             engine = request.query_params.get("engine") or None
             try:
-                view = await asyncio.to_thread(fleet, self.directory(request), engine=engine)
+                view = await asyncio.to_thread(self.states.view, self.directory(request), engine)
             except FleetError as exc:
                 return error(404, str(exc))
             except (TorporError, OSError) as exc:  # a log with a bad line: say which, never a traceback
