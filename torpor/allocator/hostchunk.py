@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, field
 
@@ -78,14 +79,30 @@ class Chunk:
         return off, got
 
     def give(self, off: int, nbytes: int) -> None:
-        ranges = sorted([*self.free, (off, nbytes)])
-        merged: list[tuple[int, int]] = []
-        for o, n in ranges:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((o, n))
-        self.free = merged
+        """Return ``[off, off + nbytes)`` to the free ranges (see :meth:`given`)."""
+        self.free = self.given(off, nbytes, self.free)
+
+    def given(self, off: int, nbytes: int, free: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``free`` with ``[off, off + nbytes)`` added and merged; refused when the range leaves the chunk or is free already."""
+        if off < 0 or nbytes <= 0 or off + nbytes > self.nbytes:
+            msg = f"extent at offset {off} of {nbytes} bytes is not inside host chunk {self.host:#x} of {self.nbytes} bytes"
+            raise AllocatorError("give host memory", None, msg)
+        i = bisect.bisect_left(free, (off, 0))
+        overlap = (i > 0 and free[i - 1][0] + free[i - 1][1] > off) or (i < len(free) and free[i][0] < off + nbytes)
+        if overlap:
+            msg = (
+                f"extent at offset {off} of {nbytes} bytes of host chunk {self.host:#x} is free already "
+                "(given back twice); its chunk's free list is left as it was"
+            )
+            raise AllocatorError("give host memory", None, msg)
+        merged = [*free[:i], (off, nbytes), *free[i:]]
+        lo = i - 1 if i > 0 and merged[i - 1][0] + merged[i - 1][1] == off else i
+        hi = i + 1 if i + 1 < len(merged) and off + nbytes == merged[i + 1][0] else i
+        if lo == hi:
+            return merged
+        start = merged[lo][0]
+        end = merged[hi][0] + merged[hi][1]
+        return [*merged[:lo], (start, end - start), *merged[hi + 1 :]]
 
 
 def pin_error(exc: BaseException, nbytes: int, pinned: int) -> AllocatorError:

@@ -120,28 +120,47 @@ class HostArena:
         base = self.driver.host_reserve(sum(sizes))
         out = []
         with self._cond:
-            offset = 0
-            for n in sizes:
-                out.append(self._add_locked(base + offset, n))
-                offset += n
-            return out, self._carve(out, carve)
+            if not self._closed:
+                offset = 0
+                for n in sizes:
+                    out.append(self._add_locked(base + offset, n))
+                    offset += n
+                return out, self._carve(out, carve)
+        # closed meanwhile: no record would ever give this range back
+        self._unreserve(Chunk(base, sum(sizes)))
+        raise self._closed_error("take")
+
+    def _closed_error(self, what: str) -> AllocatorError:
+        msg = f"the host arena is closed (its allocator was closed); cannot {what} pinned host memory for a backup"
+        return AllocatorError("pin host memory", None, msg)
 
     def _pin_chunk(self, c: Chunk) -> None:
-        """Fault in and register one reserved chunk (any thread); failures are kept on the chunk."""
+        """Fault in and register one reserved chunk (any thread); failures are kept on the chunk.
+
+        A pin counts in ``_pinning`` until everything it does with the chunk's
+        range is done (a give-back included), so :meth:`close` waiting for
+        ``_pinning == 0`` leaves no thread touching host memory after it. A pin
+        still queued when the arena closes does nothing: ``close`` gave its
+        reserved range back itself.
+        """
         with self._cond:
-            abandoned = self._closed or self._chunks.get(c.host) is not c
-            if not abandoned:
-                self._pinning += 1
-        if abandoned:
-            self._unreserve(c)
-            return
+            if self._closed or self._chunks.get(c.host) is not c:  # close took it (a pending chunk is only closed away)
+                return
+            self._pinning += 1
+        try:
+            self._pin_held(c)
+        finally:
+            with self._cond:
+                self._pinning -= 1
+                self._cond.notify_all()
+
+    def _pin_held(self, c: Chunk) -> None:
         start = time.perf_counter()
         try:
             self.driver.prepare_thread()
             self.driver.host_alloc(c.nbytes, c.host)
         except Exception as exc:  # kept on the chunk: the copy that needs it raises it
             with self._cond:
-                self._pinning -= 1
                 c.error = exc
                 held = self._chunks.get(c.host) is c
                 if held:
@@ -153,7 +172,6 @@ class HostArena:
                 self._unreserve(c)
             return
         with self._cond:
-            self._pinning -= 1
             self.pin_seconds += time.perf_counter() - start
             closed = self._closed or self._chunks.get(c.host) is not c
             if not closed:
@@ -250,6 +268,8 @@ class HostArena:
             else:
                 self._pin_chunk(reserved[0])
                 failed = reserved[0].error
+            if failed is not None and self._closed:  # closed while reserving: nothing to report
+                return
             if failed is not None:
                 logger.warning("pinning host memory ahead of sleep failed: %s", failed)
                 with self._cond:
@@ -266,6 +286,8 @@ class HostArena:
         the pinned bytes would pass ``limit_bytes``, or when no range can be reserved.
         """
         with self._cond:
+            if self._closed:
+                raise self._closed_error("take")
             free = self._free_locked()
             sizes = self._new_chunks(nbytes - free)
             limit = self.policy.limit_bytes
@@ -283,6 +305,9 @@ class HostArena:
         if sizes:
             try:
                 fresh, more = self._reserve(sizes, nbytes - sum(e.nbytes for e in extents))
+            except AllocatorError:  # closed meanwhile
+                self.give(extents)
+                raise
             except Exception as exc:
                 self.give(extents)
                 raise pin_error(exc, sum(sizes), self.pinned_bytes()) from exc
@@ -329,15 +354,25 @@ class HostArena:
         return out
 
     def give(self, extents: Iterable[Extent]) -> None:
-        """Return extents; with ``keep_after_wake`` off, chunks left empty are unpinned; failed chunks left empty go."""
+        """Return extents; with ``keep_after_wake`` off, chunks left empty are unpinned; failed chunks left empty go.
+
+        All or nothing: an extent outside its chunk, or one whose bytes are free
+        already (given back twice), raises :class:`AllocatorError` and no extent
+        of the call is returned. Extents of chunks the arena no longer holds
+        (after :meth:`close`) are ignored.
+        """
         failed = []
         with self._cond:
+            staged: dict[int, list[tuple[int, int]]] = {}
             for e in extents:
                 c = self._chunks.get(e.chunk)
                 if c is not None:
-                    c.give(e.host - c.host, e.nbytes)
-                    if c.error is not None and c.used() == 0 and self._remove_locked(c):
-                        failed.append(c)
+                    staged[c.host] = c.given(e.host - c.host, e.nbytes, staged.get(c.host, c.free))
+            for host, free in staged.items():
+                c = self._chunks[host]
+                c.free = free
+                if c.error is not None and c.used() == 0 and self._remove_locked(c):
+                    failed.append(c)
             self._cond.notify_all()
         for c in failed:  # out of every record now: the address may be reused
             self._unreserve(c)
@@ -379,13 +414,19 @@ class HostArena:
             return self._cond.wait_for(lambda: self._unpinning == 0, timeout)
 
     def close(self) -> None:
-        """Stop the pinner, wait for pins in flight, and unpin every chunk (backups are lost)."""
+        """Stop the pinner, wait for pins in flight, and unpin every chunk (backups are lost).
+
+        Pins still queued on a take's threads are given back here (their ranges
+        unreserved by this call; when they run they find the arena closed and
+        do nothing), so no thread holds or touches arena memory once close
+        returns. A later :meth:`take` is refused.
+        """
         with self._cond:
             self._closed = True
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._pinning == 0 and self._unpinning == 0, timeout=60)
             chunks = [c for c in self._chunks.values() if c.ready]
-            failed = [c for c in self._chunks.values() if c.error is not None]
+            failed = [c for c in self._chunks.values() if c.error is not None or not c.ready]
             self._chunks.clear()
             self._bases.clear()
             self._pinned = self._pending = 0

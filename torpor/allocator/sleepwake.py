@@ -23,7 +23,18 @@ from typing import Any
 from torpor.allocator import native
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, wrap
-from torpor.allocator.mapping import Backups, Live, Piece, assign, batches, clip_each, copies, live_pieces, pieces, spans
+from torpor.allocator.mapping import (
+    Backups,
+    Live,
+    Piece,
+    assign,
+    batches,
+    clip_each,
+    copies,
+    live_pieces,
+    pieces,
+    spans,
+)
 from torpor.allocator.offload import Extent, HostArena
 from torpor.allocator.table import NativeTable
 from torpor.errors import UnknownTag
@@ -301,7 +312,9 @@ class SleepWake:
             return
         gran = self.granularity(live[0][2])
         step = max(self.piece_bytes // gran, 1) * gran
-        todo = [(span[0][1], sum(p[2] for p in span), span[0][3]) for span in spans(pieces(live, step), self.group_bytes)]
+        todo = [
+            (span[0][1], sum(p[2] for p in span), span[0][3]) for span in spans(pieces(live, step), self.group_bytes)
+        ]
         # only the bytes the backup holds: free blocks come back as fresh memory (one pass over the pieces)
         held = clip_each(record.pieces, [(s, s + n) for s, n, _ in todo]) if record.backed_up else [[] for _ in todo]
         for (start, size, device), parts in zip(todo, held, strict=True):
