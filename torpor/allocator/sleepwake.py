@@ -71,11 +71,18 @@ class SleepWake:
         """Allocation address -> the ranges of it in use, where torch says (None: every byte is live)."""
         return None
 
+    def _trim_free(self, tags: Sequence[str]) -> None:
+        """Before a sleep: free segments of torch pools no open block uses go back (neither copied nor mapped on wake)."""
+        pools = getattr(self, "_torch", None)  # TaggedAllocator's TorchPools, once torch allocated in a tag
+        if pools is not None:
+            pools.trim(list(tags))
+
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
         with self._lock:
             self._check_known(tags)
             start = time.perf_counter()
+            self._trim_free(tags)
             for tag in tags:
                 if self.table.usage(tag)[0] == native.RELEASED:
                     msg = f"tag {tag!r} is released; nothing resident to back up"
@@ -119,6 +126,7 @@ class SleepWake:
                         self.driver.synchronize(device)
                     except Exception as exc:
                         raise wrap("release", None, exc) from exc
+            self._trim_free([t for t in tags if self.table.usage(t)[0] == native.ACTIVE])  # discarded tags
             out = {}
             for tag in tags:
                 start = time.perf_counter()
