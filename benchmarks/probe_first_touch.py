@@ -41,6 +41,18 @@ def meminfo() -> str:
     return ", ".join(out)
 
 
+def vmstat() -> dict[str, int]:
+    """Compaction and huge-page fault counters from /proc/vmstat."""
+    keep = ("compact_stall", "compact_fail", "thp_fault_alloc", "thp_fault_fallback")
+    out = {}
+    with open("/proc/vmstat") as f:
+        for line in f:
+            key, _, value = line.partition(" ")
+            if key in keep:
+                out[key] = int(value)
+    return out
+
+
 def touch(total: int, threads: int) -> tuple[int, float, float]:
     """Reserve and fault in ``total`` bytes with ``threads`` threads; (address, seconds, kernel seconds)."""
     base = reserve_host_pages(total)
@@ -55,17 +67,27 @@ def touch(total: int, threads: int) -> tuple[int, float, float]:
 def main() -> None:
     """Fresh memory with 8 and 16 threads, then the same on memory touched before."""
     total = int(float(sys.argv[1]) * GiB) if len(sys.argv) > 1 else 8 * GiB
-    print(f"THP {transparent_huge_pages()}; {os.cpu_count()} CPUs; {total / GiB:g} GiB; {meminfo()}", flush=True)
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/defrag") as f:
+            defrag = f.read().strip()
+    except OSError:
+        defrag = "unavailable"
+    print(
+        f"THP {transparent_huge_pages()} (defrag {defrag}); {os.cpu_count()} CPUs; {total / GiB:g} GiB; {meminfo()}",
+        flush=True,
+    )
     held = []
     for label, threads in (("fresh", 8), ("fresh", 16), ("touched", 8), ("touched", 16)):
         if label == "touched" and held:
             for base in held:
                 free_host_pages(base, total)
             held.clear()
+        counters = vmstat()
         base, dt, sys_s = touch(total, threads)
+        delta = {k: v - counters.get(k, 0) for k, v in vmstat().items()}
         held.append(base) if label == "fresh" else free_host_pages(base, total)
         print(
-            f"{label} memory, {threads} threads: {dt:.3f}s ({total / dt / 1e9:.1f} GB/s), kernel {sys_s:.2f} CPU-s; {meminfo()}",
+            f"{label} memory, {threads} threads: {dt:.3f}s ({total / dt / 1e9:.1f} GB/s), kernel {sys_s:.2f} CPU-s; {meminfo()}; {delta}",
             flush=True,
         )
 

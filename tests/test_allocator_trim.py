@@ -1,59 +1,51 @@
-"""Tests of per-block pools (BlockPools): free segments of retired pools trimmed, dead pools destroyed only when quiet."""
+"""Tests of per-block pools (BlockPools): idle pools' free segments trimmed, untrimmed when a block reuses the pool."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
+from torpor.allocator import AllocatorError
 from torpor.allocator.trim import BlockPools
 
 MiB = 1 << 20
 
 
 class FakePool:
-    """A torch MemPool stand-in: segments (address -> live bytes), destruction recorded."""
+    """A torch MemPool stand-in: segments (address -> live bytes)."""
 
-    destroyed: list[int] = []  # noqa: RUF012 - shared record of destroyed pools
-    inside: list[int] = []  # noqa: RUF012 - blocks open when a pool was destroyed (torch would abort if > 0)
-
-    def __init__(self, ident: int, owner: Harness) -> None:
+    def __init__(self, ident: int) -> None:
         self.ident = ident
-        self.owner = owner
         self.segments: dict[int, int] = {}
-
-    def use_count(self) -> int:
-        return 1
-
-    def __del__(self) -> None:
-        FakePool.destroyed.append(self.ident)
-        FakePool.inside.append(self.owner.blocks.counts()[2])
 
 
 class Harness:
-    """BlockPools over fake pools: records trims and hands out segment addresses."""
+    """BlockPools over fake pools: records trims and untrims, hands out segment addresses."""
 
     def __init__(self) -> None:
         self.trims: list[int] = []
+        self.untrims: list[int] = []
+        self.refuse_untrim = False
         self.made = 0
         self.next_address = 0x1000_0000
-        self.blocks = BlockPools(self.new_pool, self.trims.append, self.snapshot)
+        self.blocks = BlockPools(self.new_pool, self.trims.append, self.untrim, self.snapshot)
 
     def new_pool(self, tag: str) -> FakePool:
         self.made += 1
-        return FakePool(self.made, self)
+        return FakePool(self.made)
+
+    def untrim(self, address: int) -> bool:
+        if self.refuse_untrim:
+            raise AllocatorError("untrim", "scratch", "tag 'scratch' is asleep or going to sleep")
+        self.untrims.append(address)
+        return True
 
     def snapshot(self, pool: FakePool) -> list[dict[str, Any]]:
         out = []
         for address, live in pool.segments.items():
             state = "active_allocated" if live else "inactive"
-            out.append(
-                {
-                    "address": address,
-                    "total_size": 2 * MiB,
-                    "allocated_size": live,
-                    "blocks": [{"address": address, "size": 2 * MiB, "state": state}],
-                }
-            )
+            block = {"address": address, "size": 2 * MiB, "state": state}
+            out.append({"address": address, "total_size": 2 * MiB, "allocated_size": live, "blocks": [block]})
         return out
 
     def segment(self, pool: FakePool, live: bool) -> int:
@@ -74,12 +66,13 @@ def test_a_block_end_trims_its_free_segments_and_keeps_live_ones() -> None:
     assert h.blocks.trimmed_bytes == 2 * MiB
 
 
-def test_an_open_block_is_never_trimmed() -> None:
+def test_an_open_pool_is_never_trimmed() -> None:
     """A pool whose block is still open (in this or another thread) keeps its free segments: torch may hand them out."""
     h = Harness()
     outer = h.blocks.enter("scratch")
     h.segment(outer.mempool, live=False)
-    other = h.blocks.enter("scratch")  # another block of the tag (another thread): the outer one is still open
+    other = h.blocks.enter("scratch")  # another block of the tag at the same time gets a pool of its own
+    assert other.mempool is not outer.mempool
     h.blocks.leave(other)
     h.blocks.trim()
     assert h.trims == []
@@ -87,80 +80,67 @@ def test_an_open_block_is_never_trimmed() -> None:
     assert len(h.trims) == 1
 
 
-def test_entering_again_trims_what_was_freed_after_the_block_ended() -> None:
-    """A tensor freed after its block ended: its segment goes back when a block of the tag is entered again."""
+def test_a_reused_pool_gets_its_trimmed_segments_back_before_its_block_starts() -> None:
+    """Entering the tag again reuses the idle pool: its trimmed segments are untrimmed first; 100 blocks, one pool."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    seg = h.segment(block.mempool, live=False)
+    pool = block.mempool
+    h.blocks.leave(block)
+    assert h.trims == [seg]
+    again = h.blocks.enter("scratch")
+    assert again.mempool is pool and h.untrims == [seg]
+    h.blocks.leave(again)
+    assert h.trims == [seg, seg]  # free again at the end of the block: trimmed again
+    for _ in range(100):
+        h.blocks.leave(h.blocks.enter("scratch"))
+    assert h.made == 1 and h.blocks.counts() == (1, 0)
+
+
+def test_a_segment_freed_after_its_block_goes_at_the_next_block_end_or_before_a_sleep() -> None:
+    """A tensor freed after its block ended: its segment is trimmed by trim() (a sleep) or when a block of the tag ends."""
     h = Harness()
     block = h.blocks.enter("scratch")
     seg = h.segment(block.mempool, live=True)
-    pool = block.mempool
     h.blocks.leave(block)
     assert h.trims == []
-    pool.segments[seg] = 0  # torch freed the tensor after the block
-    del pool
-    h.blocks.leave(h.blocks.enter("scratch"))
-    assert h.trims == [seg]
+    block.mempool.segments[seg] = 0  # torch freed the tensor after the block
+    assert h.blocks.trim(["scratch"]) == 2 * MiB and h.trims == [seg]
+    assert h.blocks.trim(["scratch"]) == 0  # trimmed once
 
 
-def test_a_segment_is_trimmed_once() -> None:
-    """Later trims skip a segment already given back (its pool stays until it can be destroyed)."""
+def test_a_pool_that_cannot_get_its_segments_back_is_not_reused() -> None:
+    """When the table refuses to untrim (the tag is asleep), the block gets a new pool; the idle one stays trimmed."""
     h = Harness()
-    hold = h.blocks.enter("other")  # keeps the dead pool from being destroyed
-    block = h.blocks.enter("scratch")
-    seg = h.segment(block.mempool, live=False)
-    h.blocks.leave(block)
-    h.blocks.trim()
-    h.blocks.trim(["scratch"])
-    assert h.trims == [seg]
-    h.blocks.leave(hold)
-
-
-def test_dead_pools_are_destroyed_only_when_no_block_or_capture_is_open() -> None:
-    """A retired pool with every segment free is destroyed at the first moment no block and no capture is open, never before."""
-    FakePool.destroyed.clear()
-    FakePool.inside.clear()
-    h = Harness()
-    long_block = h.blocks.enter("weights")  # another thread's block stays open
     block = h.blocks.enter("scratch")
     h.segment(block.mempool, live=False)
-    ident = block.mempool.ident
+    first = block.mempool
     h.blocks.leave(block)
-    del block
-    assert ident not in FakePool.destroyed, "a pool was destroyed while another block was open"
-    assert h.blocks.counts()[1] == 1
-    with h.blocks.hold():  # a capture starts
-        h.blocks.leave(long_block)
-        assert ident not in FakePool.destroyed, "a pool was destroyed during a capture"
-    assert ident in FakePool.destroyed
-    assert set(FakePool.inside) == {0}
-    assert h.blocks.counts() == (0, 0, 0)  # the weights block's pool (it made no segment) went too
+    h.refuse_untrim = True
+    again = h.blocks.enter("scratch")
+    assert again.mempool is not first and h.made == 2 and h.untrims == []
+    h.blocks.leave(again)
+    h.refuse_untrim = False
+    assert h.blocks.enter("scratch").mempool in (first, again.mempool)
 
 
-def test_a_pool_referenced_elsewhere_is_not_destroyed() -> None:
-    """A dead pool that something else still references (a frame, a graph) stays until that reference goes."""
-    FakePool.destroyed.clear()
-    h = Harness()
-    block = h.blocks.enter("scratch")
-    kept = block.mempool
-    h.blocks.leave(block)
-    assert kept.ident not in FakePool.destroyed
-    ident = kept.ident
-    del kept
-    h.blocks.trim()
-    assert ident in FakePool.destroyed
-
-
-def test_blocks_in_many_threads_never_see_a_pool_destroyed_while_one_is_open() -> None:
-    """8 threads entering and leaving blocks (freeing everything each time): every pool is destroyed with no block open."""
-    FakePool.destroyed.clear()
-    FakePool.inside.clear()
+def test_blocks_in_many_threads_never_share_a_pool_and_pools_stay_few() -> None:
+    """8 threads entering and leaving blocks of one tag: no pool serves two open blocks; at most 8 pools exist."""
     h = Harness()
     lock = threading.Lock()
+    using: set[int] = set()
+    shared: list[int] = []
 
     def work() -> None:
-        for _ in range(200):
+        for _ in range(300):
             block = h.blocks.enter("scratch")
             with lock:
+                if block.mempool.ident in using:
+                    shared.append(block.mempool.ident)
+                using.add(block.mempool.ident)
                 h.segment(block.mempool, live=False)
+            with lock:
+                using.discard(block.mempool.ident)
             h.blocks.leave(block)
 
     threads = [threading.Thread(target=work) for _ in range(8)]
@@ -168,7 +148,6 @@ def test_blocks_in_many_threads_never_see_a_pool_destroyed_while_one_is_open() -
         t.start()
     for t in threads:
         t.join(60)
-    h.blocks.trim()
-    assert set(FakePool.inside) <= {0}
-    assert len(h.trims) == 1600
-    assert h.blocks.counts() == (0, 0, 0) and len(FakePool.destroyed) == 1600
+    assert not shared, "a pool served two open blocks at once"
+    assert h.made <= 8 and h.blocks.counts() == (h.made, 0)
+    assert len(set(h.trims)) == 2400

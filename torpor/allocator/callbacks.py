@@ -55,13 +55,13 @@ def live_blocks(segment: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 class TorchPools:
-    """One pluggable allocator per tag, a MemPool per ``use_memory_pool`` block (:mod:`torpor.allocator.trim`), the graph pools."""
+    """One pluggable allocator per tag, a MemPool per open ``use_memory_pool`` block (reused: :mod:`torpor.allocator.trim`), the graph pools."""
 
     def __init__(self, allocator: TaggedAllocator) -> None:
         require("torch", "TaggedAllocator's CUDA memory pools (use_memory_pool, capture)")
         self.allocator = allocator
         self._allocators: dict[str, Any] = {}
-        self.blocks = BlockPools(self._new_pool, allocator.table.trim, segments)
+        self.blocks = BlockPools(self._new_pool, allocator.table.trim, allocator.table.untrim, segments)
         self._local = threading.local()
         self._devices: set[int] = set()
         self._lock = threading.RLock()
@@ -91,7 +91,7 @@ class TorchPools:
     def use(self, tag: str) -> Iterator[None]:
         """Route this thread's torch allocations to a fresh pool of ``tag``; an inner tag wins over an outer one.
 
-        Entering trims the tag's retired pools; leaving retires this block's pool and trims it (:mod:`torpor.allocator.trim`).
+        Entering and leaving trim the tag's idle pools (:mod:`torpor.allocator.trim`).
         """
         import torch
 
@@ -112,7 +112,7 @@ class TorchPools:
             finally:
                 stack.pop()
                 entry[1].__exit__(None, None, None)
-                entry[1] = None  # the context holds the pool: no reference may outlive the block (trim.py)
+                entry[1] = None
                 if stack:
                     stack[-1][1] = _enter_pool(stack[-1][0])
         finally:
@@ -153,7 +153,7 @@ class TorchPools:
         """Drop every tag's MemPool so torch returns their cached segments (teardown)."""
         import torch
 
-        if any(self.blocks.counts()[:2]):
+        if self.blocks.counts()[0]:
             torch.cuda.synchronize()
             self.blocks.clear()
             gc.collect()

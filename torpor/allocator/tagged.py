@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from torpor.allocator import native
@@ -197,10 +197,8 @@ class TaggedAllocator(SleepWake):
         stack: list[str] = self._local.__dict__.setdefault("tags", [])
         stack.append(GRAPH_TAG)
         self.host.pause()  # no pinning while a graph is captured
-        quiet = self._torch.blocks.hold() if self._torch is not None else nullcontext()  # no pool destroyed (trim.py)
         try:
-            with quiet:
-                yield pool.id
+            yield pool.id
         finally:
             self.host.resume()
             stack.pop()
