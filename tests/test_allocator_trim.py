@@ -80,6 +80,20 @@ def test_an_open_pool_is_never_trimmed() -> None:
     assert len(h.trims) == 1
 
 
+def test_a_block_boundary_trims_only_when_no_other_block_is_open() -> None:
+    """While another thread's block is open a block end leaves free segments for later; the next quiet boundary or trim() takes them."""
+    h = Harness()
+    other = h.blocks.enter("weights")  # another thread's block, open throughout
+    block = h.blocks.enter("scratch")
+    seg = h.segment(block.mempool, live=False)
+    h.blocks.leave(block)
+    assert h.trims == []
+    h.blocks.leave(other)  # a quiet moment, but only the weights tag's pools are looked at
+    assert h.trims == []
+    h.blocks.leave(h.blocks.enter("scratch"))  # the idle pool serves this block; its end is quiet
+    assert h.trims == [seg]
+
+
 def test_a_reused_pool_gets_its_trimmed_segments_back_before_its_block_starts() -> None:
     """Entering the tag again reuses the idle pool: its trimmed segments are untrimmed first; 100 blocks, one pool."""
     h = Harness()

@@ -20,6 +20,14 @@ internal assert in ``~MemPool`` -> ``emptyCache``), and making a pool per block
 (SIGSEGV in ``torch.cuda.memory_stats`` in another thread; H200, torch 2.11,
 2026-11-30). So a tag has at most as many pools as it ever had blocks open at
 once; they go at teardown.
+
+A block boundary trims only at a quiet moment, when no other block of the
+allocator is open (always so for an engine that allocates from one thread per
+device); otherwise the free segments wait for the next quiet block boundary or
+the next sleep, which always trims. Each trim reads torch's snapshot of the idle
+pools, and four threads entering thousands of blocks a second while a fifth
+called ``torch.cuda.memory_stats`` crashed torch 2.11 (SIGSEGV in
+``memory_stats``) when every boundary did.
 """
 
 from __future__ import annotations
@@ -93,14 +101,20 @@ class BlockPools:
                 chosen = BlockPool(tag, self._new_pool(tag))
                 pools.append(chosen)
             chosen.open = True
-            self._trim_locked([tag])
+            if self._quiet(chosen):
+                self._trim_locked([tag])
             return chosen
 
     def leave(self, entry: BlockPool) -> None:
         """The block of ``entry`` ended (its ``use_mem_pool`` exited): its pool is idle; the tag's idle pools are trimmed."""
         with self._lock:
             entry.open = False
-            self._trim_locked([entry.tag])
+            if self._quiet(None):
+                self._trim_locked([entry.tag])
+
+    def _quiet(self, mine: BlockPool | None) -> bool:
+        """No block of this allocator is open but ``mine``: a block boundary trims only then (see the module doc)."""
+        return not any(e.open and e is not mine for v in self._pools.values() for e in v)
 
     def _restore(self, entry: BlockPool) -> bool:
         """Map the trimmed segments of an idle pool again; False (pool left idle) when the table refuses."""
