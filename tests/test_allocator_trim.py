@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from torpor.allocator import AllocatorError
-from torpor.allocator.trim import BlockPools
+from torpor.allocator.trim import BlockPools, trim_enabled
 
 MiB = 1 << 20
 
@@ -136,6 +138,28 @@ def test_a_pool_that_cannot_get_its_segments_back_is_not_reused() -> None:
     h.blocks.leave(again)
     h.refuse_untrim = False
     assert h.blocks.enter("scratch").mempool in (first, again.mempool)
+
+
+def test_nothing_is_trimmed_when_trimming_is_off() -> None:
+    """With trimming off (the default) pools are still reused per block but no segment is ever trimmed."""
+    h = Harness()
+    h.blocks.enabled = False
+    block = h.blocks.enter("scratch")
+    h.segment(block.mempool, live=False)
+    h.blocks.leave(block)
+    assert h.blocks.trim() == 0 and h.trims == []
+    assert h.blocks.enter("scratch").mempool is block.mempool
+
+
+def test_the_switch_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORPOR_TRIM_FREE_SEGMENTS: unset is off, 1 is on, anything else is refused with its name."""
+    monkeypatch.delenv("TORPOR_TRIM_FREE_SEGMENTS", raising=False)
+    assert trim_enabled() is False
+    monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "1")
+    assert trim_enabled() is True
+    monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "maybe")
+    with pytest.raises(ValueError, match="TORPOR_TRIM_FREE_SEGMENTS"):
+        trim_enabled()
 
 
 def test_blocks_in_many_threads_never_share_a_pool_and_pools_stay_few() -> None:

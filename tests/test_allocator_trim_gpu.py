@@ -12,6 +12,12 @@ pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _trimming_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about trimming, which is off by default (torpor/allocator/trim.py)."""
+    monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "1")
+
+
 def _used() -> int:
     """Device memory in use (the driver's view) after torch returns its default pool's cache."""
     torch.cuda.synchronize()

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torpor.allocator.graphpool import GraphPool
-from torpor.allocator.trim import BlockPool, BlockPools
+from torpor.allocator.trim import BlockPool, BlockPools, trim_enabled
 from torpor.extras import require
 
 if TYPE_CHECKING:
@@ -61,7 +61,9 @@ class TorchPools:
         require("torch", "TaggedAllocator's CUDA memory pools (use_memory_pool, capture)")
         self.allocator = allocator
         self._allocators: dict[str, Any] = {}
-        self.blocks = BlockPools(self._new_pool, allocator.table.trim, allocator.table.untrim, segments)
+        self.blocks = BlockPools(
+            self._new_pool, allocator.table.trim, allocator.table.untrim, segments, enabled=trim_enabled()
+        )
         self._local = threading.local()
         self._devices: set[int] = set()
         self._lock = threading.RLock()

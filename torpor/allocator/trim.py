@@ -21,6 +21,12 @@ internal assert in ``~MemPool`` -> ``emptyCache``), and making a pool per block
 2026-11-30). So a tag has at most as many pools as it ever had blocks open at
 once; they go at teardown.
 
+**Off by default** (``TORPOR_TRIM_FREE_SEGMENTS=1`` turns it on; ``BlockPools.enabled``):
+with trimming on, the four-thread GPU test (tests/test_allocator_threads_gpu.py)
+still crashed torch 2.11 (SIGSEGV in ``torch.cuda.memory_stats`` in its fifth
+thread, 20-30 s in, during a wake, three workers in the refused-allocation
+path); with the same code and trimming off it ran clean. See docs/allocator.md.
+
 A block boundary trims only at a quiet moment, when no other block of the
 allocator is open (always so for an engine that allocates from one thread per
 device); otherwise the free segments wait for the next quiet block boundary or
@@ -33,9 +39,13 @@ called ``torch.cuda.memory_stats`` crashed torch 2.11 (SIGSEGV in
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
+
+#: Set to 1 to trim (see the module doc); off by default until torch's crash under threads is understood.
+ENV = "TORPOR_TRIM_FREE_SEGMENTS"
 
 logger = logging.getLogger("torpor.allocator")
 
@@ -52,6 +62,15 @@ class BlockPool:
         self.mempool: Any = mempool
         self.open = True
         self.trimmed: set[int] = set()
+
+
+def trim_enabled() -> bool:
+    """Whether idle pools are trimmed: ``TORPOR_TRIM_FREE_SEGMENTS=1`` (off by default; docs/allocator.md)."""
+    value = os.environ.get(ENV, "0").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        msg = f"{ENV}={value!r} is not a switch (use 1 or 0)"
+        raise ValueError(msg)
+    return value in ("1", "true", "on")
 
 
 def free_segment(segment: dict[str, Any]) -> bool:
@@ -74,11 +93,13 @@ class BlockPools:
         trim: Callable[[int], None],
         untrim: Callable[[int], bool],
         snapshot: Snapshot,
+        enabled: bool = True,
     ) -> None:
         self._new_pool = new_pool
         self._trim = trim
         self._untrim = untrim
         self._snapshot = snapshot
+        self.enabled = enabled  # False: pools are still reused per open block, nothing is trimmed
         self._lock = threading.RLock()  # held across torch calls: torch's malloc/free (native) never take it
         self._pools: dict[str, list[BlockPool]] = {}
         self.trimmed_bytes = 0
@@ -135,6 +156,8 @@ class BlockPools:
             return self._trim_locked(tags)
 
     def _trim_locked(self, tags: list[str] | None) -> int:
+        if not self.enabled:
+            return 0
         before = self.trimmed_bytes
         for tag in list(self._pools) if tags is None else tags:
             for entry in self._pools.get(tag, []):
