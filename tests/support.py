@@ -16,6 +16,10 @@ import pytest
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+from torpor.statemachine.events import Event
+from torpor.statemachine.projection import Projection
+from torpor.statemachine.states import TRIGGER_EVENTS, destination
+
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 # A Llama config small enough for vLLM's ModelConfig on a CPU machine (no weights, no download).
@@ -122,3 +126,30 @@ def model_less_worker(model_config: Any, monkeypatch: pytest.MonkeyPatch) -> Any
     worker._sleep_saved_buffers, worker._sleep_saved_parameters, worker._sleep_saved_draft_buffers = {}, {}, {}
     monkeypatch.setattr(worker, "synchronize_device", lambda: None)
     return worker
+
+
+#: The trigger each state-moving event kind takes (the inverse of states.TRIGGER_EVENTS).
+TRIGGER_OF = {kind: trigger for trigger, kind in TRIGGER_EVENTS.items()}
+
+
+def off_table_moves(events: list[Event]) -> list[str]:
+    """Every state change in ``events`` that is not an edge of the transition table (empty when all are).
+
+    Folds the events one by one; each change of state must come from an event kind
+    that takes a trigger, and the table's row for that trigger from the old state,
+    with its conditions evaluated on the projection after the event, must lead to the
+    new state. ``opened`` (a new process: fresh memory, awake) and ``snapshot`` set the
+    state outright and are not moves.
+    """
+    proj = Projection()
+    wrong = []
+    for event in events:
+        before = proj.state
+        proj.apply(event)
+        if proj.state is before or event.kind.value in ("opened", "snapshot"):
+            continue
+        trigger = TRIGGER_OF.get(event.kind.value)
+        dest = None if trigger is None else destination(before, trigger, proj)
+        if dest is not proj.state:
+            wrong.append(f"#{event.seq} {event.kind.value}: {before} -> {proj.state}, the table says {dest}")
+    return wrong

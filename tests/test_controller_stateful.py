@@ -9,6 +9,7 @@ from pathlib import Path
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support import off_table_moves
 
 from torpor import SleepController, State, replay
 from torpor.errors import TorporError
@@ -122,6 +123,10 @@ class ControllerMachine(RuleBasedStateMachine):
                 assert (usage.resident, usage.host, usage.discarded) == (real.resident, real.host, real.discarded), tag
 
     @invariant()
+    def state_moves_only_along_the_table(self) -> None:
+        assert off_table_moves(self.ctl.events()) == []
+
+    @invariant()
     def never_transitional_between_commands(self) -> None:
         assert self.ctl.state not in (State.SUSPENDING, State.RESUMING)
 
@@ -130,4 +135,6 @@ ControllerMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestController = ControllerMachine.TestCase
-TestController.__doc__ = "Random command sequences keep replay == live, refusals logged and inert, residency exclusive."
+TestController.__doc__ = (
+    "Random command sequences keep replay == live, refusals logged and inert, residency exclusive, moves on the table."
+)

@@ -14,11 +14,22 @@ from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.policy import DEFAULT_POLICY, Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
 from torpor.statemachine.projection import Projection, project
 from torpor.statemachine.protocol import DeviceMemory, GraphPoolMemory, HostMemory, Memory, TagUsage, Transfer
-from torpor.statemachine.states import COMMANDS, TRANSITIONS, State, allowed_sources, diagram_markdown, mermaid
+from torpor.statemachine.states import (
+    COMMANDS,
+    GUARD,
+    TRANSITIONS,
+    State,
+    Verdict,
+    allowed_sources,
+    decide,
+    diagram_markdown,
+    mermaid,
+)
 
 __all__ = [
     "COMMANDS",
     "DEFAULT_POLICY",
+    "GUARD",
     "SCHEMA_VERSION",
     "TRANSITIONS",
     "Action",
@@ -41,7 +52,9 @@ __all__ = [
     "State",
     "TagUsage",
     "Transfer",
+    "Verdict",
     "allowed_sources",
+    "decide",
     "decode_line",
     "diagram_markdown",
     "log_path_for",

@@ -1,11 +1,13 @@
-"""The controller's core: construction, the event recorder, the reading API and the state machine's cross-check.
+"""The controller's core: construction, the event recorder and the reading API.
 
 Every command module (:mod:`~torpor.statemachine.sleeping`,
 :mod:`~torpor.statemachine.waking`, ...) builds on :class:`ControllerBase`;
 :class:`~torpor.statemachine.controller.SleepController` joins them. This
 module is where events are made, written, folded into the projection and handed
-to subscribers (:meth:`ControllerBase._emit`), and where the ``transitions``
-machine is stepped after the projection changed and must agree with it.
+to subscribers (:meth:`ControllerBase._emit`). The state is the projection's and
+nothing else holds a copy: the gate asks the transition table
+(:func:`torpor.statemachine.states.decide`) whether a command may run, and the
+events move the state along the table's edges.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from transitions import Machine
-
 from torpor.errors import ControllerClosed, TorporError
 from torpor.statemachine.events import Event, EventKind, make_event
 from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
@@ -28,42 +28,12 @@ from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.policy import DEFAULT_POLICY, Policy
 from torpor.statemachine.projection import Projection, project
 from torpor.statemachine.protocol import Memory
-from torpor.statemachine.states import TRANSITIONS, State
+from torpor.statemachine.states import State
 
 logger = logging.getLogger("torpor")
 
 Subscriber = Callable[[Event], None]
 GiB = 1024**3
-
-
-class _Model:
-    """The ``transitions`` model: holds the machine state and the guard predicates."""
-
-    state: str
-
-    def __init__(self, owner: ControllerBase) -> None:
-        self._owner = owner
-
-    def level_is_1(self) -> bool:
-        return self._owner.projection.level == 1
-
-    def level_is_2(self) -> bool:
-        return self._owner.projection.level == 2
-
-    def came_from_awake(self) -> bool:
-        return self._owner.projection.resume_from is State.AWAKE
-
-    def came_from_partial(self) -> bool:
-        return self._owner.projection.resume_from is State.PARTIALLY_AWAKE
-
-    def came_from_l1(self) -> bool:
-        return self._owner.projection.resume_from is State.ASLEEP_L1
-
-    def came_from_l2(self) -> bool:
-        return self._owner.projection.resume_from is State.ASLEEP_L2
-
-    def all_resident(self) -> bool:
-        return not self._owner.projection.asleep_tags()
 
 
 def _clip(text: str, limit: int) -> str:
@@ -89,7 +59,7 @@ def log_path_for(directory: str | Path, engine: str, rank: int) -> Path:
 
 
 class ControllerBase:
-    """One engine rank's controller without its commands: the events, the projection, the machine, the reading API.
+    """One engine rank's controller without its commands: the events, the projection, the reading API.
 
     See :class:`~torpor.statemachine.controller.SleepController` for the
     arguments; the command modules add the commands.
@@ -136,14 +106,6 @@ class ControllerBase:
         if self.log is not None and self.log.last_seq:
             self.projection = project(read_events(self.log.path))
             self._seq = self.log.last_seq
-        self._model = _Model(self)
-        self._machine = Machine(
-            model=self._model,
-            states=[s.value for s in State],
-            transitions=TRANSITIONS,
-            initial=self.projection.state.value,
-            auto_transitions=False,
-        )
         if not self.projection.interrupted:
             self._emit(
                 EventKind.OPENED,
@@ -152,7 +114,6 @@ class ControllerBase:
                 previous_state=self.projection.state.value if self._seq else None,
                 host=self.host_policy.to_dict(),
             )
-            self._sync_machine()
 
     # -- reading --------------------------------------------------------------
 
@@ -214,16 +175,6 @@ class ControllerBase:
 
     def _resident_usage(self) -> dict[str, int]:
         return {tag: u.resident for tag, u in self.memory.usage().items()}
-
-    def _sync_machine(self) -> None:
-        self._machine.set_state(self.projection.state.value, self._model)
-
-    def _step(self, trigger: str) -> None:
-        """Fire an internal trigger; the machine must agree with the projection."""
-        getattr(self._model, trigger)()
-        if self._model.state != self.projection.state.value:
-            msg = f"state machine says {self._model.state!r} after {trigger!r}, events say {self.projection.state.value!r}"
-            raise TorporError(msg)
 
     def _emit(self, kind: EventKind, **data: Any) -> Event:
         with self._emit_lock:

@@ -1,10 +1,14 @@
 """The SleepController: guards every memory command, plans it, drives the memory, records events.
 
-The flow has one direction: a command is guarded by the state machine (built
-with ``transitions`` from the table in :mod:`torpor.statemachine.states`),
-planned by the policy, executed by the memory object (mechanism only), and
-recorded as events; the state and per-tag residency are a projection of those
-events, the same one :func:`torpor.statemachine.replay` computes from the log.
+The flow has one direction: a command is guarded by the transition table (one
+verdict per state and command, :func:`torpor.statemachine.states.decide`, and
+nothing else decides whether a state accepts a command), planned by the
+policy, executed by the memory object (mechanism only), and recorded as
+events; the state and per-tag residency are a projection of those events, the
+same one :func:`torpor.statemachine.replay` computes from the log, and the
+events move it only along the table's edges (the tests check each one). There
+is one state model: no ``transitions.Machine`` or other object holds a second
+copy of the state (:mod:`torpor.statemachine.states` says why).
 Subscribers (telemetry, RL feeds) are called after each event and can never
 break the controller. Commands are serialized: one arriving while another is in
 flight is refused (``CommandInFlight``), never queued behind a lock.
@@ -18,14 +22,14 @@ which takes each tag's residency from the memory as it is.
 The controller is assembled from modules of one job each:
 
 - :mod:`~torpor.statemachine.base`: construction, the event recorder
-  (``_emit``), the reading API, the ``transitions`` cross-check;
-- :mod:`~torpor.statemachine.gate`: one command at a time, the guard,
-  refusals and idempotent no-ops;
+  (``_emit``), the reading API;
+- :mod:`~torpor.statemachine.gate`: one command at a time, the guard (the
+  table's verdict, and the error it names), refusals and idempotent no-ops;
 - :mod:`~torpor.statemachine.sleeping`, :mod:`~torpor.statemachine.waking`,
   :mod:`~torpor.statemachine.discarding`, :mod:`~torpor.statemachine.graphs`:
   the memory commands;
-- :mod:`~torpor.statemachine.rollback`: every compensating step and the events
-  it records;
+- :mod:`~torpor.statemachine.rollback`: every compensating step (from the
+  progress a sleep or wake records as it goes) and the events it records;
 - :mod:`~torpor.statemachine.group`: the ``@collective`` glue for process groups;
 - :mod:`~torpor.statemachine.hostmem`: the host-memory policy's side;
 - :mod:`~torpor.statemachine.lifecycle`: ``observe``, ``record``, ``recover``, ``close``.

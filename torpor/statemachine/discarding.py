@@ -1,5 +1,7 @@
 """The discard command: drop asleep tags' backups, release resident deferrable tags without one, record.
 
+A discard that fails ends through :func:`~torpor.statemachine.rollback.discard_failed`
+(a refusal when nothing changed yet, else ``discard_completed`` naming what went).
 With a group, a discard of resident tags that another rank refused is undone
 by :func:`~torpor.statemachine.rollback.undo_discard` (the tags are woken
 again, with fresh memory).
@@ -16,8 +18,7 @@ from torpor.statemachine.events import EventKind
 from torpor.statemachine.group import collective
 from torpor.statemachine.hostmem import release_unused_host
 from torpor.statemachine.projection import Projection
-from torpor.statemachine.rollback import undo_discard
-from torpor.statemachine.states import State
+from torpor.statemachine.rollback import discard_failed, undo_discard
 from torpor.statemachine.waking import Waking
 
 
@@ -58,17 +59,8 @@ class Discarding(Waking):
             for tag in host:
                 try:
                     self.memory.drop_backup([tag])
-                except TorporError as exc:
-                    if not dropped:  # nothing changed yet: a refusal
-                        self._refuse("discard", exc)
-                    self._emit(  # some backups went already: the discard ends, partly done, and says why
-                        EventKind.DISCARD_COMPLETED,
-                        tags=dropped,
-                        error=type(exc).__name__,
-                        reason=str(exc),
-                        seconds=time.perf_counter() - start,
-                    )
-                    raise
+                except TorporError as exc:  # a refusal if nothing changed yet, else the discard ends partly done
+                    discard_failed(self, start, exc, changed=bool(dropped), went=dropped)
                 dropped.append(tag)
                 self._emit(EventKind.TAG_DISCARDED, tag=tag, bytes=self.projection.residency[tag].host)
             release_unused_host(self.memory, self.host_policy)
@@ -81,26 +73,15 @@ class Discarding(Waking):
         start = time.perf_counter()
         try:
             self.memory.drop_backup(tags)  # a stale backup must never come back as their content
-        except TorporError as exc:
-            if not dropped:  # nothing changed yet: a refusal
-                self._refuse("discard", exc)
-            self._emit(  # backups of asleep tags went already: the discard ends, partly done, and says why
-                EventKind.DISCARD_COMPLETED,
-                tags=[],
-                error=type(exc).__name__,
-                reason=f"{exc} (after dropping the backups of {', '.join(dropped)})",
-                seconds=time.perf_counter() - start,
-            )
-            raise
-        was_awake = self.state is State.AWAKE
+        except TorporError as exc:  # a refusal if nothing changed yet, else partly done: asleep tags' backups went
+            after = f" (after dropping the backups of {', '.join(dropped)})"
+            discard_failed(self, start, exc, changed=bool(dropped), went=[], note=after)
         done: list[str] = []
-        error: TorporError | None = None
         for tag in tags:
             try:
                 released = self.memory.release([tag])[tag]
-            except TorporError as exc:
-                error = exc
-                break
+            except TorporError as exc:  # the tags released before it stay released: partly done
+                discard_failed(self, start, exc, changed=True, went=done)
             done.append(tag)
             self._emit(
                 EventKind.TAG_RELEASED, tag=tag, bytes=released.bytes, action="discard", seconds=released.seconds
@@ -108,12 +89,8 @@ class Discarding(Waking):
         self._emit(
             EventKind.DISCARD_COMPLETED,
             tags=done,
-            error=type(error).__name__ if error else None,
-            reason=str(error) if error else None,
+            error=None,
+            reason=None,
             seconds=time.perf_counter() - start,
         )
-        if was_awake and done:
-            self._step("discard")
-        if error is not None:
-            raise error
         self._group_hold(lambda exc: undo_discard(self._wake, done, exc))

@@ -3,10 +3,18 @@
 Every command of :class:`~torpor.statemachine.controller.SleepController`
 enters through :meth:`CommandGate._command` (serialized, never queued: a second
 one is refused with ``CommandInFlight``; a closed controller raises
-``ControllerClosed``; an interrupted one refuses with ``NotRecovered``), is
-checked by :meth:`CommandGate._guard` against the transition table, and leaves
-through :meth:`CommandGate._refuse` (a ``refused`` event, then the error) or
-:meth:`CommandGate._repeated` (a ``command_repeated`` no-op) when it does nothing.
+``ControllerClosed``), is checked against the transition table
+(:func:`~torpor.statemachine.states.decide`, and nothing else decides whether a
+state accepts a command), and leaves through :meth:`CommandGate._refuse` (a
+``refused`` event, then the error) or :meth:`CommandGate._repeated` (a
+``command_repeated`` no-op) when it does nothing.
+
+The table is asked twice on the same verdict: at the entry, where an
+interrupted log (``NotRecovered``) is refused before any argument is read
+(the memory is unknown), and in :meth:`CommandGate._guard`, which each command
+calls once its arguments are checked and its idempotent no-op ruled out; it
+raises the verdict's refusal (``InvalidTransition``, or ``PoolBusy`` for a pool
+asleep with the engine) built by :meth:`CommandGate._refusal`.
 """
 
 from __future__ import annotations
@@ -23,13 +31,14 @@ from torpor.errors import (
     InvalidTransition,
     LogWriteFailed,
     NotRecovered,
+    PoolBusy,
     TorporError,
     UnknownTag,
 )
 from torpor.statemachine.base import ControllerBase, _clip, logger
 from torpor.statemachine.events import EventKind
 from torpor.statemachine.projection import Projection
-from torpor.statemachine.states import allowed_sources
+from torpor.statemachine.states import Verdict, decide
 
 
 class CommandGate(ControllerBase):
@@ -46,11 +55,9 @@ class CommandGate(ControllerBase):
                 raise ControllerClosed(name, self.engine, self.rank, self._closed_at)
             self._owner = threading.get_ident()
             self._in_flight = f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
-            if self.projection.interrupted and name != "recover":
-                step = self.projection.last_step
-                self._refuse(
-                    name, NotRecovered(self.state.value, self.projection.last_seq, step, cause=self._log_failure)
-                )
+            verdict = decide(self.state, name)
+            if verdict.error is NotRecovered:  # before any argument is read: the memory is unknown
+                self._refuse(name, self._refusal(verdict))
             yield
         finally:
             self._in_flight = ""
@@ -63,17 +70,30 @@ class CommandGate(ControllerBase):
         logger.info("torpor: %s(%s) is a no-op: %s", command, args, reason)
         return self.projection
 
-    def _guard(self, command: str) -> None:
-        allowed = allowed_sources(command)
-        if self.state.value not in allowed:
-            wall = (
-                time.strftime("%H:%M:%S", time.localtime(self.projection.since_wall))
-                if self.projection.since_wall
-                else ""
+    def _guard(self, command: str) -> Verdict:
+        """Refuse ``command`` unless the transition table accepts it in the current state; return the verdict."""
+        verdict = decide(self.state, command)
+        if verdict.error is not None:
+            self._refuse(command, self._refusal(verdict))
+        return verdict
+
+    def _refusal(self, verdict: Verdict) -> TorporError:
+        """The error of a refused verdict, naming the command, the state, since when, and what holds it there."""
+        state, since = verdict.state.value, self.projection.since
+        if verdict.error is NotRecovered:
+            return NotRecovered(state, self.projection.last_seq, self.projection.last_step, cause=self._log_failure)
+        if verdict.error is PoolBusy:
+            graphs = self.projection.graph_count
+            held = f"; {graphs} graph(s) captured into it" if graphs else ""
+            msg = (
+                f"{verdict.reason} (state {state!r} since event #{since}{held}): "
+                "freeing it would unmap a second time; wake first"
             )
-            self._refuse(
-                command, InvalidTransition(command, self.state.value, self.projection.since, allowed, since_wall=wall)
-            )
+            return PoolBusy(msg)
+        wall = (
+            time.strftime("%H:%M:%S", time.localtime(self.projection.since_wall)) if self.projection.since_wall else ""
+        )
+        return InvalidTransition(verdict.command, state, since, verdict.allowed, verdict.reason, since_wall=wall)
 
     def _refuse(self, command: str, error: TorporError) -> None:
         # Bounded so that a refusal of oversized input (a huge tag name) is still logged, not EventTooLarge.

@@ -10,7 +10,6 @@ from torpor.errors import PoolBusy, TorporError
 from torpor.statemachine.events import EventKind
 from torpor.statemachine.gate import CommandGate
 from torpor.statemachine.protocol import GraphPoolMemory
-from torpor.statemachine.states import ASLEEP, allowed_sources
 
 
 class GraphPool(CommandGate):
@@ -45,12 +44,7 @@ class GraphPool(CommandGate):
         """Drop the graph pool once nothing references it; return the bytes it held."""
         with self._command("release_pool"):
             memory = self._graph_memory("release_pool")
-            if self.state in ASLEEP or self.state.value not in allowed_sources("release_pool"):
-                reason = (
-                    f"cudagraph pool is asleep (state {self.state.value!r} since event #{self.projection.since}): "
-                    "freeing it would unmap a second time; wake first"
-                )
-                self._refuse("release_pool", PoolBusy(reason))
+            self._guard("release_pool")  # asleep: PoolBusy, the pool is asleep with the engine
             holders = list(memory.cudagraph_pool_holders())
             if holders:
                 reason = f"cudagraph pool is referenced by {len(holders)} holder(s) ({'; '.join(holders)}); release the graphs first"

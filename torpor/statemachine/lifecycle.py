@@ -52,7 +52,6 @@ class Lifecycle(CommandGate):
                 interrupted_step=self.projection.last_step,
             )
             self._log_failure = ""
-            self._sync_machine()
             return self.projection
 
     @property

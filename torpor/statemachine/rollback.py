@@ -1,11 +1,23 @@
-"""Rollback in one place: the compensating steps of a failed sleep, wake or group discard, and the events they record.
+"""Rollback in one place: the compensating steps of a failed sleep, wake or discard, and the events they record.
 
-A sleep that fails maps back what it released and drops the backups it made
-(:func:`abort_sleep`); a wake that fails releases again what it mapped
-(:func:`fail_wake`); a prepared discard another rank refused maps its tags back
-(:func:`undo_discard`). Each ends by raising the first error again. Every event
-a rollback writes goes through one :class:`Compensation`, which stops recording
-at the first event that cannot be written: the log then ends mid-transition and
+A command records what it has done so far in a progress record
+(:class:`SleepProgress`, :class:`WakeProgress`); when it fails, the matching
+compensation here undoes exactly that, newest first, and records it:
+
+- a sleep that fails maps back what it released and drops the backups it made
+  (:func:`abort_sleep`: ``tag_restored`` with ``source="rollback"`` per tag, then
+  ``sleep_aborted``; or, when mapping back fails too, ``sleep_completed`` with
+  ``incomplete``);
+- a wake that fails releases again what it mapped, keeping the backups
+  (:func:`fail_wake`: ``tag_rolled_back`` per tag, then ``wake_failed``);
+- a discard cannot bring a dropped backup back: one that fails before anything
+  changed is a refusal, one that fails part-way ends partly done
+  (:func:`discard_failed`: ``discard_completed`` naming what went and the error);
+- a prepared discard another rank refused maps its tags back (:func:`undo_discard`).
+
+Each ends by raising the first error again. Every event a sleep's or a wake's
+rollback writes goes through one :class:`Compensation`, which stops recording at
+the first event that cannot be written: the log then ends mid-transition and
 ``recover()`` reconciles it with the memory.
 """
 
@@ -13,14 +25,45 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from torpor.errors import LogWriteFailed, MemoryOperationFailed, TorporError
 from torpor.statemachine.base import ControllerBase, logger
 from torpor.statemachine.events import EventKind
+from torpor.statemachine.gate import CommandGate
 from torpor.statemachine.hostmem import pinned_bytes, release_unused_host
 from torpor.statemachine.policy import Action
 from torpor.statemachine.protocol import Transfer
+
+
+@dataclass
+class SleepProgress:
+    """What a sleep has done so far: what :func:`abort_sleep` undoes."""
+
+    level: int
+    plan: Mapping[str, Action]
+    start: float
+    phase: str = "backup"  # what was under way: backup, release, group (another rank failed), recording
+    backed_up: list[str] = field(default_factory=list)  # backups this sleep made (dropped again on abort)
+    released: list[Transfer] = field(default_factory=list)  # in release order
+    failed: str | None = None  # the tag whose release was under way (it may be partly released)
+
+    def lost(self) -> list[str]:
+        """Tags whose content a rollback cannot bring back: released (or partly) without a backup."""
+        lost = [t.tag for t in self.released if self.plan.get(t.tag) is Action.DISCARD]
+        if self.failed is not None and self.plan.get(self.failed) is Action.DISCARD:
+            lost.append(self.failed)
+        return lost
+
+
+@dataclass
+class WakeProgress:
+    """What a wake has done so far: what :func:`fail_wake` undoes."""
+
+    tags: list[str] | None
+    start: float
+    restored: list[tuple[str, Transfer, str]] = field(default_factory=list)  # (tag, transfer, "host" | "fresh")
 
 
 class Compensation:
@@ -49,111 +92,109 @@ class Compensation:
         return True
 
 
-def abort_sleep(
-    ctl: ControllerBase,
-    level: int,
-    start: float,
-    phase: str,
-    exc: BaseException,
-    released: list[Transfer],
-    plan: Mapping[str, Action],
-    backed_up: list[str],
-    failed: str | None,
-) -> NoReturn:
+def abort_sleep(ctl: ControllerBase, done: SleepProgress, exc: BaseException) -> NoReturn:
     """Undo a sleep that failed: map back what was released, drop backups, stay awake; raise ``exc``."""
     note = Compensation(ctl)
     rollback_error: BaseException | None = None
     # A discarded tag had no backup: rolling it back maps fresh memory, its content is gone. Say so.
-    # The tag whose release failed may be partly released already (some allocations unmapped).
-    lost = [t.tag for t in released if plan.get(t.tag) is Action.DISCARD]
-    if failed is not None and plan.get(failed) is Action.DISCARD:
-        lost.append(failed)
-    for done in reversed(released):
+    lost = done.lost()
+    for released in reversed(done.released):
         try:
-            back = ctl.memory.restore([done.tag])[done.tag]
+            back = ctl.memory.restore([released.tag])[released.tag]
         except BaseException as again:  # the first error is raised below
             rollback_error = again
             break
         note.record(
             EventKind.TAG_RESTORED,
-            tag=done.tag,
+            tag=released.tag,
             bytes=back.bytes,
             source="rollback",
             seconds=back.seconds,
-            lost=done.tag in lost,
+            lost=released.tag in lost,
         )
     if rollback_error is not None:
         # Could not undo: what is released stays released; the sleep completes as far as it got.
-        if note.record(
+        note.record(
             EventKind.SLEEP_COMPLETED,
-            level=level,
-            seconds=time.perf_counter() - start,
+            level=done.level,
+            seconds=time.perf_counter() - done.start,
             freed=0,
             offloaded=0,
             discarded=0,
             pinned=pinned_bytes(ctl.memory),
             incomplete=str(rollback_error),
-        ):
-            ctl._step("finish_sleep")
+        )
         if not isinstance(exc, Exception):  # an interrupt stays an interrupt
             raise exc
         raise MemoryOperationFailed(
             "sleep rollback", None, f"{exc}; rolling back failed too: {rollback_error}"
         ) from exc
     interrupt: BaseException | None = None
-    if backed_up:  # backup() cleans up its own failure
+    if done.backed_up:  # backup() cleans up its own failure
         try:
-            ctl.memory.drop_backup(backed_up)
+            ctl.memory.drop_backup(done.backed_up)
         except Exception:
             logger.exception("dropping backups after an aborted sleep failed")
         except BaseException as again:  # an interrupt while dropping: the backups leak, the abort goes on
             interrupt = again
     release_unused_host(ctl.memory, ctl.host_policy)
     lost_txt = f"; content of {', '.join(lost)} may be lost (discarded, or partly, before the failure)" if lost else ""
-    if note.record(
+    note.record(
         EventKind.SLEEP_ABORTED,
-        level=level,
-        reason=f"{phase} failed: {exc}{lost_txt}",
+        level=done.level,
+        reason=f"{done.phase} failed: {exc}{lost_txt}",
         error=type(exc).__name__,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - done.start,
         usage=ctl._resident_usage(),
         lost=lost,
-    ):
-        ctl._step("abort_sleep")
-    if released:
-        logger.warning("Rolled back %d released tag(s) after a failed sleep%s", len(released), lost_txt)
+    )
+    if done.released:
+        logger.warning("Rolled back %d released tag(s) after a failed sleep%s", len(done.released), lost_txt)
     if interrupt is not None and isinstance(exc, Exception):
         raise interrupt from exc
     raise exc
 
 
-def fail_wake(
-    ctl: ControllerBase,
-    tags: list[str] | None,
-    start: float,
-    exc: BaseException,
-    restored: list[tuple[str, Transfer, str]],
-) -> NoReturn:
+def fail_wake(ctl: ControllerBase, done: WakeProgress, exc: BaseException) -> NoReturn:
     """Undo a wake that failed: release again what it mapped (backups are still there), back to asleep; raise ``exc``."""
     note = Compensation(ctl)
-    if restored:
-        logger.warning("Rolling back %d mapped tag(s)", len(restored))
-    for tag, done, source in reversed(restored):
+    if done.restored:
+        logger.warning("Rolling back %d mapped tag(s)", len(done.restored))
+    for tag, transfer, source in reversed(done.restored):
         action = "offload" if source == "host" else "discard"
         try:
             ctl.memory.release([tag])
         except BaseException:  # the first error is raised below
             logger.exception("rolling back tag %r after a failed wake failed; it stays resident", tag)
             continue
-        note.record(EventKind.TAG_ROLLED_BACK, tag=tag, bytes=done.bytes, action=action)
-    if note.record(
+        note.record(EventKind.TAG_ROLLED_BACK, tag=tag, bytes=transfer.bytes, action=action)
+    note.record(
         EventKind.WAKE_FAILED,
-        tags=tags,
+        tags=done.tags,
         reason=str(exc),
         error=type(exc).__name__,
+        seconds=time.perf_counter() - done.start,
+    )
+    raise exc
+
+
+def discard_failed(
+    ctl: CommandGate, start: float, exc: TorporError, *, changed: bool, went: list[str], note: str = ""
+) -> NoReturn:
+    """End a discard that failed: a refusal when nothing ``changed`` yet, else partly done; raise ``exc``.
+
+    A dropped backup cannot come back, so nothing is undone: ``discard_completed``
+    lists the tags that ``went`` (and says why it stopped, with ``note`` added).
+    """
+    if not changed:
+        ctl._refuse("discard", exc)
+    ctl._emit(
+        EventKind.DISCARD_COMPLETED,
+        tags=went,
+        error=type(exc).__name__,
+        reason=f"{exc}{note}",
         seconds=time.perf_counter() - start,
-    ):
-        ctl._step("fail_wake")
+    )
     raise exc
 
 

@@ -17,8 +17,7 @@ from torpor.statemachine.group import collective
 from torpor.statemachine.hostmem import backup_bytes, budget_refusal, device_report, pinned_bytes
 from torpor.statemachine.policy import Action
 from torpor.statemachine.projection import Projection
-from torpor.statemachine.protocol import Transfer
-from torpor.statemachine.rollback import abort_sleep
+from torpor.statemachine.rollback import SleepProgress, abort_sleep
 from torpor.statemachine.states import ASLEEP, State
 
 
@@ -53,40 +52,38 @@ class Sleeping(CommandGate):
         if over is not None:  # before anything is touched
             self._refuse("sleep", over)
         self._emit(EventKind.SLEEP_REQUESTED, level=level, plan={t: a.value for t, a in plan.items()}, usage=usage)
-        self._step("sleep")
-        released: list[Transfer] = []
-        backed_up: list[str] = []  # tags with a backup this sleep made (dropped again if it aborts)
-        phase, failed = "backup", None
+        progress = SleepProgress(level, plan, start)
         undone = False
 
         def undo_group(exc: TorporError) -> None:  # another rank failed: roll back here, then raise
             nonlocal undone
             undone = True
-            abort_sleep(self, level, start, "group", exc, released, plan, backed_up, None)
+            progress.phase = "group"
+            abort_sleep(self, progress, exc)
 
         try:
             self.memory.drop_backup(discard)  # a stale backup must never come back as a discarded tag's content
             backed = self.memory.backup(offload)
-            backed_up = offload
+            progress.backed_up = offload
             for tag in offload:
                 t = backed[tag]
                 self._emit(EventKind.TAG_BACKED_UP, tag=tag, bytes=t.bytes, seconds=t.seconds)
-            phase = "release"
+            progress.phase = "release"
             for tag in offload + discard:  # offloaded tags first: a failure then loses nothing
                 if plan[tag] is Action.DISCARD:  # with a group: every rank agrees before anything is discarded
                     self._group_hold(undo_group)
-                failed = tag
+                progress.failed = tag
                 done = self.memory.release([tag])[tag]
-                released.append(done)
-                failed = None
+                progress.released.append(done)
+                progress.failed = None
                 self._emit(
                     EventKind.TAG_RELEASED, tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds
                 )
             self._group_hold(undo_group)
-            phase = "recording"
+            progress.phase = "recording"
             seconds = time.perf_counter() - start
-            offloaded = sum(t.bytes for t in released if plan[t.tag] is Action.OFFLOAD)
-            discarded = sum(t.bytes for t in released if plan[t.tag] is Action.DISCARD)
+            offloaded = sum(t.bytes for t in progress.released if plan[t.tag] is Action.OFFLOAD)
+            discarded = sum(t.bytes for t in progress.released if plan[t.tag] is Action.DISCARD)
             self._emit(
                 EventKind.SLEEP_COMPLETED,
                 level=level,
@@ -100,10 +97,8 @@ class Sleeping(CommandGate):
             )
         except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise
             if undone or self.projection.state is not State.SUSPENDING:  # undone for the group, or the sleep stands
-                self._sync_machine()
                 raise
-            abort_sleep(self, level, start, phase, exc, released, plan, backed_up, failed)
-        self._step("finish_sleep")
+            abort_sleep(self, progress, exc)
         logger.info(
             "sleep freed %.2f GiB (%.2f GiB to host, %.2f GiB discarded) in %.2f s",
             (offloaded + discarded) / GiB,

@@ -17,8 +17,7 @@ from torpor.statemachine.gate import CommandGate
 from torpor.statemachine.group import collective
 from torpor.statemachine.hostmem import pinned_bytes, release_unused_host
 from torpor.statemachine.projection import Projection
-from torpor.statemachine.protocol import Transfer
-from torpor.statemachine.rollback import fail_wake
+from torpor.statemachine.rollback import WakeProgress, fail_wake
 from torpor.statemachine.states import State
 
 
@@ -49,29 +48,28 @@ class Waking(CommandGate):
             self._check_tags("wake", tags)
         restoring = self.policy.wake_set(tags, self.projection.asleep_tags())
         self._emit(EventKind.WAKE_REQUESTED, tags=tags, restoring=restoring)
-        self._step("wake")
-        restored: list[tuple[str, Transfer, str]] = []
+        progress = WakeProgress(tags, start)
         undone = False
 
         def undo_group(exc: TorporError) -> None:  # another rank failed: roll back here, then raise
             nonlocal undone
             undone = True
-            fail_wake(self, tags, start, exc, restored)
+            fail_wake(self, progress, exc)
 
         try:
             for tag in restoring:
                 source = "host" if self.projection.residency[tag].host else "fresh"
                 done = self.memory.restore([tag])[tag]
-                restored.append((tag, done, source))
+                progress.restored.append((tag, done, source))
                 self._emit(EventKind.TAG_RESTORED, tag=tag, bytes=done.bytes, source=source, seconds=done.seconds)
             self._group_hold(undo_group)  # backups kept until the group agrees
         except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise
             if undone:  # the group's rollback ran already
                 raise
-            fail_wake(self, tags, start, exc, restored)
+            fail_wake(self, progress, exc)
         interrupt: BaseException | None = None
         try:
-            self.memory.drop_backup([t for t, _, _ in restored])
+            self.memory.drop_backup([t for t, _, _ in progress.restored])
         except Exception:
             logger.exception("dropping backups after a wake failed; the wake itself succeeded")
         except BaseException as exc:  # an interrupt here: every tag is back, the wake stands; raised once recorded
@@ -83,14 +81,13 @@ class Waking(CommandGate):
                 EventKind.WAKE_COMPLETED,
                 tags=tags,
                 seconds=seconds,
-                restored=sum(t.bytes for _, t, _ in restored),
+                restored=sum(t.bytes for _, t, _ in progress.restored),
                 pinned=pinned_bytes(self.memory),
                 host_released=host_released,
             )
         except LogWriteFailed as exc:  # every tag is back and its backup gone: nothing to roll back to
             self._log_failure = f"the end of a wake could not be recorded ({exc}); every tag asked for is resident"
             raise
-        self._step("finish_wake")
         if interrupt is not None:
             raise interrupt
         return self.projection
