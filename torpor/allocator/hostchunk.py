@@ -105,6 +105,37 @@ class Chunk:
         return [*merged[:lo], (start, end - start), *merged[hi + 1 :]]
 
 
+def new_chunks(missing: int, chunk: int) -> list[int]:
+    """Chunk sizes covering ``missing`` bytes: whole chunks, the last one cut to a multiple of 2 MiB (or the chunk)."""
+    if missing <= 0:
+        return []
+    unit = min(chunk, 2 * MiB)
+    whole, rest = divmod(missing, chunk)
+    return [chunk] * whole + ([-(-rest // unit) * unit] if rest else [])
+
+
+def carve(chunks: list[Chunk], nbytes: int) -> list[Extent]:
+    """Up to ``nbytes`` of extents from ``chunks`` (in order), skipping chunks whose pin failed."""
+    out: list[Extent] = []
+    left = nbytes
+    for c in chunks:
+        while left and c.error is None:
+            got = c.take(left)
+            if got is None:
+                break
+            out.append(Extent(c.host + got[0], got[1], c.host))
+            left -= got[1]
+        if not left:
+            break
+    return out
+
+
+def closed_error(what: str) -> AllocatorError:
+    """The refusal of an arena that was closed."""
+    msg = f"the host arena is closed (its allocator was closed); cannot {what} pinned host memory for a backup"
+    return AllocatorError("pin host memory", None, msg)
+
+
 def pin_error(exc: BaseException, nbytes: int, pinned: int) -> AllocatorError:
     """The allocator error for a failed pin: out of memory when the driver said so."""
     reason = f"pinning {nbytes} host bytes failed ({exc}); {pinned} bytes pinned"

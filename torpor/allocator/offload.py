@@ -1,15 +1,12 @@
 """Pinned-host backup memory: chunks pinned as a sleep copies into them (or ahead of it), reused across cycles.
 
-Pinning host memory costs more than copying into it: on an H200 host, faulting
-8 GiB of 4 KiB pages in from one thread took 3.96 s against a 0.156 s copy.
-The :class:`HostArena` therefore never pins before it copies. A backup
-:meth:`~HostArena.take`\\ s extents at once: missing memory is reserved as one
-address range (huge pages advised where the kernel allows them) and cut into
-chunks that several threads fault in and register with the driver, in address
-order; the backup waits for each chunk (:meth:`~HostArena.wait_pinned`) just
-before enqueueing the copies into it, so pinning chunk *n + 1* overlaps the copy
-into chunk *n*. Pinning ahead (:meth:`~HostArena.want`, one background thread)
-stays available for engines that want their first sleep at link speed.
+Pinning costs more than copying (H200 host: 8 GiB of 4 KiB pages faulted in
+from one thread in 3.96 s, copied in 0.156 s), so a backup's
+:meth:`~HostArena.take` reserves what is missing as one range (huge pages
+advised) cut into chunks that threads fault in and register in address order,
+and the backup waits for each chunk (:meth:`~HostArena.wait_pinned`) just before
+copying into it: pinning chunk *n + 1* overlaps the copy into chunk *n*. Pinning
+ahead (:meth:`~HostArena.want`, one background thread) stays available.
 
 A range stays reserved or pinned while any record refers to it (a chunk whose
 pin failed stays, failed, until its extents come back), so addresses key chunks
@@ -32,12 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
-from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, pin_error
+from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, carve, closed_error, new_chunks, pin_error
 
 __all__ = ["Extent", "HostArena", "HostPolicy"]
 
 logger = logging.getLogger("torpor.allocator")
-MiB = 1 << 20
 
 
 class HostArena:
@@ -106,17 +102,8 @@ class HostArena:
         self._bases.remove(c.host)
         return True
 
-    def _new_chunks(self, missing: int) -> list[int]:
-        """Chunk sizes covering ``missing`` bytes: whole chunks, the last one cut to a multiple of 2 MiB (or the chunk)."""
-        if missing <= 0:
-            return []
-        chunk = self.policy.chunk_bytes
-        unit = min(chunk, 2 * MiB)
-        whole, rest = divmod(missing, chunk)
-        return [chunk] * whole + ([-(-rest // unit) * unit] if rest else [])
-
-    def _reserve(self, sizes: list[int], carve: int = 0) -> tuple[list[Chunk], list[Extent]]:
-        """Reserve chunks of ``sizes`` as one range of address space (not yet pinned); carve ``carve`` bytes from them."""
+    def _reserve(self, sizes: list[int], wanted: int = 0) -> tuple[list[Chunk], list[Extent]]:
+        """Reserve chunks of ``sizes`` as one range of address space (not yet pinned); carve ``wanted`` bytes from them."""
         base = self.driver.host_reserve(sum(sizes))
         out = []
         with self._cond:
@@ -125,23 +112,17 @@ class HostArena:
                 for n in sizes:
                     out.append(self._add_locked(base + offset, n))
                     offset += n
-                return out, self._carve(out, carve)
+                return out, carve(out, wanted)
         # closed meanwhile: no record would ever give this range back
         self._unreserve(Chunk(base, sum(sizes)))
-        raise self._closed_error("take")
-
-    def _closed_error(self, what: str) -> AllocatorError:
-        msg = f"the host arena is closed (its allocator was closed); cannot {what} pinned host memory for a backup"
-        return AllocatorError("pin host memory", None, msg)
+        raise closed_error("take")
 
     def _pin_chunk(self, c: Chunk) -> None:
         """Fault in and register one reserved chunk (any thread); failures are kept on the chunk.
 
-        A pin counts in ``_pinning`` until everything it does with the chunk's
-        range is done (a give-back included), so :meth:`close` waiting for
-        ``_pinning == 0`` leaves no thread touching host memory after it. A pin
-        still queued when the arena closes does nothing: ``close`` gave its
-        reserved range back itself.
+        A pin counts in ``_pinning`` until all it does with the range is done, so
+        :meth:`close` leaves no thread touching host memory; a pin still queued at
+        close does nothing (``close`` gave its range back).
         """
         with self._cond:
             if self._closed or self._chunks.get(c.host) is not c:  # close took it (a pending chunk is only closed away)
@@ -287,9 +268,9 @@ class HostArena:
         """
         with self._cond:
             if self._closed:
-                raise self._closed_error("take")
+                raise closed_error("take")
             free = self._free_locked()
-            sizes = self._new_chunks(nbytes - free)
+            sizes = new_chunks(nbytes - free, self.policy.chunk_bytes)
             limit = self.policy.limit_bytes
             held = self._pinned + self._pending + self._unpinning
             if sizes and limit is not None and held + sum(sizes) > limit:
@@ -300,7 +281,7 @@ class HostArena:
                 )
                 raise AllocatorOutOfMemory("pin host memory", None, reason, call="host_alloc")
             # carved now: a pending chunk counted free may fail before the lock is taken again
-            extents = self._carve([self._chunks[b] for b in self._bases], min(free, nbytes))
+            extents = carve([self._chunks[b] for b in self._bases], min(free, nbytes))
         fresh: list[Chunk] = []
         if sizes:
             try:
@@ -338,28 +319,11 @@ class HostArena:
                 msg = "the host arena was closed while a backup waited for pinned memory"
                 raise AllocatorError("pin host memory", None, msg)
 
-    def _carve(self, chunks: list[Chunk], nbytes: int) -> list[Extent]:
-        """Up to ``nbytes`` of extents from ``chunks`` (in order), skipping chunks whose pin failed."""
-        out: list[Extent] = []
-        left = nbytes
-        for c in chunks:
-            while left and c.error is None:
-                got = c.take(left)
-                if got is None:
-                    break
-                out.append(Extent(c.host + got[0], got[1], c.host))
-                left -= got[1]
-            if not left:
-                break
-        return out
-
     def give(self, extents: Iterable[Extent]) -> None:
         """Return extents; with ``keep_after_wake`` off, chunks left empty are unpinned; failed chunks left empty go.
 
-        All or nothing: an extent outside its chunk, or one whose bytes are free
-        already (given back twice), raises :class:`AllocatorError` and no extent
-        of the call is returned. Extents of chunks the arena no longer holds
-        (after :meth:`close`) are ignored.
+        All or nothing: an extent outside its chunk or given back twice raises
+        :class:`AllocatorError`; extents of chunks no longer held (closed) are ignored.
         """
         failed = []
         with self._cond:
@@ -416,10 +380,8 @@ class HostArena:
     def close(self) -> None:
         """Stop the pinner, wait for pins in flight, and unpin every chunk (backups are lost).
 
-        Pins still queued on a take's threads are given back here (their ranges
-        unreserved by this call; when they run they find the arena closed and
-        do nothing), so no thread holds or touches arena memory once close
-        returns. A later :meth:`take` is refused.
+        Ranges of pins still queued on a take's threads are unreserved here (those
+        pins then do nothing); a later :meth:`take` is refused.
         """
         with self._cond:
             self._closed = True
