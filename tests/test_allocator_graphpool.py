@@ -1,36 +1,31 @@
-"""Tests of the graph pool bookkeeping: hooks, capture handles, holders."""
+"""Tests of the graph pool bookkeeping: capture observers, capture handles, holders."""
 
 from __future__ import annotations
 
 import gc
 
-from torpor.allocator import (
-    CaptureHandle,
-    GraphPool,
-    call_graph_pool_hooks,
-    remove_graph_pool_hook,
-    set_graph_pool_hook,
-)
-from torpor.allocator.graphpool import no_hooks
+from torpor.allocator import CaptureHandle, CaptureObservers, GraphPool
 
 
 class Graph:
     """A stand-in for a CUDAGraph (weak-referenceable)."""
 
 
-def test_hooks_are_called_and_a_failing_hook_is_contained() -> None:
-    """Every hook gets the pool id; one raising does not stop the others."""
+def test_observers_are_called_and_a_failing_observer_is_contained() -> None:
+    """Every observer gets the pool id; one raising does not stop the others; a removed one is not called."""
     seen: list[tuple[int, int]] = []
 
     def bad(_: tuple[int, int]) -> None:
         raise RuntimeError("boom")
 
-    with no_hooks():
-        set_graph_pool_hook(bad)
-        set_graph_pool_hook(seen.append)
-        call_graph_pool_hooks((0, 7))
-        remove_graph_pool_hook(bad)
-        call_graph_pool_hooks((0, 8))
+    observers = CaptureObservers([bad])
+    remove_seen = observers.add(seen.append)
+    observers.add(seen.append)  # added twice: called once
+    observers.notify((0, 7))
+    observers.remove(bad)
+    observers.notify((0, 8))
+    remove_seen()
+    observers.notify((0, 9))
     assert seen == [(0, 7), (0, 8)]
 
 

@@ -10,6 +10,7 @@ import pytest
 from torpor import SleepController, State
 from torpor.allocator import AllocatorError, HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import MemoryOperationFailed, OutOfMemory, PoolBusy, TorporError, UnknownTag
+from torpor.statemachine.policy import DEFAULT_POLICY
 from torpor.statemachine.protocol import GraphPoolMemory, Memory, TagUsage
 
 G = 64 * 1024
@@ -20,7 +21,7 @@ def make(capacity: int = 64 * MiB, **kw: object) -> tuple[SimDriver, TaggedAlloc
     """A small simulated device and an allocator batching in 256 KiB."""
     sim = SimDriver(capacity, granularity=G, devices=int(kw.pop("devices", 1)))  # type: ignore[call-overload]
     slab = int(kw.pop("slab_bytes", 8 * G))  # type: ignore[call-overload]
-    policy = HostPolicy(prepin=True, chunk_bytes=MiB, threads=2)
+    policy = HostPolicy(prepin=True, chunk_bytes=MiB, threads=2, prepin_exclude=DEFAULT_POLICY.never_backed_up())
     alloc = TaggedAllocator(sim, host=policy, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=slab)
     return sim, alloc
 
@@ -277,8 +278,9 @@ def test_release_failure_leaves_the_tag_resident_and_intact(slab: int, nth: int)
     data = fill(alloc, "w", [G] * 6)
     alloc.backup(["w"])
     sim.fail("unmap", nth=nth)
-    with pytest.raises(MemoryOperationFailed, match="left resident"):
+    with pytest.raises(MemoryOperationFailed, match="left resident") as failed:
         alloc.release(["w"])
+    assert failed.value.reason.endswith("(tag left resident)") and str(failed.value).endswith(failed.value.reason)
     assert alloc.usage()["w"].resident == 6 * G
     assert intact(alloc, data)
 
@@ -427,32 +429,27 @@ class Graph:
 
 
 def test_capture_creates_one_pool_and_records_sites() -> None:
-    """Captures share one pool, tag their allocations cudagraph, call the hook, and holders name the sites."""
-    from torpor.allocator import remove_graph_pool_hook, set_graph_pool_hook
-
+    """Captures share one pool, tag their allocations cudagraph, call the observer, and holders name the sites."""
     seen: list[tuple[int, int]] = []
-    set_graph_pool_hook(seen.append)
-    try:
-        _, alloc = make()
-        graphs = []
-        for site in ("batch=8", "batch=16"):
-            with alloc.capture_into_pool(site) as handle:
-                alloc.allocate(G)
-                g = Graph()
-                handle.track(g)
-                graphs.append(g)
-        assert seen[0] == seen[1] == alloc.cudagraph_pool_id()
-        assert alloc.usage()["cudagraph"].allocations == 2
-        assert alloc.cudagraph_pool_holders() == ["graph captured at batch=8", "graph captured at batch=16"]
-        with pytest.raises(PoolBusy) as busy:
-            alloc.release_cudagraph_pool()
-        assert busy.value.holders == ("graph captured at batch=8", "graph captured at batch=16")
-        graphs.clear()
-        del g
-        assert alloc.release_cudagraph_pool() == 2 * G
-        assert alloc.cudagraph_pool_id() is None
-    finally:
-        remove_graph_pool_hook(seen.append)
+    _, alloc = make()
+    alloc.on_capture(seen.append)
+    graphs = []
+    for site in ("batch=8", "batch=16"):
+        with alloc.capture_into_pool(site) as handle:
+            alloc.allocate(G)
+            g = Graph()
+            handle.track(g)
+            graphs.append(g)
+    assert seen[0] == seen[1] == alloc.cudagraph_pool_id()
+    assert alloc.usage()["cudagraph"].allocations == 2
+    assert alloc.cudagraph_pool_holders() == ["graph captured at batch=8", "graph captured at batch=16"]
+    with pytest.raises(PoolBusy) as busy:
+        alloc.release_cudagraph_pool()
+    assert busy.value.holders == ("graph captured at batch=8", "graph captured at batch=16")
+    graphs.clear()
+    del g
+    assert alloc.release_cudagraph_pool() == 2 * G
+    assert alloc.cudagraph_pool_id() is None
 
 
 def test_pool_release_refused_while_asleep_and_capture_refused_while_asleep() -> None:

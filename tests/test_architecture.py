@@ -309,6 +309,20 @@ def test_every_module_is_in_a_layer() -> None:
         layer_of(module)
 
 
+#: The most lines a module of torpor may have (issue 17: small modules, one job each).
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    """No module under torpor/ has more than MAX_MODULE_LINES lines."""
+    over = [
+        f"{name}: {n} lines"
+        for name, path in sorted(modules().items())
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not over, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(over)
+
+
 def test_imports_go_down_the_layers() -> None:
     """A module imports only from its own layer or a lower one (file:line of each offender)."""
     offenders = layer_violations()

@@ -8,14 +8,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.errors import InvalidTransition
 from torpor.hooks import (
     CaptureRoutingError,
+    add_graph_pool_hook,
     capture_pool,
     cudagraph_pool_decision,
     in_plain_capture,
     nccl_graph_pool_hook,
     plain_capture,
+    remove_graph_pool_hook,
     reset_warnings,
     routes_to_cumem,
     set_nccl_graph_pool_hook,
@@ -213,3 +216,57 @@ def test_routing_with_the_real_allocator_on_the_simulated_device(nccl: list[obje
     ctl.wake()
     del graph
     assert ctl.release_cudagraph_pool() == 2 << 20
+
+
+def test_a_tagged_allocator_capture_points_nccl_once_at_the_plain_pool_id(nccl: list[object]) -> None:
+    """Routed into a TaggedAllocator, the NCCL hook gets the pool id once, as a plain tuple (what NCCL takes)."""
+    alloc = TaggedAllocator(SimDriver(16 << 20, granularity=1 << 16))
+    observed: list[tuple[int, int]] = []
+    alloc.on_capture(observed.append)
+    controller = SleepController(alloc)
+    with capture_pool(ACTIVE, "decode bs=8", controller=controller) as pool:
+        assert pool == alloc.cudagraph_pool_id()
+    assert nccl == observed == [alloc.cudagraph_pool_id()]
+    assert type(nccl[0]) is tuple and str(nccl[0]) == str(alloc.cudagraph_pool_id())
+    alloc.close()
+
+
+def test_further_hooks_run_for_every_route_and_a_failing_one_is_contained(
+    controller: SleepController, nccl: list[object]
+) -> None:
+    """add_graph_pool_hook hooks see cuMem and plain pools beside the NCCL slot; one that raises breaks no capture."""
+    seen: list[object] = []
+
+    def bad(_: object) -> None:
+        raise RuntimeError("boom")
+
+    remove_seen = add_graph_pool_hook(seen.append)
+    add_graph_pool_hook(bad)
+    try:
+        with capture_pool(ACTIVE, "decode", controller=controller) as pool:
+            pass
+        with capture_pool(INACTIVE, "decode", plain_pool=PLAIN):
+            pass
+    finally:
+        remove_seen()
+        remove_graph_pool_hook(bad)
+    with capture_pool(INACTIVE, "decode", plain_pool=PLAIN):
+        pass
+    assert seen == [pool, PLAIN]
+    assert nccl == [pool, PLAIN, PLAIN]
+    assert controller.projection.graphs == ["decode"]
+
+
+def test_a_direct_allocator_capture_tells_only_its_own_observers(nccl: list[object]) -> None:
+    """The NCCL hook is the integration's: capturing into an allocator directly calls that allocator's observers only."""
+    first = TaggedAllocator(SimDriver(16 << 20, granularity=1 << 16))
+    second = TaggedAllocator(SimDriver(16 << 20, granularity=1 << 16))
+    told: list[tuple[int, int]] = []
+    first.on_capture(told.append)
+    with second.capture_into_pool("other"):
+        pass
+    with first.capture_into_pool("mine"):
+        pass
+    assert told == [first.cudagraph_pool_id()] and nccl == []
+    first.close()
+    second.close()

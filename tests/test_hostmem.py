@@ -13,7 +13,7 @@ from torpor.errors import TorporError
 from torpor.statemachine.events import EventKind
 from torpor.statemachine.hostmem import budget_refusal, device_report
 from torpor.statemachine.log import replay
-from torpor.statemachine.policy import AfterWake, HostMemoryPolicy, PinWhen, Policy
+from torpor.statemachine.policy import Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
 from torpor.statemachine.projection import Projection
 from torpor.testing import FakeMemory
 
@@ -317,3 +317,26 @@ def test_a_failed_pin_never_lets_two_backups_share_host_memory() -> None:
     assert failed is not None and "host_alloc" in str(failed)
     alloc.close()
     assert sim.host_used == 0 and sim.host_reserved == 0
+
+
+def test_pinning_ahead_leaves_out_the_tags_the_policy_never_backs_up() -> None:
+    """The allocator excludes nothing itself; the controller passes the tags every level discards (kv_cache, workspace)."""
+    assert HostPolicy().prepin_exclude == frozenset()
+    _, alloc, _ = rig(HostMemoryPolicy(pin=PinWhen.AHEAD))
+    assert alloc.host.policy.prepin_exclude == {"kv_cache", "workspace"}
+    fill(alloc, "weights", 2)
+    fill(alloc, "kv_cache", 4)
+    fill(alloc, "workspace", 1)
+    assert alloc.wait_host_ready(10)
+    assert alloc.pinned_bytes() == 8 * G
+
+
+def test_a_policy_that_offloads_kv_cache_pins_ahead_for_it() -> None:
+    """With kv_cache offloaded at level 1, its growth pins ahead too (the exclusion follows the policy)."""
+    sim = SimDriver(64 * MiB, granularity=G)
+    alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=4 * G, threads=2), slab_bytes=0)
+    levels = {1: {"kv_cache": Action.OFFLOAD}, 2: {"kv_cache": Action.DISCARD}}
+    SleepController(alloc, policy=Policy(levels=levels, host=HostMemoryPolicy(pin=PinWhen.AHEAD)))
+    fill(alloc, "kv_cache", 2)
+    assert alloc.wait_host_ready(10)
+    assert alloc.pinned_bytes() == 8 * G

@@ -96,3 +96,22 @@ def test_negative_budget_is_refused() -> None:
     """A budget below zero is rejected when the policy is built."""
     with pytest.raises(ValueError, match="budget_bytes"):
         HostMemoryPolicy(budget_bytes=-1)
+
+
+def test_tags_discarded_at_every_level_are_never_backed_up() -> None:
+    """never_backed_up() names the tags every level discards (kv_cache, workspace by default), not a tag one level offloads."""
+    assert DEFAULT_POLICY.never_backed_up() == {"kv_cache", "workspace"}
+    offloading_kv = Policy(
+        levels={1: {"kv_cache": Action.OFFLOAD}, 2: {"kv_cache": Action.DISCARD, "x": Action.DISCARD}}
+    )
+    assert offloading_kv.never_backed_up() == frozenset()
+    assert Policy(levels={}).never_backed_up() == frozenset()
+
+
+def test_the_tag_vocabulary_is_the_policy_s() -> None:
+    """The named tags are the strings the default policy and the deferrable set use."""
+    from torpor.statemachine import policy
+
+    named = [policy.WEIGHTS, policy.KV_CACHE, policy.CUDAGRAPH, policy.RUNTIME, policy.WORKSPACE]
+    assert named == TAGS and policy.DEFAULT_TAG == "default"
+    assert {policy.WEIGHTS, policy.KV_CACHE} == policy.DEFERRABLE and {policy.CUDAGRAPH} == policy.NEVER_DISCARD

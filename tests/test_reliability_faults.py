@@ -125,12 +125,16 @@ class SimRig:
 
     def __init__(self, seed: int = 0, *, prepin: bool = True, host_capacity: int = 64 * MiB) -> None:
         from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
+        from torpor.statemachine.policy import DEFAULT_POLICY
 
         # host addresses given back are reused, as mmap after munmap may (a failed pin must not mix backups)
         self.driver = SimDriver(
             capacity=64 * MiB, host_capacity=host_capacity, granularity=SIM_GRANULARITY, reuse_host=True
         )
-        policy = HostPolicy(prepin=prepin, chunk_bytes=SIM_CHUNK, threads=1)
+        # the tags the default policy never backs up are not pinned ahead (the controller passes the same)
+        policy = HostPolicy(
+            prepin=prepin, chunk_bytes=SIM_CHUNK, threads=1, prepin_exclude=DEFAULT_POLICY.never_backed_up()
+        )
         self.allocator = TaggedAllocator(driver=self.driver, host=policy)
         self.memory = self.allocator
         self.rng = random.Random(seed)

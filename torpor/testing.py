@@ -13,10 +13,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from torpor.allocator.graphpool import call_graph_pool_hooks
 from torpor.errors import MemoryOperationFailed, PoolBusy
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.policy import CUDAGRAPH
 from torpor.statemachine.protocol import TagUsage, Transfer
 
 _tokens = itertools.count(1)
@@ -153,21 +153,20 @@ class FakeMemory:
         self._maybe_fail("capture", site)
         if self.pool is None:
             self.pool = f"pool-{next(self._pool_ids)}"
-            self._tags.setdefault("cudagraph", _Tag(0))
-        call_graph_pool_hooks(self.pool)  # as TaggedAllocator does: NCCL's graph allocator follows the pool
+            self._tags.setdefault(CUDAGRAPH, _Tag(0))
         yield self.pool
         self.graphs.append(site)
-        self._tags["cudagraph"].size += 1 << 20
+        self._tags[CUDAGRAPH].size += 1 << 20
 
     def release_cudagraph_pool(self) -> int:
         """Drop the pool once no graph holds it; return its bytes."""
-        self._maybe_fail("release_pool", "cudagraph")
+        self._maybe_fail("release_pool", CUDAGRAPH)
         holders = self.cudagraph_pool_holders()
         if holders:
             raise PoolBusy("cudagraph pool is still referenced", holders)
-        freed = self._tags["cudagraph"].size if "cudagraph" in self._tags else 0
-        if "cudagraph" in self._tags:
-            self._tags["cudagraph"].size = 0
+        freed = self._tags[CUDAGRAPH].size if CUDAGRAPH in self._tags else 0
+        if CUDAGRAPH in self._tags:
+            self._tags[CUDAGRAPH].size = 0
         self.pool = None
         return freed
 

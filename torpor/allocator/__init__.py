@@ -12,13 +12,7 @@ from __future__ import annotations
 from torpor.allocator.cuda_driver import CudaDriver
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory, DriverError, DriverOutOfMemory
-from torpor.allocator.graphpool import (
-    CaptureHandle,
-    GraphPool,
-    call_graph_pool_hooks,
-    remove_graph_pool_hook,
-    set_graph_pool_hook,
-)
+from torpor.allocator.graphpool import CaptureHandle, CaptureObserver, CaptureObservers, GraphPool
 from torpor.allocator.offload import HostArena, HostPolicy
 from torpor.allocator.sim import SimCall, SimDriver
 from torpor.allocator.tagged import GRAPH_TAG, TaggedAllocator
@@ -28,6 +22,8 @@ __all__ = [
     "AllocatorError",
     "AllocatorOutOfMemory",
     "CaptureHandle",
+    "CaptureObserver",
+    "CaptureObservers",
     "CudaDriver",
     "Driver",
     "DriverError",
@@ -38,7 +34,4 @@ __all__ = [
     "SimCall",
     "SimDriver",
     "TaggedAllocator",
-    "call_graph_pool_hooks",
-    "remove_graph_pool_hook",
-    "set_graph_pool_hook",
 ]

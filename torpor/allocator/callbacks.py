@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from torpor.allocator.graphpool import GraphPool
 from torpor.allocator.trim import BlockPool, BlockPools, trim_enabled
 from torpor.extras import require
+from torpor.statemachine.policy import CUDAGRAPH
 
 if TYPE_CHECKING:
     from torpor.allocator.tagged import TaggedAllocator
@@ -135,7 +136,7 @@ class TorchPools:
         """A fresh MemPool for the graph pool (tag cudagraph) wrapped as a :class:`GraphPool`."""
         import torch
 
-        mempool = torch.cuda.MemPool(self.torch_allocator("cudagraph"))
+        mempool = torch.cuda.MemPool(self.torch_allocator(CUDAGRAPH))
         return GraphPool(mempool.id, mempool)
 
     def drop(self, pool: GraphPool) -> None:
@@ -159,9 +160,8 @@ class TorchPools:
             torch.cuda.synchronize()
             self.blocks.clear()
             gc.collect()
-        graph = self.allocator._graph_pool
+        graph = self.allocator.graphs.detach()  # teardown: the graph pool's MemPool goes with the others
         if graph is not None and graph.mempool is not None:
-            self.allocator._graph_pool = None
             self.drop(graph)
 
 

@@ -12,10 +12,15 @@ from torpor.errors import (  # noqa: F401 (re-exported: the old import path)
 )
 
 
-def wrap(operation: str, tag: str | None, exc: BaseException) -> AllocatorError:
-    """Turn a driver error (or any exception) into the allocator error for ``operation`` on ``tag``."""
+def wrap(operation: str, tag: str | None, exc: BaseException, outcome: str = "") -> AllocatorError:
+    """Turn a driver error (or any exception) into the allocator error for ``operation`` on ``tag``.
+
+    ``outcome``: what the failure left behind, said after the reason in parentheses (``"tag left resident"``).
+    """
     call = getattr(exc, "call", None)
     reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+    if outcome:
+        reason = f"{reason} ({outcome})"
     if isinstance(exc, OutOfMemory):
         return AllocatorOutOfMemory(operation, tag, reason, call=call)
     return AllocatorError(operation, tag, reason, call=call)

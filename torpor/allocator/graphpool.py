@@ -1,10 +1,12 @@
-"""The process's CUDA-graph pool: its generations, the graphs captured into it by site, and the pool-id hook.
+"""One generation of the CUDA-graph pool, the handle a capture gets, and an allocator's capture observers.
 
-One pool per process (tag ``cudagraph``), created at the first capture. Each
-capture is recorded with its site; the graph object is held by weak reference,
-so a holder disappears when the caller drops its graph. The hook registered
-with :func:`set_graph_pool_hook` is called with the pool id whenever a capture
-starts (the integration points NCCL's graph allocator at it).
+A :class:`GraphPool` is one generation of an allocator's pool (tag
+``cudagraph``): its id, torch's MemPool on CUDA, and the graphs captured into
+it by site, each held by weak reference, so a holder disappears when the
+caller drops its graph. :class:`CaptureObservers` is the allocator's
+notification point: it tells its subscribers the pool id whenever a capture
+starts. There is no process-wide registry here: the process-wide NCCL hook is
+the integration's (``torpor.hooks.set_nccl_graph_pool_hook``).
 """
 
 from __future__ import annotations
@@ -12,67 +14,54 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 logger = logging.getLogger("torpor.allocator")
 
 PoolId = tuple[int, int]
-_hooks: list[Callable[[Any], None]] = []
-_slot: list[Callable[[Any], None] | None] = [None]
-_hooks_lock = threading.Lock()
+#: Called with the pool id when a capture into an allocator's graph pool starts.
+CaptureObserver = Callable[[PoolId], None]
 
 
-def set_graph_pool_hook(hook: Callable[[PoolId], None] | None) -> None:
-    """Register ``hook(pool_id)``, called when a capture into the graph pool starts (None clears all hooks)."""
-    with _hooks_lock:
-        if hook is None:
-            _hooks.clear()
-            _slot[0] = None
-        elif hook not in _hooks:
-            _hooks.append(hook)
+class CaptureObservers:
+    """One allocator's notification point: the callables told the pool id whenever a capture into its graph pool starts.
 
-
-def remove_graph_pool_hook(hook: Callable[[PoolId], None]) -> None:
-    """Unregister a hook added by :func:`set_graph_pool_hook`."""
-    with _hooks_lock:
-        if hook in _hooks:
-            _hooks.remove(hook)
-
-
-def exchange_graph_pool_hook(hook: Callable[[Any], None] | None) -> Callable[[Any], None] | None:
-    """Put ``hook`` in the integration's one slot (replacing and returning the previous one; None empties it).
-
-    The slot's hook is one of the registered hooks: it is called for every
-    capture into the graph pool and, through ``torpor.hooks.capture_pool``,
-    for captures into a plain pool too. ``torpor.hooks.set_nccl_graph_pool_hook``
-    is this function.
+    Per allocator, not per process: an integration that must follow the pool
+    (NCCL's graph allocator) subscribes to the allocator it uses, or calls its
+    own hooks around the capture (``torpor.hooks.capture_pool`` does). A
+    failing observer is logged and never breaks the capture.
     """
-    with _hooks_lock:
-        previous = _slot[0]
-        if previous is not None and previous in _hooks:
-            _hooks.remove(previous)
-        _slot[0] = hook
-        if hook is not None and hook not in _hooks:
-            _hooks.append(hook)
-    return previous
 
+    def __init__(self, observers: Iterable[CaptureObserver] = ()) -> None:
+        self._lock = threading.Lock()
+        self._observers: list[CaptureObserver] = []
+        for observer in observers:
+            self.add(observer)
 
-def slot_graph_pool_hook() -> Callable[[Any], None] | None:
-    """The hook in the integration's slot (None when empty)."""
-    return _slot[0]
+    def add(self, observer: CaptureObserver) -> Callable[[], None]:
+        """Tell ``observer(pool_id)`` of every capture from now on (once, however often added); returns its remover."""
+        with self._lock:
+            if observer not in self._observers:
+                self._observers.append(observer)
+        return lambda: self.remove(observer)
 
+    def remove(self, observer: CaptureObserver) -> None:
+        """Stop telling ``observer`` (nothing when it is not subscribed)."""
+        with self._lock:
+            if observer in self._observers:
+                self._observers.remove(observer)
 
-def call_graph_pool_hooks(pool_id: object) -> None:
-    """Call every registered hook with ``pool_id``; a failing hook is logged, never raised."""
-    with _hooks_lock:
-        hooks = list(_hooks)
-    for hook in hooks:
-        try:
-            hook(pool_id)
-        except Exception:  # a hook must not break a capture
-            logger.exception("graph pool hook %r failed for pool %s", hook, pool_id)
+    def notify(self, pool_id: PoolId) -> None:
+        """Call every observer with ``pool_id`` in subscription order; a failing one is logged, never raised."""
+        with self._lock:
+            observers = list(self._observers)
+        for observer in observers:
+            try:
+                observer(pool_id)
+            except Exception:  # an observer must not break a capture
+                logger.exception("graph pool observer %r failed for pool %s", observer, pool_id)
 
 
 class CaptureHandle(tuple[int, int]):
@@ -157,16 +146,3 @@ class GraphPool:
         except Exception:  # an older torch without use_count: we only know our graphs
             return 0
         return max(count - 1 - live, 0)
-
-
-@contextmanager
-def no_hooks() -> Iterator[None]:
-    """Temporarily run without graph pool hooks (tests)."""
-    with _hooks_lock:
-        saved = list(_hooks)
-        _hooks.clear()
-    try:
-        yield
-    finally:
-        with _hooks_lock:
-            _hooks[:] = saved

@@ -23,8 +23,9 @@ class HostPolicy:
 
     ``prepin``: pin in the background as tagged memory grows, so the first sleep
     copies at link speed (off by default: the first sleep pins as it copies).
-    ``prepin_exclude``: tags whose growth does not pin ahead (``kv_cache`` is
-    discarded at every level of the default policy). ``keep_after_wake``: keep
+    ``prepin_exclude``: tags whose growth does not pin ahead (none by default:
+    the controller passes the tags its policy discards at every level, see
+    ``Policy.never_backed_up``). ``keep_after_wake``: keep
     chunks pinned after a wake for the next sleep (False gives them back once no
     backup uses them). ``limit_bytes``: most pinned host bytes held at once (None:
     no limit); a take that would pass it raises :class:`AllocatorOutOfMemory`
@@ -36,7 +37,7 @@ class HostPolicy:
     """
 
     prepin: bool = False
-    prepin_exclude: frozenset[str] = frozenset({"kv_cache"})
+    prepin_exclude: frozenset[str] = frozenset()
     keep_after_wake: bool = True
     limit_bytes: int | None = None
     chunk_bytes: int = 32 * MiB

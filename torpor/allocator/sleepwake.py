@@ -287,10 +287,7 @@ class SleepWake:
             if not isinstance(exc, Exception):
                 raise
             detail = f"; {lost} bytes mapped back fresh (no backup)" if lost else ""
-            error = wrap("release", tag, exc)
-            error.reason += f" (tag left resident{detail})"
-            error.args = (f"{error.args[0]} (tag left resident{detail})",)
-            raise error from exc
+            raise wrap("release", tag, exc, f"tag left resident{detail}") from exc
         self.table.mark_released(tag)
 
     def _map_back(self, tag: str, record: TagState) -> int:

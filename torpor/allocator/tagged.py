@@ -12,31 +12,38 @@ state) lives in the native library (:mod:`torpor.allocator.table`), which also
 serves torch's malloc and free without the GIL. This class orchestrates sleep
 and wake over it (:mod:`torpor.allocator.sleepwake`): the copies and pinned
 host memory are Python's (the driver's copy stream), the mappings the library's.
+
+The class is a facade over parts that each do one job: :class:`TagBook`
+(each tag's record and this thread's tag), :class:`GraphPoolState` (the graph
+pool's generations and capture observers), :class:`TorchBinding` (torch's
+memory pools, made on first use on CUDA) and :class:`HostArena` (pinned host
+memory); :class:`SleepWake` is the memory protocol over them.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
 
-from torpor.allocator import native
 from torpor.allocator.callbacks import TorchPools
 from torpor.allocator.cuda_driver import CudaDriver
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError
-from torpor.allocator.graphpool import CaptureHandle, GraphPool, PoolId, call_graph_pool_hooks
+from torpor.allocator.graphpool import CaptureHandle, CaptureObserver, PoolId
+from torpor.allocator.graphstate import GraphPoolState
 from torpor.allocator.offload import HostArena, HostPolicy
 from torpor.allocator.sleepwake import SleepWake, TagState
 from torpor.allocator.table import NativeTable
-from torpor.errors import PoolBusy
+from torpor.allocator.tagbook import TagBook
+from torpor.allocator.torchbinding import TorchBinding
+from torpor.statemachine.policy import CUDAGRAPH, DEFAULT_TAG
 from torpor.statemachine.protocol import DeviceMemory, TagUsage
 
 logger = logging.getLogger("torpor.allocator")
 MiB = 1 << 20
-GRAPH_TAG = "cudagraph"
+GRAPH_TAG = CUDAGRAPH  # the graph pool's tag (the name lives in torpor.statemachine.policy)
 
 
 class SlabStats:
@@ -61,7 +68,9 @@ class TaggedAllocator(SleepWake):
     ``host``: the pinned-host policy. ``group_bytes``: bytes per pipelined
     copy group. ``piece_bytes``: the largest single mapping made on wake.
     ``slab_bytes``: the largest slab shared by one-granule allocations (at most
-    64 granules; 0 maps each allocation on its own).
+    64 granules; 0 maps each allocation on its own). ``capture_observers``:
+    called with the pool id whenever a capture into this allocator's graph
+    pool starts (more with :meth:`on_capture`).
     """
 
     def __init__(
@@ -73,6 +82,7 @@ class TaggedAllocator(SleepWake):
         piece_bytes: int = 128 * MiB,
         slab_bytes: int = 64 * MiB,
         default_device: int = 0,
+        capture_observers: Iterable[CaptureObserver] = (),
     ) -> None:
         if driver is None:
             driver = CudaDriver()
@@ -83,43 +93,31 @@ class TaggedAllocator(SleepWake):
         self.piece_bytes = piece_bytes
         self.slabs = SlabStats(self.table)
         self.default_device = default_device
-        self._lock = threading.RLock()
-        self._tags: dict[str, TagState] = {}
-        self._gran: dict[int, int] = {}
-        self._local = threading.local()
-        self._graph_pool: GraphPool | None = None
-        self._pool_generation = 0
-        self._torch: Any = None
-        self._callback_errors: list[AllocatorError] = []
+        self.book = TagBook(self.table)
+        self.graphs = GraphPoolState(self.book, capture_observers)
+        self.torch_binding = TorchBinding(self)
+        self._lock = self.book.lock  # what SleepWake works under: the book's lock and records, not copies
+        self._tags = self.book.records
+        self._granularity = functools.cache(self.table.granularity)
         self.closed = False
 
     # -- the raw path -------------------------------------------------------------------
 
     def granularity(self, device: int | None = None) -> int:
         """Mapping granularity of ``device`` (allocation sizes are rounded up to it)."""
-        dev = self.default_device if device is None else device
-        gran = self._gran.get(dev)
-        if gran is None:
-            gran = self._gran[dev] = self.table.granularity(dev)
-        return gran
+        return self._granularity(self.default_device if device is None else device)
 
     def current_tag(self) -> str | None:
         """The innermost tag of :meth:`use_memory_pool` (or the graph pool) on this thread."""
-        stack: list[str] = getattr(self._local, "tags", [])
-        return stack[-1] if stack else None
+        return self.book.current()
 
     def tag_state(self, tag: str) -> TagState:
         """Python's record of ``tag`` (its backup), made on first use."""
-        with self._lock:
-            state = self._tags.get(tag)
-            if state is None:
-                self.table.tag_id(tag)
-                state = self._tags[tag] = TagState()
-            return state
+        return self.book.state(tag)
 
     def allocate(self, nbytes: int, tag: str | None = None, device: int | None = None) -> int:
         """Map ``nbytes`` (rounded up to the granularity) under ``tag``; return the address."""
-        tag = tag or self.current_tag() or "default"
+        tag = tag or self.current_tag() or DEFAULT_TAG
         dev = self.default_device if device is None else device
         if nbytes <= 0:
             msg = f"cannot allocate {nbytes} bytes"
@@ -159,10 +157,8 @@ class TaggedAllocator(SleepWake):
         self.driver.write(address, data)
 
     def grow_host(self) -> None:
-        """Raise the pin-ahead target to the tagged bytes (tags outside ``prepin_exclude``)."""
-        skip = self.host.policy.prepin_exclude
-        total = sum(self.table.usage(t)[1] for t in list(self._tags) if t not in skip)
-        self.host.want(total)
+        """Raise the pin-ahead target to the tagged bytes (tags outside the policy's ``prepin_exclude``)."""
+        self.host.want(self.book.tagged_bytes(self.host.policy.prepin_exclude))
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -170,120 +166,73 @@ class TaggedAllocator(SleepWake):
     def use_memory_pool(self, tag: str) -> Iterator[None]:
         """Route this thread's allocations to ``tag`` (torch tensors on CUDA; :meth:`allocate` everywhere); nested: inner wins."""
         self.tag_state(tag)
-        stack: list[str] = self._local.__dict__.setdefault("tags", [])
-        stack.append(tag)
-        torch_ctx = self._torch_pools().use(tag) if self._on_cuda() else None
-        try:
-            if torch_ctx is None:
-                yield
-            else:
-                with torch_ctx:
+        with self.book.routed(tag):
+            torch_ctx = self._torch_pools().use(tag) if self._on_cuda() else None
+            try:
+                if torch_ctx is None:
                     yield
-        except Exception as exc:
-            pending = self.pending_errors()
-            if pending:
-                raise pending[-1] from exc
-            raise
-        finally:
-            stack.pop()
-            if tag not in self.host.policy.prepin_exclude:
-                self.grow_host()  # torch's allocations in the block never call Python: pin ahead for them now
+                else:
+                    with torch_ctx:
+                        yield
+            except Exception as exc:
+                pending = self.pending_errors()
+                if pending:
+                    raise pending[-1] from exc
+                raise
+            finally:
+                if tag not in self.host.policy.prepin_exclude:
+                    self.grow_host()  # torch's allocations in the block never call Python: pin ahead for them now
 
     @contextmanager
     def use_cudagraph_pool(self) -> Iterator[PoolId]:
-        """Yield the graph pool's id for ``torch.cuda.graph(pool=...)``; allocations inside are tagged cudagraph."""
-        pool = self._ensure_graph_pool()
-        call_graph_pool_hooks(pool.id)
-        stack: list[str] = self._local.__dict__.setdefault("tags", [])
-        stack.append(GRAPH_TAG)
-        self.host.pause()  # no pinning while a graph is captured
-        try:
-            yield pool.id
-        finally:
-            self.host.resume()
-            stack.pop()
+        """Yield the graph pool's id for ``torch.cuda.graph(pool=...)``; allocations inside are tagged cudagraph.
+
+        The allocator's capture observers (``capture_observers``, :meth:`on_capture`) are told the id first.
+        """
+        make = (lambda: self._torch_pools().new_graph_pool()) if self._on_cuda() else None
+        pool = self.graphs.start_capture(make)
+        with self.book.routed(GRAPH_TAG):
+            self.host.pause()  # no pinning while a graph is captured
+            try:
+                yield pool.id
+            finally:
+                self.host.resume()
 
     @contextmanager
     def capture_into_pool(self, site: str) -> Iterator[CaptureHandle]:
         """Context for capturing graphs at ``site``: yields a :class:`CaptureHandle` (a pool id that records graphs)."""
         with self.use_cudagraph_pool() as pool_id:
-            pool = self._graph_pool
+            pool = self.graphs.current
             if pool is None:  # released by another thread mid-capture
                 msg = f"the cudagraph pool was released while capturing at {site!r}"
                 raise AllocatorError("capture", GRAPH_TAG, msg)
             yield CaptureHandle(pool_id, site, pool.record)
 
+    def on_capture(self, observer: CaptureObserver) -> Callable[[], None]:
+        """Call ``observer(pool_id)`` whenever a capture into this allocator's graph pool starts; returns its remover.
+
+        A failing observer is logged and never breaks the capture. The process-wide
+        NCCL hook is the integration's: ``torpor.hooks.set_nccl_graph_pool_hook``.
+        """
+        return self.graphs.observers.add(observer)
+
     def cudagraph_pool_holders(self) -> list[str]:
         """Everything that still references the graph pool (empty when it can be released)."""
-        pool = self._graph_pool
-        return pool.holders() if pool is not None else []
+        return self.graphs.holders()
 
     def cudagraph_pool_id(self) -> PoolId | None:
         """The current graph pool's id, None before the first capture or after a release."""
-        pool = self._graph_pool
-        return pool.id if pool is not None else None
+        return self.graphs.pool_id()
 
     def release_cudagraph_pool(self) -> int:
         """Drop the graph pool once nothing references it; return the bytes it held; the next capture starts afresh."""
-        with self._lock:
-            pool = self._graph_pool
-            if pool is None:
-                return 0
-            state, before, _ = self.table.usage(GRAPH_TAG) if GRAPH_TAG in self._tags else (0, 0, 0)
-            if state == native.RELEASED:
-                msg = (
-                    f"cudagraph pool {pool.id} is asleep ({before} bytes released): "
-                    "freeing it would unmap a second time; wake first"
-                )
-                raise PoolBusy(msg)
-            holders = pool.holders()
-            if holders:
-                msg = f"cudagraph pool is referenced by {len(holders)} holder(s) ({'; '.join(holders)}); release the graphs first"
-                raise PoolBusy(msg, holders)
-            self._graph_pool = None
-            if pool.mempool is not None:
-                self._torch_pools().drop(pool)  # torch frees the segments through the native free
-                left = self.table.usage(GRAPH_TAG)[1]
-                if left:
-                    logger.warning(
-                        "%d bytes of the released graph pool are still allocated (tensors of it alive)", left
-                    )
-            elif GRAPH_TAG in self._tags:
-                for address, _, _ in self.table.allocations(GRAPH_TAG):
-                    self.free(address)
-            after = self.table.usage(GRAPH_TAG)[1] if GRAPH_TAG in self._tags else 0
-            return before - after
-
-    def _ensure_graph_pool(self) -> GraphPool:
-        with self._lock:
-            self.tag_state(GRAPH_TAG)
-            state, nbytes, _ = self.table.usage(GRAPH_TAG)
-            if state == native.RELEASED:
-                msg = f"cannot capture: the cudagraph pool is released (asleep, {nbytes} bytes on host); wake first"
-                raise AllocatorError("capture", GRAPH_TAG, msg)
-            if self._graph_pool is None:
-                self._pool_generation += 1
-                if self._on_cuda():
-                    self._graph_pool = self._torch_pools().new_graph_pool()
-                else:
-                    self._graph_pool = GraphPool((-1, self._pool_generation))
-            return self._graph_pool
+        return self.graphs.release(lambda pool: self._torch_pools().drop(pool), self.free)
 
     # -- the memory protocol (sleep and wake: SleepWake) -------------------------------------
 
     def usage(self) -> dict[str, TagUsage]:
         """Bytes per tag: resident, on the host, or discarded, and the number of allocations."""
-        with self._lock:
-            out = {}
-            for tag, record in self._tags.items():
-                state, n, count = self.table.usage(tag)
-                if state != native.RELEASED:
-                    out[tag] = TagUsage(n, 0, 0, count)
-                elif record.backed_up:
-                    out[tag] = TagUsage(0, n, 0, count)
-                else:
-                    out[tag] = TagUsage(0, 0, n, count)
-            return out
+        return self.book.usage()
 
     def pinned_bytes(self) -> int:
         """Pinned host bytes held for backups (used or kept for reuse)."""
@@ -294,9 +243,15 @@ class TaggedAllocator(SleepWake):
         self.grow_host()
         return self.host.wait_ready(timeout)
 
-    def configure_host(self, *, prepin: bool, limit_bytes: int | None) -> None:
-        """Apply the controller's host-memory policy to the arena (pinning ahead starts at once when asked)."""
-        self.host.configure(prepin=prepin, limit_bytes=limit_bytes)
+    def configure_host(
+        self, *, prepin: bool, limit_bytes: int | None, prepin_exclude: frozenset[str] = frozenset()
+    ) -> None:
+        """Apply the controller's host-memory policy to the arena (pinning ahead starts at once when asked).
+
+        ``prepin_exclude``: tags whose growth does not pin ahead (the controller
+        passes the tags its policy never backs up).
+        """
+        self.host.configure(prepin=prepin, limit_bytes=limit_bytes, prepin_exclude=frozenset(prepin_exclude))
         if prepin:
             self.grow_host()
 
@@ -318,17 +273,16 @@ class TaggedAllocator(SleepWake):
     def pending_errors(self) -> list[AllocatorError]:
         """Errors of torch's malloc/free calls (in the native library) since the last call, and forget them."""
         with self._lock:
-            errors, self._callback_errors = [*self._callback_errors, *self.table.errors()], []
-            return errors
+            return list(self.table.errors())
 
     def close(self) -> None:
         """Teardown: unmap what is mapped, free reservations and pinned memory (also while asleep)."""
         with self._lock:
             for record in self._tags.values():
                 self._settle(record)
-            if self._torch is not None:
-                self._graph_pool = None
-                self._torch.close()  # torch frees its cached segments through the native free
+            if self.torch_binding.current is not None:
+                self.graphs.detach()
+                self.torch_binding.close()  # torch frees its cached segments through the native free
             failed = self.table.close()
             if failed:
                 logger.error("%d driver call(s) failed while tearing the allocator down", failed)
@@ -338,19 +292,18 @@ class TaggedAllocator(SleepWake):
     # -- internals ----------------------------------------------------------------------------
 
     def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
-        # The graph pool is backed up whole: blocks a capture freed are still the graphs' working memory.
-        if self._torch is None or tag == GRAPH_TAG:
-            return None
-        found: dict[int, list[tuple[int, int]]] | None = self._torch.live_ranges(tag)
-        return found
+        return self.torch_binding.live_ranges(tag)
 
     def _on_cuda(self) -> bool:
         return getattr(self.driver, "name", "") == "cuda"
 
-    def _torch_pools(self) -> Any:
-        if self._torch is None:
-            self._torch = TorchPools(self)
-        return self._torch
+    def _torch_pools(self) -> TorchPools:
+        return self.torch_binding.pools()
+
+    @property
+    def _torch(self) -> TorchPools | None:
+        """The torch pools, None before the first use on CUDA (the name the sleep path looks them up by)."""
+        return self.torch_binding.current
 
 
 def capture_context(allocator: TaggedAllocator, site: str) -> AbstractContextManager[CaptureHandle]:

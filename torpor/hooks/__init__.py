@@ -15,11 +15,14 @@ from torpor.errors import CaptureRoutingError
 from torpor.hooks._warn import reset_warnings
 from torpor.hooks.allreduce import register_graph_buffers
 from torpor.hooks.capture import (
+    GraphPoolHooks,
     NcclGraphPoolHook,
+    add_graph_pool_hook,
     capture_pool,
     in_plain_capture,
     nccl_graph_pool_hook,
     plain_capture,
+    remove_graph_pool_hook,
     routes_to_cumem,
     set_nccl_graph_pool_hook,
 )
@@ -56,10 +59,12 @@ __all__ = [
     "FleetError",
     "FleetView",
     "Follower",
+    "GraphPoolHooks",
     "GroupView",
     "NcclDecision",
     "NcclGraphPoolHook",
     "RankView",
+    "add_graph_pool_hook",
     "apply_nccl_defaults",
     "capture_pool",
     "cudagraph_pool_decision",
@@ -72,6 +77,7 @@ __all__ = [
     "plain_capture",
     "rank_logs",
     "register_graph_buffers",
+    "remove_graph_pool_hook",
     "reset_warnings",
     "routes_to_cumem",
     "set_nccl_graph_pool_hook",

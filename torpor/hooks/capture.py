@@ -7,19 +7,22 @@ the cuMem graph pool; otherwise it yields the plain pool the site passed in.
 Either way it first points NCCL's graph allocator at the pool it yields,
 through the hook the integration registered with
 :func:`set_nccl_graph_pool_hook` (torch has no public API for that, so the
-default is a no-op). Memory profiling wraps its captures in
+default is a no-op). That registry (:class:`GraphPoolHooks`) lives here, in
+the integration that needs it; the allocator only tells its own observers. Memory profiling wraps its captures in
 :func:`plain_capture`, a context variable, so they go to a throwaway plain pool
 and are freed with their graphs, as without sleep mode.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
-from torpor.allocator.graphpool import call_graph_pool_hooks, exchange_graph_pool_hook, slot_graph_pool_hook
+from torpor.allocator.graphpool import CaptureHandle
 from torpor.errors import (
     CaptureRoutingError,
 )
@@ -28,20 +31,94 @@ from torpor.hooks.predicate import CudagraphPoolDecision
 if TYPE_CHECKING:
     from torpor.statemachine.controller import SleepController
 
+logger = logging.getLogger("torpor.hooks")
+
 #: Called with the pool a capture is about to use (an id, a handle, or None for a private pool).
 NcclGraphPoolHook = Callable[[object], None]
 
 
 _plain: ContextVar[bool] = ContextVar("torpor_plain_capture", default=False)
 
+
+class GraphPoolHooks:
+    """The integration's graph-pool hooks: one NCCL slot plus further hooks, called before every routed capture.
+
+    Process-wide, as NCCL's graph allocator is: :func:`capture_pool` (and the
+    vLLM backend's ``cudagraph_pool``) call them with the pool the capture is
+    about to use, the cuMem pool's id or the plain pool. The allocator holds no
+    hook of its own beyond its per-instance observers
+    (``TaggedAllocator.on_capture``). A hook that raises is logged and never
+    breaks a capture.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slot: NcclGraphPoolHook | None = None
+        self._hooks: list[NcclGraphPoolHook] = []
+
+    def exchange(self, hook: NcclGraphPoolHook | None) -> NcclGraphPoolHook | None:
+        """Put ``hook`` in the NCCL slot (None empties it); return the hook it replaces."""
+        with self._lock:
+            previous, self._slot = self._slot, hook
+        return previous
+
+    def slot(self) -> NcclGraphPoolHook | None:
+        """The hook in the NCCL slot (None when empty)."""
+        return self._slot
+
+    def add(self, hook: NcclGraphPoolHook) -> Callable[[], None]:
+        """Call ``hook(pool)`` before every routed capture too (once, however often added); returns its remover."""
+        with self._lock:
+            if hook not in self._hooks:
+                self._hooks.append(hook)
+        return lambda: self.remove(hook)
+
+    def remove(self, hook: NcclGraphPoolHook) -> None:
+        """Stop calling a hook added with :meth:`add` (nothing when it is not added)."""
+        with self._lock:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
+
+    def call(self, pool: object) -> None:
+        """Call the further hooks, then the slot's, with ``pool``; a failing hook is logged, never raised."""
+        with self._lock:
+            hooks = [*self._hooks, *([self._slot] if self._slot is not None else [])]
+        for hook in hooks:
+            try:
+                hook(pool)
+            except Exception:  # a hook must not break a capture
+                logger.exception("graph pool hook %r failed for pool %s", hook, pool)
+
+
+#: The process's one registry (the integration's, not the allocator's).
+GRAPH_POOL_HOOKS = GraphPoolHooks()
+
 #: Register ``hook(pool)``, called before each routed capture; None empties the slot. Returns the previous hook.
 #: vLLM's integration registers a function that calls its NCCL allocator's ``set_graph_pool_id``; a plain
-#: PyTorch user needs none. The hook lives in the allocator's one registry (hooks hold no state): the
-#: memory's ``capture_into_pool`` calls it for the cuMem pool, :func:`capture_pool` for a plain pool.
-set_nccl_graph_pool_hook = exchange_graph_pool_hook
+#: PyTorch user needs none. It is called with the cuMem pool's id (a plain tuple) or the plain pool.
+set_nccl_graph_pool_hook = GRAPH_POOL_HOOKS.exchange
 
 #: The registered NCCL graph-pool hook (None: none registered).
-nccl_graph_pool_hook = slot_graph_pool_hook
+nccl_graph_pool_hook = GRAPH_POOL_HOOKS.slot
+
+#: Call ``hook(pool)`` before every routed capture as well as the NCCL slot's; returns its remover.
+add_graph_pool_hook = GRAPH_POOL_HOOKS.add
+
+#: Stop calling a hook added with :func:`add_graph_pool_hook`.
+remove_graph_pool_hook = GRAPH_POOL_HOOKS.remove
+
+
+def pool_id_of(pool: object) -> object:
+    """What the hooks are told of a pool: a :class:`CaptureHandle`'s plain id, anything else as it is."""
+    return pool.pool if isinstance(pool, CaptureHandle) else pool
+
+
+@contextmanager
+def cumem_capture(controller: SleepController, site: str) -> Iterator[object]:
+    """``controller.capture(site)``, the graph-pool hooks told the pool first: yields what ``torch.cuda.graph(pool=...)`` takes."""
+    with controller.capture(site) as pool:
+        GRAPH_POOL_HOOKS.call(pool_id_of(pool))
+        yield pool
 
 
 @contextmanager
@@ -86,7 +163,7 @@ def capture_pool(
     so it is refused unless the engine is awake and is recorded as an event.
     """
     if not routes_to_cumem(decision):
-        call_graph_pool_hooks(plain_pool)
+        GRAPH_POOL_HOOKS.call(plain_pool)
         yield plain_pool
         return
     if controller is None:
@@ -95,5 +172,5 @@ def capture_pool(
             "but no SleepController was given (pass controller=..., or wrap profiling captures in plain_capture())"
         )
         raise CaptureRoutingError(msg)
-    with controller.capture(site) as pool:  # the memory's capture_into_pool calls the hooks with its pool
+    with cumem_capture(controller, site) as pool:
         yield pool

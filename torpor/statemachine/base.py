@@ -81,7 +81,7 @@ class ControllerBase:
         self.memory = memory
         self.policy = policy or DEFAULT_POLICY
         self.host_policy = self.policy.host_policy()
-        apply_host_policy(memory, self.host_policy)
+        apply_host_policy(memory, self.host_policy, self.policy.never_backed_up())
         self.engine = engine
         self.rank = rank
         self.group = None if group is None else GroupMember(as_agreement(group), group_timeout)

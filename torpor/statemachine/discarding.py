@@ -17,6 +17,7 @@ from torpor.statemachine.base import _tag_list
 from torpor.statemachine.events import EventKind
 from torpor.statemachine.group import collective
 from torpor.statemachine.hostmem import release_unused_host
+from torpor.statemachine.policy import NEVER_DISCARD
 from torpor.statemachine.projection import Projection
 from torpor.statemachine.rollback import discard_failed, undo_discard
 from torpor.statemachine.waking import Waking
@@ -42,8 +43,8 @@ class Discarding(Waking):
             resident = [t for t in tags if t not in self.projection.asleep]
             for tag in tags:
                 why = ""
-                if tag == "cudagraph":
-                    why = "cudagraph is never discarded: graphs hold write-once state"
+                if tag in NEVER_DISCARD:
+                    why = f"{tag} is never discarded: graphs hold write-once state"
                 elif tag in resident and tag not in self.policy.deferrable:
                     deferrable = ", ".join(sorted(self.policy.deferrable))
                     why = f"{tag!r} is resident and every wake restores it; only {deferrable} can be discarded while resident"

@@ -10,6 +10,7 @@ is left alone.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from torpor.errors import HostBudgetExceeded
@@ -18,10 +19,14 @@ from torpor.statemachine.projection import Projection
 from torpor.statemachine.protocol import DeviceReporting, HostMemory, Memory
 
 
-def apply_host_policy(memory: Memory, host: HostMemoryPolicy) -> None:
-    """Tell the memory whether to pin ahead and how many pinned bytes it may hold."""
+def apply_host_policy(memory: Memory, host: HostMemoryPolicy, never_backed_up: AbstractSet[str] = frozenset()) -> None:
+    """Tell the memory whether to pin ahead, for which tags not (``never_backed_up``), and how many pinned bytes it may hold."""
     if isinstance(memory, HostMemory):
-        memory.configure_host(prepin=host.pin is PinWhen.AHEAD, limit_bytes=host.budget_bytes)
+        memory.configure_host(
+            prepin=host.pin is PinWhen.AHEAD,
+            limit_bytes=host.budget_bytes,
+            prepin_exclude=frozenset(never_backed_up),
+        )
 
 
 def backup_bytes(memory: Memory, tags: Iterable[str], resident: Mapping[str, int]) -> dict[str, int]:

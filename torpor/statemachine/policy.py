@@ -1,6 +1,8 @@
-"""Sleep policy: which tag is offloaded and which discarded at each level, and how host memory is held.
+"""The tag vocabulary and the sleep policy: which tag is offloaded and which discarded at each level, and how host memory is held.
 
-Pure data. The default follows vLLM: ``kv_cache`` and ``workspace`` (scratch
+Pure data, and the one place tags are named and judged: the allocator takes
+what it needs from here as parameters (the controller passes them) and decides
+nothing. The default follows vLLM: ``kv_cache`` and ``workspace`` (scratch
 buffers, rewritten before every read) are discarded at both levels,
 ``weights`` at level 2; ``cudagraph`` is never discarded (graphs hold
 write-once state); ``weights`` and ``kv_cache`` are the only deferrable tags (a
@@ -28,8 +30,16 @@ class Action(enum.StrEnum):
     DISCARD = "discard"
 
 
-DEFERRABLE: frozenset[str] = frozenset({"weights", "kv_cache"})
-NEVER_DISCARD: frozenset[str] = frozenset({"cudagraph"})
+#: The tags torpor and its integrations name. Any other string is a tag too (offloaded by default).
+WEIGHTS = "weights"
+KV_CACHE = "kv_cache"
+CUDAGRAPH = "cudagraph"  # the process's CUDA-graph pool (``capture``); never discarded
+WORKSPACE = "workspace"  # scratch buffers, rewritten before every read
+RUNTIME = "runtime"
+DEFAULT_TAG = "default"  # what the allocator tags an allocation made outside any tag
+
+DEFERRABLE: frozenset[str] = frozenset({WEIGHTS, KV_CACHE})
+NEVER_DISCARD: frozenset[str] = frozenset({CUDAGRAPH})
 
 
 class PinWhen(enum.StrEnum):
@@ -114,8 +124,8 @@ class Policy:
 
     levels: Mapping[int, Mapping[str, Action]] = field(
         default_factory=lambda: {
-            1: {"weights": Action.OFFLOAD, "kv_cache": Action.DISCARD, "workspace": Action.DISCARD},
-            2: {"weights": Action.DISCARD, "kv_cache": Action.DISCARD, "workspace": Action.DISCARD},
+            1: {WEIGHTS: Action.OFFLOAD, KV_CACHE: Action.DISCARD, WORKSPACE: Action.DISCARD},
+            2: {WEIGHTS: Action.DISCARD, KV_CACHE: Action.DISCARD, WORKSPACE: Action.DISCARD},
         }
     )
     deferrable: frozenset[str] = DEFERRABLE
@@ -140,6 +150,13 @@ class Policy:
             raise InvalidLevel(level)
         actions = self.levels[level]
         return {tag: actions.get(tag, Action.OFFLOAD) for tag in sorted(tags)}
+
+    def never_backed_up(self) -> frozenset[str]:
+        """Tags discarded at every level: no sleep copies them, so pinning host memory ahead for them is waste."""
+        if not self.levels:
+            return frozenset()
+        named = set.intersection(*(set(actions) for actions in self.levels.values()))
+        return frozenset(t for t in named if all(a[t] == Action.DISCARD for a in self.levels.values()))
 
     def wake_set(self, requested: Iterable[str] | None, asleep: Iterable[str]) -> list[str]:
         """Tags a wake restores: every asleep tag, less unrequested deferrable ones."""

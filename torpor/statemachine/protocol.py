@@ -95,8 +95,10 @@ class HostMemory(Protocol):
         """Pinned host bytes held (backups and chunks kept for reuse)."""
         ...
 
-    def configure_host(self, *, prepin: bool, limit_bytes: int | None) -> None:
-        """Pin ahead or not, and the most pinned bytes held."""
+    def configure_host(
+        self, *, prepin: bool, limit_bytes: int | None, prepin_exclude: frozenset[str] = frozenset()
+    ) -> None:
+        """Pin ahead or not (never for the tags in ``prepin_exclude``), and the most pinned bytes held."""
         ...
 
     def trim_host(self, background: bool = False) -> int:

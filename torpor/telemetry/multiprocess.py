@@ -27,7 +27,8 @@ from torpor.statemachine.events import Event, EventKind
 from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import State
 from torpor.telemetry.errors import DuplicateRank
-from torpor.telemetry.prometheus import BASE_LABELS, DURATION_BUCKETS, LAST_GAUGES, METRICS
+from torpor.telemetry.prometheus import BASE_LABELS, LAST_GAUGES, METRICS
+from torpor.telemetry.rankstats import DURATION_BUCKETS
 from torpor.telemetry.tracker import Observation, Tracker
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"

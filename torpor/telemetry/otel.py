@@ -27,11 +27,10 @@ from torpor.telemetry.prometheus import (
     _COUNTERS,
     _HISTOGRAMS,
     BASE_LABELS,
-    DURATION_BUCKETS,
     METRICS,
-    RankStats,
     rank_samples,
 )
+from torpor.telemetry.rankstats import DURATION_BUCKETS, RankStats
 from torpor.telemetry.tracker import Observation, Tracker, woken_label
 
 SCOPE = "torpor"

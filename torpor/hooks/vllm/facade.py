@@ -32,10 +32,11 @@ from torpor.errors import (
     ControllerClosed,
     NotWired,
 )
+from torpor.hooks.capture import cumem_capture
 from torpor.hooks.vllm import process
 from torpor.hooks.vllm.wiring import on_controller_started, record_when_known
 from torpor.statemachine.controller import SleepController, log_path_for
-from torpor.statemachine.policy import Policy
+from torpor.statemachine.policy import DEFAULT_TAG, WEIGHTS, Policy
 from torpor.statemachine.protocol import Memory
 
 logger = logging.getLogger("torpor.vllm")
@@ -119,7 +120,7 @@ class TorporMemAllocator:
     given or as read from vLLM and the environment).
     """
 
-    default_tag = "default"
+    default_tag = DEFAULT_TAG  # as vLLM's CuMemAllocator.default_tag
 
     def __init__(
         self,
@@ -223,7 +224,7 @@ class TorporMemAllocator:
         a requested set that differs is logged.
         """
         tags = (offload_tags,) if isinstance(offload_tags, str) else offload_tags
-        level = 1 if tags is None or "weights" in tags else 2
+        level = 1 if tags is None or WEIGHTS in tags else 2
         if tags is not None:
             planned = self.controller.policy.plan(level, self.memory.usage())
             differ = sorted(t for t, action in planned.items() if (t in tags) != (action.value == "offload"))
@@ -260,7 +261,7 @@ class TorporMemAllocator:
         controller = self.controller
         if not self._decisions_recorded:
             self._decisions_recorded = record_when_known(controller)
-        with controller.capture(site) as pool:
+        with cumem_capture(controller, site) as pool:  # the graph-pool hooks (NCCL) follow the pool
             yield pool
 
     def release_pools(self) -> None:

@@ -1,0 +1,44 @@
+"""Tests of torpor.allocator.torchbinding: torch's pools are made once, at the first use, and not before."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from torpor.allocator import SimDriver, TaggedAllocator
+from torpor.allocator.torchbinding import TorchBinding
+
+
+def test_nothing_is_made_before_the_first_use() -> None:
+    """Off CUDA no torch pools exist: every byte counts as live, close has nothing to do."""
+    alloc = TaggedAllocator(SimDriver(16 << 20))
+    with alloc.use_memory_pool("weights"):
+        alloc.allocate(1 << 16)
+    binding = alloc.torch_binding
+    assert binding.current is None and alloc._torch is None
+    assert binding.live_ranges("weights") is None
+    binding.close()
+    alloc.close()
+
+
+def test_the_pools_are_made_once_whichever_thread_asks_first() -> None:
+    """Threads asking at once get one TorchPools; the graph pool's ranges stay unknown (it is backed up whole)."""
+    pytest.importorskip("torch")
+    alloc = TaggedAllocator(SimDriver(16 << 20))
+    binding = TorchBinding(alloc)
+    made: list[object] = []
+    start = threading.Barrier(4)
+
+    def ask() -> None:
+        start.wait()
+        made.append(binding.pools())
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 4 and all(p is made[0] for p in made) and binding.current is made[0]
+    assert binding.live_ranges("cudagraph") is None and binding.live_ranges("weights") is None
+    alloc.close()
