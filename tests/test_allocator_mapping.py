@@ -1,11 +1,13 @@
-"""Tests of the mapping planners: taking backup extents off the front of a pinned-extent queue."""
+"""Tests of the mapping planners: taking backup extents off the front of a pinned-extent queue, clipping pieces to spans."""
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections import deque
 
-from torpor.allocator.mapping import take_front
+from torpor.allocator import SimDriver, TaggedAllocator
+from torpor.allocator.mapping import Piece, clip, clip_each, take_front
 from torpor.allocator.offload import Extent
 
 
@@ -30,3 +32,65 @@ def test_take_front_of_more_than_there_is_returns_what_there_is() -> None:
     """Asking beyond the queue returns every extent left (the caller sized the queue; nothing is invented)."""
     rest = deque([Extent(0, 8, 0)])
     assert take_front(rest, 100) == [Extent(0, 8, 0)] and not rest
+
+
+class _Counted(tuple):  # type: ignore[type-arg]
+    """A piece that counts how often a planner reads it (subscript or unpacking)."""
+
+    reads = 0
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        _Counted.reads += 1
+        return tuple.__getitem__(self, i)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _Counted.reads += 1
+        return tuple.__iter__(self)
+
+
+def _random_case(seed: int) -> tuple[list[Piece], list[tuple[int, int]]]:
+    rng = random.Random(seed)
+    parts: list[Piece] = []
+    pos = 0
+    for _ in range(500):
+        pos += rng.choice([0, 0, 7, 64])
+        n = rng.choice([1, 5, 64, 300])
+        parts.append((pos, pos, n, 0))
+        pos += n
+    ranges, lo = [], 0
+    while lo < pos + 50:
+        lo += rng.choice([0, 3, 40])
+        hi = lo + rng.choice([1, 17, 128, 1000])
+        ranges.append((lo, hi))
+        lo = hi
+    return parts, ranges
+
+
+def test_clip_each_equals_clip_per_range() -> None:
+    """clip_each gives exactly what clip gives range by range (pieces crossing range ends, gaps, unsorted input)."""
+    for seed in range(20):
+        parts, ranges = _random_case(seed)
+        expected = [clip(parts, lo, hi) for lo, hi in ranges]
+        assert clip_each(parts, ranges) == expected
+        shuffled = parts[:]
+        random.Random(seed).shuffle(shuffled)
+        assert clip_each(shuffled, ranges) == expected
+
+
+def test_wake_reads_each_backed_up_piece_a_bounded_number_of_times() -> None:
+    """A wake of 2048 one-granule allocations in 128 spans reads the backup's pieces O(pieces + spans) times, not per span."""
+    g = 64 << 10
+    sim = SimDriver(256 << 20, granularity=g)
+    alloc = TaggedAllocator(sim, group_bytes=16 * g)
+    addresses = [alloc.allocate(g, "weights") for _ in range(2048)]
+    for i, a in enumerate(addresses[::97]):
+        alloc.write(a, bytes([i % 251]) * 64)
+    alloc.backup(["weights"])
+    alloc.release(["weights"])
+    record = alloc.tag_state("weights")
+    record.pieces = [_Counted(p) for p in record.pieces]
+    _Counted.reads = 0
+    alloc.restore(["weights"])
+    assert _Counted.reads <= 16 * len(record.pieces), f"{_Counted.reads} reads of {len(record.pieces)} pieces"
+    assert all(alloc.read(a, 64) == bytes([i % 251]) * 64 for i, a in enumerate(addresses[::97]))
+    alloc.close()

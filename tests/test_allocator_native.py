@@ -275,6 +275,62 @@ def test_a_sleep_trims_nothing_torch_holds_live_and_skips_trimmed_segments() -> 
     assert moved == 2 * G and sim.used == 2 * G and alloc.read(b, 2 * G) == b"b" * 2 * G
 
 
+def test_untrim_maps_a_trimmed_segment_again_and_counts_it() -> None:
+    """A trimmed segment untrimmed (its pool serves a block again) is mapped, counted and writable; untrim again says no."""
+    sim, alloc = make()
+    a = alloc.allocate(2 * G, "w")
+    alloc.table.trim(a)
+    assert sim.used == 0 and alloc.usage()["w"].allocations == 0
+    assert alloc.table.untrim(a) is True
+    assert sim.used == 2 * G and alloc.usage()["w"].resident == 2 * G
+    alloc.write(a, b"x" * 2 * G)
+    assert alloc.read(a, 2 * G) == b"x" * 2 * G
+    assert alloc.table.untrim(a) is False
+    alloc.free(a)
+    assert sim.used == 0
+
+
+def test_untrim_of_a_slab_granule_counts_it_on_the_live_slab() -> None:
+    """A trimmed granule of a slab still mapped becomes a user again: freeing its neighbour keeps the slab mapped."""
+    sim, alloc = make(slab_bytes=8 * G)
+    first, second = alloc.allocate(G, "w"), alloc.allocate(G, "w")
+    alloc.table.trim(first)
+    assert alloc.table.untrim(first)
+    mapped = sim.used
+    alloc.free(second)
+    assert sim.used == mapped and alloc.usage()["w"].allocations == 1
+    alloc.free(first)
+    assert sim.used == 0
+
+
+def test_untrim_while_asleep_is_refused_and_the_segment_stays_trimmed() -> None:
+    """Untrimming in a released tag raises AllocatorError; after the wake it works and the live data is intact."""
+    sim, alloc = make()
+    a, b = alloc.allocate(2 * G, "w"), alloc.allocate(2 * G, "w")
+    alloc.write(b, b"b" * 2 * G)
+    alloc.table.trim(a)
+    alloc.backup(["w"])
+    alloc.release(["w"])
+    with pytest.raises(AllocatorError, match="asleep"):
+        alloc.table.untrim(a)
+    alloc.restore(["w"])
+    alloc.drop_backup(["w"])
+    assert alloc.table.untrim(a) and sim.used == 4 * G
+    assert alloc.read(b, 2 * G) == b"b" * 2 * G
+
+
+def test_untrim_failing_to_map_changes_nothing() -> None:
+    """A device full at untrim: AllocatorError (out of memory), the segment stays trimmed and uncounted."""
+    sim, alloc = make()
+    a = alloc.allocate(2 * G, "w")
+    alloc.table.trim(a)
+    sim.fail("create", oom=True)
+    with pytest.raises(AllocatorError):
+        alloc.table.untrim(a)
+    assert sim.used == 0 and alloc.usage()["w"].allocations == 0
+    assert alloc.table.untrim(a)
+
+
 class HalfLive(TaggedAllocator):
     """An allocator whose "torch" says only the first half of each allocation is in use."""
 

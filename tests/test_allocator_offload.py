@@ -301,3 +301,64 @@ def test_a_take_gets_every_byte_when_a_chunk_it_counted_fails_meanwhile() -> Non
     arena.give(extents)
     arena.close()
     assert sim.host_used == 0 and sim.host_reserved == 0
+
+
+def test_close_gives_back_pins_still_queued_on_a_take_before_it_returns() -> None:
+    """close() while most of a take's pins are still queued (one thread, held at a gate): when close returns, nothing is pinned or reserved."""
+
+    class Held(GatedSim):
+        """Pinning threads that give a range back wait until the test has looked (close must not leave them work)."""
+
+        looked = threading.Event()
+
+        def host_unreserve(self, host: int, nbytes: int) -> None:
+            if threading.current_thread().name.startswith("torpor-host-pin"):
+                self.looked.wait(5)
+            super().host_unreserve(host, nbytes)
+
+    sim = Held(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=C, threads=1))
+    extents = arena.take(8 * C)
+    chunks = sorted({e.chunk for e in extents})
+    for _ in range(1000):  # the one pinning thread is inside the first chunk's pin, the other seven wait in its queue
+        if sim.started:
+            break
+        threading.Event().wait(0.01)
+    closer = threading.Thread(target=arena.close)
+    closer.start()
+    sim.gate(chunks[0]).set()  # the running pin finishes; the queued ones must not be left for later
+    closer.join(10)
+    assert not closer.is_alive()
+    left = (sim.host_used, sim.host_reserved)
+    Held.looked.set()
+    assert left == (0, 0), "pins queued before close were still holding host memory when close returned"
+    assert sim.started == chunks[:1], "pins queued before close ran after it"
+
+
+def test_take_after_close_is_refused() -> None:
+    """A take on a closed arena raises AllocatorError saying it is closed, and reserves nothing."""
+    sim = SimDriver(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=C))
+    arena.close()
+    with pytest.raises(AllocatorError, match="closed"):
+        arena.take(2 * C)
+    assert (sim.host_used, sim.host_reserved) == (0, 0)
+
+
+def test_giving_an_extent_back_twice_is_refused_and_changes_nothing() -> None:
+    """The second give of the same extent raises AllocatorError; the chunk's free space is what one give left."""
+    sim = SimDriver(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=4 * C))
+    first = pinned(arena, arena.take(C))
+    second = pinned(arena, arena.take(C))
+    arena.give(first)
+    free = arena.free_bytes()
+    with pytest.raises(AllocatorError, match="given back twice"):
+        arena.give(first)
+    with pytest.raises(AllocatorError, match="given back twice"):
+        arena.give(second + second)  # twice in one call: refused whole, the first copy not applied either
+    assert arena.free_bytes() == free == 3 * C
+    third = pinned(arena, arena.take(3 * C))
+    assert not {e.host for e in third} & {e.host for e in second}, "a live backup's host memory was handed out again"
+    arena.give(second + third)
+    arena.close()

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torpor.allocator.graphpool import GraphPool
+from torpor.allocator.trim import BlockPool, BlockPools, trim_enabled
 from torpor.extras import require
 from torpor.statemachine.policy import CUDAGRAPH
 
@@ -55,13 +56,15 @@ def live_blocks(segment: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 class TorchPools:
-    """One pluggable allocator and MemPool per tag, plus the generations of the graph pool."""
+    """One pluggable allocator per tag, a MemPool per open ``use_memory_pool`` block (reused: :mod:`torpor.allocator.trim`), the graph pools."""
 
     def __init__(self, allocator: TaggedAllocator) -> None:
         require("torch", "TaggedAllocator's CUDA memory pools (use_memory_pool, capture)")
         self.allocator = allocator
         self._allocators: dict[str, Any] = {}
-        self._pools: dict[str, Any] = {}
+        self.blocks = BlockPools(
+            self._new_pool, allocator.table.trim, allocator.table.untrim, segments, enabled=trim_enabled()
+        )
         self._local = threading.local()
         self._devices: set[int] = set()
         self._lock = threading.RLock()
@@ -81,22 +84,18 @@ class TorchPools:
                 self._allocators[tag] = found
             return found
 
-    def pool(self, tag: str) -> Any:
-        """The MemPool of ``tag`` (created on first use, from any thread, and kept for the process)."""
+    def _new_pool(self, tag: str) -> Any:
         import torch
 
-        found = self._pools.get(tag)
-        if found is None:
-            with self._lock:  # safe to hold across torch: the native malloc/free never take it
-                found = self._pools.get(tag)
-                if found is None:
-                    found = torch.cuda.MemPool(self.torch_allocator(tag))
-                    self._pools[tag] = found
-        return found
+        # made before the block's lock is taken (use): no lock of ours is needed here (lock order, docs/allocator.md)
+        return torch.cuda.MemPool(self._allocators[tag])
 
     @contextmanager
     def use(self, tag: str) -> Iterator[None]:
-        """Route this thread's torch allocations to ``tag``'s pool; an inner tag wins over an outer one."""
+        """Route this thread's torch allocations to a fresh pool of ``tag``; an inner tag wins over an outer one.
+
+        Entering and leaving trim the tag's idle pools (:mod:`torpor.allocator.trim`).
+        """
         import torch
 
         stack: list[list[Any]] = self._local.__dict__.setdefault("stack", [])
@@ -104,29 +103,34 @@ class TorchPools:
         if device not in self._devices:  # the copy/pinning side: this device's context and copy stream, made now
             self.allocator.driver.prepare_device(device)
             self._devices.add(device)
-        pool = self.pool(tag)
-        if stack:  # torch serves the first matching pool: step out of the outer one while inside
-            stack[-1][1].__exit__(None, None, None)
-        ctx = torch.cuda.use_mem_pool(pool)
-        ctx.__enter__()
-        entry = [pool, ctx]
-        stack.append(entry)
+        self.torch_allocator(tag)  # takes the allocator's lock on first use: before the block's lock
+        block = self.blocks.enter(tag)
         try:
-            yield
+            if stack:  # torch serves the first matching pool: step out of the outer one while inside
+                stack[-1][1].__exit__(None, None, None)
+            entry: list[Any] = [block, _enter_pool(block)]
+            stack.append(entry)
+            try:
+                yield
+            finally:
+                stack.pop()
+                entry[1].__exit__(None, None, None)
+                entry[1] = None
+                if stack:
+                    stack[-1][1] = _enter_pool(stack[-1][0])
         finally:
-            stack.pop()
-            entry[1].__exit__(None, None, None)
-            if stack:
-                outer = torch.cuda.use_mem_pool(stack[-1][0])
-                outer.__enter__()
-                stack[-1][1] = outer
+            self.blocks.leave(block)
+
+    def trim(self, tags: list[str] | None = None) -> int:
+        """Give back the free segments of pools no open block uses (of ``tags``, or all); the bytes."""
+        return self.blocks.trim(tags)
 
     def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
-        """Segment address -> its blocks in use, from torch's snapshot of ``tag``'s pool (None: torch has no pool of it)."""
-        pool = self._pools.get(tag)
-        if pool is None:
+        """Segment address -> its blocks in use, over the pools of ``tag`` that may hold any (None: torch has none)."""
+        pools = self.blocks.pools(tag)
+        if not pools:
             return None
-        return {int(seg["address"]): live_blocks(seg) for seg in segments(pool)}
+        return {int(seg["address"]): live_blocks(seg) for pool in pools for seg in segments(pool)}
 
     def new_graph_pool(self) -> GraphPool:
         """A fresh MemPool for the graph pool (tag cudagraph) wrapped as a :class:`GraphPool`."""
@@ -152,10 +156,19 @@ class TorchPools:
         """Drop every tag's MemPool so torch returns their cached segments (teardown)."""
         import torch
 
-        if self._pools:
+        if self.blocks.counts()[0]:
             torch.cuda.synchronize()
-            self._pools.clear()
+            self.blocks.clear()
             gc.collect()
         graph = self.allocator.graphs.detach()  # teardown: the graph pool's MemPool goes with the others
         if graph is not None and graph.mempool is not None:
             self.drop(graph)
+
+
+def _enter_pool(block: BlockPool) -> Any:
+    """Enter torch's ``use_mem_pool`` for the block's pool; the context manager (the caller exits it)."""
+    import torch
+
+    ctx = torch.cuda.use_mem_pool(block.mempool)
+    ctx.__enter__()
+    return ctx

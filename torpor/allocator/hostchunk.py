@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, field
 
@@ -79,14 +80,61 @@ class Chunk:
         return off, got
 
     def give(self, off: int, nbytes: int) -> None:
-        ranges = sorted([*self.free, (off, nbytes)])
-        merged: list[tuple[int, int]] = []
-        for o, n in ranges:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((o, n))
-        self.free = merged
+        """Return ``[off, off + nbytes)`` to the free ranges (see :meth:`given`)."""
+        self.free = self.given(off, nbytes, self.free)
+
+    def given(self, off: int, nbytes: int, free: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``free`` with ``[off, off + nbytes)`` added and merged; refused when the range leaves the chunk or is free already."""
+        if off < 0 or nbytes <= 0 or off + nbytes > self.nbytes:
+            msg = f"extent at offset {off} of {nbytes} bytes is not inside host chunk {self.host:#x} of {self.nbytes} bytes"
+            raise AllocatorError("give host memory", None, msg)
+        i = bisect.bisect_left(free, (off, 0))
+        overlap = (i > 0 and free[i - 1][0] + free[i - 1][1] > off) or (i < len(free) and free[i][0] < off + nbytes)
+        if overlap:
+            msg = (
+                f"extent at offset {off} of {nbytes} bytes of host chunk {self.host:#x} is free already "
+                "(given back twice); its chunk's free list is left as it was"
+            )
+            raise AllocatorError("give host memory", None, msg)
+        merged = [*free[:i], (off, nbytes), *free[i:]]
+        lo = i - 1 if i > 0 and merged[i - 1][0] + merged[i - 1][1] == off else i
+        hi = i + 1 if i + 1 < len(merged) and off + nbytes == merged[i + 1][0] else i
+        if lo == hi:
+            return merged
+        start = merged[lo][0]
+        end = merged[hi][0] + merged[hi][1]
+        return [*merged[:lo], (start, end - start), *merged[hi + 1 :]]
+
+
+def new_chunks(missing: int, chunk: int) -> list[int]:
+    """Chunk sizes covering ``missing`` bytes: whole chunks, the last one cut to a multiple of 2 MiB (or the chunk)."""
+    if missing <= 0:
+        return []
+    unit = min(chunk, 2 * MiB)
+    whole, rest = divmod(missing, chunk)
+    return [chunk] * whole + ([-(-rest // unit) * unit] if rest else [])
+
+
+def carve(chunks: list[Chunk], nbytes: int) -> list[Extent]:
+    """Up to ``nbytes`` of extents from ``chunks`` (in order), skipping chunks whose pin failed."""
+    out: list[Extent] = []
+    left = nbytes
+    for c in chunks:
+        while left and c.error is None:
+            got = c.take(left)
+            if got is None:
+                break
+            out.append(Extent(c.host + got[0], got[1], c.host))
+            left -= got[1]
+        if not left:
+            break
+    return out
+
+
+def closed_error(what: str) -> AllocatorError:
+    """The refusal of an arena that was closed."""
+    msg = f"the host arena is closed (its allocator was closed); cannot {what} pinned host memory for a backup"
+    return AllocatorError("pin host memory", None, msg)
 
 
 def pin_error(exc: BaseException, nbytes: int, pinned: int) -> AllocatorError:

@@ -77,6 +77,35 @@ def clip(parts: list[Piece], lo: int, hi: int) -> list[Piece]:
     return out
 
 
+def clip_each(parts: list[Piece], ranges: list[tuple[int, int]]) -> list[list[Piece]]:
+    """:func:`clip` of ``parts`` to every ``(lo, hi)`` of ``ranges`` (sorted, disjoint), in one pass over the pieces.
+
+    A wake clips its backup to each span it maps; clipping the whole piece list
+    per span was O(spans x pieces) (2048 x 2 MiB: 38.6 ms on a 4 GiB wake).
+    Here a cursor walks the pieces (sorted by start; sorted here if they are
+    not) once, and a piece that crosses a range's end is looked at again only
+    by the next range.
+    """
+    order = parts
+    if any(parts[i][1] > parts[i + 1][1] for i in range(len(parts) - 1)):
+        order = sorted(parts, key=lambda p: p[1])
+    out: list[list[Piece]] = []
+    i, count = 0, len(order)
+    for lo, hi in ranges:
+        while i < count and order[i][1] + order[i][2] <= lo:  # ends before this range (and every later one)
+            i += 1
+        got: list[Piece] = []
+        j = i
+        while j < count and order[j][1] < hi:
+            _, start, n, d = order[j]
+            s, e = max(start, lo), min(start + n, hi)
+            if s < e:
+                got.append((start, s, e - s, d))
+            j += 1
+        out.append(got)
+    return out
+
+
 def batches(parts: list[Piece], nbytes: int) -> list[list[Piece]]:
     """Consecutive pieces (by address) in batches of at least ``nbytes``, one device each."""
     out: list[list[Piece]] = []

@@ -51,6 +51,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "tp_alloc_raw": (_int, [_p, _int, _int, _u64, _U, _E]),
     "tp_free_raw": (_int, [_p, _u64, _E]),
     "tp_trim": (_int, [_p, _u64, _E]),
+    "tp_untrim": (_int, [_p, _u64, _E]),
     "tp_slot_bind": (_int, [_p, _int]),
     "tp_slot_malloc_fn": (_p, [_int]),
     "tp_slot_free_fn": (_p, [_int]),

@@ -1,15 +1,12 @@
 """Pinned-host backup memory: chunks pinned as a sleep copies into them (or ahead of it), reused across cycles.
 
-Pinning host memory costs more than copying into it: on an H200 host, faulting
-8 GiB of 4 KiB pages in from one thread took 3.96 s against a 0.156 s copy.
-The :class:`HostArena` therefore never pins before it copies. A backup
-:meth:`~HostArena.take`\\ s extents at once: missing memory is reserved as one
-address range (huge pages advised where the kernel allows them) and cut into
-chunks that several threads fault in and register with the driver, in address
-order; the backup waits for each chunk (:meth:`~HostArena.wait_pinned`) just
-before enqueueing the copies into it, so pinning chunk *n + 1* overlaps the copy
-into chunk *n*. Pinning ahead (:meth:`~HostArena.want`, one background thread)
-stays available for engines that want their first sleep at link speed.
+Pinning costs more than copying (H200 host: 8 GiB of 4 KiB pages faulted in
+from one thread in 3.96 s, copied in 0.156 s), so a backup's
+:meth:`~HostArena.take` reserves what is missing as one range (huge pages
+advised) cut into chunks that threads fault in and register in address order,
+and the backup waits for each chunk (:meth:`~HostArena.wait_pinned`) just before
+copying into it: pinning chunk *n + 1* overlaps the copy into chunk *n*. Pinning
+ahead (:meth:`~HostArena.want`, one background thread) stays available.
 
 A range stays reserved or pinned while any record refers to it (a chunk whose
 pin failed stays, failed, until its extents come back), so addresses key chunks
@@ -32,12 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
-from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, pin_error
+from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, carve, closed_error, new_chunks, pin_error
 
 __all__ = ["Extent", "HostArena", "HostPolicy"]
 
 logger = logging.getLogger("torpor.allocator")
-MiB = 1 << 20
 
 
 class HostArena:
@@ -106,42 +102,46 @@ class HostArena:
         self._bases.remove(c.host)
         return True
 
-    def _new_chunks(self, missing: int) -> list[int]:
-        """Chunk sizes covering ``missing`` bytes: whole chunks, the last one cut to a multiple of 2 MiB (or the chunk)."""
-        if missing <= 0:
-            return []
-        chunk = self.policy.chunk_bytes
-        unit = min(chunk, 2 * MiB)
-        whole, rest = divmod(missing, chunk)
-        return [chunk] * whole + ([-(-rest // unit) * unit] if rest else [])
-
-    def _reserve(self, sizes: list[int], carve: int = 0) -> tuple[list[Chunk], list[Extent]]:
-        """Reserve chunks of ``sizes`` as one range of address space (not yet pinned); carve ``carve`` bytes from them."""
+    def _reserve(self, sizes: list[int], wanted: int = 0) -> tuple[list[Chunk], list[Extent]]:
+        """Reserve chunks of ``sizes`` as one range of address space (not yet pinned); carve ``wanted`` bytes from them."""
         base = self.driver.host_reserve(sum(sizes))
         out = []
         with self._cond:
-            offset = 0
-            for n in sizes:
-                out.append(self._add_locked(base + offset, n))
-                offset += n
-            return out, self._carve(out, carve)
+            if not self._closed:
+                offset = 0
+                for n in sizes:
+                    out.append(self._add_locked(base + offset, n))
+                    offset += n
+                return out, carve(out, wanted)
+        # closed meanwhile: no record would ever give this range back
+        self._unreserve(Chunk(base, sum(sizes)))
+        raise closed_error("take")
 
     def _pin_chunk(self, c: Chunk) -> None:
-        """Fault in and register one reserved chunk (any thread); failures are kept on the chunk."""
+        """Fault in and register one reserved chunk (any thread); failures are kept on the chunk.
+
+        A pin counts in ``_pinning`` until all it does with the range is done, so
+        :meth:`close` leaves no thread touching host memory; a pin still queued at
+        close does nothing (``close`` gave its range back).
+        """
         with self._cond:
-            abandoned = self._closed or self._chunks.get(c.host) is not c
-            if not abandoned:
-                self._pinning += 1
-        if abandoned:
-            self._unreserve(c)
-            return
+            if self._closed or self._chunks.get(c.host) is not c:  # close took it (a pending chunk is only closed away)
+                return
+            self._pinning += 1
+        try:
+            self._pin_held(c)
+        finally:
+            with self._cond:
+                self._pinning -= 1
+                self._cond.notify_all()
+
+    def _pin_held(self, c: Chunk) -> None:
         start = time.perf_counter()
         try:
             self.driver.prepare_thread()
             self.driver.host_alloc(c.nbytes, c.host)
         except Exception as exc:  # kept on the chunk: the copy that needs it raises it
             with self._cond:
-                self._pinning -= 1
                 c.error = exc
                 held = self._chunks.get(c.host) is c
                 if held:
@@ -153,7 +153,6 @@ class HostArena:
                 self._unreserve(c)
             return
         with self._cond:
-            self._pinning -= 1
             self.pin_seconds += time.perf_counter() - start
             closed = self._closed or self._chunks.get(c.host) is not c
             if not closed:
@@ -250,6 +249,8 @@ class HostArena:
             else:
                 self._pin_chunk(reserved[0])
                 failed = reserved[0].error
+            if failed is not None and self._closed:  # closed while reserving: nothing to report
+                return
             if failed is not None:
                 logger.warning("pinning host memory ahead of sleep failed: %s", failed)
                 with self._cond:
@@ -266,8 +267,10 @@ class HostArena:
         the pinned bytes would pass ``limit_bytes``, or when no range can be reserved.
         """
         with self._cond:
+            if self._closed:
+                raise closed_error("take")
             free = self._free_locked()
-            sizes = self._new_chunks(nbytes - free)
+            sizes = new_chunks(nbytes - free, self.policy.chunk_bytes)
             limit = self.policy.limit_bytes
             held = self._pinned + self._pending + self._unpinning
             if sizes and limit is not None and held + sum(sizes) > limit:
@@ -278,11 +281,14 @@ class HostArena:
                 )
                 raise AllocatorOutOfMemory("pin host memory", None, reason, call="host_alloc")
             # carved now: a pending chunk counted free may fail before the lock is taken again
-            extents = self._carve([self._chunks[b] for b in self._bases], min(free, nbytes))
+            extents = carve([self._chunks[b] for b in self._bases], min(free, nbytes))
         fresh: list[Chunk] = []
         if sizes:
             try:
                 fresh, more = self._reserve(sizes, nbytes - sum(e.nbytes for e in extents))
+            except AllocatorError:  # closed meanwhile
+                self.give(extents)
+                raise
             except Exception as exc:
                 self.give(extents)
                 raise pin_error(exc, sum(sizes), self.pinned_bytes()) from exc
@@ -313,31 +319,24 @@ class HostArena:
                 msg = "the host arena was closed while a backup waited for pinned memory"
                 raise AllocatorError("pin host memory", None, msg)
 
-    def _carve(self, chunks: list[Chunk], nbytes: int) -> list[Extent]:
-        """Up to ``nbytes`` of extents from ``chunks`` (in order), skipping chunks whose pin failed."""
-        out: list[Extent] = []
-        left = nbytes
-        for c in chunks:
-            while left and c.error is None:
-                got = c.take(left)
-                if got is None:
-                    break
-                out.append(Extent(c.host + got[0], got[1], c.host))
-                left -= got[1]
-            if not left:
-                break
-        return out
-
     def give(self, extents: Iterable[Extent]) -> None:
-        """Return extents; with ``keep_after_wake`` off, chunks left empty are unpinned; failed chunks left empty go."""
+        """Return extents; with ``keep_after_wake`` off, chunks left empty are unpinned; failed chunks left empty go.
+
+        All or nothing: an extent outside its chunk or given back twice raises
+        :class:`AllocatorError`; extents of chunks no longer held (closed) are ignored.
+        """
         failed = []
         with self._cond:
+            staged: dict[int, list[tuple[int, int]]] = {}
             for e in extents:
                 c = self._chunks.get(e.chunk)
                 if c is not None:
-                    c.give(e.host - c.host, e.nbytes)
-                    if c.error is not None and c.used() == 0 and self._remove_locked(c):
-                        failed.append(c)
+                    staged[c.host] = c.given(e.host - c.host, e.nbytes, staged.get(c.host, c.free))
+            for host, free in staged.items():
+                c = self._chunks[host]
+                c.free = free
+                if c.error is not None and c.used() == 0 and self._remove_locked(c):
+                    failed.append(c)
             self._cond.notify_all()
         for c in failed:  # out of every record now: the address may be reused
             self._unreserve(c)
@@ -379,13 +378,17 @@ class HostArena:
             return self._cond.wait_for(lambda: self._unpinning == 0, timeout)
 
     def close(self) -> None:
-        """Stop the pinner, wait for pins in flight, and unpin every chunk (backups are lost)."""
+        """Stop the pinner, wait for pins in flight, and unpin every chunk (backups are lost).
+
+        Ranges of pins still queued on a take's threads are unreserved here (those
+        pins then do nothing); a later :meth:`take` is refused.
+        """
         with self._cond:
             self._closed = True
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._pinning == 0 and self._unpinning == 0, timeout=60)
             chunks = [c for c in self._chunks.values() if c.ready]
-            failed = [c for c in self._chunks.values() if c.error is not None]
+            failed = [c for c in self._chunks.values() if c.error is not None or not c.ready]
             self._chunks.clear()
             self._bases.clear()
             self._pinned = self._pending = 0

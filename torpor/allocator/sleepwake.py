@@ -23,7 +23,18 @@ from typing import Any
 from torpor.allocator import native
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, wrap
-from torpor.allocator.mapping import Backups, Live, Piece, assign, batches, clip, copies, live_pieces, pieces, spans
+from torpor.allocator.mapping import (
+    Backups,
+    Live,
+    Piece,
+    assign,
+    batches,
+    clip_each,
+    copies,
+    live_pieces,
+    pieces,
+    spans,
+)
 from torpor.allocator.offload import Extent, HostArena
 from torpor.allocator.table import NativeTable
 from torpor.errors import UnknownTag
@@ -60,11 +71,18 @@ class SleepWake:
         """Allocation address -> the ranges of it in use, where torch says (None: every byte is live)."""
         return None
 
+    def _trim_free(self, tags: Sequence[str]) -> None:
+        """Before a sleep: free segments of torch pools no open block uses go back (neither copied nor mapped on wake)."""
+        pools = getattr(self, "_torch", None)  # TaggedAllocator's TorchPools, once torch allocated in a tag
+        if pools is not None:
+            pools.trim(list(tags))
+
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
         with self._lock:
             self._check_known(tags)
             start = time.perf_counter()
+            self._trim_free(tags)
             for tag in tags:
                 if self.table.usage(tag)[0] == native.RELEASED:
                     msg = f"tag {tag!r} is released; nothing resident to back up"
@@ -108,6 +126,7 @@ class SleepWake:
                         self.driver.synchronize(device)
                     except Exception as exc:
                         raise wrap("release", None, exc) from exc
+            self._trim_free([t for t in tags if self.table.usage(t)[0] == native.ACTIVE])  # discarded tags
             out = {}
             for tag in tags:
                 start = time.perf_counter()
@@ -282,8 +301,9 @@ class SleepWake:
             return sum(n for _, n in ranges)
         live = self.table.allocations(tag)
         try:
-            for lo, n in ranges:
-                for device, address, host, m in copies(clip(record.pieces, lo, lo + n), record.backups):
+            ordered = sorted(ranges)
+            for parts in clip_each(record.pieces, [(lo, lo + n) for lo, n in ordered]):
+                for device, address, host, m in copies(parts, record.backups):
                     self.driver.copy_h2d(address, host, m, device)
             for device in {d for _, _, d in live}:
                 self.driver.wait(self.driver.record(device))
@@ -297,13 +317,15 @@ class SleepWake:
             return
         gran = self.granularity(live[0][2])
         step = max(self.piece_bytes // gran, 1) * gran
-        for span in spans(pieces(live, step), self.group_bytes):
-            start, device = span[0][1], span[0][3]
-            size = sum(p[2] for p in span)
+        todo = [
+            (span[0][1], sum(p[2] for p in span), span[0][3]) for span in spans(pieces(live, step), self.group_bytes)
+        ]
+        # only the bytes the backup holds: free blocks come back as fresh memory (one pass over the pieces)
+        held = clip_each(record.pieces, [(s, s + n) for s, n, _ in todo]) if record.backed_up else [[] for _ in todo]
+        for (start, size, device), parts in zip(todo, held, strict=True):
             self.table.map_span(tag, start, size, device)
-            if record.backed_up:  # only the bytes the backup holds: free blocks come back as fresh memory
-                for dev, address, host, n in copies(clip(record.pieces, start, start + size), record.backups):
-                    self.driver.copy_h2d(address, host, n, dev)
+            for dev, address, host, n in copies(parts, record.backups):
+                self.driver.copy_h2d(address, host, n, dev)
 
     def _rollback_restore(self, todo: list[str], lives: dict[str, Any]) -> None:
         for device in {d for live in lives.values() for _, _, d in live}:

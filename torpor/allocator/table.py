@@ -99,6 +99,11 @@ class NativeTable:
         err = native.TpErr()
         self._check(self.lib.tp_trim(self.ctx, address, ctypes.byref(err)), err)
 
+    def untrim(self, address: int) -> bool:
+        """Map memory under a trimmed segment again (its pool serves a block again); False when it was not trimmed."""
+        err = native.TpErr()
+        return self._check(self.lib.tp_untrim(self.ctx, address, ctypes.byref(err)), err) == 1
+
     # -- sleep and wake --------------------------------------------------------------------------
 
     def _tag_call(self, name: str, tag: str, *args: Any) -> int:

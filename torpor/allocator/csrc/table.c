@@ -435,34 +435,6 @@ static int free_locked(tp_ctx *c, uint64_t addr, tp_err *e) {
   return rc;
 }
 
-/* Torch holds the segment at `addr` free in a pool it will never allocate from again: give its memory back now.
- * The record stays (torch frees the address later); its mapping goes once no other allocation uses it. */
-TP_EXPORT int tp_trim(tp_ctx *c, uint64_t addr, tp_err *e) {
-  pthread_mutex_lock(&c->mu);
-  int rc = 0, k = alloc_lower(c, addr);
-  if (k >= c->na || c->a[k].addr != addr) {
-    rc = fail(e, -1, "trim", "%#llx is not an allocation of this allocator", (unsigned long long)addr);
-  } else if (c->a[k].trimmed || c->state[c->a[k].tag] != TP_ACTIVE) {
-    rc = 0; /* trimmed already; or asleep or going to sleep: the release takes it */
-  } else {
-    c->a[k].trimmed = 1;
-    uint64_t end = addr + c->a[k].size;
-    int tag = c->a[k].tag;
-    for (int i = map_first_overlap(c, addr); i < c->nm && c->m[i].start < end;) {
-      if (--c->m[i].users <= 0) {
-        if (drop_mapping(c, i, e)) {
-          rc = driver_fail(e, tag, "trim");
-          i++;
-        }
-        continue;
-      }
-      i++;
-    }
-  }
-  pthread_mutex_unlock(&c->mu);
-  return rc;
-}
-
 TP_EXPORT int tp_alloc_raw(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *out, tp_err *e) {
   pthread_mutex_lock(&c->mu);
   int rc = alloc_locked(c, tag, dev, nbytes, out, e);

@@ -1,0 +1,191 @@
+"""Tests of per-block pools (BlockPools): idle pools' free segments trimmed, untrimmed when a block reuses the pool."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from torpor.allocator import AllocatorError
+from torpor.allocator.trim import BlockPools, trim_enabled
+
+MiB = 1 << 20
+
+
+class FakePool:
+    """A torch MemPool stand-in: segments (address -> live bytes)."""
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+        self.segments: dict[int, int] = {}
+
+
+class Harness:
+    """BlockPools over fake pools: records trims and untrims, hands out segment addresses."""
+
+    def __init__(self) -> None:
+        self.trims: list[int] = []
+        self.untrims: list[int] = []
+        self.refuse_untrim = False
+        self.made = 0
+        self.next_address = 0x1000_0000
+        self.blocks = BlockPools(self.new_pool, self.trims.append, self.untrim, self.snapshot)
+
+    def new_pool(self, tag: str) -> FakePool:
+        self.made += 1
+        return FakePool(self.made)
+
+    def untrim(self, address: int) -> bool:
+        if self.refuse_untrim:
+            raise AllocatorError("untrim", "scratch", "tag 'scratch' is asleep or going to sleep")
+        self.untrims.append(address)
+        return True
+
+    def snapshot(self, pool: FakePool) -> list[dict[str, Any]]:
+        out = []
+        for address, live in pool.segments.items():
+            state = "active_allocated" if live else "inactive"
+            block = {"address": address, "size": 2 * MiB, "state": state}
+            out.append({"address": address, "total_size": 2 * MiB, "allocated_size": live, "blocks": [block]})
+        return out
+
+    def segment(self, pool: FakePool, live: bool) -> int:
+        address = self.next_address
+        self.next_address += 2 * MiB
+        pool.segments[address] = 2 * MiB if live else 0
+        return address
+
+
+def test_a_block_end_trims_its_free_segments_and_keeps_live_ones() -> None:
+    """Leaving a block trims the segments its pool holds entirely free; segments with a live block stay."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    free = h.segment(block.mempool, live=False)
+    live = h.segment(block.mempool, live=True)
+    h.blocks.leave(block)
+    assert h.trims == [free] and live not in h.trims
+    assert h.blocks.trimmed_bytes == 2 * MiB
+
+
+def test_an_open_pool_is_never_trimmed() -> None:
+    """A pool whose block is still open (in this or another thread) keeps its free segments: torch may hand them out."""
+    h = Harness()
+    outer = h.blocks.enter("scratch")
+    h.segment(outer.mempool, live=False)
+    other = h.blocks.enter("scratch")  # another block of the tag at the same time gets a pool of its own
+    assert other.mempool is not outer.mempool
+    h.blocks.leave(other)
+    h.blocks.trim()
+    assert h.trims == []
+    h.blocks.leave(outer)
+    assert len(h.trims) == 1
+
+
+def test_a_block_boundary_trims_only_when_no_other_block_is_open() -> None:
+    """While another thread's block is open a block end leaves free segments for later; the next quiet boundary or trim() takes them."""
+    h = Harness()
+    other = h.blocks.enter("weights")  # another thread's block, open throughout
+    block = h.blocks.enter("scratch")
+    seg = h.segment(block.mempool, live=False)
+    h.blocks.leave(block)
+    assert h.trims == []
+    h.blocks.leave(other)  # a quiet moment, but only the weights tag's pools are looked at
+    assert h.trims == []
+    h.blocks.leave(h.blocks.enter("scratch"))  # the idle pool serves this block; its end is quiet
+    assert h.trims == [seg]
+
+
+def test_a_reused_pool_gets_its_trimmed_segments_back_before_its_block_starts() -> None:
+    """Entering the tag again reuses the idle pool: its trimmed segments are untrimmed first; 100 blocks, one pool."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    seg = h.segment(block.mempool, live=False)
+    pool = block.mempool
+    h.blocks.leave(block)
+    assert h.trims == [seg]
+    again = h.blocks.enter("scratch")
+    assert again.mempool is pool and h.untrims == [seg]
+    h.blocks.leave(again)
+    assert h.trims == [seg, seg]  # free again at the end of the block: trimmed again
+    for _ in range(100):
+        h.blocks.leave(h.blocks.enter("scratch"))
+    assert h.made == 1 and h.blocks.counts() == (1, 0)
+
+
+def test_a_segment_freed_after_its_block_goes_at_the_next_block_end_or_before_a_sleep() -> None:
+    """A tensor freed after its block ended: its segment is trimmed by trim() (a sleep) or when a block of the tag ends."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    seg = h.segment(block.mempool, live=True)
+    h.blocks.leave(block)
+    assert h.trims == []
+    block.mempool.segments[seg] = 0  # torch freed the tensor after the block
+    assert h.blocks.trim(["scratch"]) == 2 * MiB and h.trims == [seg]
+    assert h.blocks.trim(["scratch"]) == 0  # trimmed once
+
+
+def test_a_pool_that_cannot_get_its_segments_back_is_not_reused() -> None:
+    """When the table refuses to untrim (the tag is asleep), the block gets a new pool; the idle one stays trimmed."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    h.segment(block.mempool, live=False)
+    first = block.mempool
+    h.blocks.leave(block)
+    h.refuse_untrim = True
+    again = h.blocks.enter("scratch")
+    assert again.mempool is not first and h.made == 2 and h.untrims == []
+    h.blocks.leave(again)
+    h.refuse_untrim = False
+    assert h.blocks.enter("scratch").mempool in (first, again.mempool)
+
+
+def test_nothing_is_trimmed_when_trimming_is_off() -> None:
+    """With trimming off (the default) pools are still reused per block but no segment is ever trimmed."""
+    h = Harness()
+    h.blocks.enabled = False
+    block = h.blocks.enter("scratch")
+    h.segment(block.mempool, live=False)
+    h.blocks.leave(block)
+    assert h.blocks.trim() == 0 and h.trims == []
+    assert h.blocks.enter("scratch").mempool is block.mempool
+
+
+def test_the_switch_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORPOR_TRIM_FREE_SEGMENTS: unset is off, 1 is on, anything else is refused with its name."""
+    monkeypatch.delenv("TORPOR_TRIM_FREE_SEGMENTS", raising=False)
+    assert trim_enabled() is False
+    monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "1")
+    assert trim_enabled() is True
+    monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "maybe")
+    with pytest.raises(ValueError, match="TORPOR_TRIM_FREE_SEGMENTS"):
+        trim_enabled()
+
+
+def test_blocks_in_many_threads_never_share_a_pool_and_pools_stay_few() -> None:
+    """8 threads entering and leaving blocks of one tag: no pool serves two open blocks; at most 8 pools exist."""
+    h = Harness()
+    lock = threading.Lock()
+    using: set[int] = set()
+    shared: list[int] = []
+
+    def work() -> None:
+        for _ in range(300):
+            block = h.blocks.enter("scratch")
+            with lock:
+                if block.mempool.ident in using:
+                    shared.append(block.mempool.ident)
+                using.add(block.mempool.ident)
+                h.segment(block.mempool, live=False)
+            with lock:
+                using.discard(block.mempool.ident)
+            h.blocks.leave(block)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not shared, "a pool served two open blocks at once"
+    assert h.made <= 8 and h.blocks.counts() == (h.made, 0)
+    assert len(set(h.trims)) == 2400

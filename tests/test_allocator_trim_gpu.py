@@ -1,0 +1,110 @@
+"""GPU tests of what a tag gives back while awake: free segments at a block's end, on re-entry and before a sleep (issue 14)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torpor import SleepController
+from torpor.allocator import TaggedAllocator
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _trimming_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about trimming, which is off by default (torpor/allocator/trim.py)."""
+    monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "1")
+
+
+def _used() -> int:
+    """Device memory in use (the driver's view) after torch returns its default pool's cache."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def test_a_tag_with_no_live_tensor_uses_nothing_once_its_block_ends() -> None:
+    """Tensors made and freed inside a block: usage() of the tag is 0 and the device memory is back when the block ends."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    alloc = TaggedAllocator()
+    with alloc.use_memory_pool("warm"):  # the pools' first use (contexts, streams): not this test's subject
+        torch.ones(1, device="cuda")
+    start = _used()
+    with alloc.use_memory_pool("scratch"):
+        a = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+        b = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+        assert alloc.usage()["scratch"].resident >= 259 * MiB
+        del a, b
+    assert alloc.usage()["scratch"].resident == 0 and alloc.usage()["scratch"].allocations == 0
+    assert _used() - start <= 8 * MiB
+    alloc.close()
+
+
+def test_ten_cycles_of_allocate_and_free_give_the_memory_back() -> None:
+    """10 cycles of 2 x 256 MiB in a tag, one freed while asleep and one after wake: memory in use ends within 64 MiB of the start, usage() 0.
+
+    Before the start: one sleep and wake and the test's kernels on the default pool, so that
+    the copy stream, pinned host memory and lazily loaded kernels (no tag's memory) are made.
+    """
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    with alloc.use_memory_pool("weights"):
+        w = torch.randn(1024, 1024, device="cuda")
+    w_host = w.cpu()
+    probe = torch.full((1024,), 1.0, device="cuda")
+    assert torch.equal(probe[:16].cpu(), torch.full((16,), 1.0))
+    ctl.sleep(1)
+    ctl.wake()
+    del probe
+    start = _used()
+    for i in range(10):
+        with alloc.use_memory_pool("scratch"):
+            x = torch.full((256 * MiB // 4,), float(i), device="cuda")
+            y = torch.full((256 * MiB // 4,), float(-i), device="cuda")
+        ctl.sleep(1)
+        del x  # freed while asleep
+        ctl.wake()
+        assert torch.equal(y[:1024].cpu(), torch.full((1024,), float(-i)))
+        del y  # freed after the wake
+    with alloc.use_memory_pool("scratch"):  # a block of the tag is entered again: the free segments go back
+        pass
+    end = _used()
+    mem = alloc.device_memory()
+    counts = alloc._torch.blocks.counts()
+    print(
+        f"trim: in use at start {start / MiB:.1f} MiB, after 10 cycles {end / MiB:.1f} MiB "
+        f"(+{(end - start) / MiB:.1f}); tagged {mem.tagged / MiB:.1f} MiB; torch default pool "
+        f"{torch.cuda.memory_reserved() / MiB:.1f} MiB; pools (all, open) {counts}; "
+        f"trimmed {alloc._torch.blocks.trimmed_bytes / MiB:.0f} MiB in all"
+    )
+    assert alloc.usage()["scratch"].resident == 0 and alloc.usage()["scratch"].allocations == 0
+    assert end - start <= 64 * MiB, f"{(end - start) / MiB:.1f} MiB more in use after 10 cycles"
+    assert torch.equal(w.cpu(), w_host)
+    alloc.close()
+
+
+def test_free_segments_go_before_a_sleep_and_do_not_come_back_on_wake() -> None:
+    """A tensor freed after its block: the sleep neither copies nor maps back its segment; the live tensor wakes bit-exact."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    with alloc.use_memory_pool("kv"):
+        keep = torch.arange(64 * MiB // 4, dtype=torch.int32, device="cuda")
+        gone = torch.ones(128 * MiB // 4, device="cuda")
+    kept = keep.cpu()
+    del gone  # after the block: its segment is free in a pool no block uses
+    ctl.sleep(1)
+    moved = ctl.events()[-1]
+    ctl.wake()
+    resident = alloc.usage()["kv"].resident
+    print(f"before a sleep: kv resident after wake {resident / MiB:.0f} MiB; last sleep event {moved.kind}")
+    assert resident < 128 * MiB
+    assert torch.equal(keep.cpu(), kept)
+    alloc.close()

@@ -1,0 +1,200 @@
+"""Free segments of a tag go back: torch pools per ``use_memory_pool`` block, trimmed while no block uses them.
+
+Torch keeps the segments of a pool cached after their tensors are freed and
+offers no call that releases the free segments of a live ``MemPool``. But torch
+allocates from a pool only while a ``use_mem_pool`` block of it is open, so the
+segments an *idle* pool holds entirely free are dead memory until a block uses
+that pool again. :class:`BlockPools` gives every open block a pool of its own
+(an idle pool of the tag, else a new one) and, at the end of a block, when a
+block of the tag is entered again and before a sleep, asks the native table to
+*trim* the segments the tag's idle pools hold entirely free (unmap them and
+release their physical memory; the table keeps the record and the address range
+until torch frees the segment). When an idle pool serves a block again its
+trimmed segments are *untrimmed* first (fresh memory mapped at the same
+addresses), because torch may hand them out from then on.
+
+Pools are reused, not destroyed: torch 2.11 aborts the process when a pool is
+destroyed while any thread is inside ``use_mem_pool`` (``captures_underway``
+internal assert in ``~MemPool`` -> ``emptyCache``), and making a pool per block
+(thousands a second under four allocating threads) crashed it outright
+(SIGSEGV in ``torch.cuda.memory_stats`` in another thread; H200, torch 2.11,
+2026-11-30). So a tag has at most as many pools as it ever had blocks open at
+once; they go at teardown.
+
+**Off by default** (``TORPOR_TRIM_FREE_SEGMENTS=1`` turns it on; ``BlockPools.enabled``):
+with trimming on, the four-thread GPU test (tests/test_allocator_threads_gpu.py)
+still crashed torch 2.11 (SIGSEGV in ``torch.cuda.memory_stats`` in its fifth
+thread, 20-30 s in, during a wake, three workers in the refused-allocation
+path); with the same code and trimming off it ran clean. See docs/allocator.md.
+
+A block boundary trims only at a quiet moment, when no other block of the
+allocator is open (always so for an engine that allocates from one thread per
+device); otherwise the free segments wait for the next quiet block boundary or
+the next sleep, which always trims. Each trim reads torch's snapshot of the idle
+pools, and four threads entering thousands of blocks a second while a fifth
+called ``torch.cuda.memory_stats`` crashed torch 2.11 (SIGSEGV in
+``memory_stats``) when every boundary did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: Set to 1 to trim (see the module doc); off by default until torch's crash under threads is understood.
+ENV = "TORPOR_TRIM_FREE_SEGMENTS"
+
+logger = logging.getLogger("torpor.allocator")
+
+Snapshot = Callable[[Any], list[dict[str, Any]]]
+
+
+class BlockPool:
+    """One torch pool of a tag: whether a block uses it now, and the segments of it trimmed."""
+
+    __slots__ = ("mempool", "open", "tag", "trimmed")
+
+    def __init__(self, tag: str, mempool: Any) -> None:
+        self.tag = tag
+        self.mempool: Any = mempool
+        self.open = True
+        self.trimmed: set[int] = set()
+
+
+def trim_enabled() -> bool:
+    """Whether idle pools are trimmed: ``TORPOR_TRIM_FREE_SEGMENTS=1`` (off by default; docs/allocator.md)."""
+    value = os.environ.get(ENV, "0").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        msg = f"{ENV}={value!r} is not a switch (use 1 or 0)"
+        raise ValueError(msg)
+    return value in ("1", "true", "on")
+
+
+def free_segment(segment: dict[str, Any]) -> bool:
+    """True when torch holds every block of the segment free ("inactive"; a block pending a stream's free is not)."""
+    blocks = segment.get("blocks", [])
+    return all(b.get("state") == "inactive" for b in blocks) and int(segment.get("allocated_size", 0)) == 0
+
+
+class BlockPools:
+    """The torch pools of one allocator's ``use_memory_pool`` blocks: reused per tag, trimmed while idle.
+
+    ``new_pool(tag)`` makes a torch MemPool for ``tag``; ``trim(address)`` and
+    ``untrim(address) -> bool`` are the native table's; ``snapshot(mempool)``
+    lists a pool's segments with their blocks (torch's pool snapshot).
+    """
+
+    def __init__(
+        self,
+        new_pool: Callable[[str], Any],
+        trim: Callable[[int], None],
+        untrim: Callable[[int], bool],
+        snapshot: Snapshot,
+        enabled: bool = True,
+    ) -> None:
+        self._new_pool = new_pool
+        self._trim = trim
+        self._untrim = untrim
+        self._snapshot = snapshot
+        self.enabled = enabled  # False: pools are still reused per open block, nothing is trimmed
+        self._lock = threading.RLock()  # held across torch calls: torch's malloc/free (native) never take it
+        self._pools: dict[str, list[BlockPool]] = {}
+        self.trimmed_bytes = 0
+
+    # -- blocks ------------------------------------------------------------------------
+
+    def enter(self, tag: str) -> BlockPool:
+        """A block of ``tag`` starts: an idle pool of the tag (its trimmed segments mapped again) or a new one.
+
+        The tag's other idle pools are trimmed (what was freed since their blocks ended).
+        """
+        with self._lock:
+            pools = self._pools.setdefault(tag, [])
+            chosen = None
+            for entry in sorted((e for e in pools if not e.open), key=lambda e: len(e.trimmed)):
+                if self._restore(entry):
+                    chosen = entry
+                    break
+            if chosen is None:
+                chosen = BlockPool(tag, self._new_pool(tag))
+                pools.append(chosen)
+            chosen.open = True
+            if self._quiet(chosen):
+                self._trim_locked([tag])
+            return chosen
+
+    def leave(self, entry: BlockPool) -> None:
+        """The block of ``entry`` ended (its ``use_mem_pool`` exited): its pool is idle; the tag's idle pools are trimmed."""
+        with self._lock:
+            entry.open = False
+            if self._quiet(None):
+                self._trim_locked([entry.tag])
+
+    def _quiet(self, mine: BlockPool | None) -> bool:
+        """No block of this allocator is open but ``mine``: a block boundary trims only then (see the module doc)."""
+        return not any(e.open and e is not mine for v in self._pools.values() for e in v)
+
+    def _restore(self, entry: BlockPool) -> bool:
+        """Map the trimmed segments of an idle pool again; False (pool left idle) when the table refuses."""
+        for address in sorted(entry.trimmed):
+            try:
+                self._untrim(address)
+            except Exception as exc:  # the tag is asleep, or the device is full: this pool is not used now
+                logger.debug("an idle pool of tag %r is not reused: %s", entry.tag, exc)
+                return False
+            entry.trimmed.discard(address)
+        return True
+
+    # -- trimming ----------------------------------------------------------------------
+
+    def trim(self, tags: list[str] | None = None) -> int:
+        """Give back the free segments of idle pools (of ``tags``, or all); the bytes trimmed by this call."""
+        with self._lock:
+            return self._trim_locked(tags)
+
+    def _trim_locked(self, tags: list[str] | None) -> int:
+        if not self.enabled:
+            return 0
+        before = self.trimmed_bytes
+        for tag in list(self._pools) if tags is None else tags:
+            for entry in self._pools.get(tag, []):
+                if not entry.open:
+                    self._trim_pool(entry)
+        return self.trimmed_bytes - before
+
+    def _trim_pool(self, entry: BlockPool) -> None:
+        for seg in self._snapshot(entry.mempool):
+            address = int(seg["address"])
+            if address in entry.trimmed or not free_segment(seg):
+                continue
+            try:
+                self._trim(address)
+            except Exception:  # the table refused (e.g. closed); the segment stays mapped, torch keeps it
+                logger.exception("trimming a free segment at %#x of tag %r failed", address, entry.tag)
+                continue
+            entry.trimmed.add(address)
+            self.trimmed_bytes += int(seg.get("total_size", 0))
+
+    # -- queries and teardown -------------------------------------------------------------
+
+    def pools(self, tag: str) -> list[Any]:
+        """The torch pools of ``tag`` (open and idle)."""
+        with self._lock:
+            return [e.mempool for e in self._pools.get(tag, [])]
+
+    def counts(self) -> tuple[int, int]:
+        """(pools, of which open)."""
+        with self._lock:
+            every = [e for v in self._pools.values() for e in v]
+            return len(every), sum(e.open for e in every)
+
+    def clear(self) -> None:
+        """Drop every pool (teardown: torch frees their segments through the native free)."""
+        with self._lock:
+            for entries in self._pools.values():
+                for entry in entries:
+                    entry.mempool = None
+            self._pools.clear()
