@@ -35,6 +35,9 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "torpor.errors",
             "torpor.extras",
             "torpor.statemachine.events",
+            "torpor.statemachine.fields",
+            "torpor.statemachine.kinds",
+            "torpor.statemachine.payloads",
             "torpor.statemachine.states",
             "torpor.statemachine.policy",
             "torpor.statemachine.payload",
@@ -48,6 +51,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "log",
         "the event log on disk: its codec, writer, files, the one tailer every reader uses, and the subscriber fan-out",
         (
+            "torpor.statemachine.codec",
             "torpor.statemachine.log",
             "torpor.statemachine.tail",
             "torpor.statemachine.fanout",

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import torpor.statemachine.codec as codec_module
 import torpor.statemachine.log as log_module
 from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
 from torpor.statemachine.events import Event, EventKind, make_event
@@ -247,7 +248,7 @@ def test_well_formed_lines_never_reach_decode_line(tmp_path: Path, monkeypatch: 
         calls.append(lineno)
         return decode_line(line, where, lineno, max_line)
 
-    monkeypatch.setattr(log_module, "decode_line", counting)
+    monkeypatch.setattr(codec_module, "decode_line", counting)
     events = list(read_events(path))
     assert [e.kind for e in events] == [k for k, _ in _PAYLOADS] and calls == []
     lines = path.read_bytes().split(b"\n")

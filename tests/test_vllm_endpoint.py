@@ -145,7 +145,7 @@ def test_routes_are_read_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 
 def test_long_polls_do_not_reparse_the_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A waiting /torpor/events reads only what is appended (the follower of `torpor log follow`), never the whole log."""
-    import torpor.statemachine.log as log_module
+    import torpor.statemachine.codec as codec_module
 
     (controller,) = ranks(tmp_path, 1)
     for _ in range(200):
@@ -153,13 +153,13 @@ def test_long_polls_do_not_reparse_the_log(monkeypatch: pytest.MonkeyPatch, tmp_
     client = TestClient(vllm_app(monkeypatch, tmp_path))
     assert len(ndjson(client.get("/torpor/events").content)) == controller.last_seq  # the tail starts: one read
     decoded: list[int] = []
-    plain = log_module.plain_event
+    check = codec_module.payload_problem  # called once per decoded line
 
-    def counting(raw: dict[str, Any]) -> Any:
+    def counting(event: Any) -> Any:
         decoded.append(1)
-        return plain(raw)
+        return check(event)
 
-    monkeypatch.setattr(log_module, "plain_event", counting)
+    monkeypatch.setattr(codec_module, "payload_problem", counting)
     start = time.monotonic()
     empty = client.get("/torpor/events", params={"after": controller.last_seq, "wait": 1.0})
     assert empty.content == b"" and time.monotonic() - start >= 0.9
@@ -172,7 +172,7 @@ def test_long_polls_do_not_reparse_the_log(monkeypatch: pytest.MonkeyPatch, tmp_
 
 def test_state_reads_only_what_was_appended(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """/torpor/state decodes only the lines appended since the last request, not every rank's log again."""
-    import torpor.statemachine.log as log_module
+    import torpor.statemachine.codec as codec_module
 
     controllers = ranks(tmp_path, 2)
     for _ in range(100):
@@ -180,13 +180,13 @@ def test_state_reads_only_what_was_appended(monkeypatch: pytest.MonkeyPatch, tmp
     client = TestClient(vllm_app(monkeypatch, tmp_path))
     assert client.get("/torpor/state").json()["state"] == "awake"  # the first request reads each log once
     decoded: list[int] = []
-    plain = log_module.plain_event
+    check = codec_module.payload_problem  # called once per decoded line
 
-    def counting(raw: dict[str, Any]) -> Any:
+    def counting(event: Any) -> Any:
         decoded.append(1)
-        return plain(raw)
+        return check(event)
 
-    monkeypatch.setattr(log_module, "plain_event", counting)
+    monkeypatch.setattr(codec_module, "payload_problem", counting)
     assert client.get("/torpor/state").json()["state"] == "awake"
     assert decoded == []
     for c in controllers:

@@ -46,6 +46,36 @@ from torpor.statemachine import (
     replay,
 )
 
+# The payload class of each event kind (``event.data``): what subscribers match on.
+from torpor.statemachine.events import (
+    PAYLOADS,
+    Closed,
+    CommandRepeated,
+    DiscardCompleted,
+    GraphCaptured,
+    GroupAgreed,
+    HookDecision,
+    Opened,
+    Payload,
+    PoolCreated,
+    PoolReleased,
+    Recovered,
+    Refused,
+    SleepAborted,
+    SleepCompleted,
+    SleepRequested,
+    Snapshot,
+    TagBackedUp,
+    TagDiscarded,
+    TagReleased,
+    TagRestored,
+    TagRolledBack,
+    UsageObserved,
+    WakeCompleted,
+    WakeFailed,
+    WakeRequested,
+)
+
 #: Names of the other subpackages, importable from ``torpor`` and loaded on first use, so that
 #: ``import torpor`` stays light (no torch, no Prometheus registry touched).
 _LAZY = {
@@ -134,4 +164,32 @@ __all__ = [
     "register_graph_buffers",
     "replay",
     "serve",
+]
+__all__ += [  # the payload classes, imported above
+    "PAYLOADS",
+    "Closed",
+    "CommandRepeated",
+    "DiscardCompleted",
+    "GraphCaptured",
+    "GroupAgreed",
+    "HookDecision",
+    "Opened",
+    "Payload",
+    "PoolCreated",
+    "PoolReleased",
+    "Recovered",
+    "Refused",
+    "SleepAborted",
+    "SleepCompleted",
+    "SleepRequested",
+    "Snapshot",
+    "TagBackedUp",
+    "TagDiscarded",
+    "TagReleased",
+    "TagRestored",
+    "TagRolledBack",
+    "UsageObserved",
+    "WakeCompleted",
+    "WakeFailed",
+    "WakeRequested",
 ]

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from torpor.demo.report import fmt_bytes, fmt_rate, fmt_seconds, table
 from torpor.demo.workload import DEMO_TAGS, Check, Workload
 from torpor.errors import InvalidTransition
-from torpor.statemachine import Event, EventKind, SleepController
+from torpor.statemachine import Event, SleepController
+from torpor.statemachine.events import SleepCompleted, TagReleased, TagRestored, WakeCompleted
 
 
 @dataclass(frozen=True)
@@ -68,23 +69,23 @@ class CycleResult:
         """Fold one controller event into the result."""
         if not self.path or self.path[-1] != state:
             self.path.append(state)
-        d = event.data
-        if event.kind is EventKind.TAG_RELEASED:
-            row = self.tags.setdefault(str(d["tag"]), TagRow())
-            row.released, row.action = int(d["bytes"]), str(d["action"])
-        elif event.kind is EventKind.TAG_RESTORED and d.get("source") != "rollback":
-            row = self.tags.setdefault(str(d["tag"]), TagRow())
-            row.restored, row.source = int(d["bytes"]), str(d["source"])
-            if d["source"] == "host":
-                self.from_host += int(d["bytes"])
-        elif event.kind is EventKind.SLEEP_COMPLETED:
-            self.sleep_seconds += float(d["seconds"])
-            self.offloaded += int(d["offloaded"])
-            self.pinned = int(d.get("pinned") or 0)
-            if d.get("device"):
-                self.device_asleep = {str(k): int(v) for k, v in d["device"].items()}
-        elif event.kind is EventKind.WAKE_COMPLETED:
-            self.wake_seconds += float(d["seconds"])
+        match event.data:
+            case TagReleased(tag=tag, bytes=nbytes, action=action):
+                row = self.tags.setdefault(tag, TagRow())
+                row.released, row.action = nbytes, action
+            case TagRestored(source=source, tag=tag, bytes=nbytes) if source != "rollback":
+                row = self.tags.setdefault(tag, TagRow())
+                row.restored, row.source = nbytes, source
+                if source == "host":
+                    self.from_host += nbytes
+            case SleepCompleted() as d:
+                self.sleep_seconds += float(d.seconds)
+                self.offloaded += d.offloaded
+                self.pinned = d.pinned or 0
+                if d.device:
+                    self.device_asleep = {str(k): int(v) for k, v in d.device.items()}
+            case WakeCompleted(seconds=seconds):
+                self.wake_seconds += float(seconds)
 
 
 def run_cycle(

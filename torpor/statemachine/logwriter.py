@@ -15,9 +15,9 @@ from pathlib import Path
 
 from torpor.errors import EventTooLarge, LogCorrupted, LogWriteFailed, NotAnEventLog
 from torpor.statemachine import logfile
+from torpor.statemachine.codec import LINE_PREFIX
 from torpor.statemachine.events import BOUNDARY_KINDS, Event
 from torpor.statemachine.log import (
-    _PREFIX_B,
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_LINE,
     decode_line,
@@ -56,7 +56,7 @@ def _inspect(fd: int, name: str, max_line: int) -> tuple[int, int]:
     head = os.pread(fd, min(size, max_line + 1), 0)
     newline = head.find(b"\n")
     if newline < 0:
-        if size <= max_line and head.startswith(_PREFIX_B):
+        if size <= max_line and head.startswith(LINE_PREFIX):
             logger.warning("%s: cutting a torn first line (%d bytes) before appending", name, size)
             return 0, 0
         raise NotAnEventLog(name, "it has no line that is a checksummed event")

@@ -7,11 +7,13 @@ folds it, so every reader (replay, follow, the endpoint, the CLI) refuses such
 a line with ``LogCorrupted`` naming its file and line instead of failing
 later with a ``KeyError`` or an ``OverflowError`` far from the line.
 
-The rules follow the payloads documented on :class:`~torpor.statemachine.events.EventKind`:
-byte counts are integers in ``0..2**63-1``, seconds finite non-negative numbers,
-tags strings, usages objects of tag to bytes. Fields a kind does not name are
-free (``hook_decision`` details, future additions); a snapshot's projection is
-checked by rebuilding it.
+The checks derive from the payload classes of :mod:`torpor.statemachine.payloads`:
+each declared field is checked by its type (:data:`CHECKS`, one check per type:
+byte counts and levels are integers in ``0..2**63-1``, seconds finite
+non-negative numbers, tags strings, usages objects of tag to bytes), and a field
+without a default must be present. Fields a kind does not declare are free
+(future additions); a snapshot's projection is checked by rebuilding it. A
+field whose type has no check here fails at import.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torpor.statemachine.events import Event, EventKind, thaw
+from torpor.statemachine.events import Event
+from torpor.statemachine.fields import thaw
+from torpor.statemachine.kinds import EventKind
+from torpor.statemachine.payloads import PAYLOADS, Device, ProjectionForm, Released, Tags, Usage
 from torpor.statemachine.projection import Projection
 
 MAX_INT = 2**63 - 1
@@ -87,12 +92,6 @@ def _tags(value: Any) -> str | None:
     return None
 
 
-def _strings(value: Any) -> str | None:
-    if not isinstance(value, tuple | list):
-        return f"must be a list, got {type(value).__name__}"
-    return None
-
-
 def _mapping(value: Any) -> str | None:
     return None if isinstance(value, Mapping) else f"must be an object, got {type(value).__name__}"
 
@@ -126,62 +125,70 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _bool(value: Any) -> str | None:
+    return None if type(value) is bool else f"must be true or false, got {_short(value)}"
+
+
+def _opt_usage(value: Any) -> str | None:
+    return None if value is None else _usage(value)
+
+
+def _str_list(value: Any) -> str | None:
+    if not isinstance(value, tuple | list) or any(type(t) is not str for t in value):
+        return f"must be a list of strings, got {_short(value)}"
+    return None
+
+
+def _str_map(value: Any) -> str | None:
+    if not isinstance(value, Mapping):
+        return f"must be an object, got {type(value).__name__}"
+    for key, item in value.items():
+        if type(item) is not str:
+            return f"[{key!r}] must be a string, got {_short(item)}"
+    return None
+
+
 _Check = Callable[[Any], str | None]
-# Per kind: (required fields, optional fields), each a name -> check.
-_TAG_BYTES: dict[str, _Check] = {"tag": _str, "bytes": _int}
-_RULES: dict[EventKind, tuple[dict[str, _Check], dict[str, _Check]]] = {
-    EventKind.OPENED: ({}, {"usage": _usage, "memory": _str, "host": _opt_mapping}),
-    EventKind.RECOVERED: ({}, {"usage": _usage, "released": _released}),
-    EventKind.SLEEP_REQUESTED: ({"level": _int}, {"usage": _usage, "plan": _mapping}),
-    EventKind.TAG_BACKED_UP: (_TAG_BYTES, {"seconds": _num}),
-    EventKind.TAG_RELEASED: (_TAG_BYTES, {"action": _str, "seconds": _num}),
-    EventKind.SLEEP_COMPLETED: (
-        {},
-        {
-            "level": _int,
-            "seconds": _num,
-            "freed": _int,
-            "offloaded": _int,
-            "discarded": _int,
-            "pinned": _int,
-            "host_budget": _opt_int,
-            "device": _device,
-        },
-    ),
-    EventKind.SLEEP_ABORTED: ({}, {"level": _int, "seconds": _num, "reason": _opt_str, "error": _opt_str}),
-    EventKind.WAKE_REQUESTED: ({}, {"tags": _tags, "restoring": _tags}),
-    EventKind.TAG_RESTORED: (_TAG_BYTES, {"source": _str, "seconds": _num}),
-    EventKind.TAG_ROLLED_BACK: (_TAG_BYTES, {"action": _str}),
-    EventKind.WAKE_COMPLETED: (
-        {},
-        {"tags": _tags, "seconds": _num, "restored": _int, "pinned": _int, "host_released": _int, "usage": _usage},
-    ),
-    EventKind.WAKE_FAILED: ({}, {"tags": _tags, "seconds": _num, "reason": _opt_str, "error": _opt_str}),
-    EventKind.TAG_DISCARDED: (_TAG_BYTES, {}),
-    EventKind.DISCARD_COMPLETED: ({}, {"tags": _tags, "seconds": _num, "reason": _opt_str, "error": _opt_str}),
-    EventKind.REFUSED: ({}, {"command": _str, "reason": _opt_str, "error": _opt_str, "holders": _strings}),
-    EventKind.POOL_CREATED: ({"pool": _str}, {}),
-    EventKind.GRAPH_CAPTURED: ({"site": _str, "pool": _str}, {"seconds": _num, "usage": _usage}),
-    EventKind.POOL_RELEASED: ({}, {"pool": _opt_str, "bytes": _int, "usage": _usage}),
-    EventKind.USAGE_OBSERVED: ({"usage": _usage}, {}),
-    EventKind.HOOK_DECISION: ({}, {}),
-    EventKind.SNAPSHOT: ({"projection": _projection}, {}),
-    EventKind.CLOSED: ({}, {"state": _str}),
-    EventKind.COMMAND_REPEATED: ({}, {"command": _str, "args": _mapping, "state": _str, "reason": _opt_str}),
-    EventKind.GROUP_AGREED: (
-        {"group": _str, "command": _str, "round": _int, "size": _int, "result": _str},
-        {"failed": _mapping, "seconds": _num},
-    ),
+
+#: The check of each field type the payload classes use.
+CHECKS: dict[Any, _Check] = {
+    str: _str,
+    str | None: _opt_str,
+    int: _int,
+    int | None: _opt_int,
+    float: _num,
+    bool: _bool,
+    Usage: _usage,
+    Usage | None: _opt_usage,
+    Tags: _tags,
+    tuple[str, ...]: _str_list,
+    Device: _device,
+    Released: _released,
+    Mapping[str, str]: _str_map,
+    Mapping[str, Any]: _mapping,
+    Mapping[str, Any] | None: _opt_mapping,
+    ProjectionForm: _projection,
 }
-_UNRULED = set(EventKind) - _RULES.keys()
-if _UNRULED:  # a new kind without a payload rule would make every reader raise KeyError
-    _msg = f"payload rules missing for event kind(s) {sorted(k.value for k in _UNRULED)}"
-    raise ImportError(_msg)
 
 
-#: Per kind: the names it must carry, and a check per field it names (required or not).
-_REQUIRED: dict[EventKind, frozenset[str]] = {kind: frozenset(req) for kind, (req, _) in _RULES.items()}
-_CHECKS: dict[EventKind, dict[str, _Check]] = {kind: {**req, **opt} for kind, (req, opt) in _RULES.items()}
+def _checks_of(kind: EventKind) -> dict[str, _Check]:
+    checks = {}
+    for field in PAYLOADS[kind].fields.values():
+        check = CHECKS.get(field.type)
+        if check is None:  # a field of a new type: say which check it needs rather than read it unchecked
+            msg = (
+                f"no payload check for {PAYLOADS[kind].__name__}.{field.name} of type {field.type!r}: add one to CHECKS"
+            )
+            raise ImportError(msg)
+        checks[field.name] = check
+    return checks
+
+
+#: Per kind: the names it must carry, and a check per field it declares (required or not).
+_REQUIRED: dict[EventKind, frozenset[str]] = {
+    kind: frozenset(f.name for f in cls.fields.values() if f.required) for kind, cls in PAYLOADS.items()
+}
+_CHECKS: dict[EventKind, dict[str, _Check]] = {kind: _checks_of(kind) for kind in PAYLOADS}
 _isfinite = math.isfinite
 
 
@@ -198,9 +205,8 @@ def payload_problem(event: Event) -> str | None:
         missing = sorted(required - data.keys())[0]
         return f"event #{event.seq} ({kind.value}) lacks its {missing!r} field"
     checks = _CHECKS[kind]
-    if checks:
-        for name, value in data.items():
-            check = checks.get(name)
-            if check is not None and (problem := check(value)) is not None:
-                return f"event #{event.seq} ({kind.value}): {name!r} {problem}"
+    for name, value in data.items():
+        check = checks.get(name)
+        if check is not None and (problem := check(value)) is not None:
+            return f"event #{event.seq} ({kind.value}): {name!r} {problem}"
     return None

@@ -11,7 +11,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from torpor.statemachine.events import Event, thaw
+from torpor.statemachine.events import (
+    DiscardCompleted,
+    Event,
+    SleepAborted,
+    SleepCompleted,
+    SleepRequested,
+    TagBackedUp,
+    TagDiscarded,
+    TagReleased,
+    TagRestored,
+    TagRolledBack,
+    WakeCompleted,
+    WakeFailed,
+    WakeRequested,
+    thaw,
+)
 from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import TRANSITIONAL, State
 
@@ -167,12 +182,16 @@ def interned_usage(resident: int, host: int, discarded: int, allocations: int) -
 
 
 def _describe(event: Event) -> str:
+    """``#seq kind`` and what the step was about: its tag, its level, or the tags it woke."""
     d = event.data
     detail = ""
-    if "tag" in d:
-        detail = f" {d['tag']}"
-    elif "level" in d:
-        detail = f" level {d['level']}"
-    elif "tags" in d:
-        detail = f" {d['tags']}" if d["tags"] is not None else " all"
+    match d:
+        case TagBackedUp() | TagReleased() | TagRestored() | TagRolledBack() | TagDiscarded():
+            detail = f" {d.tag}"
+        case SleepRequested():
+            detail = f" level {d.level}"
+        case SleepCompleted() | SleepAborted() if d.level is not None:
+            detail = f" level {d.level}"
+        case WakeRequested() | WakeCompleted() | WakeFailed() | DiscardCompleted():
+            detail = f" {d.tags}" if d.tags is not None else " all"
     return f"#{event.seq} {event.kind.value}{detail}"

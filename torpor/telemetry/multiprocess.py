@@ -23,7 +23,15 @@ from prometheus_client import multiprocess as _mp
 from prometheus_client.metrics import Counter, Gauge, Histogram
 from prometheus_client.registry import CollectorRegistry
 
-from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.events import (
+    Event,
+    EventKind,
+    TagBackedUp,
+    TagDiscarded,
+    TagReleased,
+    TagRestored,
+    TagRolledBack,
+)
 from torpor.statemachine.protocol import TagUsage
 from torpor.statemachine.states import State
 from torpor.telemetry.errors import DuplicateRank
@@ -156,8 +164,8 @@ class MultiprocessSink:
             last = LAST_GAUGES.get(obs.metric)
             if last is not None:
                 self._set(last, base, obs.value)
-        if event.kind in _TAG_KINDS:
-            tag = str(event.data["tag"])
+        if isinstance(event.data, _TAG_PAYLOADS):
+            tag = event.data.tag
             usage = tracker.fold.residency.get(tag)
             if usage is not None:
                 self._set_tag(base, tag, usage)
@@ -206,15 +214,7 @@ class MultiprocessSink:
 
 
 #: Events that change one tag's residency and nothing else but, perhaps, the state.
-_TAG_KINDS = frozenset(
-    {
-        EventKind.TAG_BACKED_UP,
-        EventKind.TAG_RELEASED,
-        EventKind.TAG_RESTORED,
-        EventKind.TAG_ROLLED_BACK,
-        EventKind.TAG_DISCARDED,
-    }
-)
+_TAG_PAYLOADS = (TagBackedUp, TagReleased, TagRestored, TagRolledBack, TagDiscarded)
 
 
 def multiprocess_registry(path: str | None = None) -> CollectorRegistry:

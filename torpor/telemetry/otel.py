@@ -22,7 +22,21 @@ from typing import Any
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.events import (
+    Event,
+    EventKind,
+    Refused,
+    SleepAborted,
+    SleepCompleted,
+    SleepRequested,
+    TagBackedUp,
+    TagReleased,
+    TagRestored,
+    TagRolledBack,
+    WakeCompleted,
+    WakeFailed,
+    WakeRequested,
+)
 from torpor.telemetry.prometheus import (
     _COUNTERS,
     _HISTOGRAMS,
@@ -218,34 +232,30 @@ class OtelSink:
             self._record(observations)
         if not self._spans_on and self.span is None:
             return
-        data, when = event.data, _ns(event.wall)
-        if kind is EventKind.SLEEP_REQUESTED:
-            self._open("torpor.sleep", when, {"torpor.level": int(data["level"])})
-            self._backed_up = {}
-        elif kind is EventKind.WAKE_REQUESTED:
-            self._open("torpor.wake", when, {"torpor.tags": woken_label(data.get("tags"))})
-        elif kind is EventKind.TAG_BACKED_UP:
-            self._backed_up[str(data["tag"])] = event
-        elif kind is EventKind.TAG_RELEASED:
-            self._tag_span("torpor.sleep.tag", event, self._backed_up.pop(str(data["tag"]), None))
-        elif kind is EventKind.TAG_RESTORED:
-            if data.get("source") == "rollback":
-                self._event(
-                    "torpor.rolled_back", when, {"torpor.tag": str(data["tag"]), "torpor.bytes": int(data["bytes"])}
-                )
-            else:
+        when = _ns(event.wall)
+        match event.data:
+            case SleepRequested(level=level):
+                self._open("torpor.sleep", when, {"torpor.level": level})
+                self._backed_up = {}
+            case WakeRequested(tags=tags):
+                self._open("torpor.wake", when, {"torpor.tags": woken_label(tags)})
+            case TagBackedUp(tag=tag):
+                self._backed_up[tag] = event
+            case TagReleased(tag=tag):
+                self._tag_span("torpor.sleep.tag", event, self._backed_up.pop(tag, None))
+            case TagRestored(source="rollback", tag=tag, bytes=nbytes) | TagRolledBack(tag=tag, bytes=nbytes):
+                self._event("torpor.rolled_back", when, {"torpor.tag": tag, "torpor.bytes": nbytes})
+            case TagRestored():
                 self._tag_span("torpor.wake.tag", event, None)
-        elif kind is EventKind.TAG_ROLLED_BACK:
-            self._event(
-                "torpor.rolled_back", when, {"torpor.tag": str(data["tag"]), "torpor.bytes": int(data["bytes"])}
-            )
-        elif kind in (EventKind.SLEEP_COMPLETED, EventKind.WAKE_COMPLETED):
-            keys = ("seconds", "freed", "offloaded", "discarded", "restored", "pinned")
-            self._close(when, {f"torpor.{k}": data[k] for k in keys if k in data and data[k] is not None})
-        elif kind in (EventKind.SLEEP_ABORTED, EventKind.WAKE_FAILED):
-            self._close(when, {"error.type": str(data.get("error", "")) or "TorporError"}, str(data.get("reason", "")))
-        elif kind is EventKind.REFUSED:
-            self._refused(event)
+            case SleepCompleted() as d:
+                figures = {"seconds": d.seconds, "freed": d.freed, "offloaded": d.offloaded, "discarded": d.discarded}
+                self._close(when, _completed(figures, d.pinned))
+            case WakeCompleted() as d:
+                self._close(when, _completed({"seconds": d.seconds, "restored": d.restored}, d.pinned))
+            case SleepAborted(error=error, reason=reason) | WakeFailed(error=error, reason=reason):
+                self._close(when, {"error.type": error or "TorporError"}, reason or "")
+            case Refused() as d:
+                self._refused(event, d)
 
     def _record(self, observations: list[Observation]) -> None:
         inst = self.instruments
@@ -279,20 +289,22 @@ class OtelSink:
 
     def _tag_span(self, name: str, event: Event, backup: Event | None) -> None:
         data = event.data
+        if not isinstance(data, TagReleased | TagRestored):
+            return
         end = _ns(event.wall)
-        seconds = float(data.get("seconds", 0.0))
+        seconds = float(data.seconds)
         start = end - int(seconds * 1e9)
         attrs: dict[str, Any] = {  # engine and rank are on the parent span
-            "torpor.tag": str(data["tag"]),
-            "torpor.bytes": int(data["bytes"]),
+            "torpor.tag": data.tag,
+            "torpor.bytes": data.bytes,
             "torpor.seconds": seconds,
         }
-        if "action" in data:
-            attrs["torpor.action"] = str(data["action"])
-        if "source" in data:
-            attrs["torpor.source"] = str(data["source"])
+        if isinstance(data, TagReleased) and "action" in data:
+            attrs["torpor.action"] = data.action
+        if isinstance(data, TagRestored) and "source" in data:
+            attrs["torpor.source"] = data.source
         if backup is not None:
-            backup_seconds = float(backup.data.get("seconds", 0.0))
+            backup_seconds = float(backup.data.seconds) if isinstance(backup.data, TagBackedUp) else 0.0
             attrs["torpor.backup_seconds"] = backup_seconds
             attrs["torpor.seconds"] = seconds + backup_seconds
             start = min(start, _ns(backup.wall) - int(backup_seconds * 1e9))
@@ -300,16 +312,16 @@ class OtelSink:
         child = self.tracer.start_span(name, context=context, start_time=start, attributes=attrs)
         child.end(end_time=end)
 
-    def _refused(self, event: Event) -> None:
-        data, when = event.data, _ns(event.wall)
+    def _refused(self, event: Event, data: Refused) -> None:
+        when = _ns(event.wall)
         attrs = {
-            "torpor.command": str(data.get("command", "")),
-            "error.type": str(data.get("error", "")) or "TorporError",
-            "torpor.message": str(data.get("reason", "")),
-            "torpor.state": str(data.get("state", "")),
+            "torpor.command": data.command,
+            "error.type": data.error or "TorporError",
+            "torpor.message": data.reason or "",
+            "torpor.state": data.state,
         }
-        if data.get("holders"):
-            attrs["torpor.holders"] = [str(h) for h in data["holders"]]  # type: ignore[assignment]
+        if data.holders:
+            attrs["torpor.holders"] = list(data.holders)  # type: ignore[assignment]
         if self.span is not None:
             self.span.add_event("torpor.refused", attributes=attrs, timestamp=when)
             return
@@ -317,3 +329,11 @@ class OtelSink:
         span.add_event("torpor.refused", attributes=attrs, timestamp=when)
         span.set_status(Status(StatusCode.ERROR, attrs["torpor.message"]))
         span.end(end_time=when)
+
+
+def _completed(figures: dict[str, float], pinned: int | None) -> dict[str, Any]:
+    """A completed transition's span attributes: its figures, and the pinned host bytes when said."""
+    attrs: dict[str, Any] = {f"torpor.{name}": value for name, value in figures.items()}
+    if pinned is not None:
+        attrs["torpor.pinned"] = pinned
+    return attrs

@@ -16,7 +16,18 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.events import (
+    Event,
+    EventKind,
+    Opened,
+    Refused,
+    SleepAborted,
+    SleepCompleted,
+    TagBackedUp,
+    TagRestored,
+    WakeCompleted,
+    WakeFailed,
+)
 from torpor.statemachine.fanout import Fanout
 from torpor.statemachine.projection import Projection
 from torpor.statemachine.states import State
@@ -79,28 +90,31 @@ def interpret(event: Event, before: State, after: State) -> Iterator[Observation
     (tag, direction), ``refusal`` (command, error class), ``failure``
     (operation, error class), ``event`` (kind).
     """
-    kind, data = event.kind, event.data
+    kind = event.kind
     yield Observation("event", (kind.value,), 1.0)
     if before is not after and kind not in (EventKind.OPENED, EventKind.SNAPSHOT):
         yield Observation("transition", (before.value, after.value), 1.0)
-    if kind is EventKind.SLEEP_COMPLETED and not data.get("incomplete"):
-        yield Observation("sleep_seconds", (str(data.get("level", "")),), float(data.get("seconds", 0.0)))
-    elif kind is EventKind.WAKE_COMPLETED:
-        yield Observation("wake_seconds", (woken_label(data.get("tags")),), float(data.get("seconds", 0.0)))
-    elif kind is EventKind.TAG_BACKED_UP:
-        labels = (str(data["tag"]), DEVICE_TO_HOST)
-        yield Observation("transfer_bytes", labels, float(data.get("bytes", 0)))
-        yield Observation("transfer_seconds", labels, float(data.get("seconds", 0.0)))
-    elif kind is EventKind.TAG_RESTORED and data.get("source") == "host":
-        labels = (str(data["tag"]), HOST_TO_DEVICE)
-        yield Observation("transfer_bytes", labels, float(data.get("bytes", 0)))
-        yield Observation("transfer_seconds", labels, float(data.get("seconds", 0.0)))
-    elif kind is EventKind.REFUSED:
-        yield Observation("refusal", (str(data.get("command", "")), str(data.get("error", "TorporError"))), 1.0)
-    elif kind is EventKind.SLEEP_ABORTED:
-        yield Observation("failure", ("sleep", str(data.get("error", "TorporError"))), 1.0)
-    elif kind is EventKind.WAKE_FAILED:
-        yield Observation("failure", ("wake", str(data.get("error", "TorporError"))), 1.0)
+    match event.data:
+        case SleepCompleted(incomplete=None, level=level, seconds=seconds):
+            yield Observation("sleep_seconds", ("" if level is None else str(level),), float(seconds))
+        case WakeCompleted(tags=tags, seconds=seconds):
+            yield Observation("wake_seconds", (woken_label(tags),), float(seconds))
+        case TagBackedUp(tag=tag, bytes=nbytes, seconds=seconds):
+            yield Observation("transfer_bytes", (tag, DEVICE_TO_HOST), float(nbytes))
+            yield Observation("transfer_seconds", (tag, DEVICE_TO_HOST), float(seconds))
+        case TagRestored(source="host", tag=tag, bytes=nbytes, seconds=seconds):
+            yield Observation("transfer_bytes", (tag, HOST_TO_DEVICE), float(nbytes))
+            yield Observation("transfer_seconds", (tag, HOST_TO_DEVICE), float(seconds))
+        case Refused(command=command, error=error):
+            yield Observation("refusal", (command, _error_label(error)), 1.0)
+        case SleepAborted(error=error):
+            yield Observation("failure", ("sleep", _error_label(error)), 1.0)
+        case WakeFailed(error=error):
+            yield Observation("failure", ("wake", _error_label(error)), 1.0)
+
+
+def _error_label(error: str | None) -> str:
+    return "TorporError" if error is None else error
 
 
 #: Observations whose last value the tracker keeps (the "last sleep / last wake" gauges).
@@ -113,10 +127,11 @@ def _last_durations(source: Source, upto: int) -> dict[str, float]:
     for event in reversed(source.events(0)):
         if event.seq > upto:
             continue
-        if event.kind is EventKind.SLEEP_COMPLETED and not event.data.get("incomplete"):
-            found.setdefault("sleep_seconds", float(event.data.get("seconds", 0.0)))
-        elif event.kind is EventKind.WAKE_COMPLETED:
-            found.setdefault("wake_seconds", float(event.data.get("seconds", 0.0)))
+        match event.data:
+            case SleepCompleted(incomplete=None, seconds=seconds):
+                found.setdefault("sleep_seconds", float(seconds))
+            case WakeCompleted(seconds=seconds):
+                found.setdefault("wake_seconds", float(seconds))
         if len(found) == len(LAST_METRICS):
             break
     return found
@@ -125,8 +140,8 @@ def _last_durations(source: Source, upto: int) -> dict[str, float]:
 def _driver_of(source: Source) -> str:
     """The memory class: from the latest ``opened`` event, else the source's ``memory`` attribute."""
     for event in reversed(source.events(0)):
-        if event.kind is EventKind.OPENED and "memory" in event.data:
-            return str(event.data["memory"])
+        if isinstance(event.data, Opened) and "memory" in event.data:
+            return event.data.memory
     memory = getattr(source, "memory", None)
     return type(memory).__name__ if memory is not None else "unknown"
 
@@ -195,8 +210,8 @@ class Tracker:
         self.seq = event.seq
         before = self.fold.state
         self.fold.apply(event)
-        if event.kind is EventKind.OPENED and "memory" in event.data:
-            self.driver = str(event.data["memory"])
+        if isinstance(event.data, Opened) and "memory" in event.data:
+            self.driver = event.data.memory
         observations = list(interpret(event, before, self.fold.state))
         for obs in observations:
             if obs.metric in LAST_METRICS:

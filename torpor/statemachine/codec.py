@@ -1,0 +1,134 @@
+"""The log's line codec: the only code that knows an event's on-disk form.
+
+A line is one event as compact, key-sorted JSON whose first member is its
+checksum, ``{"crc":"xxxxxxxx",...}``: the CRC-32 (8 hex digits) of the line
+with that member removed, ending in a newline. :func:`encode_line` writes one;
+:func:`decode_line` reads one and names whatever is wrong with it
+(``LogCorrupted`` with file and line, ``UnknownSchemaVersion``); the payload is
+checked against its kind's class (:func:`~torpor.statemachine.payload.payload_problem`).
+
+:func:`decode_lines` is the readers' loop (replay, follow, the endpoint, the
+CLI) and the only place with speed tricks: a line in the plain form the writer
+writes is checked inline and built with one ``Event(...)`` call; any other line
+goes to :func:`decode_line`, so both give the same event or the same error.
+Only documented APIs are used (``json.JSONDecoder.raw_decode``, ``zlib.crc32``).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import zlib
+from collections.abc import Iterable, Iterator
+
+from torpor.errors import LogCorrupted, UnknownSchemaVersion
+from torpor.statemachine.events import KIND_NAMED, SCHEMA_VERSION, Event
+from torpor.statemachine.payload import payload_problem
+
+_PREFIX = '{"crc":"'
+_PREFIX_B = _PREFIX.encode()
+#: How every event line starts: what tells a torpor log from any other file.
+LINE_PREFIX = _PREFIX_B
+_DECODER = json.JSONDecoder()
+_CRC_OPEN = zlib.crc32(b"{")
+_HEAD = len(_PREFIX) + 8 + 2  # '{"crc":"' + 8 hex + '",'
+_PLAIN = operator.itemgetter("kind", "seq", "wall", "mono", "pid", "engine", "rank", "data")
+DEFAULT_MAX_LINE = 64 * 1024
+
+
+def encode_line(event: Event) -> bytes:
+    """One log line for ``event``, with its checksum, ending in a newline."""
+    body = event.to_json()
+    crc = zlib.crc32(body.encode()) & 0xFFFFFFFF
+    return f'{_PREFIX}{crc:08x}",{body[1:]}\n'.encode()
+
+
+def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX_LINE) -> Event:
+    """Parse and verify one log line (with or without its newline); raise ``LogCorrupted`` or ``UnknownSchemaVersion``."""
+    if len(line) > max_line:
+        raise LogCorrupted(path, lineno, f"line is {len(line)} bytes, over the {max_line}-byte limit")
+    if line.endswith(b"\n"):
+        line = line[:-1]
+    if not line.startswith(_PREFIX_B) or len(line) < _HEAD + 1 or line[_HEAD - 2 : _HEAD] != b'",':
+        raise LogCorrupted(path, lineno, "line does not start with a checksum")
+    try:
+        expected = int(line[len(_PREFIX) : len(_PREFIX) + 8], 16)
+    except ValueError:
+        raise LogCorrupted(path, lineno, "checksum is not hexadecimal") from None
+    if zlib.crc32(memoryview(line)[_HEAD:], _CRC_OPEN) != expected:  # the CRC of "{" + the rest, no copy
+        raise LogCorrupted(path, lineno, "checksum mismatch")
+    try:
+        text = line.decode()
+        raw, end = _DECODER.raw_decode(text)  # the whole line: its "crc" member is one more key
+    except ValueError as exc:
+        raise LogCorrupted(path, lineno, f"not JSON ({exc})") from None
+    except RecursionError:
+        raise LogCorrupted(path, lineno, "JSON nested too deeply") from None
+    if end != len(text):
+        raise LogCorrupted(path, lineno, f"text after the JSON object at byte {end}")
+    if not isinstance(raw, dict):
+        raise LogCorrupted(path, lineno, "line is not a JSON object")
+    schema = raw.get("schema")
+    if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
+        raise UnknownSchemaVersion(path, lineno, schema, SCHEMA_VERSION)
+    try:
+        event = Event.from_dict(raw)
+    except (ValueError, OverflowError) as exc:  # OverflowError: a 400-digit integer where a float belongs
+        raise LogCorrupted(path, lineno, str(exc)) from None
+    except RecursionError:
+        raise LogCorrupted(path, lineno, "event data nested too deeply") from None
+    problem = payload_problem(event)
+    if problem is not None:
+        raise LogCorrupted(path, lineno, problem)
+    return event
+
+
+def decode_lines(
+    lines: Iterable[bytes], path: str, lineno: int = 0, max_line: int = DEFAULT_MAX_LINE
+) -> Iterator[Event]:
+    """The events of complete lines (no newline), the first being line ``lineno + 1`` of ``path``.
+
+    Each line takes a fast path first: :func:`decode_line`'s checks on a line
+    in the writer's plain form (every envelope member present with its exact
+    type), inline. Any line the fast path does not accept goes to
+    :func:`decode_line` itself, which returns its event or raises the error it
+    names, so both paths give the same result.
+    """
+    raw_decode = _DECODER.raw_decode
+    plain = _PLAIN
+    kinds = KIND_NAMED
+    crc32 = zlib.crc32
+    problem_of = payload_problem
+    for line in lines:
+        lineno += 1
+        event: Event | None = None
+        if len(line) <= max_line and line.startswith(_PREFIX_B) and line[_HEAD - 2 : _HEAD] == b'",':
+            try:
+                if crc32(line[_HEAD:], _CRC_OPEN) == int(line[len(_PREFIX) : _HEAD - 2], 16):
+                    text = line.decode()
+                    raw, end = raw_decode(text, 0)
+                    if end == len(text) and type(raw) is dict:
+                        schema = raw.get("schema")
+                        kind, seq, wall, mono, pid, engine, rank, data = plain(raw)
+                        if (
+                            schema == SCHEMA_VERSION
+                            and type(schema) is int
+                            and type(seq) is int
+                            and type(wall) is float
+                            and type(mono) is float
+                            and type(pid) is int
+                            and type(engine) is str
+                            and type(rank) is int
+                            and type(data) is dict
+                        ):
+                            event = Event(kinds[kind], seq, wall, mono, pid, engine, rank, data)
+                            if problem_of(event) is not None:
+                                event = None
+            except Exception:  # decode_line below names what is wrong
+                event = None
+        if event is None:
+            event = decode_line(line, path, lineno, max_line)
+        yield event
+
+
+__all__ = ["DEFAULT_MAX_LINE", "LINE_PREFIX", "decode_line", "decode_lines", "encode_line"]
