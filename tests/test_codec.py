@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torpor.errors import LogCorrupted
 from torpor.statemachine import codec
 from torpor.statemachine.codec import decode_line, decode_lines, encode_line
 from torpor.statemachine.events import PAYLOADS, Event, EventKind, make_event, thaw
+from torpor.statemachine.projection import Projection
 
 #: One line of each kind a controller writes, as torpor 39a9702 (before the typed payloads) wrote them.
 OLD_LOG = Path(__file__).parent / "data" / "main-39a9702.jsonl"
@@ -66,3 +68,81 @@ def test_encode_then_decode_is_the_same_event() -> None:
     )
     again = decode_line(encode_line(event), "p", 1)
     assert again == event and type(again) is Event and again.data.result == "commit"
+
+
+#: Values of every shape a payload field may meet in a hand-edited or foreign log line.
+_ODD_VALUES: tuple[object, ...] = (
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2**63 - 1,
+    2**63,
+    0.5,
+    -0.5,
+    float("inf"),
+    float("nan"),
+    "weights",
+    "",
+    [],
+    ["weights", "kv_cache"],
+    ["weights", 1],
+    {},
+    {"weights": 1},
+    {"weights": -1},
+    {"weights": "x"},
+    {"weights": {"host": 1, "discarded": 0}},
+    {"total": -5, "in_use": 3},
+)
+
+
+def _valid_payload(kind: EventKind) -> dict[str, object]:
+    """A payload of ``kind`` the reference check accepts, built from values of the list above."""
+    from torpor.statemachine.payload import _CHECKS
+
+    out: dict[str, object] = {}
+    for name, check in _CHECKS[kind].items():
+        field = PAYLOADS[kind].fields[name]
+        if not field.required:
+            continue
+        candidates = (*_ODD_VALUES, Projection().to_dict())  # a snapshot's projection
+        out[name] = next(v for v in candidates if check(v) is None)
+    return out
+
+
+def test_the_fast_check_agrees_with_payload_problem_on_every_field() -> None:
+    """The codec's generated per-kind check accepts a payload exactly when payload_problem finds nothing."""
+    from torpor.statemachine.payload import payload_problem
+
+    compared = 0
+    for name, (kind, ok) in codec._FAST.items():
+        base = _valid_payload(kind)
+        assert payload_problem(Event(kind, 7, 1.0, 2.0, 3, "e", 0, base)) is None, (name, base)
+        cases: list[dict[str, object]] = [base, {}]
+        for field in PAYLOADS[kind].fields:
+            for value in _ODD_VALUES:
+                cases.append({**base, field: value})
+            cases.append({k: v for k, v in base.items() if k != field})  # the field missing
+        cases.append({**base, "not_declared": {"nested": [1, 2]}})  # undeclared fields are free
+        for data in cases:
+            event = Event(kind, 7, 1.0, 2.0, 3, "e", 0, data)
+            assert ok(data) == (payload_problem(event) is None), (name, data, payload_problem(event))
+            compared += 1
+    assert compared > 500
+
+
+def test_a_bad_envelope_on_the_fast_path_is_refused_like_decode_line() -> None:
+    """A line whose sequence number, pid, rank or time is out of range gets decode_line's error, not an event."""
+    good = json.loads(encode_line(make_event(EventKind.OPENED, 1, "e", 0, {}))[:-1])
+    for field, value in (("seq", -1), ("pid", 2**63), ("rank", -2), ("wall", float("inf")), ("mono", float("nan"))):
+        raw = {k: v for k, v in good.items() if k != "crc"}
+        raw[field] = value
+        body = json.dumps(raw, sort_keys=True, separators=(",", ":"))
+        crc = zlib.crc32(body.encode()) & 0xFFFFFFFF
+        line = f'{{"crc":"{crc:08x}",{body[1:]}'.encode()
+        with pytest.raises(LogCorrupted):
+            list(decode_lines([line], "x.jsonl"))
+        with pytest.raises(LogCorrupted):
+            decode_line(line, "x.jsonl", 1)

@@ -17,13 +17,17 @@ Only documented APIs are used (``json.JSONDecoder.raw_decode``, ``zlib.crc32``).
 from __future__ import annotations
 
 import json
+import math
 import operator
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from torpor.errors import LogCorrupted, UnknownSchemaVersion
 from torpor.statemachine.events import KIND_NAMED, SCHEMA_VERSION, Event
-from torpor.statemachine.payload import payload_problem
+from torpor.statemachine.kinds import EventKind
+from torpor.statemachine.payload import CHECKS, MAX_INT, payload_problem
+from torpor.statemachine.payloads import PAYLOADS
 
 _PREFIX = '{"crc":"'
 _PREFIX_B = _PREFIX.encode()
@@ -34,6 +38,54 @@ _CRC_OPEN = zlib.crc32(b"{")
 _HEAD = len(_PREFIX) + 8 + 2  # '{"crc":"' + 8 hex + '",'
 _PLAIN = operator.itemgetter("kind", "seq", "wall", "mono", "pid", "engine", "rank", "data")
 DEFAULT_MAX_LINE = 64 * 1024
+
+
+#: Field types whose check :func:`_fast_check` writes inline (the same rule as the type's check in CHECKS).
+_INLINE: dict[Any, str] = {
+    str: "type(v) is str",
+    str | None: "v is None or type(v) is str",
+    int: "type(v) is int and 0 <= v <= M",
+    int | None: "v is None or (type(v) is int and 0 <= v <= M)",
+    float: "(type(v) is int and 0 <= v <= M) or (type(v) is float and 0.0 <= v < INF)",
+    bool: "type(v) is bool",
+}
+_MISSING = object()
+
+
+def _fast_check(kind: EventKind) -> Callable[[dict[str, Any]], bool]:
+    """A predicate on a decoded payload dict: True exactly when ``payload_problem`` finds nothing in it.
+
+    Generated from the kind's payload class (its fields and their types) as
+    straight-line code, one test per declared field: the common case of a
+    replayed line costs no Python call per field. ``payload_problem`` stays
+    the reference that names a problem; the codec's tests check both agree.
+    """
+    fields = list(PAYLOADS[kind].fields.values())
+    env: dict[str, Any] = {
+        "M": MAX_INT,
+        "INF": math.inf,
+        "MISSING": _MISSING,
+        "REQUIRED": frozenset(f.name for f in fields if f.required),
+    }
+    body = ["def ok(d):"]
+    if env["REQUIRED"]:
+        body.append("    if not REQUIRED <= d.keys(): return False")
+    for i, field in enumerate(fields):
+        test = _INLINE.get(field.type)
+        if test is None:
+            env[f"check{i}"] = CHECKS[field.type]
+            test = f"check{i}(v) is None"
+        body += [f"    v = d.get({field.name!r}, MISSING)", f"    if v is not MISSING and not ({test}): return False"]
+    body.append("    return True")
+    exec("\n".join(body), env)  # noqa: S102 - code built only from the payload classes' declared fields
+    ok: Callable[[dict[str, Any]], bool] = env["ok"]
+    return ok
+
+
+#: Per kind name (as the log spells it): its kind and the fast check of its payload.
+_FAST: dict[str, tuple[EventKind, Callable[[dict[str, Any]], bool]]] = {
+    name: (kind, _fast_check(kind)) for name, kind in KIND_NAMED.items()
+}
 
 
 def encode_line(event: Event) -> bytes:
@@ -96,9 +148,9 @@ def decode_lines(
     """
     raw_decode = _DECODER.raw_decode
     plain = _PLAIN
-    kinds = KIND_NAMED
+    fast = _FAST
     crc32 = zlib.crc32
-    problem_of = payload_problem
+    top, inf = MAX_INT, math.inf
     for line in lines:
         lineno += 1
         event: Event | None = None
@@ -109,7 +161,8 @@ def decode_lines(
                     raw, end = raw_decode(text, 0)
                     if end == len(text) and type(raw) is dict:
                         schema = raw.get("schema")
-                        kind, seq, wall, mono, pid, engine, rank, data = plain(raw)
+                        name, seq, wall, mono, pid, engine, rank, data = plain(raw)
+                        kind, ok = fast[name]
                         if (
                             schema == SCHEMA_VERSION
                             and type(schema) is int
@@ -120,10 +173,14 @@ def decode_lines(
                             and type(engine) is str
                             and type(rank) is int
                             and type(data) is dict
+                            and 0 <= seq <= top
+                            and 0 <= pid <= top
+                            and 0 <= rank <= top
+                            and -inf < wall < inf
+                            and -inf < mono < inf
+                            and ok(data)
                         ):
-                            event = Event(kinds[kind], seq, wall, mono, pid, engine, rank, data)
-                            if problem_of(event) is not None:
-                                event = None
+                            event = Event(kind, seq, wall, mono, pid, engine, rank, data)
             except Exception:  # decode_line below names what is wrong
                 event = None
         if event is None:

@@ -56,7 +56,6 @@ from torpor.statemachine.payloads import (
 )
 
 _PAYLOAD_OF: dict[EventKind, type[Payload]] = dict(PAYLOADS)  # a plain dict: one lookup per event built
-_set = object.__setattr__
 
 
 @dataclass(frozen=True, init=False)
@@ -91,27 +90,24 @@ class Event:
         (:func:`~torpor.statemachine.payload.payload_problem`).
         """
         payload = _PAYLOAD_OF[kind]() if data is None else _PAYLOAD_OF[kind](data)  # a copy: the caller's is not shared
-        if not SCALARS.issuperset(map(type, dict.values(payload))):  # nested values: freeze them (C-level test first)
-            for key, value in dict.items(payload):
-                if type(value) not in SCALARS:
-                    dict.__setitem__(payload, key, freeze(value))
-        # One store of the whole instance dict: a frozen dataclass refuses attribute stores, and
+        for value in dict.values(payload):  # nested values: freeze them (scalars, the common case, pass at once)
+            if type(value) not in SCALARS:
+                for key, item in dict.items(payload):
+                    if type(item) not in SCALARS:
+                        dict.__setitem__(payload, key, freeze(item))
+                break
+        # Stored straight into the instance dict: a frozen dataclass refuses attribute stores, and
         # nine object.__setattr__ calls (one per field) cost more than the rest of a replayed line.
-        _set(
-            self,
-            "__dict__",
-            {
-                "kind": kind,
-                "seq": seq,
-                "wall": wall,
-                "mono": mono,
-                "pid": pid,
-                "engine": engine,
-                "rank": rank,
-                "data": payload,
-                "schema": schema,
-            },
-        )
+        fields = self.__dict__
+        fields["kind"] = kind
+        fields["seq"] = seq
+        fields["wall"] = wall
+        fields["mono"] = mono
+        fields["pid"] = pid
+        fields["engine"] = engine
+        fields["rank"] = rank
+        fields["data"] = payload
+        fields["schema"] = schema
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready form written to the log."""
