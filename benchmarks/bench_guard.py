@@ -50,13 +50,19 @@ def sim_cycles(cycles: int) -> float:
         alloc.allocate(G, tag)
     ctl = SleepController(alloc, keep_events=1000)
 
+    return _best(_sleep_wake(ctl, cycles))
+
+
+def _sleep_wake(ctl: SleepController, cycles: int) -> Callable[[], int]:
+    """A run of ``cycles`` sleep(1)/wake() pairs on ``ctl``, returning the commands it ran."""
+
     def run() -> int:
         for _ in range(cycles):
             ctl.sleep(1)
             ctl.wake()
         return 2 * cycles
 
-    return _best(run)
+    return run
 
 
 def fake_cycles(cycles: int) -> float:
@@ -65,13 +71,7 @@ def fake_cycles(cycles: int) -> float:
         FakeMemory({"weights": 2**30, "kv_cache": 2**31, "cudagraph": 2**26, "runtime": 2**20}), keep_events=1000
     )
 
-    def run() -> int:
-        for _ in range(cycles):
-            ctl.sleep(1)
-            ctl.wake()
-        return 2 * cycles
-
-    return _best(run)
+    return _best(_sleep_wake(ctl, cycles))
 
 
 def refusals(cycles: int) -> float:

@@ -143,23 +143,29 @@ def test_routes_are_read_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert client.post("/torpor/events").status_code == 405
 
 
-def test_long_polls_do_not_reparse_the_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A waiting /torpor/events reads only what is appended (the follower of `torpor log follow`), never the whole log."""
+def count_decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one for every log line decoded from now on (counted at the codec's fast check)."""
     import torpor.statemachine.codec as codec_module
 
-    (controller,) = ranks(tmp_path, 1)
-    for _ in range(200):
-        controller.observe()
-    client = TestClient(vllm_app(monkeypatch, tmp_path))
-    assert len(ndjson(client.get("/torpor/events").content)) == controller.last_seq  # the tail starts: one read
     decoded: list[int] = []
-    check = codec_module._payload_ok  # called once per decoded line (the codec's fast path)
+    check = codec_module._payload_ok
 
     def counting(data: Any, required: Any, rules: Any) -> bool:
         decoded.append(1)
         return check(data, required, rules)
 
     monkeypatch.setattr(codec_module, "_payload_ok", counting)
+    return decoded
+
+
+def test_long_polls_do_not_reparse_the_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A waiting /torpor/events reads only what is appended (the follower of `torpor log follow`), never the whole log."""
+    (controller,) = ranks(tmp_path, 1)
+    for _ in range(200):
+        controller.observe()
+    client = TestClient(vllm_app(monkeypatch, tmp_path))
+    assert len(ndjson(client.get("/torpor/events").content)) == controller.last_seq  # the tail starts: one read
+    decoded = count_decoded(monkeypatch)
     start = time.monotonic()
     empty = client.get("/torpor/events", params={"after": controller.last_seq, "wait": 1.0})
     assert empty.content == b"" and time.monotonic() - start >= 0.9
@@ -172,21 +178,12 @@ def test_long_polls_do_not_reparse_the_log(monkeypatch: pytest.MonkeyPatch, tmp_
 
 def test_state_reads_only_what_was_appended(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """/torpor/state decodes only the lines appended since the last request, not every rank's log again."""
-    import torpor.statemachine.codec as codec_module
-
     controllers = ranks(tmp_path, 2)
     for _ in range(100):
         controllers[0].observe()
     client = TestClient(vllm_app(monkeypatch, tmp_path))
     assert client.get("/torpor/state").json()["state"] == "awake"  # the first request reads each log once
-    decoded: list[int] = []
-    check = codec_module._payload_ok  # called once per decoded line (the codec's fast path)
-
-    def counting(data: Any, required: Any, rules: Any) -> bool:
-        decoded.append(1)
-        return check(data, required, rules)
-
-    monkeypatch.setattr(codec_module, "_payload_ok", counting)
+    decoded = count_decoded(monkeypatch)
     assert client.get("/torpor/state").json()["state"] == "awake"
     assert decoded == []
     for c in controllers:
