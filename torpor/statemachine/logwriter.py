@@ -23,7 +23,6 @@ from torpor.statemachine.log import (
     decode_line,
     encode_line,
     read_events,
-    read_events_file,
     segments,
 )
 
@@ -246,7 +245,7 @@ class EventLog:
                 written += n
             if self.fsync:
                 os.fsync(fd)
-            first = next(read_events_file(self.path, self.max_line)).seq
+            first = self._first_seq()
             os.replace(self.path, self.path.with_name(f"{self.path.name}.{first:012d}"))
         except BaseException as exc:
             os.close(fd)
@@ -267,6 +266,12 @@ class EventLog:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
+
+    def _first_seq(self) -> int:
+        """The sequence number of the active file's first event: its first line only, not the whole file."""
+        with open(self.path, "rb") as fh:
+            line = fh.readline(self.max_line + 1)
+        return decode_line(line, str(self.path), 1, self.max_line).seq
 
     def close(self) -> None:
         """Close the file and release the writer lock (events already appended stay); safe to call twice."""
