@@ -20,6 +20,19 @@ from torpor.statemachine.policy import HostMemoryPolicy, Policy
 # -- torpor -------------------------------------------------------------------------------
 
 
+def timed_sleep_wake(ctl: SleepController, alloc: TaggedAllocator, res: Result) -> None:
+    """One ``sleep(1)`` and ``wake()``, timed into ``res``: durations, device bytes released, host bytes held asleep."""
+    before = free_device()
+    t = time.perf_counter()
+    ctl.sleep(1)
+    res.sleeps.append(time.perf_counter() - t)
+    res.released.append(free_device() - before)
+    res.host_held = alloc.pinned_bytes()
+    t = time.perf_counter()
+    ctl.wake()
+    res.wakes.append(time.perf_counter() - t)
+
+
 def run_torpor_raw(
     name: str,
     segments: int,
@@ -47,15 +60,8 @@ def run_torpor_raw(
     if not ready:
         res.note = "pin-ahead did not finish"
     for _ in range(cycles):
-        before = free_device()
-        t = time.perf_counter()
-        ctl.sleep(1)
-        res.sleeps.append(time.perf_counter() - t)
-        res.released.append(free_device() - before)
-        res.host_held = res.pinned_asleep = alloc.pinned_bytes()
-        t = time.perf_counter()
-        ctl.wake()
-        res.wakes.append(time.perf_counter() - t)
+        timed_sleep_wake(ctl, alloc, res)
+        res.pinned_asleep = res.host_held
         alloc.host.wait_unpinned(60)
         res.pinned_after_wake = alloc.pinned_bytes()
         res.exact = res.exact and same(ranges, refs)
@@ -255,15 +261,7 @@ def run_torpor_graphs(cycles: int, batches: tuple[int, ...] = (1, 8, 32, 128), l
         f"replay deterministic before sleep: {deterministic}"
     )
     for _ in range(cycles):
-        before = free_device()
-        t = time.perf_counter()
-        ctl.sleep(1)
-        res.sleeps.append(time.perf_counter() - t)
-        res.released.append(free_device() - before)
-        res.host_held = alloc.pinned_bytes()
-        t = time.perf_counter()
-        ctl.wake()
-        res.wakes.append(time.perf_counter() - t)
+        timed_sleep_wake(ctl, alloc, res)
         for (g, out, _), ref in zip(graphs, refs, strict=True):
             out.zero_()  # a replay must write it again
             g.replay()
