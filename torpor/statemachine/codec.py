@@ -26,13 +26,12 @@ from typing import Any
 from torpor.errors import LogCorrupted, UnknownSchemaVersion
 from torpor.statemachine.events import KIND_NAMED, SCHEMA_VERSION, Event
 from torpor.statemachine.kinds import EventKind
-from torpor.statemachine.payload import CHECKS, MAX_INT, payload_problem
+from torpor.statemachine.payload import _CHECKS, _REQUIRED, MAX_INT, payload_problem
 from torpor.statemachine.payloads import PAYLOADS
 
 _PREFIX = '{"crc":"'
-_PREFIX_B = _PREFIX.encode()
 #: How every event line starts: what tells a torpor log from any other file.
-LINE_PREFIX = _PREFIX_B
+LINE_PREFIX = _PREFIX.encode()
 _DECODER = json.JSONDecoder()
 _CRC_OPEN = zlib.crc32(b"{")
 _HEAD = len(_PREFIX) + 8 + 2  # '{"crc":"' + 8 hex + '",'
@@ -42,7 +41,7 @@ DEFAULT_MAX_LINE = 64 * 1024
 
 _NONE = type(None)
 #: Field types checked by exact type (and, for numbers, range) in :func:`_payload_ok` itself: the same
-#: rule as the type's check in CHECKS. Integers are in 0..2**63-1, floats finite and non-negative.
+#: rule as the type's check in payload.CHECKS. Integers are in 0..2**63-1, floats finite and non-negative.
 _SIMPLE: dict[Any, frozenset[type]] = {
     str: frozenset({str}),
     str | None: frozenset({str, _NONE}),
@@ -56,12 +55,9 @@ _Rule = tuple[frozenset[type] | None, Callable[[Any], str | None]]
 
 
 def _rules(kind: EventKind) -> tuple[frozenset[str], dict[str, _Rule]]:
-    """The names ``kind`` requires and the rule of each field it declares (from its payload class)."""
-    fields = PAYLOADS[kind].fields.values()
-    return (
-        frozenset(f.name for f in fields if f.required),
-        {f.name: (_SIMPLE.get(f.type), CHECKS[f.type]) for f in fields},
-    )
+    """The names ``kind`` requires and the rule of each field it declares: ``payload_problem``'s, with exact types."""
+    fields = PAYLOADS[kind].fields
+    return _REQUIRED[kind], {name: (_SIMPLE.get(fields[name].type), check) for name, check in _CHECKS[kind].items()}
 
 
 def _payload_ok(data: dict[str, Any], required: frozenset[str], rules: dict[str, _Rule]) -> bool:
@@ -111,7 +107,7 @@ def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX
         raise LogCorrupted(path, lineno, f"line is {len(line)} bytes, over the {max_line}-byte limit")
     if line.endswith(b"\n"):
         line = line[:-1]
-    if not line.startswith(_PREFIX_B) or len(line) < _HEAD + 1 or line[_HEAD - 2 : _HEAD] != b'",':
+    if not line.startswith(LINE_PREFIX) or len(line) < _HEAD + 1 or line[_HEAD - 2 : _HEAD] != b'",':
         raise LogCorrupted(path, lineno, "line does not start with a checksum")
     try:
         expected = int(line[len(_PREFIX) : len(_PREFIX) + 8], 16)
@@ -165,7 +161,7 @@ def decode_lines(
     for line in lines:
         lineno += 1
         event: Event | None = None
-        if len(line) <= max_line and line.startswith(_PREFIX_B) and line[_HEAD - 2 : _HEAD] == b'",':
+        if len(line) <= max_line and line.startswith(LINE_PREFIX) and line[_HEAD - 2 : _HEAD] == b'",':
             try:
                 if crc32(line[_HEAD:], _CRC_OPEN) == int(line[len(_PREFIX) : _HEAD - 2], 16):
                     text = line.decode()

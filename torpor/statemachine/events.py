@@ -136,7 +136,7 @@ class Event:
         """Build an event from its log form (a copy); ``ValueError`` names what is wrong."""
         get = raw.get
         kind: Any = get("kind")
-        if not isinstance(kind, str) or kind not in _KINDS:
+        if not isinstance(kind, str) or kind not in KIND_NAMED:
             msg = f"unknown event kind {kind!r}"
             raise ValueError(msg)
         wall, mono = _float_field("wall", get("wall")), _float_field("mono", get("mono"))
@@ -150,19 +150,18 @@ class Event:
             raise ValueError(msg)
         schema = get("schema", SCHEMA_VERSION)
         return cls(
-            _KINDS[kind],
+            KIND_NAMED[kind],
             raw["seq"],
             wall,
             mono,
             raw["pid"],
             raw["engine"],
             raw["rank"],
-            {str(k): freeze(v) for k, v in data.items()},  # a copy: the caller's objects are not shared
+            {str(k): v for k, v in data.items()},  # a copy: Event() freezes (copies) the nested values
             schema if type(schema) is int else int(schema),
         )
 
 
-_KINDS = KIND_NAMED
 _ENVELOPE: dict[str, type] = {"seq": int, "pid": int, "rank": int, "engine": str}
 
 

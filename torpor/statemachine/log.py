@@ -18,7 +18,6 @@ log is executed or unpickled: lines are parsed as JSON and validated.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -27,8 +26,6 @@ from torpor.statemachine.codec import DEFAULT_MAX_LINE, decode_line, decode_line
 from torpor.statemachine.events import Event
 from torpor.statemachine.projection import Projection, project
 from torpor.statemachine.tail import read_file, read_log, segments
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 

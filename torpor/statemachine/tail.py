@@ -153,26 +153,27 @@ class Tail:
                     yield from self._from_segments(None)  # not created yet, or mid-rotation
                     if not self._open():
                         return
-                if lines := self._chunk():
-                    seen = self.last_seq
-                    yield from self._lines(lines, str(self.path), self._lineno, search=True)
-                    self._advance(lines, seen)
+                yield from self._read_held()
                 if self._first_in_file:  # no event in it yet: a crash right after a rotation renamed the last one
                     yield from self._from_segments(None)
                 if not self._replaced():
                     if self.strict and self._torn:
                         _warn_torn(self.path, self._lineno + 1, self._torn)
                     return
-                if lines := self._chunk():  # what the writer wrote before it renamed the file
-                    seen = self.last_seq
-                    yield from self._lines(lines, str(self.path), self._lineno, search=True)
-                    self._advance(lines, seen)
+                yield from self._read_held()  # what the writer wrote before it renamed the file
                 if self._torn and self.strict:
                     raise LogCorrupted(str(self.path), self._lineno + 1, "unterminated line in a rotated segment")
                 self._close()
         finally:
             if self.strict:
                 self._close()
+
+    def _read_held(self) -> Iterator[Event]:
+        """The held file's new whole lines as events; its position moves past them once all are read."""
+        if lines := self._chunk():
+            seen = self.last_seq
+            yield from self._lines(lines, str(self.path), self._lineno, search=True)
+            self._advance(lines, seen)
 
     def read_available(self) -> list[Event]:
         """Every whole event on disk after :attr:`last_seq`, as a list; never blocks.
