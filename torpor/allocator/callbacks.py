@@ -72,6 +72,9 @@ class TorchPools:
 
     def torch_allocator(self, tag: str) -> Any:
         """The ``_cuda_CUDAAllocator`` whose malloc/free allocate under ``tag`` (made once per tag)."""
+        found = self._allocators.get(tag)  # written once per tag, under the lock: read without it after
+        if found is not None:
+            return found
         import torch
 
         with self._lock:
@@ -87,7 +90,7 @@ class TorchPools:
     def _new_pool(self, tag: str) -> Any:
         import torch
 
-        # made before the block's lock is taken (use): no lock of ours is needed here (lock order, docs/allocator.md)
+        # the tag's torch allocator exists before the block's lock is taken (use): only the pool is made under it
         return torch.cuda.MemPool(self._allocators[tag])
 
     @contextmanager

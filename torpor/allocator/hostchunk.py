@@ -79,10 +79,6 @@ class Chunk:
             self.free[0] = (off + got, size - got)
         return off, got
 
-    def give(self, off: int, nbytes: int) -> None:
-        """Return ``[off, off + nbytes)`` to the free ranges (see :meth:`given`)."""
-        self.free = self.given(off, nbytes, self.free)
-
     def given(self, off: int, nbytes: int, free: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``free`` with ``[off, off + nbytes)`` added and merged; refused when the range leaves the chunk or is free already."""
         if off < 0 or nbytes <= 0 or off + nbytes > self.nbytes:

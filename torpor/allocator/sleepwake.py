@@ -73,9 +73,6 @@ class SleepWake:
 
     def _trim_free(self, tags: Sequence[str]) -> None:
         """Before a sleep: free segments of torch pools no open block uses go back (neither copied nor mapped on wake)."""
-        pools = getattr(self, "_torch", None)  # TaggedAllocator's TorchPools, once torch allocated in a tag
-        if pools is not None:
-            pools.trim(list(tags))
 
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 from torpor.allocator.callbacks import TorchPools
@@ -272,8 +272,7 @@ class TaggedAllocator(SleepWake):
 
     def pending_errors(self) -> list[AllocatorError]:
         """Errors of torch's malloc/free calls (in the native library) since the last call, and forget them."""
-        with self._lock:
-            return list(self.table.errors())
+        return self.table.errors()  # the native table's own mutex: no wait on a sleep or wake in another thread
 
     def close(self) -> None:
         """Teardown: unmap what is mapped, free reservations and pinned memory (also while asleep)."""
@@ -294,6 +293,11 @@ class TaggedAllocator(SleepWake):
     def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
         return self.torch_binding.live_ranges(tag)
 
+    def _trim_free(self, tags: Sequence[str]) -> None:
+        pools = self.torch_binding.current  # None until torch allocated in a tag on CUDA
+        if pools is not None:
+            pools.trim(list(tags))
+
     def _on_cuda(self) -> bool:
         return getattr(self.driver, "name", "") == "cuda"
 
@@ -302,7 +306,7 @@ class TaggedAllocator(SleepWake):
 
     @property
     def _torch(self) -> TorchPools | None:
-        """The torch pools, None before the first use on CUDA (the name the sleep path looks them up by)."""
+        """The torch pools, None before the first use on CUDA."""
         return self.torch_binding.current
 
 

@@ -1,7 +1,7 @@
 """The torch side of one allocator, bound at the first use on CUDA: nothing imports torch before.
 
 :class:`TorchBinding` makes the allocator's :class:`~torpor.allocator.callbacks.TorchPools`
-(one pluggable allocator and MemPool per tag) when a ``use_memory_pool`` block
+(one pluggable allocator per tag, pools for its blocks) when a ``use_memory_pool`` block
 or a capture first needs them on CUDA, and answers for them until then: no
 live ranges (every byte of an allocation counts as live) and nothing to close.
 """

@@ -122,7 +122,7 @@ class BlockPools:
                 chosen = BlockPool(tag, self._new_pool(tag))
                 pools.append(chosen)
             chosen.open = True
-            if self._quiet(chosen):
+            if self.enabled and self._quiet(chosen):
                 self._trim_locked([tag])
             return chosen
 
@@ -130,7 +130,7 @@ class BlockPools:
         """The block of ``entry`` ended (its ``use_mem_pool`` exited): its pool is idle; the tag's idle pools are trimmed."""
         with self._lock:
             entry.open = False
-            if self._quiet(None):
+            if self.enabled and self._quiet(None):
                 self._trim_locked([entry.tag])
 
     def _quiet(self, mine: BlockPool | None) -> bool:
