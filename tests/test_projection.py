@@ -6,7 +6,7 @@ from pathlib import Path
 
 from torpor import SleepController, State, replay
 from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.projection import Projection, project
+from torpor.statemachine.projection import Projection, follow_on, project
 from torpor.testing import FakeMemory
 
 SIZES = {"weights": 100, "kv_cache": 200, "cudagraph": 10}
@@ -94,3 +94,14 @@ def test_residency_stays_exact_past_the_shared_usage_bound() -> None:
     proj = project(events)
     assert (proj.residency["weights"].resident, proj.residency["kv_cache"].resident) == (5999, 9998)
     assert proj.residency["weights"] != proj.residency["kv_cache"]
+
+
+def test_follow_on_starts_afresh_when_the_log_starts_anew() -> None:
+    """A followed log whose event #1 comes again (not a snapshot) folds into a fresh projection; the next event continues it."""
+    proj = Projection()
+    for seq in (1, 2):
+        proj = follow_on(proj, make_event(EventKind.USAGE_OBSERVED, seq, "e", 0, {"usage": {"weights": 5}}))
+    assert proj.last_seq == 2
+    again = follow_on(proj, make_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": {"weights": 7}}))
+    assert again is not proj and again.last_seq == 1
+    assert follow_on(again, make_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {}})) is again

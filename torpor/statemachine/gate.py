@@ -70,12 +70,11 @@ class CommandGate(ControllerBase):
         logger.info("torpor: %s(%s) is a no-op: %s", command, args, reason)
         return self.projection
 
-    def _guard(self, command: str) -> Verdict:
-        """Refuse ``command`` unless the transition table accepts it in the current state; return the verdict."""
+    def _guard(self, command: str) -> None:
+        """Refuse ``command`` unless the transition table accepts it in the current state."""
         verdict = decide(self.state, command)
         if verdict.error is not None:
             self._refuse(command, self._refusal(verdict))
-        return verdict
 
     def _refusal(self, verdict: Verdict) -> TorporError:
         """The error of a refused verdict, naming the command, the state, since when, and what holds it there."""

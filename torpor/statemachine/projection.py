@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torpor.errors import LogCorrupted
-from torpor.statemachine.events import Event
+from torpor.statemachine.events import Event, EventKind
 from torpor.statemachine.fold import NO_STATE as _NO_STATE
 from torpor.statemachine.fold import STEPS as _STEPS
 from torpor.statemachine.projection_data import MAX_GRAPH_SITES, ProjectionData
 from torpor.statemachine.states import ASLEEP, State
 
-__all__ = ["MAX_GRAPH_SITES", "_NO_STATE", "_STEPS", "Projection", "is_asleep", "project"]
+__all__ = ["MAX_GRAPH_SITES", "_NO_STATE", "_STEPS", "Projection", "follow_on", "is_asleep", "project"]
 
 
 class Projection(ProjectionData):
@@ -63,3 +63,10 @@ def project(events: Iterable[Event], start: Projection | None = None, where: str
 def is_asleep(state: State) -> bool:
     """True for asleep_l1 and asleep_l2."""
     return state in ASLEEP
+
+
+def follow_on(proj: Projection, event: Event) -> Projection:
+    """Fold one event a follower read into ``proj``; a log started anew (#1, not a snapshot, after others) starts afresh."""
+    if event.seq == 1 and event.kind is not EventKind.SNAPSHOT and proj.last_seq:
+        proj = Projection()
+    return proj.apply(event)

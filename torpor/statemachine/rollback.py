@@ -73,23 +73,21 @@ class Compensation:
         self._ctl = ctl
         self.ok = True
 
-    def record(self, kind: EventKind, **data: Any) -> bool:
-        """Record a rollback step unless an earlier one could not be; False (and :attr:`ok` False) if not recorded.
+    def record(self, kind: EventKind, **data: Any) -> None:
+        """Record a rollback step unless an earlier one could not be (then :attr:`ok` is False).
 
         Once one rollback event is missing, later ones would make the log say
         something the memory does not: the log then ends mid-transition and
         ``recover()`` reconciles it with the memory.
         """
         if not self.ok:
-            return False
+            return
         try:
             self._ctl._emit(kind, **data)
         except LogWriteFailed as exc:
             self.ok = False
             self._ctl._log_failure = f"the rollback could not be recorded ({exc}); memory was rolled back"
             logger.exception("torpor: recording a rollback failed; the controller needs recover()")
-            return False
-        return True
 
 
 def abort_sleep(ctl: ControllerBase, done: SleepProgress, exc: BaseException) -> NoReturn:

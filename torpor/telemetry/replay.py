@@ -31,7 +31,7 @@ from torpor.errors import TorporError
 from torpor.hooks.follow import Follower
 from torpor.statemachine.events import Event, EventKind
 from torpor.statemachine.fanout import Fanout
-from torpor.statemachine.projection import Projection
+from torpor.statemachine.projection import Projection, follow_on
 from torpor.statemachine.tail import segments
 
 logger = logging.getLogger("torpor.telemetry")
@@ -145,9 +145,7 @@ class LogSource:
             return len(events)
 
     def _take(self, event: Event) -> None:
-        if event.seq == 1 and event.kind is not EventKind.SNAPSHOT and self.projection.last_seq:
-            self.projection = Projection()  # the follower saw the log started anew
-        self.projection.apply(event)
+        self.projection = follow_on(self.projection, event)
         self._recent.append(event)
         self._subscribers.publish(event)  # a subscriber that raises is logged; it never stops the follower
 

@@ -44,8 +44,7 @@ from torpor.errors import BadRequest, TorporError
 from torpor.hooks.fleet import FleetError, FleetView, fleet, rank_follower, rank_logs
 from torpor.hooks.follow import Follower
 from torpor.hooks.vllm.facade import default_log_dir
-from torpor.statemachine.events import EventKind
-from torpor.statemachine.projection import Projection
+from torpor.statemachine.projection import Projection, follow_on
 from torpor.statemachine.tail import segments
 from torpor.telemetry.endpoint import source_error
 from torpor.telemetry.feed import NDJSON, EventFeed, events_headers, events_query
@@ -94,10 +93,8 @@ class _RankStates:
             entry = self._ranks[path] = (rank_follower(path), Projection())
         follower, proj = entry
         for event in follower.read_available():
-            if event.seq == 1 and event.kind is not EventKind.SNAPSHOT and proj.last_seq:
-                proj = Projection()  # the log was started anew
-                self._ranks[path] = (follower, proj)
-            proj.apply(event)
+            proj = follow_on(proj, event)
+        self._ranks[path] = (follower, proj)
         return proj
 
     def view(self, directory: Path, engine: str | None) -> FleetView:
