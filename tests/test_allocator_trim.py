@@ -28,17 +28,22 @@ class Harness:
         self.trims: list[int] = []
         self.untrims: list[int] = []
         self.refuse_untrim = False
+        self.asleep = False
         self.made = 0
         self.next_address = 0x1000_0000
-        self.blocks = BlockPools(self.new_pool, self.trims.append, self.untrim, self.snapshot)
+        self.blocks = BlockPools(
+            self.new_pool, self.trims.append, self.untrim, self.snapshot, asleep=lambda tag: self.asleep
+        )
 
     def new_pool(self, tag: str) -> FakePool:
         self.made += 1
         return FakePool(self.made)
 
     def untrim(self, address: int) -> bool:
-        if self.refuse_untrim:
+        if self.asleep:
             raise AllocatorError("untrim", "scratch", "tag 'scratch' is asleep or going to sleep")
+        if self.refuse_untrim:
+            raise AllocatorError("untrim", "scratch", "out of device memory")
         self.untrims.append(address)
         return True
 
@@ -126,7 +131,7 @@ def test_a_segment_freed_after_its_block_goes_at_the_next_block_end_or_before_a_
 
 
 def test_a_pool_that_cannot_get_its_segments_back_is_not_reused() -> None:
-    """When the table refuses to untrim (the tag is asleep), the block gets a new pool; the idle one stays trimmed."""
+    """When an awake tag's trimmed segments cannot be mapped (the device is full), the block gets a new pool; the idle one stays trimmed."""
     h = Harness()
     block = h.blocks.enter("scratch")
     h.segment(block.mempool, live=False)
@@ -140,8 +145,29 @@ def test_a_pool_that_cannot_get_its_segments_back_is_not_reused() -> None:
     assert h.blocks.enter("scratch").mempool in (first, again.mempool)
 
 
+def test_a_block_of_a_sleeping_tag_reuses_an_idle_pool_and_the_wake_maps_its_segments_back() -> None:
+    """While the tag sleeps a block reuses its idle pool (no new pool whose allocations would all be refused); waking maps the pool's trimmed segments back."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    free = h.segment(block.mempool, live=False)
+    first = block.mempool
+    h.blocks.leave(block)
+    assert h.trims == [free]
+    h.asleep = True
+    again = h.blocks.enter("scratch")
+    assert again.mempool is first and h.made == 1 and h.untrims == []
+    h.blocks.leave(again)
+    h.blocks.woke(["scratch"])  # still asleep: nothing can be mapped, the pool stays dirty
+    assert h.untrims == []
+    h.asleep = False
+    h.blocks.woke(["scratch"])
+    assert h.untrims == [free]
+    h.blocks.woke(["scratch"])  # clean now: nothing to map twice
+    assert h.untrims == [free]
+
+
 def test_nothing_is_trimmed_when_trimming_is_off() -> None:
-    """With trimming off (the default) pools are still reused per block but no segment is ever trimmed."""
+    """With trimming off (TORPOR_TRIM_FREE_SEGMENTS=0) pools are still reused per block but no segment is ever trimmed."""
     h = Harness()
     h.blocks.enabled = False
     block = h.blocks.enter("scratch")
@@ -152,8 +178,10 @@ def test_nothing_is_trimmed_when_trimming_is_off() -> None:
 
 
 def test_the_switch_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TORPOR_TRIM_FREE_SEGMENTS: unset is off, 1 is on, anything else is refused with its name."""
+    """TORPOR_TRIM_FREE_SEGMENTS: unset is on, 0 is off, 1 is on, anything else is refused with its name."""
     monkeypatch.delenv("TORPOR_TRIM_FREE_SEGMENTS", raising=False)
+    assert trim_enabled() is True
+    monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "0")
     assert trim_enabled() is False
     monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "1")
     assert trim_enabled() is True

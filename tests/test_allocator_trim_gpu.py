@@ -14,7 +14,7 @@ MiB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def _trimming_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are about trimming, which is off by default (torpor/allocator/trim.py)."""
+    """These tests are about trimming (on by default; set here so that a user's environment cannot turn it off)."""
     monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "1")
 
 
@@ -107,4 +107,31 @@ def test_free_segments_go_before_a_sleep_and_do_not_come_back_on_wake() -> None:
     print(f"before a sleep: kv resident after wake {resident / MiB:.0f} MiB; last sleep event {moved.kind}")
     assert resident < 128 * MiB
     assert torch.equal(keep.cpu(), kept)
+    alloc.close()
+
+
+def test_a_tensor_torch_hands_out_while_its_tag_sleeps_is_usable_after_the_wake() -> None:
+    """A block of a sleeping tag reuses its pool (its free segment trimmed): torch serves a tensor from that cache; after the wake it holds memory."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    with alloc.use_memory_pool("weights"):
+        w = torch.full((1024,), 5.0, device="cuda")
+    with alloc.use_memory_pool("scratch"):
+        t = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        address = t.data_ptr()
+        del t
+    assert alloc.usage()["scratch"].resident == 0  # the free segment was trimmed at the block's end
+    ctl.sleep(1)
+    with alloc.use_memory_pool("scratch"):  # torch hands out its cached (trimmed, unmapped) segment
+        u = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    assert u.data_ptr() == address
+    ctl.wake()
+    u.fill_(3)
+    torch.cuda.synchronize()
+    assert int(u[:1024].sum()) == 3 * 1024 and int(u[-1024:].sum()) == 3 * 1024
+    assert float(w.sum()) == 5.0 * 1024
+    assert alloc.usage()["scratch"].resident >= 64 * MiB
+    del u
     alloc.close()

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from torpor.allocator import native
 from torpor.allocator.graphpool import GraphPool
 from torpor.allocator.trim import BlockPool, BlockPools, trim_enabled
 from torpor.extras import require
@@ -63,7 +64,12 @@ class TorchPools:
         self.allocator = allocator
         self._allocators: dict[str, Any] = {}
         self.blocks = BlockPools(
-            self._new_pool, allocator.table.trim, allocator.table.untrim, segments, enabled=trim_enabled()
+            self._new_pool,
+            allocator.table.trim,
+            allocator.table.untrim,
+            segments,
+            enabled=trim_enabled(),
+            asleep=lambda tag: allocator.table.usage(tag)[0] != native.ACTIVE,
         )
         self._local = threading.local()
         self._devices: set[int] = set()

@@ -74,6 +74,9 @@ class SleepWake:
     def _trim_free(self, tags: Sequence[str]) -> None:
         """Before a sleep: free segments of torch pools no open block uses go back (neither copied nor mapped on wake)."""
 
+    def _reopened(self, tags: Sequence[str]) -> None:
+        """The tags take allocations again (woken, or thawed after a failed sleep): pools used meanwhile get memory."""
+
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
         with self._lock:
@@ -167,6 +170,7 @@ class SleepWake:
             for tag in todo:
                 self.table.mark_awake(tag)
                 out[tag] = Transfer(tag, sum(n for _, n, _ in lives[tag]), seconds, self._tags[tag].backed_up)
+            self._reopened(todo)
             return out
 
     def drop_backup(self, tags: Sequence[str]) -> None:
@@ -178,6 +182,7 @@ class SleepWake:
                     self._drop(record)
                     if self.table.usage(tag)[0] == native.FROZEN:
                         self.table.thaw(tag)
+                        self._reopened([tag])
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -191,6 +196,8 @@ class SleepWake:
             self.table.thaw(tag)
         except AllocatorError:
             logger.exception("tag %r stays frozen (no new allocations) after a failed sleep step", tag)
+            return
+        self._reopened([tag])
 
     def _take_host(self, tag: str, record: TagState, parts: list[Piece]) -> None:
         total = sum(p[2] for p in parts)

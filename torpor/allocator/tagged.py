@@ -298,6 +298,11 @@ class TaggedAllocator(SleepWake):
         if pools is not None:
             pools.trim(list(tags))
 
+    def _reopened(self, tags: Sequence[str]) -> None:
+        pools = self.torch_binding.current
+        if pools is not None and tags:
+            pools.blocks.woke(list(tags))
+
     def _on_cuda(self) -> bool:
         return getattr(self.driver, "name", "") == "cuda"
 

@@ -21,11 +21,13 @@ internal assert in ``~MemPool`` -> ``emptyCache``), and making a pool per block
 2026-11-30). So a tag has at most as many pools as it ever had blocks open at
 once; they go at teardown.
 
-**Off by default** (``TORPOR_TRIM_FREE_SEGMENTS=1`` turns it on; ``BlockPools.enabled``):
-with trimming on, the four-thread GPU test (tests/test_allocator_threads_gpu.py)
-still crashed torch 2.11 (SIGSEGV in ``torch.cuda.memory_stats`` in its fifth
-thread, 20-30 s in, during a wake, three workers in the refused-allocation
-path); with the same code and trimming off it ran clean. See docs/allocator.md.
+**On by default** (``TORPOR_TRIM_FREE_SEGMENTS=0`` turns it off; ``BlockPools.enabled``).
+Until 2026-11-30 evening it was off: the four-thread GPU test
+(tests/test_allocator_threads_gpu.py) crashed with it (SIGSEGV, a corrupted Python
+heap). Bisected on the H200: the crash needed blocks of a sleeping tag to get new
+pools (their allocations all refused); with those blocks reusing an idle pool
+(:meth:`BlockPools.enter`, *dirty* pools mapped again by :meth:`BlockPools.woke`)
+it passed. See docs/allocator.md.
 
 A block boundary trims only at a quiet moment, when no other block of the
 allocator is open (always so for an engine that allocates from one thread per
@@ -44,7 +46,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-#: Set to 1 to trim (see the module doc); off by default until torch's crash under threads is understood.
+#: Set to 0 to keep free segments of idle pools mapped (see the module doc); trimming is on by default.
 ENV = "TORPOR_TRIM_FREE_SEGMENTS"
 
 logger = logging.getLogger("torpor.allocator")
@@ -55,22 +57,23 @@ Snapshot = Callable[[Any], list[dict[str, Any]]]
 class BlockPool:
     """One torch pool of a tag: whether a block uses it now, and the segments of it trimmed."""
 
-    __slots__ = ("mempool", "open", "tag", "trimmed")
+    __slots__ = ("dirty", "mempool", "open", "tag", "trimmed")
 
     def __init__(self, tag: str, mempool: Any) -> None:
         self.tag = tag
         self.mempool: Any = mempool
         self.open = True
         self.trimmed: set[int] = set()
+        self.dirty = False  # served a block while its tag slept, trimmed segments unmapped: mapped again on the wake
 
 
 def trim_enabled() -> bool:
-    """Whether idle pools are trimmed: ``TORPOR_TRIM_FREE_SEGMENTS=1`` (off by default; docs/allocator.md)."""
-    value = os.environ.get(ENV, "0").strip().lower()
+    """Whether idle pools are trimmed: on unless ``TORPOR_TRIM_FREE_SEGMENTS=0`` (docs/allocator.md)."""
+    value = os.environ.get(ENV, "1").strip().lower()
     if value not in ("0", "1", "false", "true", "off", "on", ""):
         msg = f"{ENV}={value!r} is not a switch (use 1 or 0)"
         raise ValueError(msg)
-    return value in ("1", "true", "on")
+    return value in ("1", "true", "on", "")
 
 
 def free_segment(segment: dict[str, Any]) -> bool:
@@ -84,7 +87,9 @@ class BlockPools:
 
     ``new_pool(tag)`` makes a torch MemPool for ``tag``; ``trim(address)`` and
     ``untrim(address) -> bool`` are the native table's; ``snapshot(mempool)``
-    lists a pool's segments with their blocks (torch's pool snapshot).
+    lists a pool's segments with their blocks (torch's pool snapshot);
+    ``asleep(tag)`` says whether the table holds the tag asleep or going to sleep
+    (no segment of it can be mapped then).
     """
 
     def __init__(
@@ -94,11 +99,13 @@ class BlockPools:
         untrim: Callable[[int], bool],
         snapshot: Snapshot,
         enabled: bool = True,
+        asleep: Callable[[str], bool] | None = None,
     ) -> None:
         self._new_pool = new_pool
         self._trim = trim
         self._untrim = untrim
         self._snapshot = snapshot
+        self._asleep = asleep or (lambda tag: False)
         self.enabled = enabled  # False: pools are still reused per open block, nothing is trimmed
         self._lock = threading.RLock()  # held across torch calls: torch's malloc/free (native) never take it
         self._pools: dict[str, list[BlockPool]] = {}
@@ -109,15 +116,25 @@ class BlockPools:
     def enter(self, tag: str) -> BlockPool:
         """A block of ``tag`` starts: an idle pool of the tag (its trimmed segments mapped again) or a new one.
 
-        The tag's other idle pools are trimmed (what was freed since their blocks ended).
+        While the tag sleeps no segment can be mapped: the block reuses the idle pool
+        with the fewest trimmed segments anyway (marked *dirty*: :meth:`woke` maps
+        them again), as torch would hand out any cached block of a sleeping tag. A
+        new pool there would only have its allocations refused, and thousands of
+        refused allocations in new pools under threads crashed the process
+        (docs/allocator.md). The tag's other idle pools are trimmed (what was freed
+        since their blocks ended).
         """
         with self._lock:
             pools = self._pools.setdefault(tag, [])
             chosen = None
-            for entry in sorted((e for e in pools if not e.open), key=lambda e: len(e.trimmed)):
+            idle = sorted((e for e in pools if not e.open), key=lambda e: len(e.trimmed))
+            for entry in idle:
                 if self._restore(entry):
                     chosen = entry
                     break
+            if chosen is None and idle and self._asleep(tag):
+                chosen = idle[0]
+                chosen.dirty = True
             if chosen is None:
                 chosen = BlockPool(tag, self._new_pool(tag))
                 pools.append(chosen)
@@ -146,7 +163,22 @@ class BlockPools:
                 logger.debug("an idle pool of tag %r is not reused: %s", entry.tag, exc)
                 return False
             entry.trimmed.discard(address)
+        entry.dirty = False
         return True
+
+    def woke(self, tags: list[str]) -> None:
+        """The tags are awake again (a wake, or a sleep rolled back): map the trimmed segments of their dirty pools.
+
+        A dirty pool served a block while its tag slept, so torch may have handed
+        out parts of its trimmed segments; they get memory again here, before any
+        kernel of the awake engine can use them. A pool that cannot (the device is
+        full) stays dirty and is tried again when a block enters it.
+        """
+        with self._lock:
+            for tag in tags:
+                for entry in self._pools.get(tag, []):
+                    if entry.dirty and not self._restore(entry):
+                        logger.warning("a pool of tag %r used while asleep could not map its trimmed segments", tag)
 
     # -- trimming ----------------------------------------------------------------------
 
