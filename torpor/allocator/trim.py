@@ -22,7 +22,7 @@ internal assert in ``~MemPool`` -> ``emptyCache``), and making a pool per block
 once; they go at teardown.
 
 **On by default** (``TORPOR_TRIM_FREE_SEGMENTS=0`` turns it off; ``BlockPools.enabled``).
-Until 2026-11-30 evening it was off: the four-thread GPU test
+Until 2026-11-30 18:00 UTC it was off: the four-thread GPU test
 (tests/test_allocator_threads_gpu.py) crashed with it (SIGSEGV, a corrupted Python
 heap). Bisected on the H200: the crash needed blocks of a sleeping tag to get new
 pools (their allocations all refused); with those blocks reusing an idle pool
