@@ -362,3 +362,31 @@ def test_giving_an_extent_back_twice_is_refused_and_changes_nothing() -> None:
     assert not {e.host for e in third} & {e.host for e in second}, "a live backup's host memory was handed out again"
     arena.give(second + third)
     arena.close()
+
+
+def test_a_staged_take_leaves_its_chunks_unpinned_until_end_staging() -> None:
+    """take(stage=True) reserves without pinning (wait_pinned says False); end_staging pins the used chunks, drops the rest."""
+    sim = SimDriver(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=4 * C, threads=2, stage_slot_bytes=C, stage_ring_bytes=2 * C))
+    extents = arena.take(6 * C, stage=True)
+    assert arena.staging_bytes() == 2 * C and sim.host_used == 0
+    assert not any(arena.wait_pinned(e.host) for e in extents)
+    assert arena.held_bytes() == 8 * C + 2 * C and arena.pinned_bytes() == 2 * C  # two chunks pending; the ring
+    arena.give([e for e in extents if e.chunk != extents[0].chunk])  # the second chunk holds nothing now
+    arena.end_staging()
+    assert arena.wait_ready(10) and arena.staging_bytes() == 0
+    assert arena.pinned_bytes() == 4 * C == sim.host_used and sim.host_reserved == 4 * C
+    for e in extents[:1]:
+        arena.wait_readable(e.host)
+    arena.close()
+    assert sim.host_used == 0 == sim.host_reserved
+
+
+def test_a_staged_take_with_no_room_for_its_ring_pins_as_usual() -> None:
+    """Under a limit that fits the chunks but not the ring, a staged take pins its chunks and reserves no ring."""
+    sim = SimDriver(granularity=C)
+    arena = HostArena(sim, HostPolicy(chunk_bytes=4 * C, limit_bytes=4 * C, stage_slot_bytes=C))
+    extents = pinned(arena, arena.take(4 * C, stage=True))
+    assert arena.staging_bytes() == 0 and all(arena.wait_pinned(e.host) for e in extents)
+    assert sim.host_used == 4 * C
+    arena.close()

@@ -11,6 +11,7 @@ hands out; the allocator never looks inside them.
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -37,6 +38,7 @@ class Driver(ABC):
         "wait",
         "synchronize",
         "mem_info",
+        "host_copy",
     )
     """Every driver call by name, in the order a sleep/wake cycle meets them."""
 
@@ -128,6 +130,10 @@ class Driver(ABC):
         free, total = self.invoke("mem_info", device)
         return int(free), int(total)
 
+    def host_copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` of host memory from pinned ``src`` to reserved ``dst`` (pinned or not); any thread."""
+        self.invoke("host_copy", dst, src, nbytes)
+
     # -- what implementations provide -----------------------------------------------
 
     @abstractmethod
@@ -183,6 +189,9 @@ class Driver(ABC):
 
     @abstractmethod
     def _mem_info(self, device: int) -> tuple[int, int]: ...
+
+    def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)  # ctypes lets go of the GIL: threads copy at once
 
     # -- optional -----------------------------------------------------------------
 

@@ -17,6 +17,12 @@ def _default_threads() -> int:
     return max(2, min(8, os.cpu_count() or 4))
 
 
+def _default_stage_threads() -> int:
+    # 16 threads copied 8 GiB from the ring into fresh pageable memory in 0.41 s on a freshly started H200
+    # machine (benchmarks/probe_staged_copy.py, docs/benchmarks.md); copies into fresh pages scale with threads
+    return max(2, min(16, os.cpu_count() or 4))
+
+
 @dataclass(frozen=True)
 class HostPolicy:
     """How pinned host memory for backups is managed (mechanism settings; the controller's policy sets them).
@@ -34,6 +40,13 @@ class HostPolicy:
     ahead. Small chunks and one thread in the background keep the awake
     engine's CUDA calls from waiting on the pinning (measured: 32 MiB x 1 thread
     stalled engine steps 13 % of the pinning time, at most 2.5 ms each).
+
+    ``staged``: a sleep that needs chunks not pinned yet copies through a ring of
+    ``stage_ring_bytes`` of pinned slots (``stage_slot_bytes`` each) that
+    ``stage_threads`` threads copy into the chunks' pageable pages; the chunks
+    are registered in the background after the sleep, and a wake waits for them
+    (torpor.allocator.staging). Off: such a sleep waits for each chunk's pin
+    before copying into it.
     """
 
     prepin: bool = False
@@ -43,6 +56,10 @@ class HostPolicy:
     chunk_bytes: int = 32 * MiB
     threads: int = field(default_factory=_default_threads)
     background_threads: int = 1
+    staged: bool = True
+    stage_ring_bytes: int = 512 * MiB
+    stage_slot_bytes: int = 16 * MiB
+    stage_threads: int = field(default_factory=_default_stage_threads)
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,8 @@ class Chunk:
         self.nbytes = nbytes
         self.free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted
         self.ready = False  # registered with the driver: copies may target it
+        self.staged = False  # filled by a staged sleep's threads (pageable), pinned once the sleep's copies are done
+        self.filled = False  # holds a staged sleep's copies: readable as pageable memory even if its pin fails
         self.error: BaseException | None = None
 
     def used(self) -> int:

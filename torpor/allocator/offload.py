@@ -20,160 +20,22 @@ the byte limit come from the controller's host-memory policy
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
 from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, carve, closed_error, new_chunks, pin_error
+from torpor.allocator.hostpin import PinnedChunks
 
 __all__ = ["Extent", "HostArena", "HostPolicy"]
 
 logger = logging.getLogger("torpor.allocator")
 
 
-class HostArena:
+class HostArena(PinnedChunks):
     """Pinned host chunks for backups: pinned while a sleep copies, or ahead in a background thread."""
-
-    def __init__(self, driver: Driver, policy: HostPolicy | None = None) -> None:
-        self.driver = driver
-        self.policy = policy or HostPolicy()
-        self._chunks: dict[int, Chunk] = {}
-        self._bases: list[int] = []  # sorted chunk addresses, for wait_pinned
-        self._pinned = 0  # bytes of registered chunks
-        self._pending = 0  # bytes of chunks reserved, not yet registered
-        self._pinning = 0  # pins in progress (pause waits for them)
-        self._unpinning = 0  # bytes a background trim is still unpinning
-        self._cond = threading.Condition()
-        self._target = 0
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._paused = 0
-        self.last_error: BaseException | None = None
-        self.pin_seconds = 0.0
-
-    def configure(self, **changes: object) -> HostPolicy:
-        """Change policy fields (``prepin``, ``keep_after_wake``, ``limit_bytes``, ...); return the new policy."""
-        with self._cond:
-            self.policy = dataclasses.replace(self.policy, **changes)  # type: ignore[arg-type]
-            if not self.policy.prepin:
-                self._target = 0
-            self._cond.notify_all()
-            return self.policy
-
-    # -- reading ---------------------------------------------------------------------
-
-    def pinned_bytes(self) -> int:
-        """Bytes of pinned host memory held (registered chunks)."""
-        with self._cond:
-            return self._pinned
-
-    def used_bytes(self) -> int:
-        """Bytes of pinned host memory holding backups."""
-        with self._cond:
-            return sum(c.used() for c in self._chunks.values() if c.error is None)
-
-    def free_bytes(self) -> int:
-        """Pinned (or being pinned) bytes not holding a backup."""
-        with self._cond:
-            return self._free_locked()
-
-    def _free_locked(self) -> int:
-        return sum(n for c in self._chunks.values() if c.error is None for _, n in c.free)
-
-    # -- chunks ------------------------------------------------------------------------
-
-    def _add_locked(self, host: int, nbytes: int) -> Chunk:
-        c = Chunk(host, nbytes)
-        self._chunks[host] = c
-        bisect.insort(self._bases, host)
-        self._pending += nbytes
-        return c
-
-    def _remove_locked(self, c: Chunk) -> bool:
-        """Take ``c`` out of the records (before its range is unpinned or unreserved); False if it is not there."""
-        if self._chunks.get(c.host) is not c:
-            return False
-        del self._chunks[c.host]
-        self._bases.remove(c.host)
-        return True
-
-    def _reserve(self, sizes: list[int], wanted: int = 0) -> tuple[list[Chunk], list[Extent]]:
-        """Reserve chunks of ``sizes`` as one range of address space (not yet pinned); carve ``wanted`` bytes from them."""
-        base = self.driver.host_reserve(sum(sizes))
-        out = []
-        with self._cond:
-            if not self._closed:
-                offset = 0
-                for n in sizes:
-                    out.append(self._add_locked(base + offset, n))
-                    offset += n
-                return out, carve(out, wanted)
-        # closed meanwhile: no record would ever give this range back
-        self._unreserve(Chunk(base, sum(sizes)))
-        raise closed_error("take")
-
-    def _pin_chunk(self, c: Chunk) -> None:
-        """Fault in and register one reserved chunk (any thread); failures are kept on the chunk.
-
-        A pin counts in ``_pinning`` until all it does with the range is done, so
-        :meth:`close` leaves no thread touching host memory; a pin still queued at
-        close does nothing (``close`` gave its range back).
-        """
-        with self._cond:
-            if self._closed or self._chunks.get(c.host) is not c:  # close took it (a pending chunk is only closed away)
-                return
-            self._pinning += 1
-        try:
-            self._pin_held(c)
-        finally:
-            with self._cond:
-                self._pinning -= 1
-                self._cond.notify_all()
-
-    def _pin_held(self, c: Chunk) -> None:
-        start = time.perf_counter()
-        try:
-            self.driver.prepare_thread()
-            self.driver.host_alloc(c.nbytes, c.host)
-        except Exception as exc:  # kept on the chunk: the copy that needs it raises it
-            with self._cond:
-                c.error = exc
-                held = self._chunks.get(c.host) is c
-                if held:
-                    self._pending -= c.nbytes
-                # extents of it are out: it keeps its range (and address) until they come back (give)
-                gone = not held or (c.used() == 0 and self._remove_locked(c))
-                self._cond.notify_all()
-            if gone:
-                self._unreserve(c)
-            return
-        with self._cond:
-            self.pin_seconds += time.perf_counter() - start
-            closed = self._closed or self._chunks.get(c.host) is not c
-            if not closed:
-                c.ready = True
-                self._pending -= c.nbytes
-                self._pinned += c.nbytes
-            self._cond.notify_all()
-        if closed:
-            self._free(c)
-
-    def _unreserve(self, c: Chunk) -> None:
-        try:
-            self.driver.host_unreserve(c.host, c.nbytes)
-        except Exception:  # only address space leaks
-            logger.exception("giving back %d reserved host bytes at %#x failed", c.nbytes, c.host)
-
-    def _free(self, c: Chunk) -> None:
-        try:
-            self.driver.host_free(c.host)
-        except Exception:  # an unpin that fails only leaks host memory; log it
-            logger.exception("unpinning %d host bytes at %#x failed", c.nbytes, c.host)
 
     # -- pinning ahead ----------------------------------------------------------------
 
@@ -237,7 +99,7 @@ class HostArena:
                 if self._closed:
                     return
                 limit = self.policy.limit_bytes
-                if limit is not None and self._pinned + self._pending + self._unpinning + chunk > limit:
+                if limit is not None and self._pinned + self._pending + self._unpinning + self._staging + chunk > limit:
                     self._target = self._pinned + self._pending  # the limit is reached: pin no more ahead
                     self._cond.notify_all()
                     continue
@@ -259,12 +121,16 @@ class HostArena:
 
     # -- taking and giving ---------------------------------------------------------------
 
-    def take(self, nbytes: int) -> list[Extent]:
+    def take(self, nbytes: int, stage: bool = False) -> list[Extent]:
         """Extents totalling ``nbytes``; what is missing is reserved now and pinned by threads as copies go.
 
         Call :meth:`wait_pinned` for an extent's address before copying into it.
-        Raises :class:`AllocatorOutOfMemory` (nothing taken, nothing pinned) when
-        the pinned bytes would pass ``limit_bytes``, or when no range can be reserved.
+        ``stage`` (and ``policy.staged``): the missing chunks are not pinned now;
+        a staged sleep fills them (:meth:`wait_pinned` says False) and
+        :meth:`end_staging` pins them; the ring it copies through counts against
+        the limit (over it, the chunks are pinned as usual). Raises
+        :class:`AllocatorOutOfMemory` (nothing taken, nothing pinned) when the
+        pinned bytes would pass ``limit_bytes``, or when no range can be reserved.
         """
         with self._cond:
             if self._closed:
@@ -272,7 +138,7 @@ class HostArena:
             free = self._free_locked()
             sizes = new_chunks(nbytes - free, self.policy.chunk_bytes)
             limit = self.policy.limit_bytes
-            held = self._pinned + self._pending + self._unpinning
+            held = self._pinned + self._pending + self._unpinning + self._staging
             if sizes and limit is not None and held + sum(sizes) > limit:
                 used = sum(c.used() for c in self._chunks.values())
                 reason = (
@@ -280,12 +146,16 @@ class HostArena:
                     f"{limit} bytes and {held} are pinned ({used} holding backups)"
                 )
                 raise AllocatorOutOfMemory("pin host memory", None, reason, call="host_alloc")
+            ring = self._ring_for(sum(sizes)) if stage and sizes and self.policy.staged else 0
+            if ring and limit is not None and held + sum(sizes) + max(ring - self._staging, 0) > limit:
+                ring = 0  # no room for the ring under the limit: pin the chunks
+            self._staging = max(self._staging, ring)
             # carved now: a pending chunk counted free may fail before the lock is taken again
             extents = carve([self._chunks[b] for b in self._bases], min(free, nbytes))
         fresh: list[Chunk] = []
         if sizes:
             try:
-                fresh, more = self._reserve(sizes, nbytes - sum(e.nbytes for e in extents))
+                fresh, more = self._reserve(sizes, nbytes - sum(e.nbytes for e in extents), staged=bool(ring))
             except AllocatorError:  # closed meanwhile
                 self.give(extents)
                 raise
@@ -293,31 +163,79 @@ class HostArena:
                 self.give(extents)
                 raise pin_error(exc, sum(sizes), self.pinned_bytes()) from exc
             extents += more
-        if fresh:
-            workers = max(1, min(len(fresh), self.policy.threads))
-            pool = ThreadPoolExecutor(workers, thread_name_prefix="torpor-host-pin")
-            for c in fresh:  # in address order: the copies wait for chunks in that order
-                pool.submit(self._pin_chunk, c)
-            pool.shutdown(wait=False)
+        if fresh and not ring:
+            self._pin_in_threads(fresh)
         return extents
 
-    def wait_pinned(self, host: int) -> None:
-        """Block until the chunk holding ``host`` is registered; raise the allocator error if pinning it failed."""
+    def _ring_for(self, nbytes: int) -> int:
+        slot = self.policy.stage_slot_bytes
+        return min(max(self.policy.stage_ring_bytes // slot, 1), -(-nbytes // slot)) * slot
+
+    def _pin_in_threads(self, chunks: list[Chunk], background: bool = False) -> None:
+        workers = max(1, min(len(chunks), self.policy.threads))
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="torpor-host-pin")
+        for c in chunks:  # in address order: the copies wait for chunks in that order
+            pool.submit(self._pin_chunk, c, background)
+        pool.shutdown(wait=False)
+
+    def staging_bytes(self) -> int:
+        """Bytes of the pinned ring the current staged sleep may use (0: no staged sleep)."""
+        with self._cond:
+            return self._staging
+
+    def end_staging(self) -> None:
+        """A staged sleep's copies are done (or abandoned): pin the chunks that hold them, in the background.
+
+        Staged chunks that hold nothing (a failed sleep gave its extents back)
+        are given back instead; the ring's bytes stop counting.
+        """
+        with self._cond:
+            staged = [c for c in self._chunks.values() if c.staged]
+            empty = [c for c in staged if c.used() == 0 and self._remove_locked(c)]
+            for c in staged:
+                c.staged = False
+                c.filled = c.used() > 0
+            for c in empty:
+                self._pending -= c.nbytes
+            kept = [c for c in staged if c.filled]
+            self._staging = 0
+            self._cond.notify_all()
+        for c in empty:  # out of every record: the address may be reused
+            self._unreserve(c)
+        if kept:
+            self._pin_in_threads(kept, background=True)
+
+    def wait_pinned(self, host: int) -> bool:
+        """Block until the chunk holding ``host`` is registered (True); False at once for a chunk a staged sleep fills.
+
+        Raises the allocator error if pinning the chunk failed.
+        """
+        c = self._wait_chunk(host, for_read=False)
+        return c.ready
+
+    def wait_readable(self, host: int) -> None:
+        """Block until the chunk holding ``host`` may be copied from: registered, or filled and left pageable.
+
+        A chunk a staged sleep filled whose pin failed is copied from as pageable
+        memory (slower, same bytes); any other failed pin raises.
+        """
+        self._wait_chunk(host, for_read=True)
+
+    def _wait_chunk(self, host: int, for_read: bool) -> Chunk:
         with self._cond:
             i = bisect.bisect_right(self._bases, host) - 1
             c = self._chunks.get(self._bases[i]) if i >= 0 else None
             if c is None or host >= c.host + c.nbytes:
                 msg = f"host address {host:#x} is in no chunk of the arena ({len(self._chunks)} chunks)"
                 raise AllocatorError("pin host memory", None, msg)
-            if c.ready:
-                return
             chunk = c
-            self._cond.wait_for(lambda: chunk.ready or chunk.error is not None or self._closed)
+            self._cond.wait_for(lambda: chunk.ready or chunk.staged or chunk.error is not None or self._closed)
+            if c.ready or c.staged or (for_read and c.filled and c.error is not None):
+                return c
             if c.error is not None:
                 raise pin_error(c.error, c.nbytes, self._pinned)
-            if not c.ready:
-                msg = "the host arena was closed while a backup waited for pinned memory"
-                raise AllocatorError("pin host memory", None, msg)
+            msg = "the host arena was closed while a backup waited for pinned memory"
+            raise AllocatorError("pin host memory", None, msg)
 
     def give(self, extents: Iterable[Extent]) -> None:
         """Return extents; with ``keep_after_wake`` off, chunks left empty are unpinned; failed chunks left empty go.
@@ -391,7 +309,7 @@ class HostArena:
             failed = [c for c in self._chunks.values() if c.error is not None or not c.ready]
             self._chunks.clear()
             self._bases.clear()
-            self._pinned = self._pending = 0
+            self._pinned = self._pending = self._staging = 0
         if self._thread is not None:
             self._thread.join(timeout=30)
         for c in chunks:

@@ -331,14 +331,17 @@ class SimDriver(Driver):
                 del self._host_reserved[start]
                 self._drop_buffer(start)
 
-    def _check_host(self, host: int, nbytes: int, call: str) -> None:
+    def _check_host(self, host: int, nbytes: int, call: str, pageable: bool = False) -> None:
+        """Inside one pinned buffer (a copy may not span two, as in CUDA); ``pageable``: or inside a reservation."""
         with self._lock:
             i = bisect.bisect_right(self._host_starts, host) - 1
             if i >= 0:
                 start = self._host_starts[i]
                 if host + nbytes <= start + self._pinned[start]:
                     return
-        msg = f"host range {host:#x}+{nbytes} is not inside a pinned buffer"
+            if pageable and self._reservation(host, nbytes) is not None:
+                return
+        msg = f"host range {host:#x}+{nbytes} is not inside {'a host reservation' if pageable else 'a pinned buffer'}"
         raise DriverError(call, msg, 1)
 
     def _check_device(self, address: int, nbytes: int, call: str) -> None:
@@ -353,9 +356,14 @@ class SimDriver(Driver):
         ctypes.memmove(host, address, nbytes)
 
     def _copy_h2d(self, address: int, host: int, nbytes: int, device: int) -> None:
-        self._check_host(host, nbytes, "copy_h2d")
+        self._check_host(host, nbytes, "copy_h2d", pageable=True)  # CUDA copies from pageable memory too
         self._check_device(address, nbytes, "copy_h2d")
         ctypes.memmove(address, host, nbytes)
+
+    def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
+        self._check_host(src, nbytes, "host_copy")
+        self._check_host(dst, nbytes, "host_copy", pageable=True)
+        ctypes.memmove(dst, src, nbytes)
 
     def _device(self, device: int) -> None:
         if not 0 <= device < self._ndev:

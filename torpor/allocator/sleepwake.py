@@ -36,6 +36,7 @@ from torpor.allocator.mapping import (
     spans,
 )
 from torpor.allocator.offload import Extent, HostArena
+from torpor.allocator.staging import Stager
 from torpor.allocator.table import NativeTable
 from torpor.errors import UnknownTag
 from torpor.statemachine.protocol import Transfer
@@ -59,6 +60,7 @@ class SleepWake:
     driver: Driver
     table: NativeTable
     host: HostArena
+    stager: Stager
     group_bytes: int
     piece_bytes: int
     _lock: threading.RLock
@@ -106,12 +108,18 @@ class SleepWake:
                     taken.append(record)
                 for tag in tags:
                     self._enqueue_backup(tag, self._tags[tag], lives[tag])
+                try:
+                    self.stager.finish()  # a staged sleep's copies are in host memory once this returns
+                except AllocatorError as exc:
+                    raise wrap("backup", tags[0] if len(tags) == 1 else None, exc) from exc
             except BaseException:  # an error or an interrupt (Ctrl-C): no backup stays half made
                 for record in taken:
                     self._drop(record)
                 for tag in frozen:
                     self._thaw_quietly(tag)
                 raise
+            finally:
+                self.host.end_staging()  # chunks a staged sleep filled are pinned in the background
             seconds = time.perf_counter() - start
             return {t: Transfer(t, sum(p[2] for p in self._tags[t].pieces), seconds, True) for t in tags}
 
@@ -202,7 +210,7 @@ class SleepWake:
     def _take_host(self, tag: str, record: TagState, parts: list[Piece]) -> None:
         total = sum(p[2] for p in parts)
         try:
-            extents = self.host.take(total) if total else []
+            extents = self.host.take(total, stage=True) if total else []
         except AllocatorError as exc:
             raise wrap("backup", tag, exc) from exc
         record.pieces = parts
@@ -216,8 +224,11 @@ class SleepWake:
             for i, batch in enumerate(groups):
                 keyed = [(start, start, n, d) for _, start, n, d in batch]
                 for device, address, host, n in copies(keyed, record.backups):
-                    self.host.wait_pinned(host)  # a first sleep pins as it copies: chunk by chunk
-                    self.driver.copy_d2h(host, address, n, device)
+                    # a chunk not pinned yet is filled through the staging ring; where the ring cannot be
+                    # pinned, the chunk is pinned now and copied into once it is (chunk by chunk)
+                    if self.host.wait_pinned(host) or not self.stager.copy(host, address, n, device):
+                        self.host.wait_pinned(host)
+                        self.driver.copy_d2h(host, address, n, device)
                 # once copied, the mappings inside whole allocations of this batch may go; an allocation whose
                 # pieces continue in the next batch waits for it
                 hi = ends[batch[-1][0]]
@@ -232,6 +243,7 @@ class SleepWake:
 
     def _settle(self, record: TagState) -> None:
         """Wait for the tag's copies in flight, ignoring their errors (used before throwing a backup away)."""
+        self.stager.abort()  # a staged sleep's threads write into the backup's host memory until they stop
         for event, _, _ in record.pending:
             try:
                 self.driver.wait(event)
@@ -308,6 +320,7 @@ class SleepWake:
             ordered = sorted(ranges)
             for parts in clip_each(record.pieces, [(lo, lo + n) for lo, n in ordered]):
                 for device, address, host, m in copies(parts, record.backups):
+                    self.host.wait_readable(host)
                     self.driver.copy_h2d(address, host, m, device)
             for device in {d for _, _, d in live}:
                 self.driver.wait(self.driver.record(device))
@@ -329,6 +342,7 @@ class SleepWake:
         for (start, size, device), parts in zip(todo, held, strict=True):
             self.table.map_span(tag, start, size, device)
             for dev, address, host, n in copies(parts, record.backups):
+                self.host.wait_readable(host)  # a staged sleep's chunks are pinned in the background
                 self.driver.copy_h2d(address, host, n, dev)
 
     def _rollback_restore(self, todo: list[str], lives: dict[str, Any]) -> None:

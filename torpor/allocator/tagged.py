@@ -35,6 +35,7 @@ from torpor.allocator.graphpool import CaptureHandle, CaptureObserver, PoolId
 from torpor.allocator.graphstate import GraphPoolState
 from torpor.allocator.offload import HostArena, HostPolicy
 from torpor.allocator.sleepwake import SleepWake, TagState
+from torpor.allocator.staging import Stager
 from torpor.allocator.table import NativeTable
 from torpor.allocator.tagbook import TagBook
 from torpor.allocator.torchbinding import TorchBinding
@@ -89,6 +90,7 @@ class TaggedAllocator(SleepWake):
         self.driver = driver
         self.table = NativeTable(driver, slab_bytes)
         self.host = HostArena(driver, host)
+        self.stager = Stager(driver, self.host)
         self.group_bytes = group_bytes
         self.piece_bytes = piece_bytes
         self.slabs = SlabStats(self.table)
@@ -235,8 +237,8 @@ class TaggedAllocator(SleepWake):
         return self.book.usage()
 
     def pinned_bytes(self) -> int:
-        """Pinned host bytes held for backups (used or kept for reuse)."""
-        return self.host.pinned_bytes()
+        """Host bytes held for backups (used or kept for reuse): pinned, or being pinned after a staged sleep."""
+        return self.host.held_bytes()
 
     def wait_host_ready(self, timeout: float | None = None) -> bool:
         """Block until pinning ahead caught up with the tagged memory; False on timeout."""
@@ -282,6 +284,7 @@ class TaggedAllocator(SleepWake):
             if self.torch_binding.current is not None:
                 self.graphs.detach()
                 self.torch_binding.close()  # torch frees its cached segments through the native free
+            self.stager.abort()
             failed = self.table.close()
             if failed:
                 logger.error("%d driver call(s) failed while tearing the allocator down", failed)

@@ -16,6 +16,7 @@ def row_line(row: dict[str, Any]) -> str:
     return (
         f"{row['system']:<22} {row['workload']:<22} first {row['first_sleep_s']:.3f}s ({row['first_x']:.2f}x) "
         f"later {row['later_sleep_s']:.3f}s ({row['later_x']:.2f}x) wake {row['wake_s']:.3f}s ({row['wake_x']:.2f}x) "
+        f"first wake {row['first_wake_s']:.3f}s ({row['first_wake_x']:.2f}x) "
         f"released {row['released_pct']:.2f}% host {row['host_GiB']:.2f} GiB exact {row['exact']} "
         f"prep {row['prepare_s']:.2f}s {row['note']}"
     )

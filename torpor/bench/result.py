@@ -51,6 +51,8 @@ class Result:
             "first_x": (self.sleeps[0] / fs) if self.sleeps else float("nan"),
             "later_x": later_s / fs,
             "wake_x": wake_s / fw,
+            "first_wake_s": self.wakes[0] if self.wakes else float("nan"),  # may wait for a staged sleep's pins
+            "first_wake_x": (self.wakes[0] / fw) if self.wakes else float("nan"),
             "released_pct": 100.0 * min(self.released or [0]) / self.nbytes if self.nbytes else 0.0,
             "host_GiB": self.host_held / GiB,
             "exact": self.exact,

@@ -1,0 +1,249 @@
+"""Tests of the staged sleep: copies through a pinned ring into host chunks pinned after the sleep, its failures and rollbacks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from torpor import HostMemoryPolicy, Policy, SleepController, State
+from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
+from torpor.errors import TorporError
+
+G = 64 * 1024
+MiB = 1 << 20
+
+
+def make(sim: SimDriver | None = None, **policy: object) -> tuple[SimDriver, TaggedAllocator, SleepController]:
+    """A simulated device; host chunks of 8 granules; a ring of 4 one-granule slots copied out by 3 threads."""
+    sim = sim or SimDriver(64 * MiB, granularity=G)
+    settings: dict[str, object] = {
+        "chunk_bytes": 8 * G,
+        "threads": 2,
+        "stage_slot_bytes": G,
+        "stage_ring_bytes": 4 * G,
+        "stage_threads": 3,
+        **policy,
+    }
+    alloc = TaggedAllocator(sim, host=HostPolicy(**settings), slab_bytes=0)  # type: ignore[arg-type]
+    return sim, alloc, SleepController(alloc)
+
+
+def fill(alloc: TaggedAllocator, tag: str, sizes: list[int]) -> dict[int, bytes]:
+    """Allocate and write random bytes; return address -> bytes."""
+    out = {}
+    for n in sizes:
+        a = alloc.allocate(n, tag)
+        out[a] = os.urandom(n)
+        alloc.write(a, out[a])
+    return out
+
+
+def intact(alloc: TaggedAllocator, data: dict[int, bytes]) -> bool:
+    """Every allocation still holds its bytes."""
+    return all(alloc.read(a, len(b)) == b for a, b in data.items())
+
+
+def stage_threads() -> list[threading.Thread]:
+    """The staging threads still alive."""
+    return [t for t in threading.enumerate() if t.name.startswith("torpor-stage-")]
+
+
+def test_a_first_sleep_copies_through_the_ring_and_pins_the_chunks_after_it() -> None:
+    """The first sleep copies every byte through the ring before any backup chunk is pinned; the wake is bit-exact."""
+    sim, alloc, ctl = make()
+    data = fill(alloc, "weights", [3 * G, 5 * G, G, 7 * G])
+    ctl.sleep(1)
+    assert alloc.stager.copied == 16 * G and not stage_threads()
+    calls = [c.call for c in sim.calls if c.call in ("host_alloc", "host_copy", "host_free")]
+    first_pin = calls.index("host_alloc", 1)  # the ring is the first host_alloc, then the chunks after the copies
+    assert calls[0] == "host_alloc" and calls.count("host_copy") == 16  # one per one-granule slot
+    assert "host_copy" not in calls[first_pin:] and "host_free" in calls[:first_pin]  # the ring went first
+    ctl.wake()
+    assert intact(alloc, data)
+    assert alloc.host.pinned_bytes() == alloc.pinned_bytes() == 16 * G == sim.host_used
+    alloc.close()
+
+
+def test_a_later_sleep_copies_straight_into_the_pinned_chunks() -> None:
+    """Once the chunks are pinned, a sleep copies into them directly: no ring, no host copies."""
+    sim, alloc, ctl = make()
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    ctl.sleep(1)
+    ctl.wake()
+    before = len(sim.calls)
+    ctl.sleep(1)
+    assert not [c for c in sim.calls[before:] if c.call in ("host_copy", "host_alloc")]
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()
+
+
+def test_staging_off_pins_each_chunk_before_copying_into_it() -> None:
+    """HostPolicy(staged=False): the sleep pins every chunk and copies into it; nothing goes through a ring."""
+    sim, alloc, ctl = make(staged=False)
+    data = fill(alloc, "weights", [16 * G])
+    ctl.sleep(1)
+    assert sim.count("host_copy") == 0 and sim.count("host_alloc") == 2
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()
+
+
+def test_a_failed_copy_out_of_the_ring_fails_the_sleep_and_leaves_everything_resident() -> None:
+    """A host copy that fails mid-sleep: the sleep is refused naming host_copy, bytes intact, no thread or chunk left."""
+    sim, alloc, ctl = make()
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    sim.fail("host_copy", nth=5)
+    with pytest.raises(TorporError, match="host_copy"):
+        ctl.sleep(1)
+    assert ctl.state is State.AWAKE and intact(alloc, data) and not stage_threads()
+    assert alloc.host.wait_ready(10) and alloc.pinned_bytes() == 0 == sim.host_used == sim.host_reserved
+    ctl.sleep(1)
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()
+
+
+def test_a_ring_that_cannot_be_pinned_falls_back_to_pinning_the_chunks(caplog: pytest.LogCaptureFixture) -> None:
+    """The ring's pin fails: the sleep warns, pins the backup's chunks instead and succeeds; the wake is bit-exact."""
+    sim, alloc, ctl = make()
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    sim.fail("host_alloc")
+    with caplog.at_level(logging.WARNING, logger="torpor.allocator"):
+        ctl.sleep(1)
+    assert "pinning the backup instead" in caplog.text and sim.count("host_copy") == 0
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()
+
+
+def test_a_chunk_whose_pin_fails_after_a_staged_sleep_wakes_from_pageable_memory() -> None:
+    """The background pin of a filled chunk fails: the wake copies from its pageable pages, every byte back."""
+    sim, alloc, ctl = make()
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    sim.fail("host_alloc", nth=2)  # the ring is the first, the first chunk's pin the second
+    ctl.sleep(1)
+    assert alloc.host.wait_ready(10)
+    assert alloc.host.pinned_bytes() == 8 * G  # one of two chunks registered
+    ctl.wake()
+    assert intact(alloc, data)
+    ctl.sleep(1)  # the failed chunk stays until its extents come back, and is never handed out again
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()
+    assert sim.host_used == 0 == sim.host_reserved
+
+
+class GatedPins(SimDriver):
+    """A SimDriver whose pins of reserved host chunks wait for ``gate`` (the ring's pin does not)."""
+
+    def __init__(self) -> None:
+        super().__init__(64 * MiB, granularity=G)
+        self.gate = threading.Event()
+
+    def host_alloc(self, nbytes: int, host: int | None = None) -> int:
+        if host is not None:
+            self.gate.wait(10)
+        return super().host_alloc(nbytes, host)
+
+
+def test_a_wake_right_after_a_staged_sleep_waits_for_the_chunks_to_be_pinned() -> None:
+    """A wake while the background pins still run blocks until they are done, then restores every byte."""
+    sim, alloc, ctl = make(GatedPins())
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    ctl.sleep(1)
+    assert alloc.host.pinned_bytes() == 0 and alloc.pinned_bytes() == 16 * G  # held, not yet registered
+    woke = threading.Event()
+    t = threading.Thread(target=lambda: (ctl.wake(), woke.set()))
+    t.start()
+    time.sleep(0.2)
+    assert not woke.is_set()
+    sim.gate.set()  # type: ignore[attr-defined]
+    t.join(10)
+    assert woke.is_set() and ctl.state is State.AWAKE and intact(alloc, data)
+    alloc.close()
+
+
+class InterruptedCopy(SimDriver):
+    """A SimDriver whose ``nth`` device-to-host copy raises KeyboardInterrupt (a Ctrl-C mid-sleep)."""
+
+    def __init__(self, nth: int) -> None:
+        super().__init__(64 * MiB, granularity=G)
+        self.left = nth
+
+    def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
+        self.left -= 1
+        if self.left == 0:
+            raise KeyboardInterrupt
+        super()._copy_d2h(host, address, nbytes, device)
+
+
+def test_ctrl_c_in_the_middle_of_a_staged_sleep_rolls_back_and_stops_every_thread() -> None:
+    """A Ctrl-C between ring copies: the interrupt propagates, the tag stays resident, nothing is left held or running."""
+    sim, alloc, ctl = make(InterruptedCopy(nth=6))
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    with pytest.raises(KeyboardInterrupt):
+        ctl.sleep(1)
+    assert ctl.state is State.AWAKE and not stage_threads() and intact(alloc, data)
+    assert alloc.host.wait_ready(10) and alloc.pinned_bytes() == 0 == sim.host_used == sim.host_reserved
+    ctl.sleep(1)
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()
+
+
+def test_no_room_for_the_ring_under_the_host_limit_pins_the_chunks_instead() -> None:
+    """A limit that fits the backup but not the ring: the sleep pins its chunks and stays within the limit."""
+    sim, alloc, _ = make()
+    ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(budget_bytes=16 * G)))
+    assert alloc.host.policy.limit_bytes == 16 * G
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    ctl.sleep(1)
+    assert sim.count("host_copy") == 0 and sim.host_used == 16 * G
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()
+
+
+def test_a_staged_sleep_of_two_tags_fills_chunks_both_share() -> None:
+    """Two tags in one staged sleep: the second takes the rest of the first's chunk; both wake bit-exact."""
+    sim, alloc, ctl = make()
+    data = {**fill(alloc, "weights", [5 * G]), **fill(alloc, "cudagraph", [7 * G])}
+    ctl.sleep(1)
+    assert alloc.stager.copied == 12 * G
+    ctl.wake()
+    assert intact(alloc, data)
+    assert alloc.host.pinned_bytes() == 16 * G == sim.host_used  # two chunks: 8 + 8 granules, shared
+    alloc.close()
+
+
+@pytest.mark.gpu
+def test_a_first_sleep_on_the_gpu_stages_and_wakes_bit_exact_at_once() -> None:
+    """On a GPU the first sleep goes through the ring; a wake right after it is bit-exact; the next sleep is direct."""
+    import torch
+
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    with alloc.use_memory_pool("weights"):
+        ts = [torch.randint(0, 255, (64 * MiB,), dtype=torch.uint8, device="cuda") for _ in range(16)]
+    refs = [t.cpu() for t in ts]
+    torch.cuda.synchronize()
+    ctl.sleep(1)
+    assert alloc.stager.copied >= 1024 * MiB and not stage_threads()
+    ctl.wake()  # the chunks may still be registering: the wake waits for each one it copies from
+    assert all(bool(torch.equal(t.cpu(), r)) for t, r in zip(ts, refs, strict=True))
+    assert alloc.host.wait_ready(60) and alloc.host.pinned_bytes() == alloc.pinned_bytes() >= 1024 * MiB
+    copied = alloc.stager.copied
+    for t in ts:
+        t.add_(1)
+    torch.cuda.synchronize()
+    ctl.sleep(1)
+    assert alloc.stager.copied == copied  # straight into the pinned chunks
+    ctl.wake()
+    assert all(bool(torch.equal(t.cpu(), r + 1)) for t, r in zip(ts, refs, strict=True))
+    del ts
+    alloc.close()

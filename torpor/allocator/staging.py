@@ -1,0 +1,168 @@
+"""A staged sleep: device -> a small ring of pinned slots -> threads copy each slot into the backup's pageable pages.
+
+Why: on a freshly started H200 machine the first sleep's own pinning (fault
+8 GiB in, register it, copy into it) took 2.0-2.3 s, 13-15x the copy floor,
+while copying the same 8 GiB through a 512 MiB pinned ring into fresh pageable
+pages with 16 threads took 0.41 s (2.66x), and registering those pages
+afterwards took 0.33 s (benchmarks/probe_staged_copy.py, docs/benchmarks.md).
+So a sleep that needs host chunks not yet pinned copies through the ring; the
+arena registers the chunks in the background once the sleep's copies are done
+(:meth:`~torpor.allocator.offload.HostArena.end_staging`), and a wake waits for
+them (:meth:`~torpor.allocator.offload.HostArena.wait_readable`).
+
+The ring is pinned at the first staged copy of a sleep and given back at
+:meth:`Stager.finish`; its bytes count against the host limit while it lives
+(the arena reserved them in ``take``). Each slot's device-to-host copy is
+ordered on the device's copy stream; a thread waits for the slot's event,
+copies the slot out with :meth:`~torpor.allocator.driver.Driver.host_copy`
+and hands the slot back. Mechanism only: whether to stage is the arena's
+policy (``HostPolicy.staged``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from torpor.allocator.driver import Driver
+from torpor.allocator.errors import wrap
+from torpor.allocator.offload import HostArena
+
+__all__ = ["Stager"]
+
+logger = logging.getLogger("torpor.allocator")
+
+_Work = tuple[object, int, int, int]  # (event, slot, host destination, bytes)
+
+
+class Stager:
+    """The copies of one staged sleep; :meth:`copy` enqueues, :meth:`finish` waits, :meth:`abort` gives up."""
+
+    def __init__(self, driver: Driver, arena: HostArena) -> None:
+        self.driver = driver
+        self.arena = arena
+        self._ring = 0  # pinned ring address (0: none)
+        self._ring_bytes = 0
+        self._slot = 0
+        self._free: queue.Queue[int] = queue.Queue()
+        self._work: queue.Queue[_Work | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.copied = 0  # bytes copied through the ring by the current (or last) staged sleep
+
+    def active(self) -> bool:
+        """Whether a ring is pinned (a staged sleep is under way)."""
+        return self._ring != 0
+
+    def copy(self, host: int, address: int, nbytes: int, device: int) -> bool:
+        """Enqueue a copy of device ``address`` into ``host`` (a staged chunk) through the ring.
+
+        Blocks while every slot is in use. False (nothing enqueued) when the ring
+        cannot be pinned: the caller pins the chunk and copies into it directly.
+        Raises :class:`~torpor.errors.AllocatorError` with the first failed copy of this sleep.
+        """
+        if not self._ring and not self._open():
+            return False
+        self._raise_failed()
+        off = 0
+        while off < nbytes:
+            n = min(self._slot, nbytes - off)
+            slot = self._free.get()
+            try:
+                self._raise_failed()
+                self.driver.copy_d2h(slot, address + off, n, device)
+                event = self.driver.record(device)
+            except BaseException:
+                self._free.put(slot)
+                raise
+            self._work.put((event, slot, host + off, n))
+            off += n
+        return True
+
+    def finish(self) -> None:
+        """Wait for every copy, stop the threads and unpin the ring; raise the first failed copy."""
+        self._stop()
+        try:
+            self._raise_failed()
+        finally:
+            self._error = None
+
+    def abort(self) -> None:
+        """Like :meth:`finish`, but a failed copy is only logged (the backup is being thrown away)."""
+        self._stop()
+        if self._error is not None:
+            logger.debug("a staged copy failed while its backup was being dropped: %s", self._error)
+        self._error = None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _open(self) -> bool:
+        nbytes = self.arena.staging_bytes()
+        if nbytes <= 0:
+            return False
+        try:
+            ring = self.driver.host_alloc(nbytes)
+        except Exception as exc:  # the caller pins chunks instead: slower, same result
+            logger.warning(
+                "pinning %d host bytes for a staged sleep failed (%s); pinning the backup instead", nbytes, exc
+            )
+            self.arena.end_staging()
+            return False
+        self._ring, self._ring_bytes = ring, nbytes
+        self._slot = min(self.arena.policy.stage_slot_bytes, nbytes)
+        self.copied = 0
+        for off in range(0, nbytes - self._slot + 1, self._slot):
+            self._free.put(ring + off)
+        threads = max(1, self.arena.policy.stage_threads)
+        self._threads = [
+            threading.Thread(target=self._run, name=f"torpor-stage-{i}", daemon=True) for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+        return True
+
+    def _run(self) -> None:
+        try:
+            self.driver.prepare_thread()
+        except Exception as exc:
+            self._fail(exc)
+        while (item := self._work.get()) is not None:
+            event, slot, host, n = item
+            try:
+                self.driver.wait(event)  # the slot holds the device's bytes now
+                if self._error is None:
+                    self.driver.host_copy(host, slot, n)
+                    with self._lock:
+                        self.copied += n
+            except BaseException as exc:  # kept for the sleep to raise; the thread goes on handing slots back
+                self._fail(exc)
+            finally:
+                self._free.put(slot)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+
+    def _raise_failed(self) -> None:
+        failed = self._error
+        if failed is not None:
+            raise wrap("backup", None, failed, "a copy through the staging ring") from failed
+
+    def _stop(self) -> None:
+        if not self._ring:
+            return
+        for _ in self._threads:
+            self._work.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        while not self._free.empty():
+            self._free.get_nowait()
+        ring, self._ring = self._ring, 0
+        try:
+            self.driver.host_free(ring)
+        except Exception:  # only host memory leaks
+            logger.exception("unpinning the %d-byte staging ring failed", self._ring_bytes)
