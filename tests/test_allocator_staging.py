@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -58,9 +59,10 @@ def test_a_first_sleep_copies_through_the_ring_and_pins_the_chunks_after_it() ->
     data = fill(alloc, "weights", [3 * G, 5 * G, G, 7 * G])
     ctl.sleep(1)
     assert alloc.stager.copied == 16 * G and not stage_threads()
-    calls = [c.call for c in sim.calls if c.call in ("host_alloc", "host_copy", "host_free")]
-    first_pin = calls.index("host_alloc", 1)  # the ring is the first host_alloc, then the chunks after the copies
-    assert calls[0] == "host_alloc" and calls.count("host_copy") == 16  # one per one-granule slot
+    calls = [c.call for c in sim.calls if c.call in ("host_alloc", "host_register", "host_copy", "host_free")]
+    first_pin = calls.index("host_register")  # the chunks are registered as they are, after the copies
+    assert calls[0] == "host_alloc" and calls.count("host_alloc") == 1  # the ring
+    assert calls.count("host_copy") == 16 and calls.count("host_register") == 2  # a copy per slot; two chunks
     assert "host_copy" not in calls[first_pin:] and "host_free" in calls[:first_pin]  # the ring went first
     ctl.wake()
     assert intact(alloc, data)
@@ -87,7 +89,7 @@ def test_staging_off_pins_each_chunk_before_copying_into_it() -> None:
     sim, alloc, ctl = make(staged=False)
     data = fill(alloc, "weights", [16 * G])
     ctl.sleep(1)
-    assert sim.count("host_copy") == 0 and sim.count("host_alloc") == 2
+    assert sim.count("host_copy") == 0 == sim.count("host_register") and sim.count("host_alloc") == 2
     ctl.wake()
     assert intact(alloc, data)
     alloc.close()
@@ -125,7 +127,7 @@ def test_a_chunk_whose_pin_fails_after_a_staged_sleep_wakes_from_pageable_memory
     """The background pin of a filled chunk fails: the wake copies from its pageable pages, every byte back."""
     sim, alloc, ctl = make()
     data = fill(alloc, "weights", [8 * G, 8 * G])
-    sim.fail("host_alloc", nth=2)  # the ring is the first, the first chunk's pin the second
+    sim.fail("host_register")  # the first chunk's pin
     ctl.sleep(1)
     assert alloc.host.wait_ready(10)
     assert alloc.host.pinned_bytes() == 8 * G  # one of two chunks registered
@@ -139,16 +141,15 @@ def test_a_chunk_whose_pin_fails_after_a_staged_sleep_wakes_from_pageable_memory
 
 
 class GatedPins(SimDriver):
-    """A SimDriver whose pins of reserved host chunks wait for ``gate`` (the ring's pin does not)."""
+    """A SimDriver whose registrations of filled host chunks wait for ``gate`` (the ring's pin does not)."""
 
     def __init__(self) -> None:
         super().__init__(64 * MiB, granularity=G)
         self.gate = threading.Event()
 
-    def host_alloc(self, nbytes: int, host: int | None = None) -> int:
-        if host is not None:
-            self.gate.wait(10)
-        return super().host_alloc(nbytes, host)
+    def host_register(self, host: int, nbytes: int) -> None:
+        self.gate.wait(10)
+        super().host_register(host, nbytes)
 
 
 def test_a_wake_right_after_a_staged_sleep_waits_for_the_chunks_to_be_pinned() -> None:
@@ -246,4 +247,24 @@ def test_a_first_sleep_on_the_gpu_stages_and_wakes_bit_exact_at_once() -> None:
     ctl.wake()
     assert all(bool(torch.equal(t.cpu(), r + 1)) for t, r in zip(ts, refs, strict=True))
     del ts
+    alloc.close()
+
+
+class ZeroingPins(SimDriver):
+    """A SimDriver whose pins write zeros first, as populating does on kernels before 5.14 (no MADV_POPULATE_WRITE)."""
+
+    def _host_alloc(self, nbytes: int, host: int | None) -> int:
+        address = super()._host_alloc(nbytes, host)
+        ctypes.memset(address, 0, nbytes)
+        return address
+
+
+def test_pinning_the_chunks_after_a_staged_sleep_never_writes_over_the_backup() -> None:
+    """The filled chunks are registered as they are (host_register), not populated: a zeroing pin loses no byte."""
+    sim, alloc, ctl = make(ZeroingPins(64 * MiB, granularity=G))
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    ctl.sleep(1)
+    assert alloc.host.wait_ready(10) and sim.count("host_register") == 2
+    ctl.wake()
+    assert intact(alloc, data)
     alloc.close()

@@ -191,7 +191,7 @@ def _gpu_weights(alloc: TaggedAllocator, mib: int) -> tuple[object, object]:
 
 @pytest.mark.gpu
 def test_cold_first_sleep_on_the_gpu_is_bit_exact_with_and_without_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A first sleep with nothing pinned pins as it copies, and wakes bit-exact; also with huge-page advice and MADV_POPULATE_WRITE unavailable."""
+    """A first sleep with nothing pinned (staged, pinned after) wakes bit-exact; also with no huge pages nor MADV_POPULATE_WRITE."""
     import torch
 
     from torpor.allocator import cuda_driver

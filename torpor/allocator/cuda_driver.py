@@ -291,20 +291,25 @@ class CudaDriver(Driver):
         first (by several threads at once in a sleep) are registered quickly,
         holding the lock briefly per chunk.
         """
-        cu = _cu()
         address = reserve_host_pages(nbytes) if host is None else host
         try:
             self.ensure_context(self._host_device())
             populate_host_pages(address, nbytes)
-            flags = cu.CU_MEMHOSTREGISTER_PORTABLE
-            self._check("cuMemHostRegister", cu.cuMemHostRegister(address, _round_pages(nbytes), flags))
+            self._host_register(address, nbytes)
         except BaseException:
             if host is None:  # a reserved range stays reserved: its owner gives it back (host_unreserve)
                 free_host_pages(address, nbytes)
             raise
-        with self._lock:
-            self._host_sizes[address] = nbytes
         return address
+
+    def _host_register(self, host: int, nbytes: int) -> None:
+        """Register pages as they are (no populating: on old kernels that writes zeros over the data)."""
+        cu = _cu()
+        self.ensure_context(self._host_device())
+        flags = cu.CU_MEMHOSTREGISTER_PORTABLE
+        self._check("cuMemHostRegister", cu.cuMemHostRegister(host, _round_pages(nbytes), flags))
+        with self._lock:
+            self._host_sizes[host] = nbytes
 
     def _host_free(self, host: int) -> None:
         self.ensure_context(self._host_device())

@@ -39,6 +39,7 @@ class Driver(ABC):
         "synchronize",
         "mem_info",
         "host_copy",
+        "host_register",
     )
     """Every driver call by name, in the order a sleep/wake cycle meets them."""
 
@@ -130,6 +131,10 @@ class Driver(ABC):
         free, total = self.invoke("mem_info", device)
         return int(free), int(total)
 
+    def host_register(self, host: int, nbytes: int) -> None:
+        """Pin reserved host memory that already holds data (never written here); freed with :meth:`host_free`."""
+        self.invoke("host_register", host, nbytes)
+
     def host_copy(self, dst: int, src: int, nbytes: int) -> None:
         """Copy ``nbytes`` of host memory from pinned ``src`` to reserved ``dst`` (pinned or not); any thread."""
         self.invoke("host_copy", dst, src, nbytes)
@@ -189,6 +194,9 @@ class Driver(ABC):
 
     @abstractmethod
     def _mem_info(self, device: int) -> tuple[int, int]: ...
+
+    @abstractmethod
+    def _host_register(self, host: int, nbytes: int) -> None: ...
 
     def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
         ctypes.memmove(dst, src, nbytes)  # ctypes lets go of the GIL: threads copy at once

@@ -140,7 +140,10 @@ class PinnedChunks:
         start = time.perf_counter()
         try:
             self.driver.prepare_thread()
-            self.driver.host_alloc(c.nbytes, c.host)
+            if c.filled:  # holds a staged sleep's bytes: register as is (populating may write zeros)
+                self.driver.host_register(c.host, c.nbytes)
+            else:
+                self.driver.host_alloc(c.nbytes, c.host)
         except Exception as exc:  # kept on the chunk: the copy that needs it raises it
             with self._cond:
                 c.error = exc

@@ -1,14 +1,12 @@
 """SimDriver: a simulated device on host memory, with a capacity and failures injectable at any call.
 
-The device itself is the native library's simulated driver (csrc/driver_sim.c),
-so the allocation table's C code runs against it on machines without a GPU:
-device memory is real memory at real addresses (a reservation is a PROT_NONE
-mapping, a physical handle a memfd, a map an mmap of it), so tests can check
-that sleep and wake keep every byte. The rules follow the CUDA VMM API where
-the allocator depends on them: a mapping needs a reservation and a live
-handle, an unmap takes the whole mapped range, releasing a mapped handle frees
-its memory only at the unmap. Pinned host memory is plain host memory here;
-copies are memmoves after checking both ranges. Host addresses are never
+The device is the native library's simulated driver (csrc/driver_sim.c), so the
+table's C code runs without a GPU: device memory is real memory at real addresses
+(a reservation a PROT_NONE mapping, a handle a memfd, a map an mmap of it), so tests
+check that sleep and wake keep every byte. The CUDA VMM rules the allocator relies
+on hold: a mapping needs a reservation and a live handle, an unmap takes the whole
+mapped range, a released mapped handle frees its memory at the unmap. Host memory
+is plain memory; copies are memmoves after checking both ranges. Host addresses are never
 reused unless ``reuse_host`` asks for what mmap does: a piece of a host
 reservation given back (unreserved or unpinned) is unmapped at once, and the
 next reservation that fits takes its address (lowest first). Failures: :meth:`SimDriver.fail`
@@ -359,6 +357,9 @@ class SimDriver(Driver):
         self._check_host(host, nbytes, "copy_h2d", pageable=True)  # CUDA copies from pageable memory too
         self._check_device(address, nbytes, "copy_h2d")
         ctypes.memmove(address, host, nbytes)
+
+    def _host_register(self, host: int, nbytes: int) -> None:
+        SimDriver._host_alloc(self, nbytes, host)  # this pin never writes (a subclass's _host_alloc may model one)
 
     def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
         self._check_host(src, nbytes, "host_copy")
