@@ -6,13 +6,12 @@ table's C code runs without a GPU: device memory is real memory at real addresse
 check that sleep and wake keep every byte. The CUDA VMM rules the allocator relies
 on hold: a mapping needs a reservation and a live handle, an unmap takes the whole
 mapped range, a released mapped handle frees its memory at the unmap. Host memory
-is plain memory; copies are memmoves after checking both ranges. Host addresses are never
-reused unless ``reuse_host`` asks for what mmap does: a piece of a host
-reservation given back (unreserved or unpinned) is unmapped at once, and the
-next reservation that fits takes its address (lowest first). Failures: :meth:`SimDriver.fail`
-arms the n-th next invocation of any call in :attr:`SimDriver.CALLS` (the
-library's calls and this class's alike); :attr:`SimDriver.calls` records every
-invocation, in order.
+is plain memory; copies are memmoves after checking both ranges. Host addresses are
+never reused unless ``reuse_host`` asks for what mmap does: a piece of a reservation
+given back is unmapped at once and the next reservation that fits takes its address
+(lowest first). :meth:`SimDriver.fail` arms the n-th next invocation of any call in
+:attr:`SimDriver.CALLS` (the library's and this class's); :attr:`SimDriver.calls`
+records every invocation, in order.
 """
 
 from __future__ import annotations
