@@ -54,11 +54,13 @@ def stage_threads() -> list[threading.Thread]:
 
 
 def test_a_first_sleep_copies_through_the_ring_and_pins_the_chunks_after_it() -> None:
-    """The first sleep copies every byte through the ring before any backup chunk is pinned; the wake is bit-exact."""
+    """The first sleep copies every byte through the ring; its chunks are pinned once the release unmapped; bit-exact."""
     sim, alloc, ctl = make()
     data = fill(alloc, "weights", [3 * G, 5 * G, G, 7 * G])
     ctl.sleep(1)
-    assert alloc.stager.copied == 16 * G and not stage_threads()
+    assert alloc.stager.copied == 16 * G and not stage_threads() and alloc.host.wait_ready(10)
+    log = [c.call for c in sim.calls]
+    assert max(i for i, c in enumerate(log) if c == "unmap") < log.index("host_register")  # no driver-lock fight
     calls = [c.call for c in sim.calls if c.call in ("host_alloc", "host_register", "host_copy", "host_free")]
     first_pin = calls.index("host_register")  # the chunks are registered as they are, after the copies
     assert calls[0] == "host_alloc" and calls.count("host_alloc") == 1  # the ring

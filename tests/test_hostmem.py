@@ -279,8 +279,8 @@ def test_release_mode_unpins_after_an_aborted_sleep_and_a_discard() -> None:
     sim.fail("unmap")  # phase 2 fails: the sleep rolls back after the backup was made
     with pytest.raises(Exception, match="unmap"):
         ctl.sleep(1)
-    assert ctl.state is State.AWAKE
-    assert alloc.host.wait_unpinned(10) and alloc.pinned_bytes() == 0 == sim.host_used
+    assert ctl.state is State.AWAKE  # the staged chunks may still be pinning in the background: wait for them
+    assert alloc.host.wait_ready(10) and alloc.host.wait_unpinned(10) and alloc.pinned_bytes() == 0 == sim.host_used
     ctl.sleep(1)
     assert alloc.pinned_bytes() == 16 * G
     ctl.discard(["weights"])  # the staged sleep's chunks may still be pinning in the background: wait for them

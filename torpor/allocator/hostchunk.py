@@ -81,6 +81,7 @@ class Chunk:
         self.ready = False  # registered with the driver: copies may target it
         self.staged = False  # filled by a staged sleep's threads (pageable), pinned once the sleep's copies are done
         self.filled = False  # holds a staged sleep's copies: readable as pageable memory even if its pin fails
+        self.trim_when_pinned = False  # a trim found it empty while it was being pinned
         self.error: BaseException | None = None
 
     def used(self) -> int:

@@ -161,8 +161,8 @@ class PinnedChunks:
             closed = self._closed or self._chunks.get(c.host) is not c
             if not closed:
                 self._pending -= c.nbytes
-                # pinned after a staged sleep whose backup is gone meanwhile (dropped), with nothing kept after wake
-                closed = background and c.used() == 0 and not self.policy.keep_after_wake and self._remove_locked(c)
+                # trimmed while it was being pinned (a staged sleep's backup dropped meanwhile), and still empty
+                closed = c.trim_when_pinned and c.used() == 0 and self._remove_locked(c)
             if not closed:
                 c.ready = True
                 self._pinned += c.nbytes

@@ -266,9 +266,12 @@ class HostArena(PinnedChunks):
 
         ``background``: unpin in a daemon thread. The chunks leave
         :meth:`pinned_bytes` at once and count against ``limit_bytes`` until
-        each is unpinned.
+        each is unpinned. Empty chunks still being pinned (after a staged
+        sleep) are unpinned by their pinning thread once registered.
         """
         with self._cond:
+            for c in self._chunks.values():
+                c.trim_when_pinned = c.trim_when_pinned or (not c.ready and c.error is None and c.used() == 0)
             empty = [c for c in self._chunks.values() if c.ready and c.used() == 0]
             for c in empty:
                 self._remove_locked(c)

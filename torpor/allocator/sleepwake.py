@@ -117,9 +117,8 @@ class SleepWake:
                     self._drop(record)
                 for tag in frozen:
                     self._thaw_quietly(tag)
+                self.host.end_staging()  # staged chunks left empty go back
                 raise
-            finally:
-                self.host.end_staging()  # chunks a staged sleep filled are pinned in the background
             seconds = time.perf_counter() - start
             return {t: Transfer(t, sum(p[2] for p in self._tags[t].pieces), seconds, True) for t in tags}
 
@@ -136,14 +135,18 @@ class SleepWake:
                         raise wrap("release", None, exc) from exc
             self._trim_free([t for t in tags if self.table.usage(t)[0] == native.ACTIVE])  # discarded tags
             out = {}
-            for tag in tags:
-                start = time.perf_counter()
-                record = self._tags[tag]
-                if self.table.usage(tag)[0] == native.RELEASED:
-                    out[tag] = Transfer(tag, 0, 0.0, record.backed_up)
-                    continue
-                self._release_tag(tag, record)
-                out[tag] = Transfer(tag, self.table.usage(tag)[1], time.perf_counter() - start, record.backed_up)
+            try:
+                for tag in tags:
+                    start = time.perf_counter()
+                    record = self._tags[tag]
+                    if self.table.usage(tag)[0] == native.RELEASED:
+                        out[tag] = Transfer(tag, 0, 0.0, record.backed_up)
+                        continue
+                    self._release_tag(tag, record)
+                    out[tag] = Transfer(tag, self.table.usage(tag)[1], time.perf_counter() - start, record.backed_up)
+            finally:
+                # only now: registering while the release unmaps made both wait on the driver (H200, docs/allocator.md)
+                self.host.end_staging()
             return out
 
     def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
@@ -152,6 +155,7 @@ class SleepWake:
             self._check_known(tags)
             start = time.perf_counter()
             todo = [t for t in tags if self.table.usage(t)[0] == native.RELEASED]
+            self.host.end_staging()  # a backup never released (no-op after a release)
             lives: dict[str, list[Live]] = {}
             current = ""
             try:
@@ -191,6 +195,7 @@ class SleepWake:
                     if self.table.usage(tag)[0] == native.FROZEN:
                         self.table.thaw(tag)
                         self._reopened([tag])
+            self.host.end_staging()  # a staged backup dropped before its release: its empty chunks go back
 
     # -- internals ----------------------------------------------------------------------------
 
