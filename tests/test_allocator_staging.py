@@ -270,3 +270,21 @@ def test_pinning_the_chunks_after_a_staged_sleep_never_writes_over_the_backup() 
     ctl.wake()
     assert intact(alloc, data)
     alloc.close()
+
+
+def test_small_copies_share_a_slot_with_one_event_per_slot() -> None:
+    """Sixteen one-granule allocations through four-granule slots: four slot events, sixteen host copies, bit-exact."""
+    sim, alloc, ctl = make(stage_slot_bytes=4 * G, stage_ring_bytes=8 * G)
+    every = fill(alloc, "weights", [G] * 32)
+    for a in list(every)[1::2]:  # gaps between the live ones: sixteen separate copies
+        alloc.free(a)
+    data = {a: b for i, (a, b) in enumerate(every.items()) if i % 2 == 0}
+    ctl.sleep(1)
+    log = [c.call for c in sim.calls]
+    ring = log.index("host_alloc")
+    during = log[ring : log.index("host_free", ring)]
+    assert during.count("host_copy") == 16
+    assert during.count("record") == 4 + 1  # one per slot, and the backup's one batch (64 MiB groups)
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()

@@ -33,7 +33,7 @@ __all__ = ["Stager"]
 
 logger = logging.getLogger("torpor.allocator")
 
-_Work = tuple[object, int, int, int]  # (event, slot, host destination, bytes)
+_Work = tuple[object, int, list[tuple[int, int, int]]]  # (event, slot, [(host destination, slot offset, bytes)])
 
 
 class Stager:
@@ -50,6 +50,10 @@ class Stager:
         self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._slot_at: int | None = None  # the slot being filled, its bytes used, its pieces, its device
+        self._used = 0
+        self._pieces: list[tuple[int, int, int]] = []
+        self._device = 0
         self.copied = 0  # bytes copied through the ring by the current (or last) staged sleep
 
     def active(self) -> bool:
@@ -59,25 +63,26 @@ class Stager:
     def copy(self, host: int, address: int, nbytes: int, device: int) -> bool:
         """Enqueue a copy of device ``address`` into ``host`` (a staged chunk) through the ring.
 
-        Blocks while every slot is in use. False (nothing enqueued) when the ring
-        cannot be pinned: the caller pins the chunk and copies into it directly.
-        Raises :class:`~torpor.errors.AllocatorError` with the first failed copy of this sleep.
+        Small copies share a slot (one event per slot, whatever its pieces);
+        blocks while every slot is in use. False (nothing enqueued) when the
+        ring cannot be pinned: the caller pins the chunk and copies into it
+        directly. Raises :class:`~torpor.errors.AllocatorError` with the first
+        failed copy of this sleep.
         """
         if not self._ring and not self._open():
             return False
         self._raise_failed()
         off = 0
         while off < nbytes:
-            n = min(self._slot, nbytes - off)
-            slot = self._free.get()
-            try:
+            if self._slot_at is None or self._used == self._slot or self._device != device:
+                self._flush()
+                self._slot_at = self._free.get()
+                self._device = device
                 self._raise_failed()
-                self.driver.copy_d2h(slot, address + off, n, device)
-                event = self.driver.record(device)
-            except BaseException:
-                self._free.put(slot)
-                raise
-            self._work.put((event, slot, host + off, n))
+            n = min(self._slot - self._used, nbytes - off)
+            self.driver.copy_d2h(self._slot_at + self._used, address + off, n, device)
+            self._pieces.append((host + off, self._used, n))
+            self._used += n
             off += n
         return True
 
@@ -129,17 +134,34 @@ class Stager:
         except Exception as exc:
             self._fail(exc)
         while (item := self._work.get()) is not None:
-            event, slot, host, n = item
+            event, slot, pieces = item
             try:
                 self.driver.wait(event)  # the slot holds the device's bytes now
-                if self._error is None:
-                    self.driver.host_copy(host, slot, n)
-                    with self._lock:
-                        self.copied += n
+                for host, off, n in pieces:
+                    if self._error is None:
+                        self.driver.host_copy(host, slot + off, n)
+                        with self._lock:
+                            self.copied += n
             except BaseException as exc:  # kept for the sleep to raise; the thread goes on handing slots back
                 self._fail(exc)
             finally:
                 self._free.put(slot)
+
+    def _flush(self) -> None:
+        """Hand the slot being filled to the threads (after an event on its copies)."""
+        slot, self._slot_at = self._slot_at, None
+        if slot is None:
+            return
+        pieces, self._pieces, self._used = self._pieces, [], 0
+        if not pieces:
+            self._free.put(slot)
+            return
+        try:
+            event = self.driver.record(self._device)
+        except BaseException:
+            self._free.put(slot)
+            raise
+        self._work.put((event, slot, pieces))
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -154,6 +176,10 @@ class Stager:
     def _stop(self) -> None:
         if not self._ring:
             return
+        try:
+            self._flush()
+        except BaseException as exc:  # the copies of the last slot cannot be waited for: the sleep fails
+            self._fail(exc)
         for _ in self._threads:
             self._work.put(None)
         for t in self._threads:
