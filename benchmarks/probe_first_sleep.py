@@ -7,6 +7,10 @@ Run on a CUDA machine, each mode in a fresh process:
 - ``prime``: the same after pinning and unpinning one 2 MiB page from 8 threads first
   (a process's one-time registration setup done ahead, timed apart).
 
+With staging (the default), the timeline has the staging threads' waits and host copies,
+the main thread's ring copies (``stage_copy``, which block while every slot is in use),
+``stage_finish``, and the background registrations (``host_register``) after the release.
+
 Prints the sleep's wall time against the copy floor, then a timeline: per pinning
 thread its first call (context, capture mode), each chunk's page faulting and
 registration, and the main thread's waits for pinned chunks and its copies; then
@@ -29,6 +33,8 @@ import torch
 from torpor import HostMemoryPolicy, Policy, SleepController, TaggedAllocator
 from torpor.allocator import cuda_driver
 from torpor.allocator.offload import HostArena
+from torpor.allocator.sleepwake import SleepWake
+from torpor.allocator.staging import Stager
 from torpor.bench.device import fill, measure_floor
 
 GiB = 1 << 30
@@ -58,7 +64,17 @@ def instrument() -> None:
     cuda_driver.CudaDriver.prepare_thread = _timed("prepare_thread", cuda_driver.CudaDriver.prepare_thread)
     cuda_driver.CudaDriver.copy_d2h = _timed("copy_d2h", cuda_driver.CudaDriver.copy_d2h)
     HostArena.wait_pinned = _timed("wait_pinned", HostArena.wait_pinned)
+    HostArena.wait_readable = _timed("wait_readable", HostArena.wait_readable)
     HostArena.take = _timed("take", HostArena.take)
+    HostArena.end_staging = _timed("end_staging", HostArena.end_staging)
+    cuda_driver.CudaDriver.host_copy = _timed("host_copy", cuda_driver.CudaDriver.host_copy)
+    cuda_driver.CudaDriver.host_register = _timed("host_register", cuda_driver.CudaDriver.host_register)
+    cuda_driver.CudaDriver.wait = _timed("wait", cuda_driver.CudaDriver.wait)
+    Stager.copy = _timed("stage_copy", Stager.copy)
+    Stager.finish = _timed("stage_finish", Stager.finish)
+    SleepWake.backup = _timed("backup", SleepWake.backup)
+    SleepWake.release = _timed("release", SleepWake.release)
+    SleepWake.restore = _timed("restore", SleepWake.restore)
 
 
 def summary(since: float) -> str:
@@ -130,7 +146,8 @@ def main() -> None:
             print(text.getvalue()[-6000:], flush=True)
         t = time.perf_counter()
         ctl.wake()
-        print(f"[{mode}] wake {cycle}: {time.perf_counter() - t:.3f}s", flush=True)
+        print(f"[{mode}] wake {cycle}: {time.perf_counter() - t:.3f}s (the whole cycle:)", flush=True)
+        print(summary(since), flush=True)
     del refs
     for ptr, _ in ranges:
         alloc.free(ptr)
