@@ -63,9 +63,9 @@ def test_a_first_sleep_copies_through_the_ring_and_pins_the_chunks_after_it() ->
     assert max(i for i, c in enumerate(log) if c == "unmap") < log.index("host_register")  # no driver-lock fight
     calls = [c.call for c in sim.calls if c.call in ("host_alloc", "host_register", "host_copy", "host_free")]
     first_pin = calls.index("host_register")  # the chunks are registered as they are, after the copies
-    assert calls[0] == "host_alloc" and calls.count("host_alloc") == 1  # the ring
+    assert calls[0] == "host_alloc" and calls.count("host_alloc") == 4  # the ring's four slots
     assert calls.count("host_copy") == 16 and calls.count("host_register") == 2  # a copy per slot; two chunks
-    assert "host_copy" not in calls[first_pin:] and "host_free" in calls[:first_pin]  # the ring went first
+    assert "host_copy" not in calls[first_pin:] and calls[:first_pin].count("host_free") == 4  # the ring went first
     ctl.wake()
     assert intact(alloc, data)
     assert alloc.host.pinned_bytes() == alloc.pinned_bytes() == 16 * G == sim.host_used
@@ -113,16 +113,30 @@ def test_a_failed_copy_out_of_the_ring_fails_the_sleep_and_leaves_everything_res
 
 
 def test_a_ring_that_cannot_be_pinned_falls_back_to_pinning_the_chunks(caplog: pytest.LogCaptureFixture) -> None:
-    """The ring's pin fails: the sleep warns, pins the backup's chunks instead and succeeds; the wake is bit-exact."""
+    """No slot of the ring can be pinned: the sleep warns, pins the backup's chunks instead and succeeds; bit-exact."""
     sim, alloc, ctl = make()
     data = fill(alloc, "weights", [8 * G, 8 * G])
-    sim.fail("host_alloc")
+    sim.fail("host_alloc", times=4)  # the four slots
     with caplog.at_level(logging.WARNING, logger="torpor.allocator"):
         ctl.sleep(1)
-    assert "pinning the backup instead" in caplog.text and sim.count("host_copy") == 0
+    assert "pinning the backup instead" in caplog.text and sim.count("host_copy") == 0 and not stage_threads()
     ctl.wake()
     assert intact(alloc, data)
     alloc.close()
+    assert sim.host_used == 0 == sim.host_reserved
+
+
+def test_a_slot_that_cannot_be_pinned_leaves_a_smaller_ring() -> None:
+    """One slot's pin fails: the sleep still goes through the other slots, bit-exact, and no host memory leaks."""
+    sim, alloc, ctl = make()
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    sim.fail("host_alloc")
+    ctl.sleep(1)
+    assert alloc.stager.copied == 16 * G and sim.count("host_copy") == 16
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()
+    assert sim.host_used == 0 == sim.host_reserved
 
 
 def test_a_chunk_whose_pin_fails_after_a_staged_sleep_wakes_from_pageable_memory() -> None:
