@@ -17,6 +17,14 @@ def _default_threads() -> int:
     return max(2, min(8, os.cpu_count() or 4))
 
 
+STAGED_ENV = "TORPOR_STAGED_SLEEP"
+
+
+def _default_staged() -> bool:
+    """Staged sleeps unless ``TORPOR_STAGED_SLEEP=0`` (for engines that wake right after a cold sleep)."""
+    return os.environ.get(STAGED_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _default_stage_threads() -> int:
     # 16 threads copied 8 GiB from the ring into fresh pageable memory in 0.41 s on a freshly started H200
     # machine (benchmarks/probe_staged_copy.py, docs/benchmarks.md); copies into fresh pages scale with threads
@@ -45,8 +53,8 @@ class HostPolicy:
     ``stage_ring_bytes`` of pinned slots (``stage_slot_bytes`` each) that
     ``stage_threads`` threads copy into the chunks' pageable pages; the chunks
     are registered in the background after the sleep, and a wake waits for them
-    (torpor.allocator.staging). Off: such a sleep waits for each chunk's pin
-    before copying into it.
+    (torpor.allocator.staging). Off (``TORPOR_STAGED_SLEEP=0`` sets the
+    default): such a sleep waits for each chunk's pin before copying into it.
     """
 
     prepin: bool = False
@@ -56,7 +64,7 @@ class HostPolicy:
     chunk_bytes: int = 32 * MiB
     threads: int = field(default_factory=_default_threads)
     background_threads: int = 1
-    staged: bool = True
+    staged: bool = field(default_factory=_default_staged)
     stage_ring_bytes: int = 512 * MiB
     stage_slot_bytes: int = 16 * MiB
     stage_threads: int = field(default_factory=_default_stage_threads)
