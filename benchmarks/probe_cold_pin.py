@@ -25,7 +25,7 @@ from torpor.allocator.cuda_driver import (
     transparent_huge_pages,
 )
 from torpor.allocator.hostchunk import HostPolicy
-from torpor.allocator.offload import HostArena
+from torpor.allocator.offload import Extent, HostArena
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -73,6 +73,18 @@ def stages(drv: CudaDriver, total: int, chunk: int, threads: int) -> str:
     return "; ".join(out)
 
 
+def copy_pinning(arena: HostArena, drv: CudaDriver, address: int, total: int) -> list[Extent]:
+    """Copy ``total`` device bytes at ``address`` into the arena, waiting for each chunk's pin (unstaged)."""
+    extents = arena.take(total)
+    pos = 0
+    for e in extents:
+        arena.wait_pinned(e.host)
+        drv.copy_d2h(e.host, address + pos, e.nbytes, 0)
+        pos += e.nbytes
+    drv.wait(drv.record(0))
+    return extents
+
+
 def pipeline(total: int, chunk: int, threads: int) -> str:
     """The arena's cold path with one device-to-host copy per chunk."""
     dev = torch.empty(total, dtype=torch.uint8, device="cuda")
@@ -80,13 +92,7 @@ def pipeline(total: int, chunk: int, threads: int) -> str:
     arena = HostArena(drv, HostPolicy(chunk_bytes=chunk, threads=threads))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    extents = arena.take(total)
-    pos = 0
-    for e in extents:
-        arena.wait_pinned(e.host)
-        drv.copy_d2h(e.host, dev.data_ptr() + pos, e.nbytes, 0)
-        pos += e.nbytes
-    drv.wait(drv.record(0))
+    extents = copy_pinning(arena, drv, dev.data_ptr(), total)
     dt = time.perf_counter() - t0
     arena.give(extents)
     arena.close()

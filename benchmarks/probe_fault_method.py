@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import sys
-import threading
-import time
+from collections.abc import Callable
+
+from probe_first_register import in_threads  # benchmarks/ is the script's folder
 
 from torpor.allocator.cuda_driver import populate_host_pages, reserve_host_pages
 
@@ -20,18 +21,10 @@ GiB = 1 << 30
 THREADS = 16
 
 
-def in_threads(base: int, nbytes: int, fn: object) -> float:
+def fault(base: int, nbytes: int, fn: Callable[[int, int], object]) -> float:
+    """Seconds ``THREADS`` threads take to run ``fn`` on their share of the range."""
     step = nbytes // THREADS
-    threads = [
-        threading.Thread(target=fn, args=(base + i * step, step))  # type: ignore[arg-type]
-        for i in range(THREADS)
-    ]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - start
+    return in_threads(THREADS, lambda i: fn(base + i * step, step))
 
 
 def main() -> None:
@@ -40,7 +33,7 @@ def main() -> None:
     nbytes = int(gib * GiB)
     for r in range(rounds):
         for name, fn in (("populate", populate_host_pages), ("memset", lambda a, n: ctypes.memset(a, 0, n))):
-            took = in_threads(reserve_host_pages(nbytes), nbytes, fn)
+            took = fault(reserve_host_pages(nbytes), nbytes, fn)
             print(f"round {r} {name:8s} {gib:g} GiB, {THREADS} threads: {took:.3f} s ({nbytes / took / 1e9:.1f} GB/s)")
 
 

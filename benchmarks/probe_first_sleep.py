@@ -57,24 +57,20 @@ def _timed(name: str, fn: Any) -> Any:
 
 
 def instrument() -> None:
-    """Wrap page faulting, registration, thread setup, the waits and the copies."""
+    """Wrap page faulting, registration, thread setup, the waits, the copies and the staging steps."""
     cu = cuda_driver._cu()
-    cuda_driver.populate_host_pages = _timed("populate", cuda_driver.populate_host_pages)
-    cu.cuMemHostRegister = _timed("register", cu.cuMemHostRegister)
-    cuda_driver.CudaDriver.prepare_thread = _timed("prepare_thread", cuda_driver.CudaDriver.prepare_thread)
-    cuda_driver.CudaDriver.copy_d2h = _timed("copy_d2h", cuda_driver.CudaDriver.copy_d2h)
-    HostArena.wait_pinned = _timed("wait_pinned", HostArena.wait_pinned)
-    HostArena.wait_readable = _timed("wait_readable", HostArena.wait_readable)
-    HostArena.take = _timed("take", HostArena.take)
-    HostArena.end_staging = _timed("end_staging", HostArena.end_staging)
-    cuda_driver.CudaDriver.host_copy = _timed("host_copy", cuda_driver.CudaDriver.host_copy)
-    cuda_driver.CudaDriver.host_register = _timed("host_register", cuda_driver.CudaDriver.host_register)
-    cuda_driver.CudaDriver.wait = _timed("wait", cuda_driver.CudaDriver.wait)
-    Stager.copy = _timed("stage_copy", Stager.copy)
-    Stager.finish = _timed("stage_finish", Stager.finish)
-    SleepWake.backup = _timed("backup", SleepWake.backup)
-    SleepWake.release = _timed("release", SleepWake.release)
-    SleepWake.restore = _timed("restore", SleepWake.restore)
+    drv = cuda_driver.CudaDriver
+    wrapped: list[tuple[object, str, str]] = [
+        (cuda_driver, "populate_host_pages", "populate"),
+        (cu, "cuMemHostRegister", "register"),
+        *((drv, n, n) for n in ("prepare_thread", "copy_d2h", "host_copy", "host_register", "wait")),
+        *((HostArena, n, n) for n in ("wait_pinned", "wait_readable", "take", "end_staging")),
+        (Stager, "copy", "stage_copy"),
+        (Stager, "finish", "stage_finish"),
+        *((SleepWake, n, n) for n in ("backup", "release", "restore")),
+    ]
+    for owner, attr, name in wrapped:
+        setattr(owner, attr, _timed(name, getattr(owner, attr)))
 
 
 def summary(since: float) -> str:

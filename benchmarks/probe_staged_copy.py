@@ -22,6 +22,8 @@ import threading
 import time
 
 import torch
+from probe_cold_pin import copy_pinning  # benchmarks/ is the script's folder
+from probe_first_register import in_threads
 
 from torpor.allocator import cuda_driver
 from torpor.allocator.cuda_driver import populate_host_pages, reserve_host_pages
@@ -34,16 +36,6 @@ MiB = 1 << 20
 PIECE = 16 * MiB
 THREADS = 16
 SLOTS = 32
-
-
-def in_threads(n: int, fn: object) -> float:
-    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]  # type: ignore[arg-type]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - start
 
 
 def register_all(driver: cuda_driver.CudaDriver, address: int, nbytes: int, threads: int = 8) -> float:
@@ -123,13 +115,7 @@ def pinned(driver: cuda_driver.CudaDriver, src: torch.Tensor, floor: float) -> N
     nbytes = src.numel()
     arena = HostArena(driver, HostPolicy())
     start = time.perf_counter()
-    extents = arena.take(nbytes)
-    off = 0
-    for e in extents:
-        arena.wait_pinned(e.host)
-        driver.copy_d2h(e.host, src.data_ptr() + off, e.nbytes, 0)
-        off += e.nbytes
-    driver.synchronize(0)
+    copy_pinning(arena, driver, src.data_ptr(), nbytes)
     took = time.perf_counter() - start
     print(f"pinned {nbytes / GiB:g} GiB (the arena today): {took:.3f} s ({took / floor:.2f}x the floor)", flush=True)
 
