@@ -390,3 +390,36 @@ def test_a_staged_take_with_no_room_for_its_ring_pins_as_usual() -> None:
     assert arena.staging_bytes() == 0 and all(arena.wait_pinned(e.host) for e in extents)
     assert sim.host_used == 4 * C
     arena.close()
+
+
+class SlowUnpin(SimDriver):
+    """A SimDriver whose registrations wait for ``registered`` and whose unpins wait for ``unpinned``."""
+
+    def __init__(self) -> None:
+        super().__init__(granularity=C)
+        self.registered = threading.Event()
+        self.unpinned = threading.Event()
+
+    def host_register(self, host: int, nbytes: int) -> None:
+        self.registered.wait(10)
+        super().host_register(host, nbytes)
+
+    def host_free(self, host: int) -> None:
+        self.unpinned.wait(10)
+        super().host_free(host)
+
+
+def test_wait_unpinned_waits_for_a_chunk_trimmed_while_it_was_being_pinned() -> None:
+    """A chunk trimmed while its pin ran is unpinned by that thread; wait_unpinned returns only once it is."""
+    sim = SlowUnpin()
+    arena = HostArena(sim, HostPolicy(chunk_bytes=4 * C, stage_slot_bytes=C, stage_ring_bytes=C))
+    extents = arena.take(4 * C, stage=True)
+    arena.end_staging()  # the filled chunk is being registered (held at the gate)
+    arena.give(extents)
+    arena.trim()  # empty, not registered yet: its pinning thread unpins it once registered
+    sim.registered.set()
+    assert arena.wait_ready(10)
+    assert not arena.wait_unpinned(0.2) and sim.host_used == 4 * C  # the unpin is still running
+    sim.unpinned.set()
+    assert arena.wait_unpinned(10) and sim.host_used == 0 and arena.held_bytes() == 0
+    arena.close()

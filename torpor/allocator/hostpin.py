@@ -156,19 +156,26 @@ class PinnedChunks:
             if gone:
                 self._unreserve(c)
             return
+        trimmed = False
         with self._cond:
             self.pin_seconds += time.perf_counter() - start
             closed = self._closed or self._chunks.get(c.host) is not c
             if not closed:
                 self._pending -= c.nbytes
-                # trimmed while it was being pinned (a staged sleep's backup dropped meanwhile), and still empty
-                closed = c.trim_when_pinned and c.used() == 0 and self._remove_locked(c)
-            if not closed:
+                # trimmed while it was being pinned (a staged sleep's backup dropped meanwhile), and still empty:
+                # unpinned here, counted as a trim's bytes until it is (wait_unpinned)
+                trimmed = c.trim_when_pinned and c.used() == 0 and self._remove_locked(c)
+                self._unpinning += c.nbytes if trimmed else 0
+            if not closed and not trimmed:
                 c.ready = True
                 self._pinned += c.nbytes
             self._cond.notify_all()
-        if closed:
+        if closed or trimmed:
             self._free(c)
+        if trimmed:
+            with self._cond:
+                self._unpinning -= c.nbytes
+                self._cond.notify_all()
 
     def _unreserve(self, c: Chunk) -> None:
         try:
