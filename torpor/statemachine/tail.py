@@ -71,10 +71,17 @@ def rotated(active: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 
 def segments(path: str | os.PathLike[str]) -> list[Path]:
-    """The log's files in order: rotated segments (oldest first), then the active file."""
-    files = [p for _, p in rotated(path)]
+    """The log's files in order: rotated segments (oldest first), then the active file.
+
+    The active file is looked at first: a rotation renames it to a segment
+    before the next one takes its name, so a log either has its active file at
+    that look or the segment in the listing made after it (the other order read
+    an empty log in the middle of a rotation).
+    """
     active = Path(path)
-    if active.exists():
+    present = active.exists()
+    files = [p for _, p in rotated(path)]
+    if present:  # may be renamed meanwhile: readers treat a vanished active file as mid-rotation
         files.append(active)
     return files
 
