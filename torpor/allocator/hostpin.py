@@ -76,6 +76,10 @@ class PinnedChunks:
         with self._cond:
             return self._free_locked()
 
+    def _held_locked(self) -> int:
+        """Host bytes counted against the limit: pinned, being pinned, being unpinned, and the staging ring."""
+        return self._pinned + self._pending + self._unpinning + self._staging
+
     def _free_locked(self) -> int:
         return sum(n for c in self._chunks.values() if c.error is None for _, n in c.free)
 

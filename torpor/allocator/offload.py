@@ -99,7 +99,7 @@ class HostArena(PinnedChunks):
                 if self._closed:
                     return
                 limit = self.policy.limit_bytes
-                if limit is not None and self._pinned + self._pending + self._unpinning + self._staging + chunk > limit:
+                if limit is not None and self._held_locked() + chunk > limit:
                     self._target = self._pinned + self._pending  # the limit is reached: pin no more ahead
                     self._cond.notify_all()
                     continue
@@ -138,7 +138,7 @@ class HostArena(PinnedChunks):
             free = self._free_locked()
             sizes = new_chunks(nbytes - free, self.policy.chunk_bytes)
             limit = self.policy.limit_bytes
-            held = self._pinned + self._pending + self._unpinning + self._staging
+            held = self._held_locked()
             if sizes and limit is not None and held + sum(sizes) > limit:
                 used = sum(c.used() for c in self._chunks.values())
                 reason = (

@@ -155,7 +155,6 @@ class SleepWake:
             self._check_known(tags)
             start = time.perf_counter()
             todo = [t for t in tags if self.table.usage(t)[0] == native.RELEASED]
-            self.host.end_staging()  # a backup never released (no-op after a release)
             lives: dict[str, list[Live]] = {}
             current = ""
             try:

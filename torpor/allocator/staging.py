@@ -45,10 +45,8 @@ class Stager:
     def __init__(self, driver: Driver, arena: HostArena) -> None:
         self.driver = driver
         self.arena = arena
-        self._ring = 0  # ring address (0: none); its slots are pinned one by one by the threads
-        self._ring_bytes = 0
         self._slot = 0
-        self._slots: list[int] = []
+        self._slots: list[int] = []  # the ring's slots (none: no staged sleep under way); each thread pins its own
         self._pinned_slots: list[int] = []
         self._unpinnable = 0
         self._no_ring: BaseException | None = None
@@ -63,10 +61,6 @@ class Stager:
         self._device = 0
         self.copied = 0  # bytes copied through the ring by the current (or last) staged sleep
 
-    def active(self) -> bool:
-        """Whether a ring is pinned (a staged sleep is under way)."""
-        return self._ring != 0
-
     def copy(self, host: int, address: int, nbytes: int, device: int) -> bool:
         """Enqueue a copy of device ``address`` into ``host`` (a staged chunk) through the ring.
 
@@ -76,7 +70,7 @@ class Stager:
         directly. Raises :class:`~torpor.errors.AllocatorError` with the first
         failed copy of this sleep.
         """
-        if not self._ring and not self._open():
+        if not self._slots and not self._open():
             return False
         self._raise_failed()
         off = 0
@@ -122,13 +116,13 @@ class Stager:
         if nbytes <= 0:
             return False
         self._slot = min(self.arena.policy.stage_slot_bytes, nbytes)
+        size = nbytes - nbytes % self._slot
         try:
-            ring = self.driver.host_reserve(nbytes - nbytes % self._slot)
+            ring = self.driver.host_reserve(size)
         except Exception as exc:  # the caller pins chunks instead: slower, same result
             self._give_up(exc)
             return False
-        self._ring, self._ring_bytes = ring, nbytes - nbytes % self._slot
-        self._slots = list(range(ring, ring + self._ring_bytes, self._slot))
+        self._slots = list(range(ring, ring + size, self._slot))
         self._pinned_slots, self._unpinnable = [], 0
         self.copied = 0
         threads = max(1, min(self.arena.policy.stage_threads, len(self._slots)))
@@ -211,7 +205,7 @@ class Stager:
             raise wrap("backup", None, failed, "a copy through the staging ring") from failed
 
     def _stop(self) -> None:
-        if not self._ring:
+        if not self._slots:
             return
         try:
             self._flush()
@@ -224,7 +218,7 @@ class Stager:
         self._threads = []
         while not self._free.empty():
             self._free.get_nowait()
-        self._ring, self._no_ring = 0, None
+        self._slots, self._no_ring = [], None
         for slot in self._pinned_slots:
             try:
                 self.driver.host_free(slot)

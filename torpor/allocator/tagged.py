@@ -297,12 +297,12 @@ class TaggedAllocator(SleepWake):
         return self.torch_binding.live_ranges(tag)
 
     def _trim_free(self, tags: Sequence[str]) -> None:
-        pools = self.torch_binding.current  # None until torch allocated in a tag on CUDA
+        pools = self._torch
         if pools is not None:
             pools.trim(list(tags))
 
     def _reopened(self, tags: Sequence[str]) -> None:
-        pools = self.torch_binding.current
+        pools = self._torch
         if pools is not None and tags:
             pools.blocks.woke(list(tags))
 
