@@ -62,6 +62,7 @@ def instrument() -> None:
     drv = cuda_driver.CudaDriver
     wrapped: list[tuple[object, str, str]] = [
         (cuda_driver, "populate_host_pages", "populate"),
+        (cuda_driver, "fault_host_pages", "fault"),
         (cu, "cuMemHostRegister", "register"),
         *((drv, n, n) for n in ("prepare_thread", "copy_d2h", "host_copy", "host_register", "wait")),
         *((HostArena, n, n) for n in ("wait_pinned", "wait_readable", "take", "end_staging")),

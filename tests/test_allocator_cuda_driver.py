@@ -52,3 +52,29 @@ def test_a_new_driver_touches_no_cuda() -> None:
     """Constructing CudaDriver makes no CUDA call (import and construction work without a GPU)."""
     drv = CudaDriver()
     assert drv._ctx == {} and drv._host_sizes == {}
+
+
+def test_fresh_pages_are_faulted_by_writing_when_the_host_has_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room, fault_host_pages writes zeros (fast) and never populates."""
+    from torpor.allocator import cuda_driver
+    from torpor.allocator.headroom import Headroom
+
+    populated: list[int] = []
+    monkeypatch.setattr(cuda_driver, "populate_host_pages", lambda a, n: populated.append(n))
+    address = reserve_host_pages(4 * MiB)
+    cuda_driver.fault_host_pages(address, 4 * MiB, Headroom(margin=0))
+    assert populated == [] and ctypes.string_at(address + 4 * MiB - 2, 2) == b"\0\0"
+    free_host_pages(address, 4 * MiB)
+
+
+def test_fresh_pages_are_populated_when_the_host_has_no_clear_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without clear room, fault_host_pages populates (a clean ENOMEM) instead of writing (the OOM killer)."""
+    from torpor.allocator import cuda_driver
+    from torpor.allocator.headroom import Headroom
+
+    populated: list[int] = []
+    monkeypatch.setattr(cuda_driver, "populate_host_pages", lambda a, n: populated.append(n))
+    address = reserve_host_pages(4 * MiB)
+    cuda_driver.fault_host_pages(address, 4 * MiB, Headroom(margin=1 << 60))
+    assert populated == [4 * MiB]
+    free_host_pages(address, 4 * MiB)

@@ -319,3 +319,24 @@ def test_torpor_staged_sleep_0_turns_staging_off_by_default(monkeypatch: pytest.
     alloc.close()
     monkeypatch.setenv("TORPOR_STAGED_SLEEP", "1")
     assert HostPolicy().staged is True
+
+
+def test_a_first_sleep_pins_its_chunks_when_the_host_has_no_clear_room_for_writing() -> None:
+    """Without clear host room a cold sleep does not stage (writes could wake the OOM killer); it pins, bit-exact."""
+    sim, alloc, ctl = make()
+    asked: list[int] = []
+
+    def no_room(nbytes: int) -> bool:
+        asked.append(nbytes)
+        return False
+
+    sim.host_room = no_room  # type: ignore[method-assign]
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    ctl.sleep(1)
+    calls = [c.call for c in sim.calls]
+    assert asked and asked[0] >= 16 * G  # the chunks' bytes (and the ring's) were asked for
+    assert "host_copy" not in calls and "host_register" not in calls and calls.count("host_alloc") == 2
+    assert alloc.stager.copied == 0
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()

@@ -15,6 +15,8 @@ import ctypes
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from torpor.allocator.headroom import host_headroom
+
 
 class Driver(ABC):
     """Mechanism the :class:`~torpor.allocator.TaggedAllocator` drives; one instance per process."""
@@ -94,7 +96,10 @@ class Driver(ABC):
     def host_alloc(self, nbytes: int, host: int | None = None) -> int:
         """Pin ``nbytes`` of host memory (fresh, or the reserved range at ``host``); return its address.
 
-        A failure pins nothing; a reserved range given stays reserved (give it back with :meth:`host_unreserve`).
+        The pages are faulted in by this call and may be written (zeros): never
+        for memory that holds data (that is :meth:`host_register`). A failure
+        pins nothing; a reserved range given stays reserved (give it back with
+        :meth:`host_unreserve`).
         """
         return int(self.invoke("host_alloc", nbytes, host))
 
@@ -210,6 +215,15 @@ class Driver(ABC):
     def prepare_device(self, device: int) -> None:
         """Make what sleeps on ``device`` will use (context, copy stream) now, while awake (no-op off CUDA)."""
         return None
+
+    def host_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more host pages can be faulted in by writing with room to spare (then counted as taken).
+
+        Not a driver call: the host's MemAvailable and cgroup limits
+        (:mod:`torpor.allocator.headroom`); a write fault with no room calls the
+        OOM killer, where pinning fails with a clear error.
+        """
+        return host_headroom.claim(nbytes)
 
     def prepare_thread(self) -> None:
         """Set up a helper thread (pinning): a context, and no interference with graph captures elsewhere."""

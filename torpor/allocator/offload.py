@@ -128,7 +128,8 @@ class HostArena(PinnedChunks):
         ``stage`` (and ``policy.staged``): the missing chunks are not pinned now;
         a staged sleep fills them (:meth:`wait_pinned` says False) and
         :meth:`end_staging` pins them; the ring it copies through counts against
-        the limit (over it, the chunks are pinned as usual). Raises
+        the limit (over it, or without clear room on the host for writing
+        pageable pages, the chunks are pinned as usual). Raises
         :class:`AllocatorOutOfMemory` (nothing taken, nothing pinned) when the
         pinned bytes would pass ``limit_bytes``, or when no range can be reserved.
         """
@@ -149,6 +150,8 @@ class HostArena(PinnedChunks):
             ring = self._ring_for(sum(sizes)) if stage and sizes and self.policy.staged else 0
             if ring and limit is not None and held + sum(sizes) + max(ring - self._staging, 0) > limit:
                 ring = 0  # no room for the ring under the limit: pin the chunks
+            if ring and not self.driver.host_room(sum(sizes) + ring):
+                ring = 0  # filling pageable pages could call the OOM killer; pinning fails cleanly
             self._staging = max(self._staging, ring)
             # carved now: a pending chunk counted free may fail before the lock is taken again
             extents = carve([self._chunks[b] for b in self._bases], min(free, nbytes))

@@ -1,0 +1,83 @@
+"""Tests of the host-room reading: MemAvailable and cgroup limits from a fake /proc and /sys, claims and their debit."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from torpor.allocator.headroom import Headroom, host_headroom
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def fake_host(root: Path, available_kib: int, cgroup: str = "0::/user.slice/job\n") -> None:
+    """A /proc/meminfo, /proc/self/cgroup and an empty cgroup tree under ``root``."""
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "meminfo").write_text(f"MemTotal: 999999999 kB\nMemAvailable: {available_kib} kB\n")
+    (root / "proc" / "self" / "cgroup").write_text(cgroup)
+
+
+def limit(root: Path, path: str, max_text: str, current: int, v1: bool = False) -> None:
+    """Write a cgroup's limit and usage (v2 names, or v1's)."""
+    base = root / "sys" / "fs" / "cgroup" / ("memory" if v1 else "") / path
+    base.mkdir(parents=True, exist_ok=True)
+    names = ("memory.limit_in_bytes", "memory.usage_in_bytes") if v1 else ("memory.max", "memory.current")
+    (base / names[0]).write_text(max_text + "\n")
+    (base / names[1]).write_text(f"{current}\n")
+
+
+def test_free_bytes_is_mem_available_without_cgroup_limits(tmp_path: Path) -> None:
+    """With no cgroup limit ('max' or no files) the room is MemAvailable."""
+    fake_host(tmp_path, 8 * 1024 * 1024)
+    limit(tmp_path, "user.slice", "max", 5 * GiB)
+    assert Headroom(str(tmp_path)).free_bytes() == 8 * GiB
+
+
+def test_the_tightest_cgroup_above_the_process_bounds_the_room(tmp_path: Path) -> None:
+    """A parent cgroup's limit - usage counts when it is below MemAvailable and the process's own cgroup."""
+    fake_host(tmp_path, 64 * 1024 * 1024)
+    limit(tmp_path, "user.slice/job", "max", 30 * GiB)
+    limit(tmp_path, "user.slice", str(32 * GiB), 29 * GiB)
+    assert Headroom(str(tmp_path)).free_bytes() == 3 * GiB
+
+
+def test_a_v1_memory_cgroup_limit_counts_and_its_no_limit_value_does_not(tmp_path: Path) -> None:
+    """cgroup v1: limit_in_bytes - usage_in_bytes; its 'unlimited' (a huge number) is no limit."""
+    fake_host(tmp_path, 64 * 1024 * 1024, "12:memory:/docker/abc\n3:cpu:/docker/abc\n")
+    limit(tmp_path, "docker/abc", str(10 * GiB), 9 * GiB, v1=True)
+    assert Headroom(str(tmp_path)).free_bytes() == GiB
+    limit(tmp_path, "docker/abc", str(1 << 63), 9 * GiB, v1=True)
+    assert Headroom(str(tmp_path)).free_bytes() == 64 * GiB
+
+
+def test_a_usage_over_the_limit_leaves_no_room(tmp_path: Path) -> None:
+    """A cgroup using more than its limit (it happens during reclaim) has room 0, not a negative number."""
+    fake_host(tmp_path, 64 * 1024 * 1024)
+    limit(tmp_path, "user.slice/job", str(GiB), GiB + MiB)
+    assert Headroom(str(tmp_path)).free_bytes() == 0
+
+
+def test_claims_keep_a_margin_and_are_debited_until_the_next_reading(tmp_path: Path) -> None:
+    """claim() says yes while the claims leave the margin free, no after, and reads again after ttl."""
+    fake_host(tmp_path, 4 * 1024 * 1024)  # 4 GiB available
+    room = Headroom(str(tmp_path), ttl=3600, margin=GiB)
+    assert room.claim(2 * GiB)
+    assert not room.claim(2 * GiB)  # 2 GiB left, 1 GiB of it the margin
+    assert room.claim(GiB)
+    assert not room.claim(1)
+    room.ttl = 0.0
+    time.sleep(0.001)
+    assert room.claim(2 * GiB)  # read again: 4 GiB available
+
+
+def test_an_unknown_room_lets_writing_go_on(tmp_path: Path) -> None:
+    """No /proc (not Linux, a sandbox): the room is unknown, and claims say yes."""
+    room = Headroom(str(tmp_path / "nothing"))
+    assert room.free_bytes() is None and room.claim(1 << 50)
+
+
+def test_this_machine_has_a_reading() -> None:
+    """On this Linux machine the process's room is known and positive."""
+    free = host_headroom.free_bytes()
+    assert free is not None and free > 0
