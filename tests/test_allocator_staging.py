@@ -340,3 +340,31 @@ def test_a_first_sleep_pins_its_chunks_when_the_host_has_no_clear_room_for_writi
     ctl.wake()
     assert intact(alloc, data)
     alloc.close()
+
+
+def test_a_slot_whose_event_cannot_be_recorded_is_not_unpinned_before_the_stream_is_synchronized() -> None:
+    """A failed event record fails the sleep; the ring is unpinned only after the copy stream is synchronized."""
+    sim, alloc, ctl = make()
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    sim.fail("record", nth=2)  # the second slot's event
+    with pytest.raises(TorporError):
+        ctl.sleep(1)
+    assert ctl.state is State.AWAKE and intact(alloc, data) and not stage_threads()
+    calls = [c.call for c in sim.calls]
+    failed = next(i for i, c in enumerate(sim.calls) if c.call == "record" and c.failed)
+    frees = [i for i, c in enumerate(calls) if c == "host_free" and i > failed]
+    assert frees and "synchronize" in calls[failed : frees[0]]
+    alloc.close()
+
+
+def test_a_ring_whose_copies_cannot_be_waited_for_stays_pinned(caplog: pytest.LogCaptureFixture) -> None:
+    """A failed event and a failed synchronize: the ring's slots are leaked (logged), never unpinned under a copy."""
+    sim, alloc, ctl = make()
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    sim.fail("record", nth=2)
+    sim.fail("synchronize", nth=2)  # the first is the sleep's own, before its copies
+    with caplog.at_level(logging.ERROR, logger="torpor.allocator"), pytest.raises(TorporError):
+        ctl.sleep(1)
+    assert "stay pinned" in caplog.text and ctl.state is State.AWAKE and intact(alloc, data)
+    assert sim.count("host_free") == 0 and not stage_threads()
+    alloc.close()

@@ -59,6 +59,7 @@ class Stager:
         self._used = 0
         self._pieces: list[tuple[int, int, int]] = []
         self._device = 0
+        self._unsynced: set[int] = set()  # devices whose copies into a slot got no event: synchronized before unpinning
         self.copied = 0  # bytes copied through the ring by the current (or last) staged sleep
 
     def copy(self, host: int, address: int, nbytes: int, device: int) -> bool:
@@ -190,9 +191,21 @@ class Stager:
         try:
             event = self.driver.record(self._device)
         except BaseException:
+            self._unsynced.add(self._device)  # the slot's copies may still run: _stop syncs before unpinning
             self._free.put(slot)
             raise
         self._work.put((event, slot, pieces))
+
+    def _synchronized(self) -> bool:
+        """Wait for the copy streams whose last slot got no event; False: a slot may still be written (leak it)."""
+        devices, self._unsynced = self._unsynced, set()
+        for device in sorted(devices):
+            try:
+                self.driver.synchronize(device)
+            except Exception:
+                logger.exception("synchronizing device %d after a failed staging event failed", device)
+                return False
+        return True
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -219,6 +232,10 @@ class Stager:
         while not self._free.empty():
             self._free.get_nowait()
         self._slots, self._no_ring = [], None
+        if not self._synchronized():
+            logger.error("the ring's copies could not be waited for; its %d slots stay pinned", len(self._pinned_slots))
+            self._pinned_slots = []
+            return
         for slot in self._pinned_slots:
             try:
                 self.driver.host_free(slot)
