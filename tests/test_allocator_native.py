@@ -243,8 +243,8 @@ def test_trim_gives_a_segment_back_but_keeps_its_address_until_torch_frees_it() 
     sim, alloc = make()
     a = alloc.allocate(2 * G, "w")
     b = alloc.allocate(2 * G, "w")
-    alloc.table.trim(a)
-    alloc.table.trim(a)  # idempotent
+    assert alloc.table.trim(a) is True
+    assert alloc.table.trim(a) is False  # idempotent: trimmed already
     assert sim.used == 2 * G and alloc.usage()["w"].allocations == 1 and alloc.usage()["w"].resident == 2 * G
     c = alloc.allocate(2 * G, "w")
     assert c not in (a, b)
@@ -317,6 +317,18 @@ def test_untrim_while_asleep_is_refused_and_the_segment_stays_trimmed() -> None:
     alloc.drop_backup(["w"])
     assert alloc.table.untrim(a) and sim.used == 4 * G
     assert alloc.read(b, 2 * G) == b"b" * 2 * G
+
+
+def test_trim_of_a_sleeping_tag_trims_nothing_and_says_so() -> None:
+    """A tag released by a sleep: trim returns False and leaves the record; after the wake the segment is mapped and trims."""
+    sim, alloc = make()
+    a = alloc.allocate(2 * G, "w")
+    alloc.backup(["w"])
+    alloc.release(["w"])
+    assert alloc.table.trim(a) is False
+    alloc.restore(["w"])
+    alloc.drop_backup(["w"])
+    assert sim.used == 2 * G and alloc.table.trim(a) is True and sim.used == 0
 
 
 def test_untrim_failing_to_map_changes_nothing() -> None:

@@ -31,13 +31,17 @@ class Harness:
         self.asleep = False
         self.made = 0
         self.next_address = 0x1000_0000
-        self.blocks = BlockPools(
-            self.new_pool, self.trims.append, self.untrim, self.snapshot, asleep=lambda tag: self.asleep
-        )
+        self.blocks = BlockPools(self.new_pool, self.trim, self.untrim, self.snapshot, asleep=lambda tag: self.asleep)
 
     def new_pool(self, tag: str) -> FakePool:
         self.made += 1
         return FakePool(self.made)
+
+    def trim(self, address: int) -> bool:
+        if self.asleep:  # as the table: a sleeping tag's segments are the sleep's to release, nothing is trimmed
+            return False
+        self.trims.append(address)
+        return True
 
     def untrim(self, address: int) -> bool:
         if self.asleep:
@@ -217,3 +221,16 @@ def test_blocks_in_many_threads_never_share_a_pool_and_pools_stay_few() -> None:
     assert not shared, "a pool served two open blocks at once"
     assert h.made <= 8 and h.blocks.counts() == (h.made, 0)
     assert len(set(h.trims)) == 2400
+
+
+def test_a_free_segment_of_a_sleeping_tag_is_not_counted_as_trimmed_and_goes_after_the_wake() -> None:
+    """A block of a sleeping tag ends: the table trims nothing, nothing is counted; the first trim after the wake gives the segment back."""
+    h = Harness()
+    h.asleep = True
+    block = h.blocks.enter("scratch")
+    free = h.segment(block.mempool, live=False)
+    h.blocks.leave(block)
+    assert h.trims == [] and h.blocks.trimmed_bytes == 0
+    h.asleep = False
+    h.blocks.woke(["scratch"])
+    assert h.blocks.trim(["scratch"]) == 2 * MiB and h.trims == [free]

@@ -94,10 +94,10 @@ class NativeTable:
         err = native.TpErr()
         self._check(self.lib.tp_free_raw(self.ctx, address, ctypes.byref(err)), err)
 
-    def trim(self, address: int) -> None:
-        """Give back the memory of a segment torch holds free in a pool it never allocates from again."""
+    def trim(self, address: int) -> bool:
+        """Give back the memory of a segment torch holds free in an idle pool; False when not now (asleep, done)."""
         err = native.TpErr()
-        self._check(self.lib.tp_trim(self.ctx, address, ctypes.byref(err)), err)
+        return self._check(self.lib.tp_trim(self.ctx, address, ctypes.byref(err)), err) == 1
 
     def untrim(self, address: int) -> bool:
         """Map memory under a trimmed segment again (its pool serves a block again); False when it was not trimmed."""

@@ -85,8 +85,9 @@ def free_segment(segment: dict[str, Any]) -> bool:
 class BlockPools:
     """The torch pools of one allocator's ``use_memory_pool`` blocks: reused per tag, trimmed while idle.
 
-    ``new_pool(tag)`` makes a torch MemPool for ``tag``; ``trim(address)`` and
-    ``untrim(address) -> bool`` are the native table's; ``snapshot(mempool)``
+    ``new_pool(tag)`` makes a torch MemPool for ``tag``; ``trim(address) -> bool``
+    (False: nothing trimmed, the tag sleeps) and ``untrim(address) -> bool`` are
+    the native table's; ``snapshot(mempool)``
     lists a pool's segments with their blocks (torch's pool snapshot);
     ``asleep(tag)`` says whether the table holds the tag asleep or going to sleep
     (no segment of it can be mapped then).
@@ -95,7 +96,7 @@ class BlockPools:
     def __init__(
         self,
         new_pool: Callable[[str], Any],
-        trim: Callable[[int], None],
+        trim: Callable[[int], bool],
         untrim: Callable[[int], bool],
         snapshot: Snapshot,
         enabled: bool = True,
@@ -203,7 +204,8 @@ class BlockPools:
             if address in entry.trimmed or not free_segment(seg):
                 continue
             try:
-                self._trim(address)
+                if not self._trim(address):  # the tag sleeps: its release took the segment; trimmed after the wake
+                    continue
             except Exception:  # the table refused (e.g. closed); the segment stays mapped, torch keeps it
                 logger.exception("trimming a free segment at %#x of tag %r failed", address, entry.tag)
                 continue

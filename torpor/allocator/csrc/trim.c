@@ -10,7 +10,8 @@
 #include "table.h"
 
 /* Torch holds the segment at `addr` free in a pool no block allocates from: give its memory back now.
- * The record stays (torch frees the address later); its mapping goes once no other allocation uses it. */
+ * The record stays (torch frees the address later); its mapping goes once no other allocation uses it.
+ * 1 when it was trimmed now; 0 when not (trimmed already, or its tag is asleep or going to sleep). */
 TP_EXPORT int tp_trim(tp_ctx *c, uint64_t addr, tp_err *e) {
   pthread_mutex_lock(&c->mu);
   int rc = 0, k = alloc_lower(c, addr);
@@ -19,6 +20,7 @@ TP_EXPORT int tp_trim(tp_ctx *c, uint64_t addr, tp_err *e) {
   } else if (c->a[k].trimmed || c->state[c->a[k].tag] != TP_ACTIVE) {
     rc = 0; /* trimmed already; or asleep or going to sleep: the release takes it */
   } else {
+    rc = 1;
     c->a[k].trimmed = 1;
     uint64_t end = addr + c->a[k].size;
     int tag = c->a[k].tag;
