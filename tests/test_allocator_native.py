@@ -343,6 +343,31 @@ def test_untrim_failing_to_map_changes_nothing() -> None:
     assert alloc.table.untrim(a)
 
 
+def test_untrim_is_all_or_nothing_when_the_table_cannot_grow() -> None:
+    """Host out of memory growing the mapping table at untrim: nothing changes (no user counted twice); nothing leaks after."""
+    sim, alloc = make(slab_bytes=0)
+    a, x, b = alloc.allocate(G, "w"), alloc.allocate(4 * G, "w"), alloc.allocate(G, "w")
+    assert (x, b) == (a + G, a + 5 * G)  # adjacent: the wake maps them in shared spans
+    alloc.write(b, b"b" * G)
+    alloc.backup(["w"])
+    alloc.release(["w"])
+    alloc.restore(["w"])  # spans of <= 4 G in 2 G pieces: [a, x's first half], [x's second half, b]
+    alloc.drop_backup(["w"])
+    assert alloc.table.trim(x)
+    alloc.free(a)  # the first span goes: x lies half over nothing, half over the span it shares with b
+    native.lib().tp_test_fail_growth(1)
+    try:
+        with pytest.raises(AllocatorError, match="out of host memory"):
+            alloc.table.untrim(x)
+    finally:
+        native.lib().tp_test_fail_growth(0)
+    assert sim.used == 3 * G and alloc.usage()["w"].allocations == 1  # as before: the span x shares with b
+    assert alloc.table.untrim(x) and sim.used == 5 * G
+    alloc.free(x)
+    alloc.free(b)
+    assert sim.used == 0 and alloc.usage()["w"].allocations == 0
+
+
 class HalfLive(TaggedAllocator):
     """An allocator whose "torch" says only the first half of each allocation is in use."""
 

@@ -55,7 +55,15 @@ void ring_push(tp_ctx *c, const tp_err *e) {
   c->ring[c->nring++] = *e;
 }
 
+static int g_fail_growth; /* tests: the nth next growth of a table fails, as realloc does with the host out of memory */
+
+/* Tests only: make the `nth` next table growth (any context) fail; 0 clears it. */
+TP_EXPORT void tp_test_fail_growth(int nth) { __atomic_store_n(&g_fail_growth, nth, __ATOMIC_SEQ_CST); }
+
 static void *grow(void *p, int *cap, int need, size_t each) {
+  if (__atomic_load_n(&g_fail_growth, __ATOMIC_SEQ_CST) > 0 &&
+      __atomic_sub_fetch(&g_fail_growth, 1, __ATOMIC_SEQ_CST) == 0)
+    return NULL;
   if (need <= *cap) return p;
   int n = *cap ? *cap * 2 : 16;
   while (n < need) n *= 2;
@@ -151,6 +159,13 @@ int map_first_overlap(tp_ctx *c, uint64_t addr) { /* first mapping ending after 
   }
   if (lo > 0 && c->m[lo - 1].start + c->m[lo - 1].size > addr) return lo - 1;
   return lo;
+}
+
+int map_room(tp_ctx *c, int more) { /* room for `more` mappings: map_insert of that many cannot fail */
+  tp_map *q = grow(c->m, &c->capm, c->nm + more, sizeof *q);
+  if (!q) return -1;
+  c->m = q;
+  return 0;
 }
 
 int map_insert(tp_ctx *c, const tp_map *m) {

@@ -46,6 +46,7 @@ int driver_fail(tp_err *e, int tag, const char *op);
 void ring_push(tp_ctx *c, const tp_err *e);
 int alloc_lower(tp_ctx *c, uint64_t addr);
 int map_first_overlap(tp_ctx *c, uint64_t addr);
+int map_room(tp_ctx *c, int more);
 int map_insert(tp_ctx *c, const tp_map *m);
 void map_remove(tp_ctx *c, int i);
 tp_arena *arena_of(tp_ctx *c, int dev, int tag);

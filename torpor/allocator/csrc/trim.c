@@ -41,7 +41,8 @@ TP_EXPORT int tp_trim(tp_ctx *c, uint64_t addr, tp_err *e) {
 
 /* The pool holding the trimmed segment at `addr` serves a block again (torch may hand the segment out): map memory
  * under it again. Mappings still overlapping it (a slab, a wake's span) count it as a user again; the parts no
- * mapping covers get one new mapping each (fresh memory). All or nothing; 1 when it was trimmed, 0 when not. */
+ * mapping covers get one new mapping each (fresh memory). All or nothing (the table's room is made before anything is
+ * mapped); 1 when it was trimmed, 0 when not. */
 TP_EXPORT int tp_untrim(tp_ctx *c, uint64_t addr, tp_err *e) {
   pthread_mutex_lock(&c->mu);
   int rc = 0, k = alloc_lower(c, addr);
@@ -81,6 +82,10 @@ TP_EXPORT int tp_untrim(tp_ctx *c, uint64_t addr, tp_err *e) {
     gap_start[ngaps] = pos;
     gap_size[ngaps++] = end - pos;
   }
+  if (map_room(c, ngaps)) { /* the table's room first: once memory is mapped, nothing below can fail */
+    rc = fail(e, a->tag, "untrim", "out of host memory");
+    goto out;
+  }
   int made = 0;
   for (; made < ngaps; made++) {
     int stuck = 0;
@@ -94,17 +99,10 @@ TP_EXPORT int tp_untrim(tp_ctx *c, uint64_t addr, tp_err *e) {
     uint64_t gran = c->gran[a->dev >= 0 && a->dev < TP_MAX_DEVICES ? a->dev : 0];
     for (int g = 0; g < ngaps; g++) {
       tp_map m = {gap_start[g], gap_size[g], handles[g], 0, gran, a->tag, a->dev, 1, 0, 1};
-      if (map_insert(c, &m)) { /* out of host memory: this part stays unmapped; say so */
-        tp_err ignored;
-        c->drv.unmap(c->drv.self, gap_start[g], gap_size[g], &ignored);
-        c->drv.release(c->drv.self, handles[g], &ignored);
-        rc = fail(e, a->tag, "untrim", "out of host memory");
-      }
+      map_insert(c, &m); /* cannot fail: map_room above */
     }
-    if (!rc) {
-      a->trimmed = 0;
-      rc = 1;
-    }
+    a->trimmed = 0;
+    rc = 1;
   } else {
     tp_err ignored;
     for (int g = 0; g < made; g++) {
