@@ -66,7 +66,7 @@ class HostPolicy:
     background_threads: int = 1
     staged: bool = field(default_factory=_default_staged)
     stage_ring_bytes: int = 512 * MiB
-    stage_slot_bytes: int = 8 * MiB
+    stage_slot_bytes: int = 16 * MiB
     stage_threads: int = field(default_factory=_default_stage_threads)
 
 
