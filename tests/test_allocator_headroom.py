@@ -43,12 +43,21 @@ def test_the_tightest_cgroup_above_the_process_bounds_the_room(tmp_path: Path) -
 
 
 def test_a_v1_memory_cgroup_limit_counts_and_its_no_limit_value_does_not(tmp_path: Path) -> None:
-    """cgroup v1: limit_in_bytes - usage_in_bytes; its 'unlimited' (a huge number) is no limit."""
+    """cgroup v1: limit_in_bytes - usage_in_bytes, of the cgroup and its parents; 'unlimited' (a huge number) is no limit."""
     fake_host(tmp_path, 64 * 1024 * 1024, "12:memory:/docker/abc\n3:cpu:/docker/abc\n")
     limit(tmp_path, "docker/abc", str(10 * GiB), 9 * GiB, v1=True)
     assert Headroom(str(tmp_path)).free_bytes() == GiB
     limit(tmp_path, "docker/abc", str(1 << 63), 9 * GiB, v1=True)
     assert Headroom(str(tmp_path)).free_bytes() == 64 * GiB
+    limit(tmp_path, "docker", str(12 * GiB), 10 * GiB, v1=True)
+    assert Headroom(str(tmp_path)).free_bytes() == 2 * GiB
+
+
+def test_a_container_that_sees_only_its_own_cgroup_reads_the_mount_root(tmp_path: Path) -> None:
+    """The process's cgroup path is absent under the mount (a container's view): the mount root's limit counts."""
+    fake_host(tmp_path, 64 * 1024 * 1024, "12:memory:/kubepods/pod1/ctr\n")
+    limit(tmp_path, "", str(8 * GiB), 5 * GiB, v1=True)
+    assert Headroom(str(tmp_path)).free_bytes() == 3 * GiB
 
 
 def test_a_usage_over_the_limit_leaves_no_room(tmp_path: Path) -> None:

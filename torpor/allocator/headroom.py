@@ -82,19 +82,25 @@ class Headroom:
         return None
 
     def _cgroup_room(self) -> list[int | None]:
-        """limit - usage for this process's cgroup and each one above it (v2), or its v1 memory cgroup."""
+        """limit - usage of this process's cgroup and each one above it: v2, or the v1 memory hierarchy.
+
+        The walk ends at the mount's root, which is the container's own cgroup
+        where the container sees only its own (a cgroup namespace, a bind mount).
+        """
         rooms: list[int | None] = []
+        mount: tuple[str, ...]
         for line in (_read(self._path("proc", "self", "cgroup")) or "").splitlines():
             hid, _, rest = line.partition(":")
             controllers, _, path = rest.partition(":")
+            parts = [p for p in path.strip().split("/") if p]
             if hid == "0" and controllers == "":  # v2: the unified hierarchy
-                parts = [p for p in path.strip().split("/") if p]
-                for depth in range(len(parts), -1, -1):
-                    base = self._path("sys", "fs", "cgroup", *parts[:depth])
-                    rooms.append(self._room(base, "memory.max", "memory.current"))
+                mount, files = ("sys", "fs", "cgroup"), ("memory.max", "memory.current")
             elif "memory" in controllers.split(","):
-                base = self._path("sys", "fs", "cgroup", "memory", *[p for p in path.strip().split("/") if p])
-                rooms.append(self._room(base, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+                mount, files = ("sys", "fs", "cgroup", "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            else:
+                continue
+            for depth in range(len(parts), -1, -1):
+                rooms.append(self._room(self._path(*mount, *parts[:depth]), *files))
         return rooms
 
     @staticmethod
