@@ -58,8 +58,37 @@ class Follower(Tail):
         super().__init__(path, decode_lines, after, max_line=max_line, log=logger)
 
 
-def _wanted(kinds: Iterable[EventKind | str] | None) -> frozenset[EventKind] | None:
-    return None if kinds is None else frozenset(EventKind(k) for k in kinds)
+class _Pace:
+    """One follow loop's bookkeeping, shared by :func:`follow` and :func:`follow_async` (they differ in how they wait)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        after: int,
+        kinds: Iterable[EventKind | str] | None,
+        stop: Stop,
+        idle_timeout: float | None,
+        max_line: int,
+    ) -> None:
+        self.wanted = None if kinds is None else frozenset(EventKind(k) for k in kinds)
+        self.follower = Follower(path, after, max_line=max_line)
+        self.stop = stop
+        self.idle_timeout = idle_timeout
+        self.quiet_since = time.monotonic()
+
+    def step(self) -> tuple[list[Event], bool, bool]:
+        """(the new events wanted, whether to end after them, whether to wait before the next step)."""
+        stopping = _stopped(self.stop)  # read before the log: what is on disk when stop is set still comes out
+        events = self.follower.read_available()
+        wanted = [e for e in events if self.wanted is None or e.kind in self.wanted]
+        if stopping:
+            return wanted, True, False
+        now = time.monotonic()
+        if events:
+            self.quiet_since = now
+            return wanted, False, False
+        idle = self.idle_timeout is not None and now - self.quiet_since >= self.idle_timeout
+        return wanted, idle, not idle
 
 
 def follow(
@@ -81,29 +110,21 @@ def follow(
     event; otherwise it runs until the consumer stops iterating. ``kinds``
     keeps only events of those kinds.
     """
-    wanted = _wanted(kinds)
-    follower = Follower(path, after, max_line=max_line)
+    pace = _Pace(path, after, kinds, stop, idle_timeout, max_line)
     wait = getattr(stop, "wait", None)
-    quiet_since = time.monotonic()
     try:
         while True:
-            stopping = _stopped(stop)
-            events = follower.read_available()
-            yield from (e for e in events if wanted is None or e.kind in wanted)
-            if stopping:
+            events, done, idle = pace.step()
+            yield from events
+            if done:
                 return
-            now = time.monotonic()
-            if events:
-                quiet_since = now
-            elif idle_timeout is not None and now - quiet_since >= idle_timeout:
-                return
-            if not events:
+            if idle:
                 if isinstance(stop, threading.Event) and callable(wait):
                     wait(poll)
                 else:
                     time.sleep(poll)
     finally:
-        follower.close()
+        pace.follower.close()
 
 
 async def follow_async(
@@ -117,24 +138,15 @@ async def follow_async(
     max_line: int = DEFAULT_MAX_LINE,
 ) -> AsyncIterator[Event]:
     """Asyncio variant of :func:`follow`: ``async for event in follow_async(path): ...``."""
-    wanted = _wanted(kinds)
-    follower = Follower(path, after, max_line=max_line)
-    quiet_since = time.monotonic()
+    pace = _Pace(path, after, kinds, stop, idle_timeout, max_line)
     try:
         while True:
-            stopping = _stopped(stop)
-            events = follower.read_available()
+            events, done, idle = pace.step()
             for event in events:
-                if wanted is None or event.kind in wanted:
-                    yield event
-            if stopping:
+                yield event
+            if done:
                 return
-            now = time.monotonic()
-            if events:
-                quiet_since = now
-            elif idle_timeout is not None and now - quiet_since >= idle_timeout:
-                return
-            if not events:
+            if idle:
                 await asyncio.sleep(poll)
     finally:
-        follower.close()
+        pace.follower.close()
