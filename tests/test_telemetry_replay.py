@@ -133,3 +133,13 @@ def test_serve_a_log_directory(tmp_path: Path) -> None:
                 break
             time.sleep(0.1)
         assert b'torpor_state{state="asleep_l2",torpor_engine="w",torpor_rank="0"} 1.0' in body
+
+
+def test_resolve_log_takes_any_one_log_and_says_what_a_narrowing_missed(tmp_path: Path) -> None:
+    """A directory's one *.jsonl resolves whatever its name; an engine/rank that matches none is FileNotFoundError."""
+    SleepController(FakeMemory(TAGS), log=tmp_path / "custom.jsonl", fsync=False).close()
+    assert resolve_log(tmp_path) == tmp_path / "custom.jsonl"
+    with pytest.raises(FileNotFoundError, match="of that engine and rank"):
+        resolve_log(tmp_path, rank=3)
+    with pytest.raises(FileNotFoundError, match="no event log at"):
+        resolve_log(tmp_path / "absent.jsonl")

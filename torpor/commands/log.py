@@ -11,8 +11,9 @@ from typing import Any
 
 from torpor.demo.report import fmt_bytes, fmt_seconds, table
 from torpor.hooks.follow import Follower
-from torpor.statemachine import Event, EventKind, Projection, read_events, segments
+from torpor.statemachine import Event, EventKind, Projection, read_events
 from torpor.statemachine.projection import project
+from torpor.telemetry.replay import resolve_log
 
 #: Payload fields that are summarized rather than printed whole.
 _BYTES_FIELDS = ("bytes", "freed", "offloaded", "discarded", "restored", "pinned")
@@ -94,27 +95,6 @@ def _usage(p: argparse.ArgumentParser) -> int:
     return 2
 
 
-# -- locating the log --------------------------------------------------------------
-
-
-def resolve_log(path: Path) -> Path:
-    """The log file ``path`` names: itself, or the one ``*.jsonl`` log inside a directory."""
-    if path.is_dir():
-        logs = sorted(p for p in path.glob("*.jsonl") if p.is_file())
-        if len(logs) == 1:
-            return logs[0]
-        if not logs:
-            msg = f"no event log (*.jsonl) in directory {path}"
-            raise FileNotFoundError(msg)
-        names = ", ".join(p.name for p in logs)
-        msg = f"{path} holds {len(logs)} event logs ({names}); name one of them"
-        raise ValueError(msg)
-    if not segments(path):
-        msg = f"no event log at {path}"
-        raise FileNotFoundError(msg)
-    return path
-
-
 # -- formatting ------------------------------------------------------------------------
 
 
@@ -171,7 +151,7 @@ def _header(path: Path, out: Callable[[str], None]) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     """Print the timeline."""
-    path = resolve_log(args.path)
+    path = resolve_log(args.path, hint="name one of them")
     kinds = set(args.kind or ())
     events = list(read_events(path))  # a corrupted line fails before anything is printed
     proj = Projection()
@@ -192,7 +172,7 @@ def _line(event: Event, proj: Projection, as_json: bool) -> str:
 
 def run_follow(args: argparse.Namespace) -> int:
     """Print old events, then new ones as they arrive, until Ctrl-C or ``--timeout``."""
-    path = resolve_log(args.path)
+    path = resolve_log(args.path, hint="name one of them")
     events = list(read_events(path))
     after = args.after
     if after is None:
@@ -260,7 +240,7 @@ def replay_text(path: Path, proj: Projection) -> str:
 
 def run_replay(args: argparse.Namespace) -> int:
     """Print the projection of the log."""
-    path = resolve_log(args.path)
+    path = resolve_log(args.path, hint="name one of them")
     proj = project(read_events(path))
     if args.json:
         import json

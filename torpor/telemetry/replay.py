@@ -37,21 +37,39 @@ from torpor.statemachine.tail import segments
 logger = logging.getLogger("torpor.telemetry")
 
 
-def resolve_log(path: str | os.PathLike[str], engine: str | None = None, rank: int | None = None) -> Path:
-    """The log file to plot: ``path`` itself, or the one ``ENGINE.rankN.jsonl`` in a log directory."""
+def resolve_log(
+    path: str | os.PathLike[str],
+    engine: str | None = None,
+    rank: int | None = None,
+    *,
+    hint: str = "pick one with --engine and --rank",
+) -> Path:
+    """The event log ``path`` names: itself, or the one ``*.jsonl`` log in a directory.
+
+    ``engine`` and ``rank`` narrow a directory's logs to ``ENGINE.rankN.jsonl``.
+    Raises ``FileNotFoundError`` when there is no such log, ``ValueError``
+    naming the logs and ``hint`` when a directory holds several.
+    """
     path = Path(path)
-    if not path.is_dir():
-        return path
-    files = sorted(path.glob("*.rank*.jsonl"))
-    if engine is not None:
-        files = [f for f in files if f.name.startswith(f"{engine}.rank")]
-    if rank is not None:
-        files = [f for f in files if f.name.endswith(f".rank{rank}.jsonl")]
-    if len(files) != 1:
-        names = ", ".join(f.name for f in files) or "none"
-        msg = f"{path} holds {len(files)} matching event logs ({names}); pick one with --engine and --rank"
-        raise ValueError(msg)
-    return files[0]
+    if path.is_dir():
+        logs = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        if engine is not None:
+            logs = [p for p in logs if p.name.startswith(f"{engine}.rank")]
+        if rank is not None:
+            logs = [p for p in logs if p.name.endswith(f".rank{rank}.jsonl")]
+        if not logs:
+            narrowed = "" if engine is None and rank is None else " of that engine and rank"
+            msg = f"no event log (*.jsonl){narrowed} in directory {path}"
+            raise FileNotFoundError(msg)
+        if len(logs) > 1:
+            names = ", ".join(p.name for p in logs)
+            msg = f"{path} holds {len(logs)} event logs ({names}); {hint}"
+            raise ValueError(msg)
+        return logs[0]
+    if not segments(path):
+        msg = f"no event log at {path}"
+        raise FileNotFoundError(msg)
+    return path
 
 
 class LogSource:
