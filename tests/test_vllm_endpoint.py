@@ -27,7 +27,9 @@ def ndjson(body: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in body.splitlines()]
 
 
-def vllm_app(monkeypatch: pytest.MonkeyPatch, log_dir: Path, plugins: str | None = "torpor") -> FastAPI:
+def vllm_app(
+    monkeypatch: pytest.MonkeyPatch, log_dir: Path, plugins: str | None = "torpor", lifespan: Any = None
+) -> FastAPI:
     """A FastAPI app wired the way vLLM's build_app/init_app_state wire endpoint plugins."""
     from vllm.plugins.endpoint_plugins.interface import attach_endpoint_plugins, init_endpoint_plugins_state
 
@@ -36,7 +38,7 @@ def vllm_app(monkeypatch: pytest.MonkeyPatch, log_dir: Path, plugins: str | None
     else:
         monkeypatch.setenv("VLLM_PLUGINS", plugins)
     monkeypatch.setenv("TORPOR_LOG_DIR", str(log_dir))
-    app = FastAPI()
+    app = FastAPI(lifespan=lifespan)
     attach_endpoint_plugins(app, ("generate",))
     asyncio.run(init_endpoint_plugins_state(None, app.state, Namespace()))
     return app
@@ -292,3 +294,36 @@ def test_hung_up_long_polls_leave_at_once(monkeypatch: pytest.MonkeyPatch, tmp_p
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def tail_threads() -> list[threading.Thread]:
+    """The rank-log tail threads alive."""
+    return [t for t in threading.enumerate() if t.name.startswith("torpor-log-source:")]
+
+
+def test_the_servers_shutdown_stops_every_rank_log_tail(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An API server with its own lifespan (as vLLM's build_app makes it) that shuts down stops the plugin's tails."""
+    import contextlib
+
+    ran: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        ran.append("startup")
+        yield
+        ran.append("shutdown")
+
+    (controller,) = ranks(tmp_path, 1)
+    controller.sleep(1)
+    app = vllm_app(monkeypatch, tmp_path, lifespan=lifespan)
+    before = set(tail_threads())  # other tests' servers never shut down
+    with TestClient(app) as client:
+        assert client.get("/torpor/events").status_code == 200
+        assert client.get("/torpor/state").status_code == 200
+        mine = set(tail_threads()) - before
+        assert mine
+    assert ran == ["startup", "shutdown"]
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in mine):
+        assert time.monotonic() < deadline, "a rank log's tail outlived the server"
+        time.sleep(0.01)

@@ -32,8 +32,10 @@ loader imports it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +177,26 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _close_at_shutdown(app: FastAPI, close: Callable[[], None]) -> None:
+    """Run ``close`` when the app's lifespan ends.
+
+    vLLM's ``EndpointPlugin`` has no shutdown call, and its API server passes
+    its own ``lifespan`` to FastAPI, which makes shutdown event handlers never
+    run; so the app's lifespan is wrapped instead.
+    """
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(target: Any) -> AsyncIterator[Any]:
+        async with inner(target) as state:
+            try:
+                yield state
+            finally:
+                close()
+
+    app.router.lifespan_context = lifespan
+
+
 class TorporEndpointPlugin:
     """vLLM ``EndpointPlugin``: read-only torpor routes on the API server."""
 
@@ -201,7 +223,8 @@ class TorporEndpointPlugin:
         return Path(stored) if stored else default_log_dir()
 
     def attach_router(self, app: FastAPI) -> None:
-        """Add ``GET /torpor/state`` and ``GET /torpor/events``."""
+        """Add ``GET /torpor/state`` and ``GET /torpor/events``; the app's shutdown closes the tails."""
+        _close_at_shutdown(app, self.close)
         router = APIRouter()
 
         def error(status: int, reason: str) -> JSONResponse:
