@@ -331,6 +331,28 @@ def test_trim_of_a_sleeping_tag_trims_nothing_and_says_so() -> None:
     assert sim.used == 2 * G and alloc.table.trim(a) is True and sim.used == 0
 
 
+def test_a_trim_whose_unmap_fails_is_a_trim_and_the_mapping_goes_at_the_next_sleep(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Unmap failing at trim: trim says True (torch's side must record it), logs the failure; the sleep unmaps it later."""
+    sim, alloc = make()
+    a, b = alloc.allocate(2 * G, "w"), alloc.allocate(2 * G, "w")
+    alloc.write(b, b"b" * 2 * G)
+    sim.fail("unmap", reason="the context is broken")
+    with caplog.at_level("WARNING", logger="torpor.allocator"):
+        assert alloc.table.trim(a) is True
+    assert "the context is broken" in caplog.text and "stays mapped" in caplog.text
+    assert alloc.table.trim(a) is False and alloc.usage()["w"].allocations == 1
+    moved = alloc.backup(["w"])["w"].bytes
+    alloc.release(["w"])
+    assert moved == 2 * G and sim.used == 0  # the mapping left by the trim went with the sleep
+    alloc.restore(["w"])
+    alloc.drop_backup(["w"])
+    assert alloc.table.untrim(a) is True and sim.used == 4 * G
+    alloc.write(a, b"a" * 2 * G)
+    assert alloc.read(a, 2 * G) == b"a" * 2 * G and alloc.read(b, 2 * G) == b"b" * 2 * G
+
+
 def test_untrim_failing_to_map_changes_nothing() -> None:
     """A device full at untrim: AllocatorError (out of memory), the segment stays trimmed and uncounted."""
     sim, alloc = make()

@@ -9,6 +9,7 @@ library reported.
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import Any
 
 from torpor.allocator import native
@@ -17,6 +18,8 @@ from torpor.allocator.errors import AllocatorError
 
 Live = tuple[int, int, int]  # a live allocation: address, size, device
 _ALL = (1 << 64) - 1
+
+logger = logging.getLogger("torpor.allocator")
 
 
 class NativeTable:
@@ -95,9 +98,18 @@ class NativeTable:
         self._check(self.lib.tp_free_raw(self.ctx, address, ctypes.byref(err)), err)
 
     def trim(self, address: int) -> bool:
-        """Give back the memory of a segment torch holds free in an idle pool; False when not now (asleep, done)."""
+        """Give back the memory of a segment torch holds free in an idle pool; False when not now (asleep, done).
+
+        True also when a mapping under it would not unmap: the segment is
+        trimmed (not counted, backed up or mapped on a wake) and the mapping
+        stays until the tag's next sleep unmaps it; that is logged.
+        """
         err = native.TpErr()
-        return self._check(self.lib.tp_trim(self.ctx, address, ctypes.byref(err)), err) == 1
+        rc = self._check(self.lib.tp_trim(self.ctx, address, ctypes.byref(err)), err)
+        if rc == 2:
+            failure = native.error_of(err, self._names.get(err.tag))
+            logger.warning("trimmed the segment at %#x, but its memory stays mapped until the next sleep: %s", address, failure)
+        return rc >= 1
 
     def untrim(self, address: int) -> bool:
         """Map memory under a trimmed segment again (its pool serves a block again); False when it was not trimmed."""

@@ -11,7 +11,10 @@
 
 /* Torch holds the segment at `addr` free in a pool no block allocates from: give its memory back now.
  * The record stays (torch frees the address later); its mapping goes once no other allocation uses it.
- * 1 when it was trimmed now; 0 when not (trimmed already, or its tag is asleep or going to sleep). */
+ * 1 when it was trimmed now; 0 when not (trimmed already, or its tag is asleep or going to sleep); 2 when it was
+ * trimmed but a mapping would not unmap (`e` says why): the segment is trimmed all the same, since torch records it
+ * as trimmed only when this says so, and the mapping stays listed with no user, so the tag's next sleep unmaps it
+ * (as it does a mapping whose free failed). */
 TP_EXPORT int tp_trim(tp_ctx *c, uint64_t addr, tp_err *e) {
   pthread_mutex_lock(&c->mu);
   int rc = 0, k = alloc_lower(c, addr);
@@ -27,7 +30,8 @@ TP_EXPORT int tp_trim(tp_ctx *c, uint64_t addr, tp_err *e) {
     for (int i = map_first_overlap(c, addr); i < c->nm && c->m[i].start < end;) {
       if (--c->m[i].users <= 0) {
         if (drop_mapping(c, i, e)) {
-          rc = driver_fail(e, tag, "trim");
+          driver_fail(e, tag, "trim");
+          rc = 2;
           i++;
         }
         continue;
