@@ -62,7 +62,7 @@ def test_fresh_pages_are_faulted_by_writing_when_the_host_has_room(monkeypatch: 
     populated: list[int] = []
     monkeypatch.setattr(cuda_driver, "populate_host_pages", lambda a, n: populated.append(n))
     address = reserve_host_pages(4 * MiB)
-    cuda_driver.fault_host_pages(address, 4 * MiB, Headroom(margin=0))
+    cuda_driver.fault_host_pages(address, 4 * MiB, Headroom(margin=0).claim)
     assert populated == [] and ctypes.string_at(address + 4 * MiB - 2, 2) == b"\0\0"
     free_host_pages(address, 4 * MiB)
 
@@ -75,6 +75,6 @@ def test_fresh_pages_are_populated_when_the_host_has_no_clear_room(monkeypatch: 
     populated: list[int] = []
     monkeypatch.setattr(cuda_driver, "populate_host_pages", lambda a, n: populated.append(n))
     address = reserve_host_pages(4 * MiB)
-    cuda_driver.fault_host_pages(address, 4 * MiB, Headroom(margin=1 << 60))
+    cuda_driver.fault_host_pages(address, 4 * MiB, Headroom(margin=1 << 60).claim)
     assert populated == [4 * MiB]
     free_host_pages(address, 4 * MiB)

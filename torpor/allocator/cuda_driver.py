@@ -14,11 +14,11 @@ import functools
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import DriverError, DriverOutOfMemory
-from torpor.allocator.headroom import Headroom, host_headroom
 from torpor.extras import require
 
 _OOM_CODES = frozenset({2})  # CUDA_ERROR_OUT_OF_MEMORY
@@ -111,7 +111,7 @@ def populate_host_pages(address: int, nbytes: int) -> None:
     libc.memset(address, 0, size)
 
 
-def fault_host_pages(address: int, nbytes: int, room: Headroom = host_headroom) -> None:
+def fault_host_pages(address: int, nbytes: int, room: Callable[[int], bool]) -> None:
     """Fault never-written pages in: by writing zeros where the host clearly has room, else by populating.
 
     Writing faulted fresh pages 5-10x faster than ``MADV_POPULATE_WRITE`` on the
@@ -119,9 +119,11 @@ def fault_host_pages(address: int, nbytes: int, room: Headroom = host_headroom) 
     memory under a cgroup limit calls the OOM killer where populating fails
     with ENOMEM (:mod:`torpor.allocator.headroom`). Never for pages that hold
     data: both ways leave zeros on kernels without ``MADV_POPULATE_WRITE``.
+    ``room(n)`` says whether ``n`` bytes fit with room to spare (and claims
+    them): :meth:`Driver.host_room <torpor.allocator.driver.Driver.host_room>`.
     """
     size = _round_pages(nbytes)
-    if room.claim(size):
+    if room(size):
         _libc().memset(address, 0, size)
     else:
         populate_host_pages(address, size)
@@ -311,7 +313,7 @@ class CudaDriver(Driver):
         address = reserve_host_pages(nbytes) if host is None else host
         try:
             self.ensure_context(self._host_device())
-            fault_host_pages(address, nbytes)
+            fault_host_pages(address, nbytes, self.host_room)
             self._host_register(address, nbytes)
         except BaseException:
             if host is None:  # a reserved range stays reserved: its owner gives it back (host_unreserve)

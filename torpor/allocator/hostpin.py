@@ -174,12 +174,17 @@ class PinnedChunks:
                 c.ready = True
                 self._pinned += c.nbytes
             self._cond.notify_all()
-        if closed or trimmed:
-            self._free(c)
         if trimmed:
-            with self._cond:
-                self._unpinning -= c.nbytes
-                self._cond.notify_all()
+            self._unpin_trimmed(c)
+        elif closed:
+            self._free(c)
+
+    def _unpin_trimmed(self, c: Chunk) -> None:
+        """Unpin a chunk a trim took out of the records; its bytes stop counting as being unpinned."""
+        self._free(c)
+        with self._cond:
+            self._unpinning -= c.nbytes
+            self._cond.notify_all()
 
     def _unreserve(self, c: Chunk) -> None:
         try:

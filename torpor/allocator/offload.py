@@ -150,6 +150,8 @@ class HostArena(PinnedChunks):
             ring = self._ring_for(sum(sizes)) if stage and sizes and self.policy.staged else 0
             if ring and limit is not None and held + sum(sizes) + max(ring - self._staging, 0) > limit:
                 ring = 0  # no room for the ring under the limit: pin the chunks
+            # the ring counts here as well as when its slots are faulted (each claims its own bytes): the
+            # chunks must fit beside it, and a second claim within the reading's few milliseconds only errs safe
             if ring and not self.driver.host_room(sum(sizes) + ring):
                 ring = 0  # filling pageable pages could call the OOM killer; pinning fails cleanly
             self._staging = max(self._staging, ring)
@@ -285,10 +287,7 @@ class HostArena(PinnedChunks):
 
         def unpin() -> None:
             for c in empty:
-                self._free(c)
-                with self._cond:
-                    self._unpinning -= c.nbytes
-                    self._cond.notify_all()
+                self._unpin_trimmed(c)
 
         if background and empty:
             threading.Thread(target=unpin, name="torpor-host-unpin", daemon=True).start()

@@ -230,9 +230,12 @@ class SleepWake:
                 for device, address, host, n in copies(keyed, record.backups):
                     # a chunk not pinned yet is filled through the staging ring; where the ring cannot be
                     # pinned, the chunk is pinned now and copied into once it is (chunk by chunk)
-                    if self.host.wait_pinned(host) or not self.stager.copy(host, address, n, device):
+                    pinned = self.host.wait_pinned(host)
+                    if not pinned and self.stager.copy(host, address, n, device):
+                        continue
+                    if not pinned:  # the ring gave up: its chunks are being pinned now
                         self.host.wait_pinned(host)
-                        self.driver.copy_d2h(host, address, n, device)
+                    self.driver.copy_d2h(host, address, n, device)
                 # once copied, the mappings inside whole allocations of this batch may go; an allocation whose
                 # pieces continue in the next batch waits for it
                 hi = ends[batch[-1][0]]

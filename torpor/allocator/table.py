@@ -108,7 +108,9 @@ class NativeTable:
         rc = self._check(self.lib.tp_trim(self.ctx, address, ctypes.byref(err)), err)
         if rc == 2:
             failure = native.error_of(err, self._names.get(err.tag))
-            logger.warning("trimmed the segment at %#x, but its memory stays mapped until the next sleep: %s", address, failure)
+            logger.warning(
+                "trimmed the segment at %#x, but its memory stays mapped until the next sleep: %s", address, failure
+            )
         return rc >= 1
 
     def untrim(self, address: int) -> bool:
