@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import probe_first_touch  # benchmarks/ is the script's folder
+
 from torpor.allocator.cuda_driver import free_host_pages, reserve_host_pages, transparent_huge_pages
 
 MiB = 1 << 20
@@ -57,14 +59,7 @@ def _read(path: str) -> str:
 
 def meminfo() -> str:
     """MemTotal, MemFree, Shmem, AnonHugePages from /proc/meminfo, in GiB."""
-    keep = ("MemTotal", "MemFree", "Shmem", "AnonHugePages")
-    out = []
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in keep:
-                out.append(f"{key} {int(rest.split()[0]) / (1 << 20):.1f}")
-    return " ".join(out) + " GiB"
+    return probe_first_touch.meminfo(("MemTotal", "MemFree", "Shmem", "AnonHugePages"))
 
 
 def sources(threads: int) -> list[int]:

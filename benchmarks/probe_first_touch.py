@@ -29,9 +29,8 @@ GiB = 1 << 30
 CHUNK = 32 * MiB
 
 
-def meminfo() -> str:
-    """MemFree, AnonHugePages and Cached from /proc/meminfo, in GiB."""
-    keep = {"MemFree", "AnonHugePages", "Cached"}
+def meminfo(keep: tuple[str, ...] = ("MemFree", "AnonHugePages", "Cached")) -> str:
+    """The ``keep`` fields of /proc/meminfo, in GiB."""
     out = []
     with open("/proc/meminfo") as f:
         for line in f:
