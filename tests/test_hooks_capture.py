@@ -232,9 +232,9 @@ def test_a_tagged_allocator_capture_points_nccl_once_at_the_plain_pool_id(nccl: 
 
 
 def test_further_hooks_run_for_every_route_and_a_failing_one_is_contained(
-    controller: SleepController, nccl: list[object]
+    controller: SleepController, nccl: list[object], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """add_graph_pool_hook hooks see cuMem and plain pools beside the NCCL slot; one that raises breaks no capture."""
+    """add_graph_pool_hook hooks see cuMem and plain pools beside the NCCL slot; one that raises is logged, breaks nothing."""
     seen: list[object] = []
 
     def bad(_: object) -> None:
@@ -255,6 +255,8 @@ def test_further_hooks_run_for_every_route_and_a_failing_one_is_contained(
     assert seen == [pool, PLAIN]
     assert nccl == [pool, PLAIN, PLAIN]
     assert controller.projection.graphs == ["decode"]
+    failed = [r for r in caplog.records if r.exc_info and "boom" in str(r.exc_info[1])]
+    assert len(failed) == 2 and {r.name for r in failed} == {"torpor.hooks"}
 
 
 def test_a_direct_allocator_capture_tells_only_its_own_observers(nccl: list[object]) -> None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 logger = logging.getLogger("torpor.allocator")
 
@@ -33,6 +33,8 @@ class CaptureObservers:
     own hooks around the capture (``torpor.hooks.capture_pool`` does). A
     failing observer is logged and never breaks the capture.
     """
+
+    _logger: ClassVar[logging.Logger] = logger
 
     def __init__(self, observers: Iterable[CaptureObserver] = ()) -> None:
         self._lock = threading.Lock()
@@ -56,12 +58,16 @@ class CaptureObservers:
     def notify(self, pool_id: PoolId) -> None:
         """Call every observer with ``pool_id`` in subscription order; a failing one is logged, never raised."""
         with self._lock:
-            observers = list(self._observers)
+            observers = self._called()
         for observer in observers:
             try:
                 observer(pool_id)
             except Exception:  # an observer must not break a capture
-                logger.exception("graph pool observer %r failed for pool %s", observer, pool_id)
+                self._logger.exception("graph pool observer %r failed for pool %s", observer, pool_id)
+
+    def _called(self) -> Sequence[CaptureObserver]:
+        """The callables :meth:`notify` calls, in order (under the lock)."""
+        return list(self._observers)
 
 
 class CaptureHandle(tuple[int, int]):

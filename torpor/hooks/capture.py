@@ -16,13 +16,12 @@ and are freed with their graphs, as without sleep mode.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
-from torpor.allocator.graphpool import CaptureHandle
+from torpor.allocator.graphpool import CaptureHandle, CaptureObserver, CaptureObservers
 from torpor.errors import (
     CaptureRoutingError,
 )
@@ -40,21 +39,23 @@ NcclGraphPoolHook = Callable[[object], None]
 _plain: ContextVar[bool] = ContextVar("torpor_plain_capture", default=False)
 
 
-class GraphPoolHooks:
+class GraphPoolHooks(CaptureObservers):
     """The integration's graph-pool hooks: one NCCL slot plus further hooks, called before every routed capture.
 
     Process-wide, as NCCL's graph allocator is: :func:`capture_pool` (and the
     vLLM backend's ``cudagraph_pool``) call them with the pool the capture is
     about to use, the cuMem pool's id or the plain pool. The allocator holds no
     hook of its own beyond its per-instance observers
-    (``TaggedAllocator.on_capture``). A hook that raises is logged and never
-    breaks a capture.
+    (``TaggedAllocator.on_capture``); this is the same notification point with
+    the NCCL slot called last. A hook that raises is logged and never breaks a
+    capture.
     """
 
+    _logger = logger
+
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        super().__init__()
         self._slot: NcclGraphPoolHook | None = None
-        self._hooks: list[NcclGraphPoolHook] = []
 
     def exchange(self, hook: NcclGraphPoolHook | None) -> NcclGraphPoolHook | None:
         """Put ``hook`` in the NCCL slot (None empties it); return the hook it replaces."""
@@ -66,28 +67,12 @@ class GraphPoolHooks:
         """The hook in the NCCL slot (None when empty)."""
         return self._slot
 
-    def add(self, hook: NcclGraphPoolHook) -> Callable[[], None]:
-        """Call ``hook(pool)`` before every routed capture too (once, however often added); returns its remover."""
-        with self._lock:
-            if hook not in self._hooks:
-                self._hooks.append(hook)
-        return lambda: self.remove(hook)
-
-    def remove(self, hook: NcclGraphPoolHook) -> None:
-        """Stop calling a hook added with :meth:`add` (nothing when it is not added)."""
-        with self._lock:
-            if hook in self._hooks:
-                self._hooks.remove(hook)
-
     def call(self, pool: object) -> None:
-        """Call the further hooks, then the slot's, with ``pool``; a failing hook is logged, never raised."""
-        with self._lock:
-            hooks = [*self._hooks, *([self._slot] if self._slot is not None else [])]
-        for hook in hooks:
-            try:
-                hook(pool)
-            except Exception:  # a hook must not break a capture
-                logger.exception("graph pool hook %r failed for pool %s", hook, pool)
+        """Call the further hooks (:meth:`add`), then the slot's, with ``pool``; a failing hook is logged, never raised."""
+        self.notify(pool)  # type: ignore[arg-type]  # a hook takes any pool, not only an allocator's id
+
+    def _called(self) -> Sequence[CaptureObserver]:
+        return [*self._observers, *([self._slot] if self._slot is not None else [])]
 
 
 #: The process's one registry (the integration's, not the allocator's).
