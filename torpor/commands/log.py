@@ -15,6 +15,9 @@ from torpor.statemachine import Event, EventKind, Projection, read_events
 from torpor.statemachine.projection import project
 from torpor.telemetry.replay import resolve_log
 
+#: What a directory holding several logs asks of the user (the log commands take no --engine or --rank).
+_PICK_ONE = "name one of them"
+
 #: Payload fields that are summarized rather than printed whole.
 _BYTES_FIELDS = ("bytes", "freed", "offloaded", "discarded", "restored", "pinned")
 #: Longest field value printed whole on a timeline line.
@@ -151,7 +154,7 @@ def _header(path: Path, out: Callable[[str], None]) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     """Print the timeline."""
-    path = resolve_log(args.path, hint="name one of them")
+    path = resolve_log(args.path, hint=_PICK_ONE)
     kinds = set(args.kind or ())
     events = list(read_events(path))  # a corrupted line fails before anything is printed
     proj = Projection()
@@ -172,7 +175,7 @@ def _line(event: Event, proj: Projection, as_json: bool) -> str:
 
 def run_follow(args: argparse.Namespace) -> int:
     """Print old events, then new ones as they arrive, until Ctrl-C or ``--timeout``."""
-    path = resolve_log(args.path, hint="name one of them")
+    path = resolve_log(args.path, hint=_PICK_ONE)
     events = list(read_events(path))
     after = args.after
     if after is None:
@@ -240,7 +243,7 @@ def replay_text(path: Path, proj: Projection) -> str:
 
 def run_replay(args: argparse.Namespace) -> int:
     """Print the projection of the log."""
-    path = resolve_log(args.path, hint="name one of them")
+    path = resolve_log(args.path, hint=_PICK_ONE)
     proj = project(read_events(path))
     if args.json:
         import json
