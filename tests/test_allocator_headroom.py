@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from torpor.allocator.headroom import Headroom, host_headroom
 
 MiB = 1 << 20
@@ -90,3 +92,29 @@ def test_this_machine_has_a_reading() -> None:
     """On this Linux machine the process's room is known and positive."""
     free = host_headroom.free_bytes()
     assert free is not None and free > 0
+
+
+def test_the_first_claim_reads_the_host_whatever_the_machines_uptime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine booted 478 s ago (time.monotonic() below ttl) the first claim still reads memory and debits."""
+    monkeypatch.setattr(time, "monotonic", lambda: 478.0)
+    fake_host(tmp_path, 4 * 1024 * 1024)  # 4 GiB available
+    room = Headroom(str(tmp_path), ttl=3600, margin=GiB)
+    assert room.claim(2 * GiB)
+    assert not room.claim(2 * GiB)  # the reading was taken: 2 GiB left, 1 GiB of it the margin
+
+
+def test_after_the_first_reading_the_host_is_read_again_only_past_ttl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a fake clock at 100 s: read at the first claim, debits kept within ttl, a new reading past it."""
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    fake_host(tmp_path, 4 * 1024 * 1024)
+    room = Headroom(str(tmp_path), ttl=600, margin=GiB)
+    assert room.claim(2 * GiB)
+    clock[0] = 650.0
+    assert not room.claim(2 * GiB)  # within ttl: the debit holds
+    clock[0] = 701.0
+    assert room.claim(2 * GiB)  # past ttl: read again, 4 GiB available

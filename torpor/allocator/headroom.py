@@ -50,7 +50,7 @@ class Headroom:
         self.margin = margin
         self._lock = threading.Lock()
         self._free: int | None = None
-        self._read_at = -1.0
+        self._read_at: float | None = None  # never read: the first claim reads, whatever the clock says
 
     def free_bytes(self) -> int | None:
         """Bytes this process can fault in now: min(MemAvailable, each cgroup's limit - usage); None: unknown."""
@@ -61,7 +61,7 @@ class Headroom:
         """True (and debit ``nbytes``) when they fit with ``margin`` to spare; True when the room is unknown."""
         with self._lock:
             now = time.monotonic()
-            if now - self._read_at > self.ttl:
+            if self._read_at is None or now - self._read_at > self.ttl:
                 self._free, self._read_at = self.free_bytes(), now
             if self._free is None:
                 return True
