@@ -368,3 +368,51 @@ def test_a_ring_whose_copies_cannot_be_waited_for_stays_pinned(caplog: pytest.Lo
     assert "stay pinned" in caplog.text and ctl.state is State.AWAKE and intact(alloc, data)
     assert sim.count("host_free") == 0 and not stage_threads()
     alloc.close()
+
+
+class Fatal(BaseException):
+    """Not an Exception: what a thread's bare ``except Exception`` lets through (SystemExit and the like)."""
+
+
+class FatalIn(SimDriver):
+    """A SimDriver whose staging threads hit a BaseException in ``prepare_thread`` or in pinning a slot."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(64 * MiB, granularity=G)
+        self.where = where
+
+    def prepare_thread(self) -> None:
+        if self.where == "prepare_thread" and threading.current_thread().name.startswith("torpor-stage-"):
+            raise Fatal("prepare_thread")
+
+    def _host_alloc(self, nbytes: int, host: int | None) -> int:
+        if self.where == "host_alloc" and threading.current_thread().name.startswith("torpor-stage-"):
+            raise Fatal("host_alloc")
+        return super()._host_alloc(nbytes, host)
+
+
+@pytest.mark.parametrize("where", ["prepare_thread", "host_alloc"])
+def test_a_staging_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_hanging_it(where: str) -> None:
+    """A BaseException in a staging thread's setup or slot pin reaches the sleep (refused, resident); it never hangs."""
+    sim, alloc, ctl = make(FatalIn(where))
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    outcome: list[BaseException | None] = []
+
+    def sleep() -> None:
+        try:
+            ctl.sleep(1)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+
+    t = threading.Thread(target=sleep, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the sleep waits forever for a staging thread that died"
+    assert outcome and isinstance(outcome[0], TorporError) and where in str(outcome[0])
+    assert ctl.state is State.AWAKE and intact(alloc, data) and not stage_threads()
+    sim.where = ""
+    ctl.sleep(1)
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()

@@ -82,6 +82,7 @@ class Stager:
                 if not slot:  # no slot could be pinned, so nothing went through the ring: pin the chunks instead
                     failed = self._no_ring
                     self._stop()
+                    self._raise_failed()  # a thread hit something other than a failed pin: the sleep fails
                     self._give_up(failed or RuntimeError("no staging slot"))
                     return False
                 self._slot_at = slot
@@ -144,7 +145,9 @@ class Stager:
         for slot in slots:
             try:
                 self.driver.host_alloc(self._slot, slot)
-            except Exception as exc:
+            except BaseException as exc:  # an Exception leaves a smaller ring; anything else fails the sleep too
+                if not isinstance(exc, Exception):
+                    self._fail(exc)
                 try:
                     self.driver.host_unreserve(slot, self._slot)
                 except Exception:  # only address space leaks
@@ -160,9 +163,10 @@ class Stager:
             self._free.put(slot)
 
     def _run(self, slots: list[int]) -> None:
+        """A staging thread: whatever it hits is kept for the sleep to raise; it never dies holding a slot back."""
         try:
             self.driver.prepare_thread()
-        except Exception as exc:
+        except BaseException as exc:  # not only Exception: a dead thread's slots would never reach the ring
             self._fail(exc)
         self._pin_slots(slots)
         while (item := self._work.get()) is not None:
