@@ -78,6 +78,7 @@ class TagReleased(Payload, kind=EventKind.TAG_RELEASED):
     bytes: int
     action: str = ""
     seconds: float = 0.0
+    kept: int = 0  # discarded, yet these bytes (tracked state no reload restores) kept on the host
 
 
 class SleepCompleted(Payload, kind=EventKind.SLEEP_COMPLETED):
@@ -120,6 +121,7 @@ class TagRestored(Payload, kind=EventKind.TAG_RESTORED):
     source: str = ""
     seconds: float = 0.0
     lost: bool = False
+    kept: int = 0  # of a ``fresh`` tag: bytes of tracked state copied back from the host
 
 
 class TagRolledBack(Payload, kind=EventKind.TAG_ROLLED_BACK):

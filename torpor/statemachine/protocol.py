@@ -32,6 +32,11 @@ class Transfer:
     bytes: int
     seconds: float
     offloaded: bool = False
+    kept: int = 0  # a tag released or restored without a backup: bytes of tracked ranges kept on the host
+
+    def kept_fields(self) -> dict[str, int]:
+        """``{"kept": bytes}`` for an event when ranges were kept, else nothing (logs stay as they were)."""
+        return {"kept": self.kept} if self.kept else {}
 
 
 @dataclass(frozen=True)
