@@ -424,3 +424,114 @@ def test_an_injected_failure_carries_its_reason_from_the_library_and_from_python
     sim.fail("host_alloc", oom=True, reason="no pinned memory here")
     with pytest.raises(Exception, match=r"no pinned memory here \(out of memory\)"):
         sim.host_alloc(G)
+
+
+# -- out-of-range values and unusable names are refused before the C boundary (issue 30) ------------
+
+
+def test_sizes_addresses_and_devices_that_would_wrap_are_refused_by_value() -> None:
+    """allocate(2**64 + 4096), free(2**64 + a), device=2**32 or -1 raise ValueError naming the value; nothing changes."""
+    _, alloc = make()
+    kept = alloc.allocate(G, "w")
+    before = alloc.table.allocations()
+    for nbytes in (2**64 + 4096, 2**64, 2**63):
+        with pytest.raises(ValueError, match=f"cannot allocate {nbytes} bytes") as caught:
+            alloc.allocate(nbytes, "w")
+        assert isinstance(caught.value, AllocatorError)
+    for device in (2**32, 2**31, -1, 64):
+        with pytest.raises(ValueError, match=rf"device {device}\b"):
+            alloc.allocate(G, "w", device=device)
+    for address in (2**64 + kept, -kept):
+        with pytest.raises(ValueError, match=f"address {address:#x}"):
+            alloc.free(address)
+        with pytest.raises(ValueError, match="address"):
+            alloc.table.trim(address)
+    with pytest.raises(ValueError, match="an integer"):
+        alloc.allocate(True, "w")  # type: ignore[arg-type]
+    assert alloc.table.allocations() == before
+    alloc.free(kept)  # the allocation a wrapped address named is still there
+    alloc.close()
+
+
+@pytest.mark.parametrize(
+    "tag", ["weights\x00shadow", "", "x" * 64, "\u00e9" * 32, "tab\there", "bad\ud800", b"weights", 7]
+)
+def test_unusable_tag_names_are_refused_by_name(tag: object) -> None:
+    """A tag with a NUL (it would share 'weights''s native slot), empty, over 63 UTF-8 bytes, with a control character or not a str is refused."""
+    _, alloc = make()
+    alloc.allocate(G, "weights")
+    with pytest.raises(ValueError, match="tag") as caught:
+        alloc.tag_state(tag)  # type: ignore[arg-type]
+    assert isinstance(caught.value, AllocatorError)
+    with pytest.raises(ValueError, match="tag"):
+        alloc.allocate(G, tag)  # type: ignore[arg-type]
+    assert set(alloc.usage()) == {"weights"} and alloc.usage()["weights"].allocations == 1
+    alloc.close()
+
+
+def test_tag_names_up_to_63_utf8_bytes_are_fine() -> None:
+    """Names of 63 UTF-8 bytes, non-ASCII or with spaces, are ordinary tags."""
+    _, alloc = make()
+    for tag in ("x" * 63, "\u00e9" * 31 + "x", "kv cache", "\u6743\u91cd"):
+        alloc.allocate(G, tag)
+    assert all(u.allocations == 1 for u in alloc.usage().values()) and len(alloc.usage()) == 4
+    alloc.close()
+
+
+# -- torch's slots: reused once their allocator is closed and nothing can call them ---------------------
+
+
+def _bind_all(n_allocators: int, tags: int = 5) -> set[int]:
+    """Build and close ``n_allocators`` allocators that each bind one slot per tag; the malloc addresses they got."""
+    seen: set[int] = set()
+    for _ in range(n_allocators):
+        _, alloc = make(capacity=16 * MiB)
+        for i in range(tags):
+            alloc.tag_state(f"t{i}")
+            seen.add(alloc.table.slot(f"t{i}")[0])
+        alloc.close()
+    return seen
+
+
+def test_rebuilding_a_five_tag_allocator_never_runs_out_of_slots() -> None:
+    """Sixty rebuilds (300 slot binds, over the 128 slots) succeed: a closed allocator's slots are reused."""
+    assert len(_bind_all(60)) <= 128
+
+
+def test_a_slot_torch_still_holds_memory_through_is_not_reused_until_freed() -> None:
+    """A closed allocator's slot with a block torch never freed stays out of reuse (a late free must not reach another allocator)."""
+    _, alloc = make(capacity=16 * MiB)
+    malloc, free = slot(alloc, "held")
+    held = malloc(G, 0, None)  # type: ignore[operator]
+    assert held
+    address = ctypes.cast(malloc, ctypes.c_void_p).value
+    alloc.close()
+    assert address not in _bind_all(30)  # 150 binds: every other slot came round again
+    free(held, G, 0, None)  # type: ignore[operator]  # torch frees it late (after close): the slot is free now
+    assert address in _bind_all(30)
+
+
+def test_running_out_of_slots_says_who_holds_them() -> None:
+    """With every slot bound to an open allocator, the next bind names the 128-slot limit and how many open allocators hold."""
+    opened = []
+    with pytest.raises(AllocatorError, match=r"128 per process.*bound to open allocators") as caught:
+        for _ in range(200):
+            _, alloc = make(capacity=16 * MiB)
+            opened.append(alloc)
+            alloc.tag_state("t")
+            alloc.table.slot("t")
+    assert "close()" in str(caught.value)
+    for alloc in opened:
+        alloc.close()
+    assert _bind_all(2)  # closing them gave the slots back
+
+
+def test_a_closed_allocator_reaches_no_torch_pool_and_binds_no_slot() -> None:
+    """After close, neither torch's pools of the allocator nor a new slot can be had: its old slots may serve another allocator."""
+    _, alloc = make(capacity=16 * MiB)
+    alloc.tag_state("w")
+    alloc.close()
+    with pytest.raises(AllocatorError, match="closed"):
+        alloc.torch_binding.pools()
+    with pytest.raises(AllocatorError, match="closed"):
+        alloc.table.slot("w")

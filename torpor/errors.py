@@ -335,6 +335,10 @@ class AllocatorOutOfMemory(AllocatorError, OutOfMemory):
     """An allocator operation ran out of device or pinned host memory; nothing was lost."""
 
 
+class AllocatorArgumentError(AllocatorError, ValueError):
+    """An allocator call got a value it cannot take (a size, address or device out of range, an unusable tag name); nothing changed."""
+
+
 class TelemetryError(TorporError):
     """Base of the errors torpor.telemetry raises."""
 

@@ -22,6 +22,8 @@ from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
 
 LIB_NAME = "libtorpor_alloc.so"
 ACTIVE, FROZEN, RELEASED = 0, 1, 2
+#: What the library holds (csrc/tp.h): tags per context, bytes per tag name (a NUL ends it), devices, torch slots per process.
+MAX_TAGS, MAX_TAG_BYTES, MAX_DEVICES, SLOTS = 64, 63, 64, 128
 _u64 = ctypes.c_uint64
 _p = ctypes.c_void_p
 _int = ctypes.c_int
@@ -55,6 +57,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "tp_slot_bind": (_int, [_p, _int]),
     "tp_slot_malloc_fn": (_p, [_int]),
     "tp_slot_free_fn": (_p, [_int]),
+    "tp_slot_census": (None, [ctypes.POINTER(_int)]),
     "tp_freeze": (_int, [_p, _int, _E]),
     "tp_thaw": (_int, [_p, _int, _E]),
     "tp_unmap_range": (_int, [_p, _int, _u64, _u64, _E]),

@@ -119,7 +119,7 @@ class TaggedAllocator(SleepWake):
 
     def allocate(self, nbytes: int, tag: str | None = None, device: int | None = None) -> int:
         """Map ``nbytes`` (rounded up to the granularity) under ``tag``; return the address."""
-        tag = tag or self.current_tag() or DEFAULT_TAG
+        tag = (self.current_tag() or DEFAULT_TAG) if tag is None else tag  # "" is refused, not the default
         dev = self.default_device if device is None else device
         if nbytes <= 0:
             msg = f"cannot allocate {nbytes} bytes"

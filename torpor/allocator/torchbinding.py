@@ -12,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from torpor.allocator.callbacks import TorchPools
+from torpor.allocator.errors import AllocatorError
 from torpor.statemachine.policy import CUDAGRAPH
 
 if TYPE_CHECKING:
@@ -32,7 +33,9 @@ class TorchBinding:
         return self._pools
 
     def pools(self) -> TorchPools:
-        """The torch pools, made now on the first use (from any thread, once)."""
+        """The torch pools, made now on the first use (from any thread, once); refused once the allocator is closed."""
+        if self._allocator.table.closed:  # its slots may serve another allocator by now (NativeTable.slot)
+            raise AllocatorError("use_memory_pool", None, "the allocator is closed: torch gets no pool of it")
         pools = self._pools
         if pools is None:
             with self._lock:

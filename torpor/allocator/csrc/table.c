@@ -464,18 +464,28 @@ TP_EXPORT int tp_free_raw(tp_ctx *c, uint64_t addr, tp_err *e) {
   return rc;
 }
 
-/* -- the torch side: one malloc/free pair per slot, each slot bound to (context, tag) ---------------- */
+/* -- the torch side: one malloc/free pair per slot, each slot bound to (context, tag) ----------------
+ *
+ * torch keeps the function pointers of a slot for the process, so a slot is
+ * rebound to another (context, tag) only when nothing can reach the old one
+ * through it: its context is closed (its malloc fails, its free is ignored)
+ * and `live`, the blocks its malloc handed out that its free has not had back,
+ * is 0. `live` changes under the mutex of the context the slot is bound to,
+ * and a rebind checks both under that same mutex, so a block handed out by
+ * the old context can never be freed into the new one.
+ */
 
 static struct {
   tp_ctx *ctx;
   int tag;
+  long live;
 } g_slots[TP_SLOTS];
 static int g_nslots;
 static pthread_mutex_t g_slot_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void *slot_malloc(int slot, long long size, int dev) {
   tp_ctx *c = __atomic_load_n(&g_slots[slot].ctx, __ATOMIC_ACQUIRE);
-  int tag = g_slots[slot].tag;
+  int tag = __atomic_load_n(&g_slots[slot].tag, __ATOMIC_RELAXED);
   uint64_t addr = 0;
   if (!c) return NULL;
   tp_err e;
@@ -484,6 +494,7 @@ static void *slot_malloc(int slot, long long size, int dev) {
   int rc = c->drv.ensure_context(c->drv.self, dev, &e) ? driver_fail(&e, tag, "allocate")
                                                         : alloc_locked(c, tag, dev, (uint64_t)size, &addr, &e);
   if (rc) ring_push(c, &e);
+  else __atomic_add_fetch(&g_slots[slot].live, 1, __ATOMIC_RELAXED);
   pthread_mutex_unlock(&c->mu);
   return rc ? NULL : (void *)(uintptr_t)addr;
 }
@@ -491,13 +502,14 @@ static void *slot_malloc(int slot, long long size, int dev) {
 static void slot_free(int slot, void *ptr, int dev) {
   tp_ctx *c = __atomic_load_n(&g_slots[slot].ctx, __ATOMIC_ACQUIRE);
   if (!ptr || !c) return;
-  int tag = g_slots[slot].tag;
+  int tag = __atomic_load_n(&g_slots[slot].tag, __ATOMIC_RELAXED);
   tp_err e;
   memset(&e, 0, sizeof e);
   pthread_mutex_lock(&c->mu);
   int rc = c->drv.ensure_context(c->drv.self, dev, &e) ? driver_fail(&e, tag, "free")
                                                         : free_locked(c, (uint64_t)(uintptr_t)ptr, &e);
   if (rc) ring_push(c, &e);
+  __atomic_sub_fetch(&g_slots[slot].live, 1, __ATOMIC_RELAXED); /* torch gave the block back, freed or not */
   pthread_mutex_unlock(&c->mu);
 }
 
@@ -522,16 +534,51 @@ static const struct {
 } g_pairs[TP_SLOTS] = {TP_PAIR8(0) TP_PAIR8(1) TP_PAIR8(2) TP_PAIR8(3) TP_PAIR8(4) TP_PAIR8(5) TP_PAIR8(6) TP_PAIR8(7)
                        TP_PAIR8(8) TP_PAIR8(9) TP_PAIR8(10) TP_PAIR8(11) TP_PAIR8(12) TP_PAIR8(13) TP_PAIR8(14) TP_PAIR8(15)};
 
-/* Bind a free slot to (c, tag); return its index, or -1 when every slot is taken. Slots live for the process. */
+/* Slot i is bound to a closed context and torch holds nothing of it: nothing can reach it. Takes that context's mutex. */
+static int slot_idle(int i, tp_ctx *c, int tag, int rebind) {
+  tp_ctx *old = g_slots[i].ctx;
+  pthread_mutex_lock(&old->mu);
+  int idle = old->closed && __atomic_load_n(&g_slots[i].live, __ATOMIC_RELAXED) == 0;
+  if (idle && rebind) {
+    __atomic_store_n(&g_slots[i].tag, tag, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_slots[i].ctx, c, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&old->mu);
+  return idle;
+}
+
+/* Bind a slot to (c, tag): a never-used one, else one whose context is closed and holds no block of torch's
+ * (see above); its index, or -1 when every slot is taken (tp_slot_census says by whom). */
 TP_EXPORT int tp_slot_bind(tp_ctx *c, int tag) {
   pthread_mutex_lock(&g_slot_mu);
-  int slot = g_nslots < TP_SLOTS ? g_nslots++ : -1;
-  if (slot >= 0) {
-    g_slots[slot].tag = tag;
+  int slot = -1;
+  if (g_nslots < TP_SLOTS) {
+    slot = g_nslots++;
+    __atomic_store_n(&g_slots[slot].tag, tag, __ATOMIC_RELAXED);
     __atomic_store_n(&g_slots[slot].ctx, c, __ATOMIC_RELEASE);
+  } else {
+    for (int i = 0; i < TP_SLOTS && slot < 0; i++)
+      if (slot_idle(i, c, tag, 1)) slot = i;
   }
   pthread_mutex_unlock(&g_slot_mu);
   return slot;
+}
+
+/* out[0]: slots bound to open contexts; out[1]: bound to closed contexts torch still holds blocks of; out[2]: free. */
+TP_EXPORT void tp_slot_census(int *out) {
+  pthread_mutex_lock(&g_slot_mu);
+  out[0] = out[1] = 0;
+  out[2] = TP_SLOTS - g_nslots;
+  for (int i = 0; i < g_nslots; i++) {
+    tp_ctx *bound = g_slots[i].ctx;
+    pthread_mutex_lock(&bound->mu);
+    int closed = bound->closed;
+    pthread_mutex_unlock(&bound->mu);
+    if (!closed) out[0]++;
+    else if (slot_idle(i, NULL, 0, 0)) out[2]++;
+    else out[1]++;
+  }
+  pthread_mutex_unlock(&g_slot_mu);
 }
 
 TP_EXPORT void *tp_slot_malloc_fn(int slot) { return slot >= 0 && slot < TP_SLOTS ? (void *)g_pairs[slot].malloc_fn : NULL; }
