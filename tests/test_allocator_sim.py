@@ -163,3 +163,19 @@ def test_host_addresses_are_fresh_unless_reuse_is_asked() -> None:
     again = sim.host_alloc(2 * G, base)
     sim.copy_d2h(again, mapped(sim), G, 0)  # the reused range is real memory
     assert sim.host_reserved == 3 * G
+
+
+def test_two_faults_armed_on_one_call_each_fail_their_own_invocation() -> None:
+    """fail(call, 1) and fail(call, 3) armed together fail the 1st and the 3rd invocation (every armed fault counts every call)."""
+    sim = SimDriver(1 << 20, granularity=G)
+    sim.fail("create", nth=1)
+    sim.fail("create", nth=3)
+    outcome = []
+    for _ in range(4):
+        try:
+            sim.create(G, 0)
+        except DriverError:
+            outcome.append("failed")
+        else:
+            outcome.append("ok")
+    assert outcome == ["failed", "ok", "failed", "ok"]

@@ -80,22 +80,28 @@ TP_EXPORT tp_sim *tp_sim_new(int ndev, uint64_t capacity, uint64_t granularity) 
   return s;
 }
 
-/* Record call `call` and consume an armed fault: 0 run it, 1 fail it, 2 fail it as out of memory (why: `reason`). */
+/* Record call `call` and consume an armed fault: 0 run it, 1 fail it, 2 fail it as out of memory (why: `reason`).
+ * Every armed fault of the call counts this invocation, also when another one fails it: fail(c, 1) and
+ * fail(c, 3) armed together fail the first and the third invocation (a double-fault matrix arms both at once). */
 static int hit_locked(tp_sim *s, int call, char *reason, size_t cap) {
   int out = 0;
-  for (int i = 0; i < s->nfaults[call]; i++) {
+  for (int i = 0; i < s->nfaults[call];) {
     sim_fault *f = &s->faults[call][i];
     if (f->skip > 0) {
       f->skip--;
+      i++;
       continue;
     }
-    out = f->oom ? 2 : 1;
-    if (reason && cap) snprintf(reason, cap, "%s", f->reason);
+    if (!out) {
+      out = f->oom ? 2 : 1;
+      if (reason && cap) snprintf(reason, cap, "%s", f->reason);
+    }
     if (--f->times <= 0) {
       memmove(f, f + 1, (size_t)(s->nfaults[call] - i - 1) * sizeof *f);
       s->nfaults[call]--;
+    } else {
+      i++;
     }
-    break;
   }
   if (s->nlog == s->caplog) {
     size_t n = s->caplog ? s->caplog * 2 : 1024;
