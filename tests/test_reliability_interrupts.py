@@ -8,6 +8,9 @@ turn raises ``KeyboardInterrupt`` instead of returning.
 from __future__ import annotations
 
 import ctypes
+import os
+import random
+import signal
 import threading
 from collections.abc import Hashable
 from pathlib import Path
@@ -28,7 +31,14 @@ from test_reliability_faults import (
     _sim_available,
 )
 
-from torpor.errors import CommandInFlight, ControllerClosed, LogWriteFailed, MemoryOperationFailed, NotRecovered
+from torpor.errors import (
+    CommandInFlight,
+    ControllerClosed,
+    LogWriteFailed,
+    MemoryOperationFailed,
+    NotRecovered,
+    TorporError,
+)
 from torpor.statemachine.controller import SleepController
 from torpor.statemachine.events import EventKind
 from torpor.statemachine.log import replay
@@ -254,3 +264,162 @@ def replay_events(path: Path) -> list[Any]:
     from torpor.statemachine.log import read_events
 
     return list(read_events(path))
+
+
+# -- a real SIGINT while the log is written ------------------------------------------------------
+
+#: One cycle of commands; each cell interrupts one of the log writes (or fsyncs) it makes.
+CYCLE: tuple[tuple[str, Any], ...] = (
+    ("sleep", 1),
+    ("wake", ["weights"]),
+    ("wake", None),
+    ("sleep", 2),
+    ("discard", ["weights"]),
+    ("wake", None),
+)
+
+
+def _command(ctrl: SleepController, name: str, arg: Any) -> None:
+    if name == "sleep":
+        ctrl.sleep(arg)
+    elif name == "wake":
+        ctrl.wake(arg)
+    else:
+        ctrl.discard(arg)
+
+
+def _cycle(ctrl: SleepController) -> int:
+    """Run :data:`CYCLE`, going on past each Ctrl-C (as an engine loop that catches it does); the interrupts met."""
+    interrupts = 0
+    for name, arg in CYCLE:
+        try:
+            _command(ctrl, name, arg)
+        except KeyboardInterrupt:
+            interrupts += 1
+        except TorporError:  # refused after an interrupt left a tag elsewhere than the cycle expects
+            pass
+    return interrupts
+
+
+class _SigintAfter:
+    """``os.write`` or ``os.fsync`` that, on the log's file, sends a real SIGINT once the ``nth`` call has returned.
+
+    The handler (``KeyboardInterrupt``) then runs at the next instruction the
+    interpreter checks for signals: after the system call completed, before its
+    result is stored.
+    """
+
+    def __init__(self, name: str, nth: int) -> None:
+        self.name = name
+        self.real = getattr(os, name)
+        self.nth = nth
+        self.calls = 0
+        self.fd: int | None = None
+
+    def __call__(self, fd: int, *args: Any) -> Any:
+        result = self.real(fd, *args)
+        if fd == self.fd:
+            self.calls += 1
+            if self.calls == self.nth:
+                signal.raise_signal(signal.SIGINT)
+        return result
+
+
+def _check_after_interrupt(ctrl: SleepController, path: Path, where: str) -> list[str]:
+    """What is wrong after an interrupt: an unreadable log, a repeated number, a controller that disagrees or is stuck."""
+    problems: list[str] = []
+    try:
+        seqs = [e.seq for e in replay_events(path)]
+    except TorporError as exc:
+        return [f"{where}: the log is unreadable: {exc}"]
+    if seqs != list(range(1, len(seqs) + 1)):
+        problems.append(f"{where}: sequence numbers {seqs}")
+    if replay(path).to_dict() != ctrl.projection.to_dict():
+        problems.append(f"{where}: the controller ({ctrl.state}) and the log ({replay(path).state}) disagree")
+    if ctrl.state in TRANSITIONAL:
+        problems.append(f"{where}: the controller is left in {ctrl.state.value}")
+    return problems
+
+
+def _count_calls(name: str, fsync: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """How many ``os.<name>`` calls on the log's file one cycle makes (a dry run)."""
+    counter = _SigintAfter(name, 0)
+    monkeypatch.setattr(os, name, counter)
+    ctrl = SleepController(FakeMemory(TAGS), EventLog(tmp_path / "dry.jsonl", fsync=fsync))
+    assert ctrl.log is not None
+    counter.fd = ctrl.log._fd
+    _cycle(ctrl)
+    monkeypatch.setattr(os, name, counter.real)
+    ctrl.close()
+    return counter.calls
+
+
+@pytest.mark.parametrize(("call", "fsync"), [("write", False), ("write", True), ("fsync", True)])
+def test_a_sigint_right_after_each_log_write_keeps_log_and_controller_consistent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, fsync: bool
+) -> None:
+    """A real SIGINT landing after each os.write (or fsync) of a cycle: no repeated number, the log reads, the controller agrees and is not left mid-transition."""
+    cells = _count_calls(call, fsync, tmp_path, monkeypatch)
+    assert cells >= 8, f"a cycle makes only {cells} {call} calls on the log"
+    problems: list[str] = []
+    for nth in range(1, cells + 1):
+        path = tmp_path / f"cell{nth}" / "e.jsonl"
+        ctrl = SleepController(FakeMemory(TAGS), EventLog(path, fsync=fsync))
+        assert ctrl.log is not None
+        inject = _SigintAfter(call, nth)
+        inject.fd = ctrl.log._fd
+        monkeypatch.setattr(os, call, inject)
+        try:
+            interrupts = _cycle(ctrl)
+        finally:
+            monkeypatch.setattr(os, call, inject.real)
+        where = f"os.{call} #{nth}"
+        assert interrupts == 1, f"{where}: the interrupt was {'swallowed' if not interrupts else 'repeated'}"
+        problems += _check_after_interrupt(ctrl, path, where)
+        try:
+            if ctrl.projection.interrupted:
+                ctrl.recover()
+            if ctrl.state is not State.AWAKE:
+                ctrl.wake()
+            ctrl.sleep(1)
+            ctrl.wake()
+        except TorporError as exc:
+            problems.append(f"{where}: the next cycle fails: {exc}")
+        ctrl.close()
+        try:  # a restarted engine reads the log
+            SleepController(FakeMemory(TAGS), path).close()
+        except TorporError as exc:
+            problems.append(f"{where}: a restarted engine fails: {exc}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("fsync", [False, True], ids=["fsync-off", "fsync-on"])
+def test_a_real_sigint_at_random_moments_never_breaks_the_log(tmp_path: Path, fsync: bool) -> None:
+    """Real SIGINTs at random moments of sleep/wake cycles: after each, the log reads, numbers follow on, the controller agrees and is not stuck."""
+    rng = random.Random(30)
+    path = tmp_path / "e.jsonl"
+    ctrl = SleepController(FakeMemory(TAGS), EventLog(path, fsync=fsync))
+    problems: list[str] = []
+    for round_ in range(40):
+        timer = threading.Timer(rng.uniform(0.0, 0.002), os.kill, (os.getpid(), signal.SIGINT))
+        try:
+            timer.start()
+            while True:  # until the interrupt: it lands somewhere in here
+                try:
+                    if ctrl.state is State.AWAKE:
+                        ctrl.sleep(rng.choice([1, 2]))
+                    elif rng.random() < 0.2:
+                        ctrl.discard(["weights"])
+                    else:
+                        ctrl.wake(rng.choice([["weights"], None]))
+                except TorporError:
+                    pass
+        except KeyboardInterrupt:
+            pass
+        timer.join()
+        problems += _check_after_interrupt(ctrl, path, f"interrupt {round_ + 1}")
+        if problems:
+            break
+    ctrl.close()
+    assert not problems, "\n".join(problems)
+    assert replay(path).state is ctrl.state

@@ -24,6 +24,7 @@ from torpor.statemachine.events import Event, EventKind, make_event
 from torpor.statemachine.fanout import Fanout
 from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
 from torpor.statemachine.hostmem import apply_host_policy
+from torpor.statemachine.interrupts import UNINTERRUPTED
 from torpor.statemachine.log import read_events
 from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.policy import DEFAULT_POLICY, Policy
@@ -175,7 +176,7 @@ class ControllerBase:
         return {tag: u.resident for tag, u in self.memory.usage().items()}
 
     def _emit(self, kind: EventKind, **data: Any) -> Event:
-        with self._emit_lock:
+        with UNINTERRUPTED, self._emit_lock:  # log, projection, subscribers: a Ctrl-C is raised after, never between
             if self._closed_at:
                 raise ControllerClosed(f"record {kind.value}", self.engine, self.rank, self._closed_at)
             event = make_event(kind, self._seq + 1, self.engine, self.rank, data)

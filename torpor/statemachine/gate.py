@@ -7,7 +7,9 @@ one is refused with ``CommandInFlight``; a closed controller raises
 (:func:`~torpor.statemachine.states.decide`, and nothing else decides whether a
 state accepts a command), and leaves through :meth:`CommandGate._refuse` (a
 ``refused`` event, then the error) or :meth:`CommandGate._repeated` (a
-``command_repeated`` no-op) when it does nothing.
+``command_repeated`` no-op) when it does nothing. An interrupt
+(``KeyboardInterrupt``, ``SystemExit``) that leaves a command mid-transition
+is reconciled with the memory before it is raised (:meth:`CommandGate._settle`).
 
 The table is asked twice on the same verdict: at the entry, where an
 interrupted log (``NotRecovered``) is refused before any argument is read
@@ -37,8 +39,9 @@ from torpor.errors import (
 )
 from torpor.statemachine.base import ControllerBase, _clip, logger
 from torpor.statemachine.events import EventKind
+from torpor.statemachine.interrupts import UNINTERRUPTED
 from torpor.statemachine.projection import Projection
-from torpor.statemachine.states import Verdict, decide
+from torpor.statemachine.states import TRANSITIONAL, Verdict, decide
 
 
 class CommandGate(ControllerBase):
@@ -48,9 +51,12 @@ class CommandGate(ControllerBase):
     def _command(self, name: str, **args: Any) -> Iterator[None]:
         if self._closed_at:
             raise ControllerClosed(name, self.engine, self.rank, self._closed_at)
-        if not self._command_lock.acquire(blocking=False):
-            self._refuse(name, CommandInFlight(name, self._in_flight, self.state.value))
+        locked = False
         try:
+            with UNINTERRUPTED:  # no Ctrl-C between taking the lock and the ``finally`` that drops it
+                locked = self._command_lock.acquire(blocking=False)
+            if not locked:
+                self._refuse(name, CommandInFlight(name, self._in_flight, self.state.value))
             if self._closed_at:  # closed while this command waited for nothing: close() held the lock
                 raise ControllerClosed(name, self.engine, self.rank, self._closed_at)
             self._owner = threading.get_ident()
@@ -58,11 +64,65 @@ class CommandGate(ControllerBase):
             verdict = decide(self.state, name)
             if verdict.error is NotRecovered:  # before any argument is read: the memory is unknown
                 self._refuse(name, self._refusal(verdict))
-            yield
+            try:
+                yield
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: the process lives on
+                    self._settle(name, exc)
+                raise
         finally:
-            self._in_flight = ""
-            self._owner = None
-            self._command_lock.release()
+            with UNINTERRUPTED:
+                if locked:
+                    self._in_flight = ""
+                    self._owner = None
+                    self._command_lock.release()
+
+    def _settle(self, command: str, exc: BaseException) -> None:
+        """An interrupt that leaves ``command`` mid-transition (it landed where no rollback catches it): reconcile now.
+
+        The process is alive, so the memory is known: the controller takes
+        each tag's residency from it, as :meth:`_reconcile` (``recover()``)
+        does, instead of waiting in a transitional state for a ``recover()``.
+        Not when the log could not record something (``NotRecovered`` names
+        it then) or the memory cannot say: then ``recover()`` stays the way out.
+        """
+        if self.state not in TRANSITIONAL or self._log_failure or self._closed_at:
+            return
+        try:
+            with UNINTERRUPTED:
+                logger.warning(
+                    "torpor: %s interrupted (%s) in %s at %s; reconciling with the memory as recover() does",
+                    command,
+                    type(exc).__name__,
+                    self.state.value,
+                    self.projection.last_step,
+                )
+                self._reconcile()
+        except Exception:
+            logger.exception("torpor: reconciling after an interrupted %s failed; recover() is needed", command)
+
+    def _reconcile(self) -> Projection:
+        """Take each tag's residency from the memory and record it (``recovered``); the body of ``recover()``.
+
+        A tag with nothing resident and bytes on the host (or discarded) is
+        asleep, so the controller ends ``awake`` when everything is resident
+        and ``partially_awake`` otherwise (a wake then restores the rest).
+        """
+        usage = self.memory.usage()
+        released = {
+            tag: {"host": u.host, "discarded": u.discarded}
+            for tag, u in usage.items()
+            if not u.resident and (u.host or u.discarded)
+        }
+        self._emit(
+            EventKind.RECOVERED,
+            usage={tag: u.resident for tag, u in usage.items()},
+            released=released,
+            interrupted_state=self.state.value,
+            interrupted_step=self.projection.last_step,
+        )
+        self._log_failure = ""
+        return self.projection
 
     def _repeated(self, command: str, args: dict[str, Any], reason: str) -> Projection:
         """Record a retried command whose effect already holds; nothing else changes."""

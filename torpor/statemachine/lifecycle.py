@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from torpor.errors import CommandInFlight, LogWriteFailed
 from torpor.statemachine.base import logger
 from torpor.statemachine.events import Event, EventKind
 from torpor.statemachine.gate import CommandGate
+from torpor.statemachine.interrupts import UNINTERRUPTED
 from torpor.statemachine.projection import Projection
+
+#: How long close() waits for the command lock at a time (a Ctrl-C meanwhile is raised between two waits).
+_WAIT_SLICE = 0.1
 
 
 class Lifecycle(CommandGate):
@@ -38,21 +43,7 @@ class Lifecycle(CommandGate):
         """
         with self._command("recover"):
             self._guard("recover")
-            usage = self.memory.usage()
-            released = {
-                tag: {"host": u.host, "discarded": u.discarded}
-                for tag, u in usage.items()
-                if not u.resident and (u.host or u.discarded)
-            }
-            self._emit(
-                EventKind.RECOVERED,
-                usage={tag: u.resident for tag, u in usage.items()},
-                released=released,
-                interrupted_state=self.state.value,
-                interrupted_step=self.projection.last_step,
-            )
-            self._log_failure = ""
-            return self.projection
+            return self._reconcile()
 
     @property
     def closed(self) -> bool:
@@ -69,10 +60,16 @@ class Lifecycle(CommandGate):
         """
         if self._owner == threading.get_ident():
             raise CommandInFlight("close", self._in_flight, self.state.value)
-        if not self._command_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
-            raise CommandInFlight("close", self._in_flight, self.state.value)
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
+        locked = False
         try:
-            with self._emit_lock:
+            while not locked:  # waited for in slices, so that a Ctrl-C meanwhile is raised within one
+                left = _WAIT_SLICE if deadline is None else min(_WAIT_SLICE, max(deadline - time.monotonic(), 0))
+                with UNINTERRUPTED:  # no Ctrl-C between taking the lock and the ``finally`` that drops it
+                    locked = self._command_lock.acquire(timeout=left)
+                if not locked and deadline is not None and time.monotonic() >= deadline:
+                    raise CommandInFlight("close", self._in_flight, self.state.value)
+            with UNINTERRUPTED, self._emit_lock:  # the ``closed`` event, the mark and the closed log: all or none
                 if self._closed_at:
                     return
                 try:
@@ -84,4 +81,5 @@ class Lifecycle(CommandGate):
                 if self.log is not None:
                     self.log.close()
         finally:
-            self._command_lock.release()
+            if locked:
+                self._command_lock.release()

@@ -17,6 +17,7 @@ from torpor.errors import EventTooLarge, LogCorrupted, LogWriteFailed, NotAnEven
 from torpor.statemachine import logfile
 from torpor.statemachine.codec import LINE_PREFIX
 from torpor.statemachine.events import BOUNDARY_KINDS, Event
+from torpor.statemachine.interrupts import UNINTERRUPTED
 from torpor.statemachine.log import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_LINE,
@@ -153,7 +154,7 @@ class EventLog:
         line = encode_line(event)
         if len(line) > self.max_line:
             raise EventTooLarge(event.kind.value, len(line), self.max_line)
-        with self._lock:
+        with UNINTERRUPTED, self._lock:  # the line and its count are one step: a Ctrl-C comes before or after
             if event.seq != self.last_seq + 1:
                 msg = f"event #{event.seq} appended after #{self.last_seq}: sequence numbers must follow on"
                 raise ValueError(msg)
@@ -211,7 +212,7 @@ class EventLog:
         if len(line) > self.max_line:
             self._next_rotation = self._size + self.max_bytes
             raise EventTooLarge(snapshot.kind.value, len(line), self.max_line)
-        with self._lock:
+        with UNINTERRUPTED, self._lock:  # never between the two renames, nor before the new file is held
             if snapshot.seq != self.last_seq + 1:
                 msg = f"snapshot #{snapshot.seq} after #{self.last_seq}: sequence numbers must follow on"
                 raise ValueError(msg)
@@ -275,7 +276,7 @@ class EventLog:
 
     def close(self) -> None:
         """Close the file and release the writer lock (events already appended stay); safe to call twice."""
-        with self._lock:
+        with UNINTERRUPTED, self._lock:
             fd, self._fd = self._fd, None
             if fd is not None:
                 os.close(fd)
