@@ -78,6 +78,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "torpor.statemachine.lifecycle",
             "torpor.statemachine.rollback",
             "torpor.statemachine.sleeping",
+            "torpor.statemachine.tracking",
             "torpor.statemachine.waking",
         ),
     ),

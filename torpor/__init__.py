@@ -92,6 +92,8 @@ _LAZY = {
     "follow": "torpor.hooks",
     "fleet": "torpor.hooks",
     "Client": "torpor.client",
+    "TrackRefused": "torpor.statemachine.tracking",
+    "NotReloaded": "torpor.allocator.tracking",
 }
 
 
@@ -137,6 +139,7 @@ __all__ = [
     "MissingExtra",
     "NotAnEventLog",
     "NotRecovered",
+    "NotReloaded",
     "OutOfMemory",
     "PinWhen",
     "Policy",
@@ -149,6 +152,7 @@ __all__ = [
     "TagUsage",
     "TaggedAllocator",
     "TorporError",
+    "TrackRefused",
     "Transfer",
     "UnknownSchemaVersion",
     "UnknownTag",

@@ -33,8 +33,9 @@ from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError
 from torpor.allocator.graphpool import CaptureHandle, CaptureObserver, PoolId
 from torpor.allocator.graphstate import GraphPoolState
+from torpor.allocator.keep import Keeping
 from torpor.allocator.offload import HostArena, HostPolicy
-from torpor.allocator.sleepwake import SleepWake, TagState
+from torpor.allocator.sleepwake import TagState
 from torpor.allocator.staging import Stager
 from torpor.allocator.table import NativeTable
 from torpor.allocator.tagbook import TagBook
@@ -62,7 +63,7 @@ class SlabStats:
         return self._table.stats(tag)[0]
 
 
-class TaggedAllocator(SleepWake):
+class TaggedAllocator(Keeping):
     """Tagged device memory with sleep (backup, release) and wake (restore) per tag; see the module docstring.
 
     ``driver``: None means :class:`~torpor.allocator.cuda_driver.CudaDriver`.
@@ -278,6 +279,7 @@ class TaggedAllocator(SleepWake):
 
     def close(self) -> None:
         """Teardown: unmap what is mapped, free reservations and pinned memory (also while asleep)."""
+        self._close_kept()  # kept copies of discarded tags (torpor.allocator.keep)
         with self._lock:
             for record in self._tags.values():
                 self._settle(record)

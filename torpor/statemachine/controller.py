@@ -32,7 +32,8 @@ The controller is assembled from modules of one job each:
   progress a sleep or wake records as it goes) and the events it records;
 - :mod:`~torpor.statemachine.group`: the ``@collective`` glue for process groups;
 - :mod:`~torpor.statemachine.hostmem`: the host-memory policy's side;
-- :mod:`~torpor.statemachine.lifecycle`: ``observe``, ``record``, ``recover``, ``close``.
+- :mod:`~torpor.statemachine.lifecycle`: ``observe``, ``record``, ``recover``, ``close``;
+- :mod:`~torpor.statemachine.tracking`: ``track`` (a module kept whole across a discard of its tag).
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from torpor.statemachine.discarding import Discarding
 from torpor.statemachine.graphs import GraphPool
 from torpor.statemachine.lifecycle import Lifecycle
 from torpor.statemachine.sleeping import Sleeping
+from torpor.statemachine.tracking import Tracking
 
 __all__ = ["GiB", "SleepController", "Subscriber", "_clip", "_tag_list", "log_path_for"]
 
 
-class SleepController(Sleeping, Discarding, GraphPool, Lifecycle):
+class SleepController(Sleeping, Discarding, GraphPool, Lifecycle, Tracking):
     """Guards, plans and records every memory command of one engine rank.
 
     ``memory`` meets :class:`~torpor.statemachine.protocol.Memory`; ``log`` is

@@ -85,7 +85,12 @@ class Discarding(Waking):
                 discard_failed(self, start, exc, changed=True, went=done)
             done.append(tag)
             self._emit(
-                EventKind.TAG_RELEASED, tag=tag, bytes=released.bytes, action="discard", seconds=released.seconds
+                EventKind.TAG_RELEASED,
+                tag=tag,
+                bytes=released.bytes,
+                action="discard",
+                seconds=released.seconds,
+                **released.kept_fields(),
             )
         self._emit(
             EventKind.DISCARD_COMPLETED,

@@ -90,6 +90,11 @@ def _tag_released(p: ProjectionData, event: Event, d: TagReleased | TagRolledBac
         p.residency[tag] = interned_usage(0, nbytes, 0, allocs)
     else:
         p.residency[tag] = interned_usage(0, 0, nbytes, allocs)
+    if isinstance(d, TagReleased):  # a rollback's re-release leaves the kept copy as it was
+        if d.kept:
+            p.kept[tag] = d.kept
+        else:
+            p.kept.pop(tag, None)
 
 
 def _tag_restored(p: ProjectionData, event: Event, d: TagRestored) -> None:
@@ -97,6 +102,7 @@ def _tag_restored(p: ProjectionData, event: Event, d: TagRestored) -> None:
     old = p.residency.get(tag)
     p.asleep.discard(tag)
     p.residency[tag] = interned_usage(d.bytes, 0, 0, old.allocations if old is not None else 0)
+    p.kept.pop(tag, None)
 
 
 def _tag_discarded(p: ProjectionData, event: Event, d: TagDiscarded) -> None:

@@ -51,6 +51,7 @@ class ProjectionData:
     resume_from: State | None = None
     residency: dict[str, TagUsage] = field(default_factory=dict)
     asleep: set[str] = field(default_factory=set)
+    kept: dict[str, int] = field(default_factory=dict)  # released tags: tracked bytes kept on the host (not ``host``)
     pinned_bytes: int = 0
     host_policy: dict[str, Any] = field(default_factory=dict)
     device_asleep: dict[str, int] = field(default_factory=dict)
@@ -102,6 +103,7 @@ class ProjectionData:
                 for t, u in sorted(self.residency.items())
             },
             "asleep": sorted(self.asleep),
+            "kept": dict(sorted(self.kept.items())),
             "pinned_bytes": self.pinned_bytes,
             "host_policy": dict(self.host_policy),
             "device_asleep": dict(self.device_asleep),
@@ -135,6 +137,7 @@ class ProjectionData:
                 for t, u in dict(raw.get("residency", {})).items()
             },
             asleep={str(t) for t in raw.get("asleep", [])},
+            kept={str(t): int(n) for t, n in dict(raw.get("kept", {})).items()},
             pinned_bytes=int(raw.get("pinned_bytes", 0)),
             host_policy=dict(raw.get("host_policy", {})),
             device_asleep={str(k): int(v) for k, v in dict(raw.get("device_asleep", {})).items()},

@@ -77,7 +77,12 @@ class Sleeping(CommandGate):
                 progress.released.append(done)
                 progress.failed = None
                 self._emit(
-                    EventKind.TAG_RELEASED, tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds
+                    EventKind.TAG_RELEASED,
+                    tag=tag,
+                    bytes=done.bytes,
+                    action=plan[tag].value,
+                    seconds=done.seconds,
+                    **done.kept_fields(),
                 )
             self._group_hold(undo_group)
             progress.phase = "recording"

@@ -61,7 +61,14 @@ class Waking(CommandGate):
                 source = "host" if self.projection.residency[tag].host else "fresh"
                 done = self.memory.restore([tag])[tag]
                 progress.restored.append((tag, done, source))
-                self._emit(EventKind.TAG_RESTORED, tag=tag, bytes=done.bytes, source=source, seconds=done.seconds)
+                self._emit(
+                    EventKind.TAG_RESTORED,
+                    tag=tag,
+                    bytes=done.bytes,
+                    source=source,
+                    seconds=done.seconds,
+                    **done.kept_fields(),
+                )
             self._group_hold(undo_group)  # backups kept until the group agrees
         except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise
             if undone:  # the group's rollback ran already

@@ -49,6 +49,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("tag", "residency"),
         "Bytes of each memory tag by residency (resident, host, discarded)",
     ),
+    "torpor_tag_kept_bytes": (
+        "gauge",
+        ("tag",),
+        "Bytes of a discarded tag kept on the host while it sleeps: tracked state no reload restores (track())",
+    ),
     "torpor_pinned_host_bytes": ("gauge", (), "Pinned host memory held for backups"),
     "torpor_last_sleep_duration_seconds": ("gauge", (), "Duration of the last completed sleep"),
     "torpor_last_wake_duration_seconds": ("gauge", (), "Duration of the last completed wake"),
@@ -182,6 +187,8 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
         for residency in RESIDENCIES:
             value = float(getattr(usage, residency))
             add("torpor_tag_bytes", "torpor_tag_bytes", (("residency", residency), ("tag", tag)), value)
+    for tag, nbytes in sorted(proj.kept.items()):
+        add("torpor_tag_kept_bytes", "torpor_tag_kept_bytes", (("tag", tag),), float(nbytes))
     add("torpor_pinned_host_bytes", "torpor_pinned_host_bytes", (), float(proj.pinned_bytes))
     for metric, family in LAST_GAUGES.items():
         last = tracker.last.get(metric)

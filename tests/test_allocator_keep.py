@@ -1,0 +1,174 @@
+"""Tests of torpor.allocator.keep on SimDriver: ranges of a tag kept across a discard, counted, replayed, rolled back."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tests.support import samples, value
+from torpor import EventKind, SleepController, State
+from torpor.allocator import AllocatorError, HostPolicy, SimDriver, TaggedAllocator
+from torpor.allocator.keep import merged
+from torpor.allocator.keeprange import KeptRange
+from torpor.statemachine import replay
+from torpor.telemetry import attach
+
+G = 64 * 1024
+
+
+class Ranges:
+    """A keep source over fixed ranges; records each fresh() call."""
+
+    def __init__(self, ranges: list[KeptRange]) -> None:
+        self._ranges = ranges
+        self.fresh_calls: list[bool] = []
+
+    def ranges(self) -> list[KeptRange]:
+        return list(self._ranges)
+
+    def fresh(self, inside: Callable[[int, int], bool]) -> None:
+        self.fresh_calls.append(all(inside(r.address, r.nbytes) for r in self._ranges))
+
+
+def make(log: Path | None = None) -> tuple[SimDriver, TaggedAllocator, SleepController]:
+    """A small simulated device, an allocator and a controller (log in ``log`` when given)."""
+    sim = SimDriver(64 << 20, granularity=G)
+    alloc = TaggedAllocator(sim, host=HostPolicy(prepin=False, chunk_bytes=1 << 20, threads=2), slab_bytes=0)
+    return sim, alloc, SleepController(alloc, log=log, engine="e")
+
+
+def weights(alloc: TaggedAllocator) -> tuple[int, bytes, int, bytes]:
+    """Two weights allocations with random bytes: (address, bytes) each."""
+    a, b = alloc.allocate(4 * G, "weights"), alloc.allocate(2 * G, "weights")
+    da, db = os.urandom(4 * G), os.urandom(2 * G)
+    alloc.write(a, da)
+    alloc.write(b, db)
+    return a, da, b, db
+
+
+def test_kept_ranges_survive_a_level_2_discard_and_the_rest_is_discarded() -> None:
+    """Level 2 discards weights, yet the tracked ranges come back at the wake; the untracked bytes do not."""
+    _, alloc, ctl = make()
+    a, da, b, db = weights(alloc)
+    source = Ranges([KeptRange("inv_freq", a + 100, 1000), KeptRange("cache", b + G, 512)])
+    ctl.track(source)
+    ctl.sleep(2)
+    assert ctl.projection.residency["weights"].discarded == 6 * G
+    assert alloc.kept_bytes("weights") == 1512
+    ctl.wake()
+    assert alloc.read(a + 100, 1000) == da[100:1100]
+    assert alloc.read(b + G, 512) == db[G : G + 512]
+    assert alloc.read(a, 100) != da[:100]  # discarded: fresh memory
+    assert source.fresh_calls == [True]
+    assert alloc.kept_bytes() == 0  # the copy goes once the wake stands
+
+
+def test_without_tracking_a_level_2_wake_loses_the_same_ranges() -> None:
+    """The control: the same ranges, untracked, do not survive level 2 (what a reload then cannot mend)."""
+    _, alloc, ctl = make()
+    a, da, _, _ = weights(alloc)
+    ctl.sleep(2)
+    ctl.wake()
+    assert alloc.read(a + 100, 1000) != da[100:1100]
+
+
+def test_kept_bytes_are_in_the_events_the_replay_and_the_metric(tmp_path: Path) -> None:
+    """tag_released and tag_restored carry ``kept``; replaying the log gives the live projection; the gauge shows it."""
+    log = tmp_path / "e.jsonl"
+    _, alloc, ctl = make(log)
+    registry = CollectorRegistry()
+    attach(ctl, registry=registry)
+    a, _, _, _ = weights(alloc)
+    ctl.track(Ranges([KeptRange("inv_freq", a, 3000)]))
+    ctl.sleep(2)
+    released = [e.data for e in ctl.events() if e.kind is EventKind.TAG_RELEASED and e.data.tag == "weights"]
+    assert released[-1].kept == 3000 and released[-1].action == "discard"
+    assert ctl.projection.kept == {"weights": 3000}
+    assert replay(log).to_dict() == ctl.projection.to_dict()
+    got = samples(registry)
+    assert value(got, "torpor_tag_kept_bytes", torpor_engine="e", torpor_rank="0", tag="weights") == 3000
+    ctl.wake()
+    restored = [e.data for e in ctl.events() if e.kind is EventKind.TAG_RESTORED and e.data.tag == "weights"]
+    assert (restored[-1].kept, restored[-1].source) == (3000, "fresh")
+    assert ctl.projection.kept == {}
+    assert replay(log).to_dict() == ctl.projection.to_dict()
+    assert not [k for k in samples(registry) if k[0] == "torpor_tag_kept_bytes"]
+
+
+def test_level_1_keeps_nothing_extra() -> None:
+    """A tag offloaded at level 1 has its backup: nothing is kept, and no event carries ``kept``."""
+    _, alloc, ctl = make()
+    a, da, _, _ = weights(alloc)
+    ctl.track(Ranges([KeptRange("inv_freq", a, 3000)]))
+    ctl.sleep(1)
+    assert alloc.kept_bytes() == 0
+    ctl.wake()
+    assert alloc.read(a, 4 * G) == da
+    assert all("kept" not in e.data for e in ctl.events())
+
+
+def test_a_resident_discard_keeps_the_ranges_too() -> None:
+    """discard(["weights"]) of resident weights keeps the tracked ranges; the wake that names them copies them back."""
+    _, alloc, ctl = make()
+    a, da, _, _ = weights(alloc)
+    ctl.track(Ranges([KeptRange("inv_freq", a + G, 64)]))
+    ctl.discard(["weights"])
+    assert ctl.state is State.PARTIALLY_AWAKE and alloc.kept_bytes("weights") == 64
+    ctl.wake(["weights"])
+    assert alloc.read(a + G, 64) == da[G : G + 64]
+
+
+def test_ranges_outside_the_tag_are_skipped_and_overlaps_merged() -> None:
+    """Only ranges inside one of the tag's allocations are kept; overlapping ones are copied once."""
+    live = [(1000, 100, 0), (5000, 100, 0)]
+    wanted = [KeptRange("a", 1010, 20), KeptRange("b", 1020, 30), KeptRange("out", 90, 5), KeptRange("c", 5000, 100)]
+    ranges, names = merged(wanted, live)
+    assert ranges == [(1010, 40, 0), (5000, 100, 0)]
+    assert names == ["a", "b", "c"]
+    assert merged([KeptRange("spans", 1090, 20)], live) == ([], [])
+
+
+def test_a_failed_keep_leaves_the_tag_resident_and_the_sleep_rolled_back() -> None:
+    """A copy that fails while keeping the ranges fails the release: the sleep rolls back and the bytes stay."""
+    sim, alloc, ctl = make()
+    a, da, _, _ = weights(alloc)
+    ctl.track(Ranges([KeptRange("inv_freq", a, 128)]))
+    sim.fail("copy_d2h")
+    with pytest.raises(Exception, match="tracked ranges not kept"):
+        ctl.sleep(2)
+    assert ctl.state is State.AWAKE
+    assert alloc.kept_bytes() == 0
+    assert alloc.read(a, 4 * G) == da
+
+
+def test_a_failed_copy_back_fails_the_wake_and_keeps_the_copy() -> None:
+    """A copy back that fails fails the wake (the tag released again); a retried wake copies the ranges back."""
+    sim, alloc, ctl = make()
+    a, da, _, _ = weights(alloc)
+    ctl.track(Ranges([KeptRange("inv_freq", a + 8, 256)]))
+    ctl.sleep(2)
+    sim.fail("copy_h2d")
+    with pytest.raises(AllocatorError, match="kept ranges not copied back"):
+        ctl.wake()
+    assert ctl.state is State.ASLEEP_L2
+    assert alloc.kept_bytes("weights") == 256
+    ctl.wake()
+    assert alloc.read(a + 8, 256) == da[8:264]
+
+
+def test_untrack_and_close_give_the_host_memory_back() -> None:
+    """An untracked source is no longer kept; close frees a kept copy's pinned memory."""
+    sim, alloc, ctl = make()
+    a, _, _, _ = weights(alloc)
+    source = alloc.track(Ranges([KeptRange("inv_freq", a, 128)]))
+    remove = alloc.keep("weights", Ranges([KeptRange("other", a + G, 128)]))
+    remove()
+    ctl.sleep(2)
+    assert alloc.kept_names("weights") == ["inv_freq"]
+    assert source is not None
+    alloc.close()
+    assert sim.host_used == 0
