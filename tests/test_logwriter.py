@@ -1,7 +1,12 @@
-"""Tests for torpor.statemachine.logwriter: what a rotation reads of the active file."""
+"""Tests for torpor.statemachine.logwriter: what a rotation reads of the active file; the writer and forked children."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +39,58 @@ def test_a_rotation_reads_only_the_first_line_of_the_active_file(
         monkeypatch.undo()
     assert len(segments(path)) == 4
     assert [e.seq for e in read_events(path)] == list(range(1, 34))
+
+
+_FORKING_ENGINE = """
+import multiprocessing, sys, time
+from torpor.statemachine.controller import SleepController
+from torpor.testing import FakeMemory
+ctrl = SleepController(FakeMemory({"weights": 4096}), sys.argv[1])
+helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=False)
+helper.start()
+ctrl.sleep(1)
+print(helper.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_writer_lock_dies_with_the_writer_not_with_a_forked_child(tmp_path: Path) -> None:
+    """An engine that forked a helper is SIGKILLed: the restarted engine opens the log (the helper holds no lock)."""
+    path = tmp_path / "e.rank0.jsonl"
+    engine = subprocess.Popen([sys.executable, "-c", _FORKING_ENGINE, str(path)], stdout=subprocess.PIPE, text=True)
+    helper = 0
+    try:
+        assert engine.stdout is not None
+        helper = int(engine.stdout.readline())
+        engine.kill()
+        engine.wait(30)
+        with EventLog(path, fsync=False) as log:  # the engine restarted: it is the writer again
+            assert log.last_seq == max(e.seq for e in read_events(path))
+        assert list(read_events(path))[-1].kind is EventKind.SLEEP_COMPLETED
+    finally:
+        engine.kill()
+        engine.wait(30)
+        if helper:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)
+
+
+def test_a_forked_child_cannot_write_the_parents_log(tmp_path: Path) -> None:
+    """In a forked child the parent's EventLog refuses to append (it is not the writer) and leaves the file alone."""
+    path = tmp_path / "e.rank0.jsonl"
+    with EventLog(path, fsync=False) as log:
+        log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            code = 3
+            try:
+                log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 2}}))
+            except ValueError as exc:
+                code = 0 if "forked" in str(exc) else 4
+            except BaseException:
+                code = 5
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 3}}))
+    assert [e.data["usage"]["weights"] for e in read_events(path)] == [1, 3]

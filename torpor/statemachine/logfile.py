@@ -12,16 +12,22 @@ can write. So the writer:
   to someone else or that others can write;
 - holds an exclusive ``flock`` on ``.NAME.lock`` for the writer's lifetime, so
   a second writer on the same log is refused (:class:`~torpor.errors.LogLocked`).
+  The lock dies with the writer: a child it forks (``multiprocessing``'s
+  ``fork``, ``os.fork``) closes its inherited copy of the lock's descriptor at
+  once (``os.register_at_fork``), so a helper that outlives a killed engine
+  does not keep the restarted one out. (``exec`` closes it too: ``O_CLOEXEC``.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
 import stat
 import time
+import weakref
 from pathlib import Path
 
 from torpor.errors import LogLocked, UnsafeLogPath
@@ -136,6 +142,19 @@ def open_file(path: Path, *, readable: bool = False) -> tuple[int, bool]:
     raise UnsafeLogPath(str(path), msg)
 
 
+#: Every lock held in this process: a forked child closes their descriptors (:func:`_forget_in_child`).
+_HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """In a forked child: close the inherited lock descriptors; the lock stays the parent's and dies with it."""
+    for lock in list(_HELD):
+        lock.forget()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class WriterLock:
     """An exclusive lock on ``.NAME.lock`` beside the log (hidden: globs of ``NAME.*`` see segments only), held until :meth:`release`."""
 
@@ -152,6 +171,7 @@ class WriterLock:
             os.close(fd)
             raise
         self._fd: int | None = fd
+        _HELD.add(self)
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
@@ -163,3 +183,10 @@ class WriterLock:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+    def forget(self) -> None:
+        """Close this process's descriptor without unlocking (a forked child's copy: the lock stays its parent's)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):  # an flock is dropped only when its last descriptor closes
+                os.close(fd)

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 
 from torpor.errors import EventTooLarge, LogCorrupted, LogWriteFailed, NotAnEventLog
@@ -84,6 +85,19 @@ def _inspect(fd: int, name: str, max_line: int) -> tuple[int, int]:
     return last, end
 
 
+#: Every writer open in this process: a forked child lets go of their files (:func:`_forget_in_child`).
+_OPEN: weakref.WeakSet[EventLog] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """In a forked child: close the inherited log descriptors; the child is not the writer and must not write."""
+    for log in list(_OPEN):
+        log._forget()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class EventLog:
     """Append-only, checksummed JSON Lines event log for one engine rank, with one writer.
 
@@ -115,6 +129,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._torn = False  # a failed write could not be cut back: cut before the next write
+        self._forked = False  # this object was inherited by a forked child: it writes nothing
         self._next_rotation = max_bytes
         logfile.prepare_directory(self.path.parent)
         self._writer = logfile.WriterLock(self.path)
@@ -139,6 +154,15 @@ class EventLog:
             raise
         self._fd = fd
         self._size = valid
+        _OPEN.add(self)
+
+    def _forget(self) -> None:
+        """In a forked child: close the inherited descriptor (the parent's stays open) and refuse every write."""
+        self._forked = True
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def next_seq(self) -> int:
         """The sequence number the next appended event must carry."""
@@ -167,6 +191,8 @@ class EventLog:
         fd = self._fd
         if fd is None:
             msg = f"the event log {self.path} is closed"
+            if self._forked:
+                msg = f"the event log {self.path} belongs to the process that forked this one; a forked child cannot write it"
             raise ValueError(msg)
         if self._torn:
             self._cut_back(event)
