@@ -1,0 +1,97 @@
+"""torpor.bench.vllm and vllm_engine off the GPU: the engine order, the summary and table, torpor's per-tag phases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torpor.bench import vllm as vllm_bench
+from torpor.bench.vllm_engine import torpor_phases
+
+
+def _run(backend: str, first: float, later: float, *, ok: bool = True) -> dict[str, Any]:
+    """One engine's result as vllm_engine writes it: four level-1 cycles, then two level-2 cycles."""
+    cycles = []
+    for i in range(4):
+        sleep = first if i == 0 else later
+        worker = [["worker.sleep", sleep * 0.8], ["backend.suspend", sleep * 0.5], ["worker.wake_up", 0.01]]
+        cycles.append({"level": 1, "sleep_s": sleep, "wake_s": 0.05, "freed": 42e9, "same": True, "worker": worker})
+    for _ in range(2):
+        cycles.append({"level": 2, "sleep_s": 0.06, "wake_s": 0.2, "reload_s": 0.1, "freed": 42.3e9, "worker": []})
+    phases = [
+        {
+            "op": "sleep",
+            "level": 1,
+            "seconds": s,
+            "tags": {"weights": {"bytes": 400e6, "backup": s / 4, "release": 0.001}},
+        }
+        for s in (first, later, later, later)
+    ]
+    return {"backend": backend, "ok": ok, "identical": ok, "start_s": 20.0, "cycles": cycles, "torpor_phases": phases}
+
+
+def test_order_alternates_so_each_backend_goes_first_and_last_equally() -> None:
+    """Two rounds are cumem, torpor, torpor, cumem; three add cumem, torpor."""
+    assert vllm_bench.order(2) == ["cumem", "torpor", "torpor", "cumem"]
+    assert vllm_bench.order(3) == ["cumem", "torpor", "torpor", "cumem", "cumem", "torpor"]
+
+
+def test_summary_separates_first_and_later_cycles_and_the_parts_of_a_later_sleep() -> None:
+    """First sleep is each engine's first cycle, later the median of the rest; parts come from the worker's timers."""
+    runs = [_run("cumem", 0.3, 0.07), _run("torpor", 0.12, 0.04), _run("torpor", 0.14, 0.05), _run("cumem", 0.35, 0.06)]
+    s = vllm_bench.summarize(runs)
+    assert s["cumem"]["l1_sleep_first_s"] == pytest.approx(0.325)
+    assert s["torpor"]["l1_sleep_later_s"] == pytest.approx(0.045)
+    assert s["torpor"]["later_sleep_parts_s"]["backend.suspend"] == pytest.approx(0.045 * 0.5)
+    assert s["cumem"]["l2_wake_reload_s"] == pytest.approx(0.2)
+    assert s["torpor"]["freed_l1_gb"] == pytest.approx(42.0)
+    assert s["torpor"]["torpor_later_sleep_tags"]["weights"]["backup"] == pytest.approx(0.045 / 4)
+    assert s["cumem"]["torpor_later_sleep_tags"] == {}
+    assert s["cumem"]["ok"] and s["torpor"]["identical"]
+
+
+def test_summary_marks_a_backend_whose_engine_failed() -> None:
+    """An engine that failed (no cycles, or outputs that changed) makes its backend's row not ok."""
+    runs = [
+        _run("cumem", 0.3, 0.07),
+        {"backend": "torpor", "ok": False, "error": "boom"},
+        _run("torpor", 0.1, 0.04, ok=False),
+    ]
+    s = vllm_bench.summarize(runs)
+    assert not s["torpor"]["ok"] and not s["torpor"]["identical"]
+    assert s["torpor"]["engines"] == 1
+    table = vllm_bench.markdown(
+        {"model": "/m/tiny", "mode": "compile", "rounds": 2, "cycles": 4, "l2_cycles": 2, "summary": s}
+    )
+    assert "DIFFERENT or failed" in table
+    assert "| `cumem` | 0.300 s / 0.070 s |" in table
+
+
+def test_torpor_phases_reads_sleeps_and_wakes_with_per_tag_seconds(tmp_path: Path) -> None:
+    """A controller's log on the simulated device gives one phase per sleep and wake, with each tag's steps."""
+    from torpor.allocator import SimDriver, TaggedAllocator
+    from torpor.statemachine.controller import SleepController
+
+    MiB = 1 << 20
+    memory = TaggedAllocator(SimDriver(capacity=64 * MiB))
+    controller = SleepController(memory, log=tmp_path / "bench0.rank0.jsonl", engine="bench0", rank=0)
+    memory.allocate(4 * MiB, "weights")
+    memory.allocate(8 * MiB, "kv_cache")
+    controller.observe()
+    for _ in range(2):
+        controller.sleep(1)
+        controller.wake()
+    controller.sleep(2)
+    controller.wake(["weights"])
+    phases = torpor_phases(tmp_path)
+    assert [(p["op"], p.get("level")) for p in phases] == [("sleep", 1), ("wake", None)] * 2 + [
+        ("sleep", 2),
+        ("wake", None),
+    ]
+    first = phases[0]["tags"]
+    assert "backup" in first["weights"] and "release" in first["weights"]
+    assert first["kv_cache"]["bytes"] == 8 * MiB and "backup" not in first["kv_cache"]
+    assert "restore" in phases[1]["tags"]["weights"]
+    assert list(phases[-1]["wake_tags"]) == ["weights"]

@@ -1,0 +1,198 @@
+"""``torpor bench --vllm MODEL``: vLLM's ``cumem`` sleep backend against ``torpor`` on one model, in one run.
+
+Each engine runs in its own process (:mod:`torpor.bench.vllm_engine`), in
+alternating order (cumem, torpor, torpor, cumem, ...: each backend goes first
+and last equally often, so a warming machine or compile cache favours
+neither). Per backend the table gives the median over its engines of: the first
+level-1 sleep and wake (the cold ones), the later ones (every later cycle), the
+level-2 sleep and wake + ``reload_weights``, the device memory freed, the
+engine start; and where a later level-1 sleep's time goes (the caller's
+``LLM.sleep``, the worker's ``sleep``, the backend's ``suspend``; for torpor also
+the per-tag backup and release seconds of its event log). The cProfile of one
+extra cycle in each engine's worker is kept in the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("cumem", "torpor")
+
+
+def order(rounds: int) -> list[str]:
+    """The engines to start: ABBA per round pair, so each backend is first and last equally often."""
+    out: list[str] = []
+    for r in range(rounds):
+        out += list(BACKENDS) if r % 2 == 0 else list(reversed(BACKENDS))
+    return out
+
+
+def run(
+    model: str,
+    *,
+    rounds: int = 2,
+    cycles: int = 4,
+    l2_cycles: int = 2,
+    mode: str = "compile",
+    out: Path,
+    log: Callable[[str], None] = lambda s: None,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Run the engines one after another; the raw results and the summary (also written to ``out/vllm-bench.json``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    for i, backend in enumerate(order(rounds)):
+        result = out / f"engine{i}-{backend}.json"
+        env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER=os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"))
+        if backend == "torpor":
+            env["VLLM_PLUGINS"] = "torpor"
+            env["TORPOR_LOG_DIR"] = tempfile.mkdtemp(prefix=f"torpor-bench{i}-")
+            env["TORPOR_ENGINE"] = f"bench{i}"
+        else:
+            env["VLLM_PLUGINS"] = "none"  # vLLM's own backend with no plugin loaded: the baseline as users run it
+        cmd = [sys.executable, "-m", "torpor.bench.vllm_engine", "--backend", backend, "--model", model]
+        cmd += ["--json", str(result), "--mode", mode, "--cycles", str(cycles), "--l2-cycles", str(l2_cycles)]
+        log(f"engine {i + 1}/{len(order(rounds))}: {backend}")
+        started = time.perf_counter()
+        with (out / f"engine{i}-{backend}.log").open("w") as engine_log:
+            try:
+                done = subprocess.run(
+                    cmd, env=env, stdout=engine_log, stderr=subprocess.STDOUT, timeout=timeout, check=False
+                )
+                rc: int | str = done.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        res: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {"backend": backend, "ok": False}
+        res.update(engine=i, rc=rc, wall_s=time.perf_counter() - started)
+        runs.append(res)
+        log(f"  rc {rc}, start {res.get('start_s', float('nan')):.1f} s, identical {res.get('identical')}")
+    data: dict[str, Any] = {"model": model, "mode": mode, "rounds": rounds, "cycles": cycles, "l2_cycles": l2_cycles}
+    data["machine"] = machine()
+    data["runs"] = runs
+    data["summary"] = summarize(runs)
+    (out / "vllm-bench.json").write_text(json.dumps(data, indent=1, default=str))
+    (out / "vllm-bench.md").write_text(markdown(data))
+    return data
+
+
+def machine() -> dict[str, Any]:
+    """The GPU and software the run had (empty fields where unknown)."""
+    info: dict[str, Any] = {"python": sys.version.split()[0]}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per backend: the medians of every row of the table and of the later level-1 sleep's parts."""
+    out: dict[str, dict[str, Any]] = {}
+    for backend in BACKENDS:
+        mine = [r for r in runs if r.get("backend") == backend and r.get("cycles")]
+        l1 = [[c for c in r["cycles"] if c["level"] == 1] for r in mine]
+        l2 = [c for r in mine for c in r["cycles"] if c["level"] == 2]
+        later = [c for cs in l1 for c in cs[1:]]
+        row: dict[str, Any] = {
+            "engines": len(mine),
+            "ok": bool(mine) and all(r.get("ok") for r in mine),
+            "start_s": [round(r["start_s"], 1) for r in mine],
+            "l1_sleep_first_s": _median([cs[0]["sleep_s"] for cs in l1 if cs]),
+            "l1_sleep_later_s": _median([c["sleep_s"] for c in later]),
+            "l1_wake_first_s": _median([cs[0]["wake_s"] for cs in l1 if cs]),
+            "l1_wake_later_s": _median([c["wake_s"] for c in later]),
+            "l2_sleep_s": _median([c["sleep_s"] for c in l2]),
+            "l2_wake_reload_s": _median([c["wake_s"] for c in l2]),
+            "l2_reload_s": _median([c["reload_s"] for c in l2 if "reload_s" in c]),
+            "freed_l1_gb": _median([c["freed"] / 1e9 for cs in l1 for c in cs]),
+            "identical": bool(mine) and all(r.get("identical") for r in mine),
+        }
+        parts: dict[str, list[float]] = {}
+        for c in later:
+            for key, seconds in c.get("worker", []):
+                if key in ("worker.sleep", "backend.suspend"):
+                    parts.setdefault(key, []).append(seconds)
+        row["later_sleep_parts_s"] = {k: _median(v) for k, v in parts.items()}
+        row["torpor_later_sleep_tags"] = _later_sleep_tags(mine) if backend == "torpor" else {}
+        out[backend] = row
+    return out
+
+
+def _later_sleep_tags(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """torpor's later level-1 sleeps (from the event logs): the median backup and release seconds per tag."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for r in runs:
+        sleeps = [p for p in r.get("torpor_phases", []) if p["op"] == "sleep" and p.get("level") == 1]
+        for phase in sleeps[1:]:
+            acc.setdefault("(total)", {}).setdefault("seconds", []).append(phase.get("seconds", 0.0))
+            for tag, t in phase["tags"].items():
+                for step in ("backup", "release"):
+                    if step in t:
+                        acc.setdefault(tag, {}).setdefault(step, []).append(t[step])
+                acc.setdefault(tag, {}).setdefault("bytes", []).append(float(t.get("bytes", 0)))
+    return {tag: {k: _median(v) for k, v in steps.items()} for tag, steps in acc.items()}
+
+
+def _s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f} s"
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The comparison table, the parts of a later level-1 sleep, and torpor's per-tag figures."""
+    s = data["summary"]
+    m = data.get("machine", {})
+    lines = [
+        f"Model `{Path(data['model']).name}`, mode {data['mode']}, {data['rounds']} engines per backend "
+        f"({', '.join(order(data['rounds']))}), {data['cycles']} level-1 and {data['l2_cycles']} level-2 cycles each; "
+        f"{m.get('gpu', '?')}, torch {m.get('torch', '?')}, vLLM {m.get('vllm', '?')}. Medians.",
+        "",
+        "| backend | L1 sleep first / later | L1 wake first / later | L2 sleep | L2 wake + reload | freed (L1) "
+        "| engine start | outputs after every wake |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for b in BACKENDS:
+        r = s[b]
+        freed = "n/a" if r["freed_l1_gb"] is None else f"{r['freed_l1_gb']:.1f} GB"
+        lines.append(
+            f"| `{b}` | {_s(r['l1_sleep_first_s'])} / {_s(r['l1_sleep_later_s'])} | {_s(r['l1_wake_first_s'])} / "
+            f"{_s(r['l1_wake_later_s'])} | {_s(r['l2_sleep_s'])} | {_s(r['l2_wake_reload_s'])} | {freed} | "
+            f"{', '.join(f'{x:.1f} s' for x in r['start_s'])} | {'identical' if r['identical'] else 'DIFFERENT or failed'} |"
+        )
+    lines += ["", "Where a later level-1 sleep goes (medians):", ""]
+    lines += ["| backend | `LLM.sleep` | worker `sleep` | backend `suspend` |", "| --- | --- | --- | --- |"]
+    for b in BACKENDS:
+        r, p = s[b], s[b]["later_sleep_parts_s"]
+        lines.append(
+            f"| `{b}` | {_s(r['l1_sleep_later_s'])} | {_s(p.get('worker.sleep'))} | {_s(p.get('backend.suspend'))} |"
+        )
+    tags = s["torpor"]["torpor_later_sleep_tags"]
+    if tags:
+        lines += ["", "torpor's later level-1 sleep per tag (event log, medians):", ""]
+        lines += ["| tag | bytes | backup | release |", "| --- | --- | --- | --- |"]
+        for tag, t in sorted(tags.items()):
+            size = "" if t.get("bytes") is None else f"{t['bytes'] / 1e6:,.0f} MB"
+            lines.append(f"| {tag} | {size} | {_s(t.get('backup'))} | {_s(t.get('release') or t.get('seconds'))} |")
+    return "\n".join(lines) + "\n"
