@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import vllm_gpu_support as support
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]  # an engine start with torch.compile takes a minute or more
 
 ENGINE = "llm-gpu-test"
 

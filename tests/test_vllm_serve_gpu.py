@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import vllm_gpu_support as support
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]  # an engine start with torch.compile takes a minute or more
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_S = 420.0
@@ -237,7 +237,7 @@ def test_serve_sleep_staged_wake_metrics_routes_and_rl_example(tmp_path: Path) -
 def test_serve_async_scheduling_requests_in_flight_and_queued_across_sleep(tmp_path: Path) -> None:
     """Async scheduling: /sleep aborts (or with mode=wait drains) running requests; queued ones run exactly after wake."""
     prompts = support.PROMPTS
-    long = 600  # tokens: each request runs for a second or more
+    long = 900  # tokens: each request runs for a second or more
 
     with serve(tmp_path, "serve-async-gpu-test", "--async-scheduling") as server:
 
@@ -269,7 +269,7 @@ def test_serve_async_scheduling_requests_in_flight_and_queued_across_sleep(tmp_p
         # in flight, mode=abort (vLLM's default): the running requests end aborted, a prefix of the reference
         def sleep_while_running() -> None:
             server.ok("POST", "/wake_up?tags=scheduling")
-            time.sleep(0.5)
+            time.sleep(0.3)
             assert server.ok("POST", "/sleep?level=1") == {"status": "sleeping", "level": 1}
 
         aborted = batch(long, sleep_while_running)
