@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from torpor.allocator import SimDriver
+import pytest
+
+from torpor import SleepController
+from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.allocator.table import NativeTable
 from torpor.allocator.tagbook import TagBook
 
@@ -56,3 +59,135 @@ def test_routing_nests_per_thread_and_unwinds_on_error() -> None:
             pass
         assert tags.current() == "weights"
     assert tags.current() is None and other == [None]
+
+
+# -- the doors: use_memory_pool blocks and sleeps (issue 26) ----------------------------------------------------
+
+
+def _engine() -> tuple[TaggedAllocator, SleepController]:
+    """A sim allocator with weights and kv_cache and a controller over it."""
+    alloc = TaggedAllocator(SimDriver(64 * G * 64, granularity=G))
+    with alloc.use_memory_pool("weights"):
+        alloc.allocate(2 * G)
+    with alloc.use_memory_pool("kv_cache"):
+        alloc.allocate(2 * G)
+    return alloc, SleepController(alloc)
+
+
+def test_a_block_of_a_sleeping_tag_is_refused_at_its_start_naming_the_tag_its_state_and_the_sleep() -> None:
+    """use_memory_pool of a tag asleep raises TagNotAwake (state 'asleep', the sleep's event) before anything is routed; an awake tag's block still opens."""
+    from torpor import TagNotAwake
+
+    alloc, ctl = _engine()
+    ctl.sleep(1)
+    with (
+        pytest.raises(
+            TagNotAwake, match=r"tag 'weights' is asleep \(sleep level 1, event #\d+ \(sleep_requested\)\)"
+        ) as info,
+        alloc.use_memory_pool("weights"),
+    ):
+        pytest.fail("the block must not open")
+    assert info.value.tag == "weights" and info.value.state == "asleep"
+    assert alloc.book.open_blocks() == []
+    ctl.wake(["weights"])
+    with alloc.use_memory_pool("weights"):
+        alloc.allocate(G)
+    with pytest.raises(TagNotAwake, match="kv_cache"), alloc.use_memory_pool("kv_cache"):
+        pass
+
+
+def test_a_sleep_waits_for_a_block_open_in_another_thread_and_refuses_new_ones_meanwhile() -> None:
+    """A sleep finds a block open in another thread: new blocks of its tags are refused 'going to sleep' while it waits; it goes on once the block ends."""
+    from torpor import State, TagNotAwake
+
+    alloc, ctl = _engine()
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def worker() -> None:
+        with alloc.use_memory_pool("weights"):
+            inside.set()
+            release.wait(10)
+            alloc.allocate(G)  # still awake: the sleep waits for this block
+
+    def late() -> None:
+        try:
+            with alloc.use_memory_pool("weights"):
+                seen.append("opened")
+        except TagNotAwake as exc:
+            seen.append(exc.state)
+        release.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    inside.wait(10)
+    timer = threading.Timer(0.2, late)
+    timer.start()
+    ctl.sleep(1)
+    t.join(10)
+    timer.join(10)
+    assert seen == ["going to sleep"]
+    assert ctl.state is State.ASLEEP_L1
+    assert alloc.usage()["weights"].host == 3 * G  # the block's allocation was backed up
+
+
+def test_a_sleep_refuses_when_a_block_stays_open_past_its_wait_and_touches_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A block open in another thread past TORPOR_BLOCK_WAIT: BlocksOpen names the tag and the thread; still awake, no byte moved, blocks open again."""
+    from torpor import BlocksOpen, State
+
+    monkeypatch.setenv("TORPOR_BLOCK_WAIT", "0.1")
+    alloc, ctl = _engine()
+    inside, release = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with alloc.use_memory_pool("kv_cache"):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=worker, name="loader")
+    t.start()
+    inside.wait(10)
+    before = alloc.usage()
+    with pytest.raises(BlocksOpen, match=r"tag 'kv_cache' in thread 'loader'") as info:
+        ctl.sleep(1)
+    release.set()
+    t.join(10)
+    assert info.value.holders == ("tag 'kv_cache' in thread 'loader'",)
+    assert ctl.state is State.AWAKE and alloc.usage() == before
+    assert ctl.projection.last_kind == "refused"
+    with alloc.use_memory_pool("weights"):  # the doors are open again
+        pass
+    assert ctl.sleep(1).state is State.ASLEEP_L1
+
+
+def test_a_sleep_from_inside_a_block_of_its_own_tag_is_refused_at_once() -> None:
+    """ctl.sleep() inside use_memory_pool('weights') in the same thread cannot wait for itself: refused at once, naming the block."""
+    import time
+
+    from torpor import BlocksOpen
+
+    alloc, ctl = _engine()
+    start = time.monotonic()
+    with (
+        alloc.use_memory_pool("weights"),
+        pytest.raises(BlocksOpen, match="this thread is inside a block of 'weights'"),
+    ):
+        ctl.sleep(1)
+    assert time.monotonic() - start < 5
+
+
+def test_the_block_wait_is_read_from_the_environment_and_bad_values_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TORPOR_BLOCK_WAIT: unset is 10 s, a number of seconds is taken, nan/negative/words are refused with its name."""
+    from torpor.statemachine.sleeping import block_wait
+
+    monkeypatch.delenv("TORPOR_BLOCK_WAIT", raising=False)
+    assert block_wait() == 10.0
+    monkeypatch.setenv("TORPOR_BLOCK_WAIT", "2.5")
+    assert block_wait() == 2.5
+    for bad in ("nan", "-1", "inf", "soon"):
+        monkeypatch.setenv("TORPOR_BLOCK_WAIT", bad)
+        with pytest.raises(ValueError, match="TORPOR_BLOCK_WAIT"):
+            block_wait()

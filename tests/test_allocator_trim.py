@@ -31,7 +31,25 @@ class Harness:
         self.asleep = False
         self.made = 0
         self.next_address = 0x1000_0000
-        self.blocks = BlockPools(self.new_pool, self.trim, self.untrim, self.snapshot, asleep=lambda tag: self.asleep)
+        self.queued = 0  # kernels queued on the segments' stream so far
+        self.completed = 0  # of which the device has run
+        self.marks: list[set[tuple[int, int]]] = []
+        self.blocks = BlockPools(self.new_pool, self.trim, self.untrim, self.snapshot, mark=self.mark, done=self.done)
+
+    def mark(self, streams: set[tuple[int, int]]) -> object:
+        self.marks.append(streams)
+        return self.queued
+
+    def done(self, token: object) -> bool:
+        return isinstance(token, int) and self.completed >= token
+
+    def kernel(self) -> None:
+        """A kernel queued on the stream (not run yet)."""
+        self.queued += 1
+
+    def drain(self) -> None:
+        """The device ran everything queued."""
+        self.completed = self.queued
 
     def new_pool(self, tag: str) -> FakePool:
         self.made += 1
@@ -56,7 +74,8 @@ class Harness:
         for address, live in pool.segments.items():
             state = "active_allocated" if live else "inactive"
             block = {"address": address, "size": 2 * MiB, "state": state}
-            out.append({"address": address, "total_size": 2 * MiB, "allocated_size": live, "blocks": [block]})
+            seg = {"address": address, "total_size": 2 * MiB, "allocated_size": live, "blocks": [block]}
+            out.append({**seg, "device": 0, "stream": 7})
         return out
 
     def segment(self, pool: FakePool, live: bool) -> int:
@@ -149,25 +168,45 @@ def test_a_pool_that_cannot_get_its_segments_back_is_not_reused() -> None:
     assert h.blocks.enter("scratch").mempool in (first, again.mempool)
 
 
-def test_a_block_of_a_sleeping_tag_reuses_an_idle_pool_and_the_wake_maps_its_segments_back() -> None:
-    """While the tag sleeps a block reuses its idle pool (no new pool whose allocations would all be refused); waking maps the pool's trimmed segments back."""
+def test_a_free_segment_whose_stream_still_has_queued_work_is_unmapped_only_once_it_ran() -> None:
+    """A segment freed while a kernel queued before the free has not run is marked, not trimmed; a later boundary trims it once the stream ran that work (issue 26)."""
     h = Harness()
     block = h.blocks.enter("scratch")
     free = h.segment(block.mempool, live=False)
-    first = block.mempool
+    h.kernel()  # e.g. the fill of a tensor just dropped, queued behind a long product
     h.blocks.leave(block)
-    assert h.trims == [free]
-    h.asleep = True
+    assert h.trims == [] and h.marks == [{(0, 7)}]
+    h.blocks.trim(["scratch"], settled=False)  # a later boundary while the work is still queued: nothing unmapped
+    assert h.trims == []
+    h.drain()
+    h.blocks.trim(["scratch"], settled=False)
+    assert h.trims == [free] and len(h.marks) == 1  # marked once, trimmed once its work ran
+
+
+def test_a_marked_segment_of_a_pool_a_block_enters_again_stays_mapped_and_is_not_trimmed_under_it() -> None:
+    """A pool entered again while its free segments wait for their stream keeps them (torch may hand them out); nothing is trimmed under the block."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    free = h.segment(block.mempool, live=False)
+    h.kernel()
+    h.blocks.leave(block)
     again = h.blocks.enter("scratch")
-    assert again.mempool is first and h.made == 1 and h.untrims == []
+    assert again.mempool is block.mempool and again.marked == {}
+    h.drain()
+    h.blocks.trim(["scratch"], settled=False)  # the pool is open: never trimmed
+    assert h.trims == []
     h.blocks.leave(again)
-    h.blocks.woke(["scratch"])  # still asleep: nothing can be mapped, the pool stays dirty
-    assert h.untrims == []
-    h.asleep = False
-    h.blocks.woke(["scratch"])
-    assert h.untrims == [free]
-    h.blocks.woke(["scratch"])  # clean now: nothing to map twice
-    assert h.untrims == [free]
+    assert h.trims == [free]  # found free again at its end, its stream idle: trimmed at once
+
+
+def test_a_sleep_trims_every_free_segment_at_once_after_the_devices_synchronized() -> None:
+    """trim(settled=True) (a sleep, after synchronizing) gives back every free segment of idle pools, queued work or not."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    free = h.segment(block.mempool, live=False)
+    h.kernel()
+    h.blocks.leave(block)
+    assert h.blocks.trim(["scratch"]) == 2 * MiB and h.trims == [free]
 
 
 def test_nothing_is_trimmed_when_trimming_is_off() -> None:
@@ -224,13 +263,13 @@ def test_blocks_in_many_threads_never_share_a_pool_and_pools_stay_few() -> None:
 
 
 def test_a_free_segment_of_a_sleeping_tag_is_not_counted_as_trimmed_and_goes_after_the_wake() -> None:
-    """A block of a sleeping tag ends: the table trims nothing, nothing is counted; the first trim after the wake gives the segment back."""
+    """A trim while the tag sleeps: the table trims nothing, nothing is counted; the first trim after the wake gives the segment back."""
     h = Harness()
-    h.asleep = True
     block = h.blocks.enter("scratch")
-    free = h.segment(block.mempool, live=False)
+    free = h.segment(block.mempool, live=True)
     h.blocks.leave(block)
-    assert h.trims == [] and h.blocks.trimmed_bytes == 0
+    block.mempool.segments[free] = 0  # freed while asleep
+    h.asleep = True
+    assert h.blocks.trim(["scratch"]) == 0 and h.trims == [] and h.blocks.trimmed_bytes == 0
     h.asleep = False
-    h.blocks.woke(["scratch"])
     assert h.blocks.trim(["scratch"]) == 2 * MiB and h.trims == [free]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torpor import errors
 from torpor._version import __version__
 from torpor.errors import (
+    BlocksOpen,
     CommandInFlight,
     ControllerClosed,
     EndpointError,
@@ -22,6 +23,7 @@ from torpor.errors import (
     OutOfMemory,
     PoolBusy,
     StateTimeout,
+    TagNotAwake,
     TorporError,
     UnknownSchemaVersion,
     UnknownTag,
@@ -116,6 +118,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Action",
     "AfterWake",
+    "BlocksOpen",
     "Client",
     "CommandInFlight",
     "ControllerClosed",
@@ -149,6 +152,7 @@ __all__ = [
     "SleepController",
     "State",
     "StateTimeout",
+    "TagNotAwake",
     "TagUsage",
     "TaggedAllocator",
     "TorporError",

@@ -339,6 +339,34 @@ class AllocatorArgumentError(AllocatorError, ValueError):
     """An allocator call got a value it cannot take (a size, address or device out of range, an unusable tag name); nothing changed."""
 
 
+class TagNotAwake(AllocatorError):
+    """A ``use_memory_pool`` block of a tag that is asleep or going to sleep, refused before torch can allocate in it.
+
+    Torch serves a block's allocations from the segments its pool has cached,
+    without asking the allocator, and a sleeping tag's segments are unmapped: so
+    the refusal comes at the block's start. Carries ``tag``, ``state`` ("going to
+    sleep" or "asleep") and ``cause`` (the sleep that took it, as the controller
+    named it).
+    """
+
+    def __init__(self, tag: str, state: str, cause: str) -> None:
+        self.state = state
+        self.cause = cause
+        by = f" ({cause})" if cause else ""
+        super().__init__("use_memory_pool", tag, f"tag {tag!r} is {state}{by}; wake it before allocating in it")
+
+
+class BlocksOpen(AllocatorError):
+    """A sleep found ``use_memory_pool`` blocks of its tags open (in other threads past its wait, or in its own).
+
+    Nothing was touched. ``holders`` names each open block: its tag and thread.
+    """
+
+    def __init__(self, reason: str, holders: Sequence[str]) -> None:
+        self.holders = tuple(holders)
+        super().__init__("sleep", None, reason)
+
+
 class TelemetryError(TorporError):
     """Base of the errors torpor.telemetry raises."""
 

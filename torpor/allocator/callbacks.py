@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from torpor.allocator import native
 from torpor.allocator.graphpool import GraphPool
 from torpor.allocator.trim import BlockPool, BlockPools, trim_enabled
 from torpor.extras import require
@@ -28,6 +28,7 @@ from torpor.statemachine.policy import CUDAGRAPH
 if TYPE_CHECKING:
     from torpor.allocator.tagged import TaggedAllocator
 
+logger = logging.getLogger("torpor.allocator")
 _KEEP_ALIVE: list[object] = []  # torch allocators made on native slots: never collected
 
 
@@ -38,6 +39,57 @@ def segments(mempool: Any) -> list[dict[str, Any]]:
     except TypeError:  # torch before include_traces
         found = mempool.snapshot()
     return list(found)
+
+
+def mark_streams(streams: set[tuple[int, int]]) -> object:
+    """An event recorded now on each (device, stream handle): where the work queued there so far ends.
+
+    Recorded in relaxed capture mode, so a capture in another thread is not broken by it.
+    None when an event cannot be recorded (the segments then wait for a sleep, which synchronizes).
+    """
+    import torch
+
+    events = []
+    try:
+        with relaxed_capture():
+            for device, handle in sorted(streams):
+                if handle:
+                    stream: Any = torch.cuda.ExternalStream(handle, device=device)  # type: ignore[no-untyped-call]
+                else:
+                    stream = torch.cuda.default_stream(device)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                events.append(event)
+    except Exception as exc:  # a broken context or a capturing stream: trim nothing now
+        logger.debug("cannot mark free segments for trimming: %s", exc)
+        return None
+    return events
+
+
+def streams_done(token: object) -> bool:
+    """Whether every event of :func:`mark_streams` has completed (False for None: never trimmed at a boundary)."""
+    if not isinstance(token, list):
+        return False
+    try:
+        with relaxed_capture():
+            return all(event.query() for event in token)
+    except Exception as exc:
+        logger.debug("cannot query the events of marked segments: %s", exc)
+        return False
+
+
+@contextmanager
+def relaxed_capture() -> Iterator[None]:
+    """This thread's stream-capture mode relaxed inside (a capture in another thread stays valid), restored after."""
+    from torpor.allocator.cuda_driver import _cu
+
+    cu = _cu()
+    err, previous = cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    try:
+        yield
+    finally:
+        if err == cu.CUresult.CUDA_SUCCESS:
+            cu.cuThreadExchangeStreamCaptureMode(previous)
 
 
 def live_blocks(segment: dict[str, Any]) -> list[tuple[int, int]]:
@@ -69,7 +121,8 @@ class TorchPools:
             allocator.table.untrim,
             segments,
             enabled=trim_enabled(),
-            asleep=lambda tag: allocator.table.usage(tag)[0] != native.ACTIVE,
+            mark=mark_streams,
+            done=streams_done,
         )
         self._local = threading.local()
         self._devices: set[int] = set()
@@ -130,9 +183,12 @@ class TorchPools:
         finally:
             self.blocks.leave(block)
 
-    def trim(self, tags: list[str] | None = None) -> int:
-        """Give back the free segments of pools no open block uses (of ``tags``, or all); the bytes."""
-        return self.blocks.trim(tags)
+    def trim(self, tags: list[str] | None = None, *, settled: bool = True) -> int:
+        """Give back the free segments of pools no open block uses (of ``tags``, or all); the bytes.
+
+        ``settled``: the devices were synchronized, so no queued kernel can touch them (:mod:`torpor.allocator.trim`).
+        """
+        return self.blocks.trim(tags, settled=settled)
 
     def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
         """Segment address -> its blocks in use, over the pools of ``tag`` that may hold any (None: torch has none)."""

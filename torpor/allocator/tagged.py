@@ -167,24 +167,47 @@ class TaggedAllocator(Keeping):
 
     @contextmanager
     def use_memory_pool(self, tag: str) -> Iterator[None]:
-        """Route this thread's allocations to ``tag`` (torch tensors on CUDA; :meth:`allocate` everywhere); nested: inner wins."""
+        """Route this thread's allocations to ``tag`` (torch tensors on CUDA; :meth:`allocate` everywhere); nested: inner wins.
+
+        Only while ``tag`` is awake: a block of a tag that is asleep or going to sleep
+        raises :class:`~torpor.errors.TagNotAwake` at its start, and a sleep of the tag
+        waits for the blocks open in other threads (:meth:`close_doors`).
+        """
         self.tag_state(tag)
-        with self.book.routed(tag):
-            torch_ctx = self._torch_pools().use(tag) if self._on_cuda() else None
-            try:
-                if torch_ctx is None:
-                    yield
-                else:
-                    with torch_ctx:
+        self.book.enter_block(tag)
+        try:
+            with self.book.routed(tag):
+                pools = self._torch if self._torch is not None or not self._on_cuda() else self._torch_pools()
+                torch_ctx = pools.use(tag) if pools is not None else None
+                try:
+                    if torch_ctx is None:
                         yield
-            except Exception as exc:
-                pending = self.pending_errors()
-                if pending:
-                    raise pending[-1] from exc
-                raise
-            finally:
-                if tag not in self.host.policy.prepin_exclude:
-                    self.grow_host()  # torch's allocations in the block never call Python: pin ahead for them now
+                    else:
+                        with torch_ctx:
+                            yield
+                except Exception as exc:
+                    pending = self.pending_errors()
+                    if pending:
+                        raise pending[-1] from exc
+                    raise
+                finally:
+                    if tag not in self.host.policy.prepin_exclude:
+                        self.grow_host()  # torch's allocations in the block never call Python: pin ahead for them now
+        finally:
+            self.book.leave_block(tag)
+
+    def close_doors(self, tags: Sequence[str], cause: str, timeout: float) -> None:
+        """Refuse new ``use_memory_pool`` blocks of ``tags`` and wait up to ``timeout`` s for the open ones to end.
+
+        :class:`~torpor.errors.BlocksOpen` names the blocks still open (in another
+        thread past the wait, or in this one); nothing is touched then. ``cause``
+        names the sleep in later refusals. The controller calls this before a sleep.
+        """
+        self.book.close_doors([t for t in tags if t != GRAPH_TAG], cause, timeout)
+
+    def open_doors(self, tags: Sequence[str]) -> None:
+        """The sleep that closed the doors ended: blocks of ``tags`` may start wherever the tag is awake again."""
+        self.book.open_doors(tags)
 
     @contextmanager
     def use_cudagraph_pool(self) -> Iterator[PoolId]:
@@ -300,13 +323,12 @@ class TaggedAllocator(Keeping):
 
     def _trim_free(self, tags: Sequence[str]) -> None:
         pools = self._torch
-        if pools is not None:
-            pools.trim(list(tags))
-
-    def _reopened(self, tags: Sequence[str]) -> None:
-        pools = self._torch
-        if pools is not None and tags:
-            pools.blocks.woke(list(tags))
+        if pools is None:
+            return
+        # the devices first: a kernel queued before a free may still touch a free segment (trim.py)
+        for device in {d for t in tags for _, _, d in self.table.allocations(t)}:
+            self.driver.synchronize(device)
+        pools.trim(list(tags), settled=True)
 
     def _on_cuda(self) -> bool:
         return getattr(self.driver, "name", "") == "cuda"

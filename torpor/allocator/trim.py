@@ -22,12 +22,21 @@ internal assert in ``~MemPool`` -> ``emptyCache``), and making a pool per block
 once; they go at teardown.
 
 **On by default** (``TORPOR_TRIM_FREE_SEGMENTS=0`` turns it off; ``BlockPools.enabled``).
-Until 2026-11-30 18:00 UTC it was off: the four-thread GPU test
-(tests/test_allocator_threads_gpu.py) crashed with it (SIGSEGV, a corrupted Python
-heap). Bisected on the H200: the crash needed blocks of a sleeping tag to get new
-pools (their allocations all refused); with those blocks reusing an idle pool
-(:meth:`BlockPools.enter`, *dirty* pools mapped again by :meth:`BlockPools.woke`)
-it passed. See docs/allocator.md.
+No block of a tag opens while the tag is asleep or going to sleep
+(:meth:`TagBook.enter_block` refuses it), and a sleep waits for the blocks of its tags
+that are open: so torch never hands out a cached block of a segment that is unmapped.
+
+**A free segment is unmapped only once no kernel can still touch it.** Torch hands a
+freed block back to its pool at once, in stream order: a kernel queued before the
+free may still read or write it (an engine's queue is often deep). Torch's own
+``cudaFree`` waits for the device; ``cuMemUnmap`` does not, and a kernel that runs
+on an unmapped range loses the process's CUDA context (issue 26: a thread filling
+tensors behind a busy matmul stream; H200, 2026-12-01). So a block boundary does
+not unmap what it finds free: it *marks* it, with an event on each segment's stream
+(``mark``), and unmaps it at a later boundary once that event has completed
+(``done``) and the segment is still free in the still idle pool. A pool a block
+enters again keeps its marked segments mapped (nothing to undo). A sleep trims at
+once, after synchronizing the device (:meth:`BlockPools.trim` with ``settled``).
 
 A block boundary trims only at a quiet moment, when no other block of the
 allocator is open (always so for an engine that allocates from one thread per
@@ -52,19 +61,22 @@ ENV = "TORPOR_TRIM_FREE_SEGMENTS"
 logger = logging.getLogger("torpor.allocator")
 
 Snapshot = Callable[[Any], list[dict[str, Any]]]
+#: Marks the streams of free segments (device, stream handle); the token says when their queued work is done.
+Mark = Callable[[set[tuple[int, int]]], object]
+Done = Callable[[object], bool]
 
 
 class BlockPool:
     """One torch pool of a tag: whether a block uses it now, and the segments of it trimmed."""
 
-    __slots__ = ("dirty", "mempool", "open", "tag", "trimmed")
+    __slots__ = ("marked", "mempool", "open", "tag", "trimmed")
 
     def __init__(self, tag: str, mempool: Any) -> None:
         self.tag = tag
         self.mempool: Any = mempool
         self.open = True
         self.trimmed: set[int] = set()
-        self.dirty = False  # served a block while its tag slept, trimmed segments unmapped: mapped again on the wake
+        self.marked: dict[int, object] = {}  # free segment -> the token of the work queued on its stream when found
 
 
 def trim_enabled() -> bool:
@@ -89,8 +101,8 @@ class BlockPools:
     (False: nothing trimmed, the tag sleeps) and ``untrim(address) -> bool`` are
     the native table's; ``snapshot(mempool)``
     lists a pool's segments with their blocks (torch's pool snapshot);
-    ``asleep(tag)`` says whether the table holds the tag asleep or going to sleep
-    (no segment of it can be mapped then).
+    ``mark(streams) -> token`` records where the work queued on those streams
+    ends and ``done(token)`` says whether it has finished (events on CUDA).
     """
 
     def __init__(
@@ -100,13 +112,16 @@ class BlockPools:
         untrim: Callable[[int], bool],
         snapshot: Snapshot,
         enabled: bool = True,
-        asleep: Callable[[str], bool] | None = None,
+        *,
+        mark: Mark,
+        done: Done,
     ) -> None:
         self._new_pool = new_pool
         self._trim = trim
         self._untrim = untrim
         self._snapshot = snapshot
-        self._asleep = asleep or (lambda tag: False)
+        self._mark = mark
+        self._done = done
         self.enabled = enabled  # False: pools are still reused per open block, nothing is trimmed
         self._lock = threading.RLock()  # held across torch calls: torch's malloc/free (native) never take it
         self._pools: dict[str, list[BlockPool]] = {}
@@ -117,31 +132,26 @@ class BlockPools:
     def enter(self, tag: str) -> BlockPool:
         """A block of ``tag`` starts: an idle pool of the tag (its trimmed segments mapped again) or a new one.
 
-        While the tag sleeps no segment can be mapped: the block reuses the idle pool
-        with the fewest trimmed segments anyway (marked *dirty*: :meth:`woke` maps
-        them again), as torch would hand out any cached block of a sleeping tag. A
-        new pool there would only have its allocations refused, and thousands of
-        refused allocations in new pools under threads crashed the process
-        (docs/allocator.md). The tag's other idle pools are trimmed (what was freed
-        since their blocks ended).
+        The caller lets a block in only while its tag is awake (:meth:`TagBook.enter_block`):
+        torch hands out any cached block of the pool from here on, so every segment of it
+        must be mapped. A pool whose trimmed segments cannot be mapped again (the device
+        is full) stays idle and the block gets a new pool. The tag's other idle pools are
+        trimmed (what was freed since their blocks ended, once its queued work is done).
         """
         with self._lock:
             pools = self._pools.setdefault(tag, [])
             chosen = None
-            idle = sorted((e for e in pools if not e.open), key=lambda e: len(e.trimmed))
-            for entry in idle:
+            for entry in sorted((e for e in pools if not e.open), key=lambda e: len(e.trimmed)):
                 if self._restore(entry):
                     chosen = entry
                     break
-            if chosen is None and idle and self._asleep(tag):
-                chosen = idle[0]
-                chosen.dirty = True
             if chosen is None:
                 chosen = BlockPool(tag, self._new_pool(tag))
                 pools.append(chosen)
             chosen.open = True
+            chosen.marked.clear()  # still mapped: torch may hand them out again, nothing to unmap
             if self.enabled and self._quiet(chosen):
-                self._trim_locked([tag])
+                self._trim_locked([tag], settled=False)
             return chosen
 
     def leave(self, entry: BlockPool) -> None:
@@ -149,7 +159,7 @@ class BlockPools:
         with self._lock:
             entry.open = False
             if self.enabled and self._quiet(None):
-                self._trim_locked([entry.tag])
+                self._trim_locked([entry.tag], settled=False)
 
     def _quiet(self, mine: BlockPool | None) -> bool:
         """No block of this allocator is open but ``mine``: a block boundary trims only then (see the module doc)."""
@@ -160,49 +170,45 @@ class BlockPools:
         for address in sorted(entry.trimmed):
             try:
                 self._untrim(address)
-            except Exception as exc:  # the tag is asleep, or the device is full: this pool is not used now
+            except Exception as exc:  # the device is full (or the tag is not awake): this pool is not used now
                 logger.debug("an idle pool of tag %r is not reused: %s", entry.tag, exc)
                 return False
             entry.trimmed.discard(address)
-        entry.dirty = False
         return True
-
-    def woke(self, tags: list[str]) -> None:
-        """The tags are awake again (a wake, or a sleep rolled back): map the trimmed segments of their dirty pools.
-
-        A dirty pool served a block while its tag slept, so torch may have handed
-        out parts of its trimmed segments; they get memory again here, before any
-        kernel of the awake engine can use them. A pool that cannot (the device is
-        full) stays dirty and is tried again when a block enters it.
-        """
-        with self._lock:
-            for tag in tags:
-                for entry in self._pools.get(tag, []):
-                    if entry.dirty and not self._restore(entry):
-                        logger.warning("a pool of tag %r used while asleep could not map its trimmed segments", tag)
 
     # -- trimming ----------------------------------------------------------------------
 
-    def trim(self, tags: list[str] | None = None) -> int:
-        """Give back the free segments of idle pools (of ``tags``, or all); the bytes trimmed by this call."""
-        with self._lock:
-            return self._trim_locked(tags)
+    def trim(self, tags: list[str] | None = None, *, settled: bool = True) -> int:
+        """Give back the free segments of idle pools (of ``tags``, or all); the bytes trimmed by this call.
 
-    def _trim_locked(self, tags: list[str] | None) -> int:
+        ``settled``: the caller synchronized the devices (a sleep), so every free segment
+        goes now; otherwise only those whose queued work is done (see the module doc).
+        """
+        with self._lock:
+            return self._trim_locked(tags, settled=settled)
+
+    def _trim_locked(self, tags: list[str] | None, *, settled: bool) -> int:
         if not self.enabled:
             return 0
         before = self.trimmed_bytes
         for tag in list(self._pools) if tags is None else tags:
             for entry in self._pools.get(tag, []):
                 if not entry.open:
-                    self._trim_pool(entry)
+                    self._trim_pool(entry, settled)
         return self.trimmed_bytes - before
 
-    def _trim_pool(self, entry: BlockPool) -> None:
-        for seg in self._snapshot(entry.mempool):
-            address = int(seg["address"])
-            if address in entry.trimmed or not free_segment(seg):
-                continue
+    def _trim_pool(self, entry: BlockPool, settled: bool) -> None:
+        free = {int(seg["address"]): seg for seg in self._snapshot(entry.mempool) if free_segment(seg)}
+        free = {a: seg for a, seg in free.items() if a not in entry.trimmed}
+        entry.marked = {a: t for a, t in entry.marked.items() if a in free}  # used again or given back: not ours
+        fresh = [a for a in free if a not in entry.marked]
+        if fresh and not settled:  # the work queued on their streams so far may still touch them
+            token = self._mark({(int(free[a].get("device", 0)), int(free[a].get("stream", 0))) for a in fresh})
+            for address in fresh:
+                entry.marked[address] = token
+        ready = list(free) if settled else self._finished(entry)
+        for address in ready:
+            entry.marked.pop(address, None)
             try:
                 if not self._trim(address):  # the tag sleeps: its release took the segment; trimmed after the wake
                     continue
@@ -210,7 +216,18 @@ class BlockPools:
                 logger.exception("trimming a free segment at %#x of tag %r failed", address, entry.tag)
                 continue
             entry.trimmed.add(address)
-            self.trimmed_bytes += int(seg.get("total_size", 0))
+            self.trimmed_bytes += int(free[address].get("total_size", 0))
+
+    def _finished(self, entry: BlockPool) -> list[int]:
+        """The marked segments whose streams finished the work queued when they were marked (asked once a token)."""
+        done: dict[int, bool] = {}
+        out = []
+        for address, token in entry.marked.items():
+            if id(token) not in done:
+                done[id(token)] = self._done(token)
+            if done[id(token)]:
+                out.append(address)
+        return out
 
     # -- queries and teardown -------------------------------------------------------------
 

@@ -112,6 +112,24 @@ class HostMemory(Protocol):
 
 
 @runtime_checkable
+class Doors(Protocol):
+    """A memory whose allocation blocks a sleep must close first (optional to :class:`Memory`).
+
+    :meth:`close_doors` refuses new blocks of the tags and waits, bounded, for the
+    open ones (raising a ``TorporError`` that names them, with nothing touched);
+    :meth:`open_doors` undoes it once the sleep ended, done or rolled back.
+    """
+
+    def close_doors(self, tags: Sequence[str], cause: str, timeout: float) -> None:
+        """Refuse new blocks of ``tags``; wait up to ``timeout`` s for the open ones to end."""
+        ...
+
+    def open_doors(self, tags: Sequence[str]) -> None:
+        """Let blocks of ``tags`` start again wherever the tag is awake."""
+        ...
+
+
+@runtime_checkable
 class DeviceReporting(Protocol):
     """A memory that can say how much device memory is in use and how much of it is its tags'."""
 

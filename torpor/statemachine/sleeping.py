@@ -7,6 +7,8 @@ cannot be written) rolls the sleep back through
 
 from __future__ import annotations
 
+import math
+import os
 import time
 
 from torpor.errors import InvalidLevel, TorporError
@@ -17,8 +19,29 @@ from torpor.statemachine.group import collective
 from torpor.statemachine.hostmem import backup_bytes, budget_refusal, device_report, pinned_bytes
 from torpor.statemachine.policy import Action
 from torpor.statemachine.projection import Projection
+from torpor.statemachine.protocol import Doors
 from torpor.statemachine.rollback import SleepProgress, abort_sleep
 from torpor.statemachine.states import ASLEEP, State
+
+
+#: Seconds a sleep waits for the allocation blocks of its tags open in other threads (then refused).
+BLOCK_WAIT_ENV = "TORPOR_BLOCK_WAIT"
+BLOCK_WAIT_DEFAULT = 10.0
+
+
+def block_wait() -> float:
+    """How long a sleep waits for open allocation blocks: ``TORPOR_BLOCK_WAIT`` seconds (finite, >= 0; default 10)."""
+    raw = os.environ.get(BLOCK_WAIT_ENV, "").strip()
+    if not raw:
+        return BLOCK_WAIT_DEFAULT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        msg = f"{BLOCK_WAIT_ENV}={raw!r} is not a number of seconds (finite, 0 or more)"
+        raise ValueError(msg)
+    return value
 
 
 class Sleeping(CommandGate):
@@ -47,10 +70,25 @@ class Sleeping(CommandGate):
         candidates = [t for t in usage if t not in set(self.projection.asleep_tags())]
         plan = self.policy.plan(level, candidates)
         offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
-        discard = [t for t, a in plan.items() if a is Action.DISCARD]
         over = budget_refusal(self.host_policy, self.projection, backup_bytes(self.memory, offload, usage))
         if over is not None:  # before anything is touched
             self._refuse("sleep", over)
+        doors = self.memory if isinstance(self.memory, Doors) else None
+        if doors is not None:  # no allocation block of a tag may be open while it goes: wait for them, or refuse
+            cause = f"sleep level {level}, event #{self.projection.last_seq + 1} (sleep_requested)"
+            try:
+                doors.close_doors(list(plan), cause, block_wait())
+            except TorporError as exc:
+                self._refuse("sleep", exc)
+        try:
+            return self._sleep_planned(level, plan, usage, start)
+        finally:
+            if doors is not None:
+                doors.open_doors(list(plan))
+
+    def _sleep_planned(self, level: int, plan: dict[str, Action], usage: dict[str, int], start: float) -> Projection:
+        offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
+        discard = [t for t, a in plan.items() if a is Action.DISCARD]
         self._emit(EventKind.SLEEP_REQUESTED, level=level, plan={t: a.value for t, a in plan.items()}, usage=usage)
         progress = SleepProgress(level, plan, start)
         undone = False
