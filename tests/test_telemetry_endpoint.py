@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import os
+import select
+import socket
 import threading
 import time
 import urllib.error
@@ -351,3 +356,210 @@ def test_a_small_max_events_still_pages_through_the_window(controller: SleepCont
             after = batch[-1]
         assert seen == list(range(1, controller.last_seq + 1))
         assert headers["X-Torpor-Last-Seq"] == str(controller.last_seq)
+
+
+# -- what a hostile local client can make the engine hold (issue 30) ------------------------------------
+
+
+def _rss() -> int:
+    """This process's resident memory in bytes (the endpoint runs in it, as in an engine)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _handler_threads() -> int:
+    """Threads the endpoint runs a connection on."""
+    return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+
+def _push(socks: list[socket.socket], payload: bytes, seconds: float) -> None:
+    """Write ``payload`` to every socket without blocking, for up to ``seconds``; sockets the server shut are dropped."""
+    view, sent = memoryview(payload), dict.fromkeys(socks, 0)
+    for sock in socks:
+        sock.setblocking(False)
+    deadline = time.monotonic() + seconds
+    while sent and time.monotonic() < deadline:
+        _, writable, _ = select.select([], list(sent), [], 0.2)
+        for sock in writable:
+            try:
+                sent[sock] += sock.send(view[sent[sock] : sent[sock] + 65536])
+            except OSError:  # 431, evicted or closed: the server let go of it
+                del sent[sock]
+                continue
+            if sent[sock] >= len(payload):
+                del sent[sock]
+
+
+def _raw(server: Server, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send ``data`` on a fresh connection and read until the server closes it (or ``timeout``)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        sock.sendall(data)
+        out = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                out += chunk
+        return out
+
+
+def test_stalled_requests_with_huge_headers_cost_the_engine_little_memory(controller: SleepController) -> None:
+    """100 connections each sending 20 x 64 KiB header lines and never finishing grow the process by < 40 MB (they grew it by ~130 MB)."""
+    line = b"X-Pad: " + b"a" * (64 * 1024 - 9) + b"\r\n"
+    payload = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + line * 20  # no blank line: the request never ends
+    with serve(controller, 0) as srv:
+        socks = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(100)]
+        try:
+            gc.collect()
+            before = _rss()
+            _push(socks, payload, seconds=15)
+            time.sleep(0.5)
+            grown = _rss() - before
+            threads = _handler_threads()
+            status, _, _ = fetch(srv.url + "/state")
+        finally:
+            for sock in socks:
+                sock.close()
+    assert grown < 40 * 2**20, f"the endpoint grew the process by {grown / 2**20:.0f} MB"
+    assert threads <= 65 and status == 200
+
+
+def _connect_many(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections opened at once (non-blocking connects: the listen backlog does not serialize them)."""
+    socks = [socket.socket() for _ in range(n)]
+    for sock in socks:
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+    deadline, pending = time.monotonic() + 15, list(socks)
+    while pending and time.monotonic() < deadline:
+        _, done, _ = select.select([], pending, [], 0.5)
+        pending = [sock for sock in pending if sock not in done]
+    return socks
+
+
+def test_slow_connections_are_capped_and_make_room_for_a_scrape(controller: SleepController) -> None:
+    """150 connections trickling a byte each half second hold at most max_connections (64) threads; a scrape still gets in."""
+    with serve(controller, 0) as srv:
+        socks = _connect_many(srv.port, 150)
+        alive, threads, deadline = set(socks), 0, time.monotonic() + 25
+        try:  # until the server has taken every connection (a thread each) or let go of the rest
+            while time.monotonic() < deadline and threads <= 65 and threads + len(socks) - len(alive) < 150:
+                for sock in list(alive):
+                    try:
+                        sock.send(b"G")
+                        gone = bool(select.select([sock], [], [], 0)[0]) and not sock.recv(4096)
+                    except OSError:
+                        gone = True
+                    if gone:
+                        alive.discard(sock)
+                threads = max(threads, _handler_threads())
+                time.sleep(0.5)
+            status, _, body = fetch(srv.url + "/state")
+        finally:
+            for sock in socks:
+                sock.close()
+    assert threads <= 65, f"{threads} connection threads"
+    assert status == 200 and json.loads(body)["state"] == "awake"
+
+
+def test_a_client_trickling_its_request_is_cut_off_at_the_read_timeout(controller: SleepController) -> None:
+    """Slowloris: a head sent a byte every 0.2 s is answered 408 and closed once read_timeout (1 s) has passed."""
+    with serve(controller, 0, read_timeout=1.0) as srv, socket.create_connection(("127.0.0.1", srv.port), 10) as sock:
+        start = time.monotonic()
+        sock.sendall(b"GET /state HTTP/1.1\r\n")
+        got = b""
+        with contextlib.suppress(OSError):
+            for byte in b"X-Slow: " + b"z" * 100:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.2)
+                if select.select([sock], [], [], 0)[0]:
+                    break
+            while chunk := sock.recv(65536):
+                got += chunk
+        took = time.monotonic() - start
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert took < 3.0
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GET /state HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(70)) + b"\r\n", b"431"),
+        (b"GET /state HTTP/1.1\r\n" + b"X-Big: " + b"b" * 20_000 + b"\r\n\r\n", b"431"),
+        (b"GET /state?" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", b"414"),
+    ],
+    ids=["70 headers", "a 20 KB header", "a 9 KB request line"],
+)
+def test_oversized_request_heads_are_refused(server: Server, head: bytes, status: bytes) -> None:
+    """More than 64 headers or 16 KiB of head gets 431, a request line over 8 KiB 414; the connection is closed."""
+    got = _raw(server, head)
+    assert got.startswith(b"HTTP/1.1 " + status), got[:200]
+    assert b"Connection: close" in got
+
+
+class _Blocking:
+    """A collector whose collect() waits until released: a request that holds its connection."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Semaphore(0)
+
+    def collect(self) -> Iterator[Any]:
+        self.entered.release()
+        self.release.wait(10)
+        yield from ()
+
+
+def test_a_full_endpoint_answers_503_with_retry_after(controller: SleepController) -> None:
+    """With every connection busy in a request, the next one gets 503, Retry-After and Connection: close at once."""
+    registry, blocking = CollectorRegistry(), _Blocking()
+    registry.register(blocking)  # type: ignore[arg-type]
+    with serve(controller, 0, registry=registry, max_connections=2, max_waiters=1) as srv:
+        busy = [threading.Thread(target=fetch, args=(srv.url + "/metrics",)) for _ in range(2)]
+        for thread in busy:
+            thread.start()
+        for _ in busy:
+            assert blocking.entered.acquire(timeout=10)
+        start = time.monotonic()
+        status, headers, body = fetch(srv.url + "/state")
+        took = time.monotonic() - start
+        blocking.release.set()
+        for thread in busy:
+            thread.join(10)
+        after = fetch(srv.url + "/state")[0]
+    assert status == 503 and headers["Retry-After"] == "1" and headers["Connection"] == "close"
+    assert "busy" in json.loads(body)["error"] and took < 2.0
+    assert after == 200
+
+
+def test_long_polls_cannot_take_every_connection(controller: SleepController) -> None:
+    """40 sockets holding /events?wait=30: 32 wait, 8 get 503 with Retry-After, and /metrics and /state still answer."""
+    url = f"/events?after={controller.last_seq}&wait=30"
+    with serve(controller, 0) as srv:
+        socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(40)]
+        try:
+            for sock in socks:
+                sock.sendall(f"GET {url} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            wait_for_waiters(srv, 32)
+            time.sleep(0.3)
+            refused = []
+            for sock in socks:
+                if select.select([sock], [], [], 0)[0]:
+                    refused.append(sock.recv(65536))
+            scrape, state = fetch(srv.url + "/metrics")[0], fetch(srv.url + "/state")[0]
+        finally:
+            for sock in socks:
+                sock.close()
+    assert len(refused) == 8 and all(r.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in r for r in refused)
+    assert scrape == 200 and state == 200
+
+
+def test_long_poll_slots_must_leave_connections_for_other_requests(controller: SleepController) -> None:
+    """max_waiters must stay below max_connections (else long-polls could hold every connection): a ValueError says so."""
+    with pytest.raises(ValueError, match="max_waiters"):
+        serve(controller, 0, max_connections=8, max_waiters=8)
+
+
+def test_pipelined_requests_on_one_connection_are_each_answered(server: Server) -> None:
+    """Two requests sent at once on one keep-alive connection get two answers, in order (the head reader keeps the rest)."""
+    two = b"GET /state HTTP/1.1\r\nHost: x\r\n\r\nGET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    got = _raw(server, two)
+    assert got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 404" in got

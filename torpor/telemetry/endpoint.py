@@ -2,10 +2,15 @@
 
 ``serve(source, port)`` runs a small stdlib HTTP server in a daemon thread.
 Every route is a GET that reads; other methods get 405. It binds loopback
-unless told otherwise (``host="::1"`` binds IPv6). Requests and responses are
-bounded: URLs up to 4 KiB, at most ``max_events`` events per response,
-long-polls up to ``max_wait`` seconds and at most ``max_waiters`` at once (503
-beyond), a socket timeout against idle clients. A bad or unknown query
+unless told otherwise (``host="::1"`` binds IPv6). What a client can make the
+engine hold is bounded (:mod:`torpor.telemetry.admission`): at most
+``max_connections`` connections (a thread each; when full, the one waiting
+longest for its request head makes room, else 503 with ``Retry-After``),
+request heads of at most 16 KiB and 64 headers, each within ``read_timeout``
+seconds however slowly it trickles in (408), URLs up to 4 KiB, at most
+``max_events`` events per response, long-polls up to ``max_wait`` seconds and
+at most ``max_waiters`` at once (fewer than ``max_connections``; 503 with
+``Retry-After: 1`` beyond), and every write within 10 s. A bad or unknown query
 parameter gets a 400 naming it. A client that hangs up costs nothing: its
 long-poll ends (and frees its slot) at once, and nothing is printed.
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -33,7 +39,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -42,6 +47,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from torpor.errors import BadRequest
 from torpor.telemetry import multiprocess, negotiate
+from torpor.telemetry.admission import Admission, BoundedHandler, BoundedServer
 from torpor.telemetry.feed import (
     EVENTS_PARAMS,
     NDJSON,
@@ -73,8 +79,7 @@ def source_error(source: object) -> Exception | None:
     return error if isinstance(error, Exception) else None
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
+class _HTTPServer(BoundedServer):
     allow_reuse_address = True
     # set by serve():
     torpor: Server
@@ -92,31 +97,15 @@ class _HTTPServer6(_HTTPServer):
     address_family = socket.AF_INET6
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     server: _HTTPServer
-    timeout = 10.0  # seconds a client may sit idle on its socket
-    protocol_version = "HTTP/1.1"
+    timeout = 10.0  # seconds a write may take (a client that does not read)
     server_version = "torpor"
     # Headers and body go out in two writes: with Nagle on, a small body waits for the client's delayed ACK (40 ms).
     disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
-
-    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _error(self, status: int, reason: str, headers: dict[str, str] | None = None, **extra: Any) -> None:
-        body = (json.dumps({"error": reason, "status": status, **extra}, sort_keys=True) + "\n").encode()
-        self._send(status, body, "application/json", headers)
 
     def do_GET(self) -> None:
         if len(self.path) > MAX_URL:
@@ -136,6 +125,7 @@ class _Handler(BaseHTTPRequestHandler):
     do_HEAD = do_GET
 
     def _read_only(self) -> None:
+        self.close_connection = True  # its body, if any, is never read
         self._error(405, f"{self.command} refused: this endpoint is read-only", {"Allow": "GET, HEAD"})
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _read_only
@@ -164,9 +154,20 @@ class Server:
         max_wait: float,
         max_events: int,
         max_waiters: int,
+        max_connections: int = 64,
+        read_timeout: float = 10.0,
         on_close: Callable[[], None] | None = None,
         render: Callable[[], bytes] | None = None,
     ) -> None:
+        if not 0 < max_waiters < max_connections:
+            msg = (
+                f"max_waiters={max_waiters} refused: long-polls must leave connections for other requests "
+                f"(0 < max_waiters < max_connections={max_connections})"
+            )
+            raise ValueError(msg)
+        if not (math.isfinite(read_timeout) and read_timeout > 0):
+            msg = f"read_timeout={read_timeout!r} refused: a positive number of seconds"
+            raise ValueError(msg)
         self.source = source
         self._render = render
         self.registry = registry
@@ -183,13 +184,16 @@ class Server:
         if source is not None:
             self.routes.update({"/state": self._state, "/events": self._events})
         server_class = _HTTPServer6 if ":" in host else _HTTPServer
+        handler = type("_Handler", (_Handler,), {"read_timeout": float(read_timeout)})
         try:
-            self._httpd = server_class((host, port), _Handler)
+            self._httpd = server_class((host, port), handler)
         except BaseException:
             if self.feed is not None:
                 self.feed.close()
             raise
         self._httpd.torpor = self
+        #: The connections: ``active``, and how many were ``refused`` (503) or ``evicted`` to make room.
+        self.admission = self._httpd.admission = Admission(max_connections)
         self.host = host
         self.port = int(self._httpd.server_address[1])
         shown = f"[{host}]" if ":" in host else host
@@ -336,6 +340,8 @@ def serve(
     max_wait: float = 30.0,
     max_events: int = 10_000,
     max_waiters: int = 32,
+    max_connections: int = 64,
+    read_timeout: float = 10.0,
 ) -> Server:
     """Serve ``/metrics``, ``/state`` and ``/events`` for ``source`` on ``host:port`` (0 picks a free port).
 
@@ -344,6 +350,8 @@ def serve(
     multiprocess mode, the merged files of ``PROMETHEUS_MULTIPROC_DIR``).
     ``source`` None serves ``/metrics`` only (an API server in multiprocess mode); a
     path serves an event log written by another process (:class:`~torpor.telemetry.replay.LogSource`).
+    ``max_connections`` bounds the connections (threads) clients can hold and
+    ``read_timeout`` the seconds a request head may take (see the module docstring).
     """
     closers: list[Callable[[], None]] = []
     render: Callable[[], bytes] | None = None
@@ -359,14 +367,20 @@ def serve(
                 handle = attach(source, registry=registry, otel=False, multiprocess=False)
                 closers.insert(0, handle.detach)
                 render = handle.collector.exposition if handle.collector is not None else None
-    return Server(
-        source,
-        port,
-        host,
-        registry,
-        max_wait=max_wait,
-        max_events=max_events,
-        max_waiters=max_waiters,
-        on_close=lambda: _close_all(closers),
-        render=render,
-    )
+    try:
+        return Server(
+            source,
+            port,
+            host,
+            registry,
+            max_wait=max_wait,
+            max_events=max_events,
+            max_waiters=max_waiters,
+            max_connections=max_connections,
+            read_timeout=read_timeout,
+            on_close=lambda: _close_all(closers),
+            render=render,
+        )
+    except BaseException:
+        _close_all(closers)
+        raise

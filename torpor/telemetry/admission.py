@@ -1,0 +1,296 @@
+"""What any client can make the endpoint hold: connections, request heads, time.
+
+The endpoint (:mod:`torpor.telemetry.endpoint`) runs in the engine's process,
+so every byte and thread a client makes it hold is the engine's. This module
+bounds them:
+
+- **connections**: at most ``max_connections`` (64) at once, one thread each.
+  A new connection beyond that takes the place of the one that has waited
+  longest for its request head (idle keep-alive or stalled: the cheapest to
+  drop, and a scrape that sends its request at once always gets in); when
+  every connection is busy in a request, the newcomer is answered
+  ``503 Service Unavailable`` with ``Retry-After: 1`` and ``Connection: close``
+  at once, without a thread, and its socket is drained and closed by the
+  server loop a moment later (so the client reads the 503, not a reset);
+- **the request head**: read by :func:`read_head` into one buffer of at most
+  :data:`MAX_HEAD_BYTES` (16 KiB, request line and headers), at most
+  :data:`MAX_HEADERS` (64) header lines, a request line of at most
+  :data:`MAX_REQUEST_LINE` (8 KiB): beyond, 431 or 414 and the connection closes;
+- **time**: the whole head must arrive within ``read_timeout`` (10 s) of the
+  connection or of the previous response, however it trickles in (slowloris):
+  else 408 (or, when nothing came, a silent close of the idle connection).
+
+Long-polls are bounded by the endpoint itself (``max_waiters`` slots, fewer than
+``max_connections``, so they can never hold every connection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import socket
+import threading
+import time
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, NamedTuple
+
+MAX_REQUEST_LINE = 8192
+MAX_HEAD_BYTES = 16384
+MAX_HEADERS = 64
+#: Refused connections kept at once while their 503 goes out (beyond: the oldest closes now).
+MAX_LINGERING = 256
+LINGER_SECONDS = 1.0
+
+OK, CLOSED, TIMEOUT, LINE_TOO_LONG, HEAD_TOO_LARGE, TOO_MANY_HEADERS = range(6)
+
+
+class Head(NamedTuple):
+    """What :func:`read_head` read: an outcome (OK, CLOSED, ...), the head when OK, bytes that came after it."""
+
+    outcome: int
+    head: bytes
+    rest: bytes
+    partial: bool  # some bytes of a head came (a timeout then gets a 408)
+
+
+def read_head(sock: socket.socket, pending: bytes, timeout: float) -> Head:
+    """Read one request head (up to and with its blank line) from ``sock`` within ``timeout`` seconds in all."""
+    buf = bytearray(pending)
+    deadline = time.monotonic() + timeout
+    while True:
+        ends = [(at, len(mark)) for mark in (b"\r\n\r\n", b"\n\n") if (at := buf.find(mark)) >= 0]
+        end, sep = min(ends) if ends else (-1, 0)  # the first blank line (CRLF, or bare LF as http.server takes)
+        line_end = buf.find(b"\n")
+        if (line_end < 0 and len(buf) > MAX_REQUEST_LINE) or line_end > MAX_REQUEST_LINE:
+            return Head(LINE_TOO_LONG, b"", b"", True)
+        if end >= 0:
+            head = bytes(buf[: end + sep])
+            if head.count(b"\n") - 2 > MAX_HEADERS:
+                return Head(TOO_MANY_HEADERS, b"", b"", True)
+            if len(head) > MAX_HEAD_BYTES:
+                return Head(HEAD_TOO_LARGE, b"", b"", True)
+            return Head(OK, head, bytes(buf[end + sep :]), True)
+        if len(buf) > MAX_HEAD_BYTES:
+            return Head(HEAD_TOO_LARGE, b"", b"", True)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return Head(TIMEOUT, b"", b"", bool(buf.strip()))
+        try:
+            sock.settimeout(remaining)
+            chunk = sock.recv(min(65536, MAX_HEAD_BYTES + 1 - len(buf)))
+        except TimeoutError:
+            return Head(TIMEOUT, b"", b"", bool(buf.strip()))
+        except OSError:
+            return Head(CLOSED, b"", b"", bool(buf))
+        if not chunk:
+            return Head(CLOSED, b"", b"", bool(buf))
+        buf += chunk
+
+
+def busy_response(reason: str) -> bytes:
+    """A whole ``503`` answer with ``Retry-After: 1`` that closes the connection."""
+    body = (json.dumps({"error": reason, "status": 503}, sort_keys=True) + "\n").encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nServer: torpor\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class Admission:
+    """The connections of one endpoint: admits, evicts the longest-waiting head reader when full, refuses beyond."""
+
+    def __init__(self, max_connections: int) -> None:
+        self.max_connections = max_connections
+        self._lock = threading.Lock()
+        self.active = 0
+        self._reading: dict[socket.socket, float] = {}  # connection -> when it started waiting for a head
+        self._evicted: set[socket.socket] = set()
+        self._lingering: deque[tuple[socket.socket, float]] = deque()
+        #: Connections turned away (503) and connections dropped to make room, since the start.
+        self.refused = 0
+        self.evicted = 0
+
+    def admit(self, sock: socket.socket) -> bool:
+        """Take ``sock`` (True), making room by dropping the longest-waiting head reader if need be; False: refuse it."""
+        victim = None
+        with self._lock:
+            if self.active >= self.max_connections:
+                if not self._reading:
+                    return False
+                victim = min(self._reading, key=self._reading.__getitem__)
+                del self._reading[victim]
+                self._evicted.add(victim)
+                self.evicted += 1
+            self.active += 1
+        if victim is not None:
+            with contextlib.suppress(OSError):  # its thread's recv returns at once; the thread closes it
+                victim.shutdown(socket.SHUT_RDWR)
+        return True
+
+    def reading(self, sock: socket.socket) -> None:
+        """``sock``'s thread waits for a request head: it may be dropped to make room."""
+        with self._lock:
+            if sock not in self._evicted:
+                self._reading[sock] = time.monotonic()
+
+    def done_reading(self, sock: socket.socket) -> bool:
+        """``sock`` has its head (or gave up): no longer droppable; False when it was dropped meanwhile."""
+        with self._lock:
+            self._reading.pop(sock, None)
+            return sock not in self._evicted
+
+    def release(self, sock: socket.socket) -> None:
+        """``sock``'s thread is done with it."""
+        with self._lock:
+            self._reading.pop(sock, None)
+            self._evicted.discard(sock)
+            self.active -= 1
+
+    def refuse(self, sock: socket.socket) -> None:
+        """Answer 503 + Retry-After without a thread; the socket lingers (drained) until :meth:`service` closes it."""
+        self.refused += 1
+        try:
+            sock.setblocking(False)
+            self._drain(sock)
+            sock.send(busy_response(f"busy: all {self.max_connections} connections are in use; retry later"))
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            sock.close()
+            return
+        self._lingering.append((sock, time.monotonic()))
+        while len(self._lingering) > MAX_LINGERING:
+            self._lingering.popleft()[0].close()
+
+    @staticmethod
+    def _drain(sock: socket.socket) -> bool:
+        """Read and drop what the peer sent (a close with unread bytes would reset the 503); True at its EOF."""
+        for _ in range(16):
+            try:
+                if not sock.recv(65536):
+                    return True
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                return True
+        return False
+
+    def service(self) -> None:
+        """Close refused sockets whose peer hung up or whose moment has passed (the server loop calls this)."""
+        now = time.monotonic()
+        keep: deque[tuple[socket.socket, float]] = deque()
+        while self._lingering:
+            sock, since = self._lingering.popleft()
+            if self._drain(sock) or now - since > LINGER_SECONDS:
+                sock.close()
+            else:
+                keep.append((sock, since))
+        self._lingering = keep
+
+    def close(self) -> None:
+        """Close every lingering refused socket."""
+        while self._lingering:
+            self._lingering.popleft()[0].close()
+
+
+class BoundedServer(ThreadingHTTPServer):
+    """A threading HTTP server whose connections go through an :class:`Admission` (set ``admission`` before serving)."""
+
+    daemon_threads = True
+    request_queue_size = 128  # a burst of connections is accepted (and bounded here), not left to SYN retries
+    admission: Admission
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.admission.admit(request):
+            self.admission.refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.admission.release(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.admission.release(request)
+
+    def service_actions(self) -> None:
+        self.admission.service()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.admission.close()
+
+
+_HEAD_REFUSED = {
+    LINE_TOO_LONG: (414, f"request line over the {MAX_REQUEST_LINE}-byte limit"),
+    HEAD_TOO_LARGE: (431, f"request head over the {MAX_HEAD_BYTES}-byte limit"),
+    TOO_MANY_HEADERS: (431, f"more than {MAX_HEADERS} header lines"),
+    TIMEOUT: (408, "the request head did not arrive within the read timeout"),
+}
+
+
+class BoundedHandler(BaseHTTPRequestHandler):
+    """Reads each request head with :func:`read_head` (bounded in bytes, lines and time), then serves it as usual."""
+
+    server: BoundedServer
+    protocol_version = "HTTP/1.1"
+    #: Seconds a whole request head may take (the endpoint sets it per server).
+    read_timeout = 10.0
+
+    def setup(self) -> None:
+        super().setup()
+        self._pending = b""  # bytes of a pipelined next request read with the last head
+
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _error(self, status: int, reason: str, headers: dict[str, str] | None = None, **extra: Any) -> None:
+        body = (json.dumps({"error": reason, "status": status, **extra}, sort_keys=True) + "\n").encode()
+        self._send(status, body, "application/json", headers)
+
+    def handle_one_request(self) -> None:
+        try:
+            self._handle_one()
+        except TimeoutError:  # a write the client would not read
+            self.close_connection = True
+
+    def _handle_one(self) -> None:
+        admission, sock = self.server.admission, self.connection
+        admission.reading(sock)
+        got = read_head(sock, self._pending, self.read_timeout)
+        kept = admission.done_reading(sock)
+        sock.settimeout(self.timeout)
+        self.close_connection = True
+        if not kept or got.outcome == CLOSED or (got.outcome == TIMEOUT and not got.partial):
+            return  # dropped to make room, hung up, or idle past the timeout: nobody waits for an answer
+        if got.outcome != OK:
+            self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
+            status, reason = _HEAD_REFUSED[got.outcome]
+            self._error(status, reason, {"Connection": "close"})
+            return
+        self.close_connection = False
+        self._pending = got.rest
+        line, _, headers = got.head.partition(b"\n")
+        self.raw_requestline = line + b"\n"
+        self.rfile = io.BytesIO(headers)
+        if not self.parse_request():
+            return
+        method = getattr(self, "do_" + self.command, None)
+        if method is None:
+            self.send_error(501, f"Unsupported method ({self.command!r})")
+            return
+        method()
+        self.wfile.flush()
