@@ -147,3 +147,24 @@ def test_a_bad_envelope_on_the_fast_path_is_refused_like_decode_line() -> None:
             list(decode_lines([line], "x.jsonl"))
         with pytest.raises(LogCorrupted):
             decode_line(line, "x.jsonl", 1)
+
+
+def _signed(raw: dict[str, object]) -> bytes:
+    """A log line of ``raw`` (without "crc") with a correct checksum, as a writer would make it."""
+    body = json.dumps({k: v for k, v in raw.items() if k != "crc"}, sort_keys=True, separators=(",", ":"))
+    crc = zlib.crc32(body.encode()) & 0xFFFFFFFF
+    return f'{{"crc":"{crc:08x}",{body[1:]}'.encode()
+
+
+@pytest.mark.parametrize("wall", [1e20, -1.0, 253402300800.0, 1.7976931348623157e308])
+def test_a_wall_time_no_clock_can_show_is_corruption(wall: float) -> None:
+    """A checksummed line whose wall time is finite but outside 1970..9999 is LogCorrupted naming it, on both paths."""
+    raw = json.loads(encode_line(make_event(EventKind.OPENED, 1, "e", 0, {}))[:-1])
+    raw["wall"] = wall
+    line = _signed(raw)
+    with pytest.raises(LogCorrupted, match="wall"):
+        list(decode_lines([line], "x.jsonl"))
+    with pytest.raises(LogCorrupted, match="wall"):
+        decode_line(line, "x.jsonl", 1)
+    raw["wall"] = 253402214400.0  # the last accepted second: it prints (time.localtime, datetime)
+    assert decode_line(_signed(raw), "x.jsonl", 1).wall == 253402214400.0

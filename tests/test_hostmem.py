@@ -12,7 +12,7 @@ from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import TorporError
 from torpor.statemachine.events import EventKind
 from torpor.statemachine.hostmem import budget_refusal, device_report
-from torpor.statemachine.log import replay
+from torpor.statemachine.log import read_events, replay
 from torpor.statemachine.policy import Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
 from torpor.statemachine.projection import Projection
 from torpor.testing import FakeMemory
@@ -157,6 +157,32 @@ def test_policy_from_the_environment_and_bad_values(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("TORPOR_HOST_AFTER_WAKE", "sometimes")
     with pytest.raises(ValueError, match="TORPOR_HOST_AFTER_WAKE"):
         SleepController(FakeMemory({"weights": 1 << 20}))
+
+
+@pytest.mark.parametrize("budget", ["11111111111111111111T", "9" * 400, "9223372036854775808", "8388608.5T"])
+def test_a_budget_the_log_cannot_record_is_refused_at_configuration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, budget: str
+) -> None:
+    """A budget over 2**63-1 bytes (what the log records and reads) is a ValueError when the controller starts, never later."""
+    monkeypatch.setenv("TORPOR_HOST_BUDGET", budget)
+    with pytest.raises(ValueError, match=r"TORPOR_HOST_BUDGET.*2\*\*63-1"):
+        SleepController(FakeMemory({"weights": 1 << 20}), tmp_path / "e.jsonl")
+    with pytest.raises(ValueError, match=r"2\*\*63-1"):
+        HostMemoryPolicy(budget_bytes=2**63)
+
+
+def test_the_largest_budget_is_written_and_read_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A budget of exactly 2**63-1 bytes is accepted, recorded in every sleep_completed, and replayed by a restarted engine."""
+    monkeypatch.setenv("TORPOR_HOST_BUDGET", str(2**63 - 1))
+    path = tmp_path / "e.jsonl"
+    ctl = SleepController(FakeMemory({"weights": 1 << 20}), path)
+    ctl.sleep(1)
+    ctl.close()
+    assert replay(path).state is State.ASLEEP_L1
+    restarted = SleepController(FakeMemory({"weights": 1 << 20}), path)  # reads the log back
+    assert restarted.last_seq == replay(path).last_seq >= 5
+    assert [e.data["host_budget"] for e in read_events(path) if e.kind is EventKind.SLEEP_COMPLETED] == [2**63 - 1]
+    restarted.close()
 
 
 def test_memory_without_host_backups_or_reporting_is_left_alone() -> None:

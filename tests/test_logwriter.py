@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from torpor.errors import LogWriteFailed
 from torpor.statemachine import tail
 from torpor.statemachine.events import EventKind, make_event
 from torpor.statemachine.log import read_events, segments
@@ -94,3 +95,21 @@ def test_a_forked_child_cannot_write_the_parents_log(tmp_path: Path) -> None:
         assert os.waitstatus_to_exitcode(status) == 0
         log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 3}}))
     assert [e.data["usage"]["weights"] for e in read_events(path)] == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("host_budget", 2**64), ("freed", -1), ("seconds", float("inf")), ("level", "one")],
+)
+def test_an_event_that_would_not_read_back_is_refused_and_nothing_is_written(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    """The writer refuses (LogWriteFailed naming the field) an event its readers would call corrupted; the log reads on."""
+    path = tmp_path / "e.rank0.jsonl"
+    data = {"level": 1, "seconds": 0.1, "freed": 0, "offloaded": 0, "discarded": 0, "pinned": 0, field: value}
+    with EventLog(path, fsync=False) as log:
+        log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
+        with pytest.raises(LogWriteFailed, match=field):
+            log.append(make_event(EventKind.SLEEP_COMPLETED, log.next_seq(), "e", 0, data))
+        log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 2}}))
+    assert [e.seq for e in read_events(path)] == [1, 2]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torpor.errors import EventTooLarge, LogCorrupted, LogWriteFailed, NotAnEventLog
 from torpor.statemachine import logfile
-from torpor.statemachine.codec import LINE_PREFIX
+from torpor.statemachine.codec import LINE_PREFIX, unreadable
 from torpor.statemachine.events import BOUNDARY_KINDS, Event
 from torpor.statemachine.interrupts import UNINTERRUPTED
 from torpor.statemachine.log import (
@@ -178,6 +178,10 @@ class EventLog:
         line = encode_line(event)
         if len(line) > self.max_line:
             raise EventTooLarge(event.kind.value, len(line), self.max_line)
+        problem = unreadable(event, line)
+        if problem is not None:  # what the writer accepts, every reader reads
+            reason = f"it would not read back ({problem}); nothing was written"
+            raise LogWriteFailed(str(self.path), event.kind.value, event.seq, reason)
         with UNINTERRUPTED, self._lock:  # the line and its count are one step: a Ctrl-C comes before or after
             if event.seq != self.last_seq + 1:
                 msg = f"event #{event.seq} appended after #{self.last_seq}: sequence numbers must follow on"

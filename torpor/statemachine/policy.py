@@ -57,15 +57,26 @@ class AfterWake(enum.StrEnum):
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+#: The most bytes a budget may be: the largest integer the event log records and reads back (2**63-1).
+MAX_BUDGET = 2**63 - 1
 
 
 def parse_bytes(text: str) -> int:
-    """``"64GiB"``, ``"64G"``, ``"1.5 TiB"``, ``"4096"`` -> bytes (binary units)."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    """``"64GiB"``, ``"64G"``, ``"1.5 TiB"``, ``"4096"`` -> bytes (binary units), exactly; over 2**63-1 is a ValueError."""
+    match = re.fullmatch(r"\s*([0-9]+)(?:\.([0-9]+))?\s*([kmgt]?)(?:i?b)?\s*", text.lower())
     if match is None:
         msg = f"not a byte size: {text!r} (say 64GiB, 512MiB or a number of bytes)"
         raise ValueError(msg)
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    whole, fraction, unit = match.group(1).lstrip("0") or "0", (match.group(2) or "")[:24], _UNITS[match.group(3)]
+    if len(whole) > 24:  # far over the limit: not converted (int() refuses past 4300 digits)
+        msg = f"a byte size of {len(whole)} digits is over 2**63-1 (the most the event log records)"
+        raise ValueError(msg)
+    scale: int = 10 ** len(fraction)
+    nbytes = int(whole) * unit + int(fraction or "0") * unit // scale  # integers: no float rounding
+    if nbytes > MAX_BUDGET:
+        msg = f"{text.strip()!r} is {nbytes} bytes, over 2**63-1 (the most the event log records)"
+        raise ValueError(msg)
+    return nbytes
 
 
 @dataclass(frozen=True)
@@ -87,8 +98,10 @@ class HostMemoryPolicy:
     def __post_init__(self) -> None:
         object.__setattr__(self, "pin", PinWhen(self.pin))
         object.__setattr__(self, "after_wake", AfterWake(self.after_wake))
-        if self.budget_bytes is not None and (type(self.budget_bytes) is not int or self.budget_bytes < 0):
-            msg = f"budget_bytes must be a number of bytes >= 0 or None, not {self.budget_bytes!r}"
+        if self.budget_bytes is not None and (
+            type(self.budget_bytes) is not int or not 0 <= self.budget_bytes <= MAX_BUDGET
+        ):
+            msg = f"budget_bytes must be a number of bytes in 0..2**63-1 (what the log records) or None, not {self.budget_bytes!r}"
             raise ValueError(msg)
 
     @classmethod
