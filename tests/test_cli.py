@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from torpor.cli import build_parser, main
-from torpor.statemachine import SleepController, replay
+from torpor.statemachine import SleepController, read_events, replay
 from torpor.testing import FakeMemory
 
 EXAMPLE = re.compile(r"examples?:\s+torpor ")
@@ -51,6 +51,36 @@ def _log(tmp_path: Path, *, interrupted: bool = False) -> Path:
         path.write_text("".join(lines[:cut]))
     else:
         ctrl.close()
+    return path
+
+
+def _dead_writer_log(tmp_path: Path) -> Path:
+    """A log cut mid-sleep whose writer is gone: written by a child process that has exited."""
+    code = (
+        "import sys; from torpor.statemachine import SleepController; from torpor.testing import FakeMemory\n"
+        f"c = SleepController(FakeMemory({TAGS!r}), log=sys.argv[1], engine='eng', fsync=False)\n"
+        "c.sleep(1); c.wake(); c.sleep(2)\n"
+    )
+    (tmp_path / "logs").mkdir()
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "logs")], check=True, timeout=120)
+    path = tmp_path / "logs" / "eng.rank0.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    cut = max(i for i, line in enumerate(lines) if '"kind":"sleep_requested"' in line) + 2
+    path.write_text("".join(lines[:cut]))
+    return path
+
+
+def _huge_wall_log(tmp_path: Path) -> Path:
+    """A log whose last line is checksummed and well formed but says wall=1e20 (no platform date)."""
+    from dataclasses import replace
+
+    from torpor.statemachine.codec import encode_line
+
+    path = _log(tmp_path)
+    events = list(read_events(path))
+    bad = replace(events[-1], seq=events[-1].seq + 1, wall=1e20)
+    with open(path, "ab") as fh:
+        fh.write(encode_line(bad))
     return path
 
 
@@ -241,7 +271,7 @@ def test_replay_prints_state_and_residency(tmp_path: Path, capsys: pytest.Captur
     path = _log(tmp_path)
     assert main(["log", "replay", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "state       asleep_l2" in out
+    assert "state       closed at event #" in out and "(the engine closed its log), asleep_l2 since event #" in out
     weights = next(line for line in out.splitlines() if line.startswith("weights"))
     assert weights.split()[1:] == ["asleep", "0", "B", "0", "B", "3.00", "MiB"]
     assert "INTERRUPTED" not in out
@@ -255,14 +285,37 @@ def test_replay_json_matches_the_projection(tmp_path: Path, capsys: pytest.Captu
 
 
 def test_replay_names_the_interrupted_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A log cut mid-sleep: replay says interrupted, names the last step and the recover() path."""
-    path = _log(tmp_path, interrupted=True)
+    """A log cut mid-sleep whose writer is gone: replay says interrupted, names the step and recover(), exits 4."""
+    path = _dead_writer_log(tmp_path)
     proj = replay(path)
     assert proj.interrupted
+    assert main(["log", "replay", str(path)]) == 4
+    out = capsys.readouterr().out
+    assert "INTERRUPTED" in out and proj.last_step in out and f"its writer (pid {proj.pid}) is gone" in out
+    assert "controller.recover()" in out and "suspending" in out
+
+
+def test_replay_of_a_transition_whose_writer_runs_says_in_flight(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log that ends mid-sleep while its writer (this process) runs: a command in flight, exit 0."""
+    path = _log(tmp_path, interrupted=True)
     assert main(["log", "replay", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "INTERRUPTED" in out and proj.last_step in out
-    assert "controller.recover()" in out and "suspending" in out
+    assert "IN FLIGHT" in out and "INTERRUPTED" not in out and f"pid {os.getpid()}" in out
+
+
+@pytest.mark.parametrize("action", ["show", "replay", "follow"])
+def test_a_wall_time_that_is_no_date_is_one_line_and_exit_1(
+    action: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """wall=1e20 in a checksummed line: show, follow and replay print no traceback, say the log is bad, exit 1."""
+    path = _huge_wall_log(tmp_path)
+    args = ["log", action, str(path)] + (["--timeout", "0.1"] if action == "follow" else [])
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "OverflowError" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "1e+20" in captured.err  # one line naming the value
 
 
 class _Rows(io.StringIO):

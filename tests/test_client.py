@@ -87,6 +87,117 @@ def test_errors_name_the_status_and_reason(standalone: tuple[SleepController, Se
         Client("http://127.0.0.1:9", timeout=2).state()
 
 
+def test_a_rank_the_standalone_endpoint_does_not_serve_is_refused_by_state_too(
+    standalone: tuple[SleepController, Server],
+) -> None:
+    """Client(url, rank=3).state() and wait_for() refuse like .events() does, instead of answering for rank 0."""
+    _, server = standalone
+    with pytest.raises(EndpointError, match="serves rank 0, not rank 3"):
+        Client(server.url, rank=3).state()
+    with pytest.raises(EndpointError, match="serves rank 0, not rank 3"):
+        Client(server.url, rank=3).wait_for("awake", timeout=1)
+    with pytest.raises(EndpointError, match="serves engine 'e', not 'other'"):
+        Client(server.url, engine="other").status()
+    assert Client(server.url, rank=0, engine="e").state() == "awake"
+
+
+def test_wait_for_closed_returns_once_the_engine_closed_its_log(standalone: tuple[SleepController, Server]) -> None:
+    """wait_for('closed') is accepted (as `torpor status --wait closed` is) and returns once the controller closed."""
+    controller, server = standalone
+    client = Client(server.url)
+    thread = _when_waiting(server, controller.close)
+    status = client.wait_for("closed", timeout=20)
+    thread.join()
+    assert status["state"] == "closed" and status["closed"] is True and client.state() == "closed"
+
+
+class _Busy:
+    """A tiny HTTP server answering 503 + Retry-After ``busy`` times, then the ``/state`` of a rank."""
+
+    def __init__(self, busy: int, retry_after: str | None = "0.05") -> None:
+        import http.server
+
+        outer = self
+        self.busy, self.requests = busy, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # the standard library names it
+                outer.requests += 1
+                if outer.requests <= outer.busy:
+                    body = b'{"error": "too many /events requests are waiting; retry later"}'
+                    self.send_response(503)
+                    if retry_after is not None:
+                        self.send_header("Retry-After", retry_after)
+                else:
+                    body = b'{"state": "awake", "rank": 0, "engine": "e", "last_seq": 1}'
+                    self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_busy_endpoint_is_ridden_out_as_its_retry_after_says() -> None:
+    """Three 503s with Retry-After, then an answer: the client waits and asks again, and gets the state."""
+    busy = _Busy(3)
+    try:
+        assert Client(busy.url, prefix="").state() == "awake"
+        assert busy.requests == 4
+    finally:
+        busy.close()
+
+
+def test_a_busy_endpoint_past_busy_timeout_or_without_retry_after_raises() -> None:
+    """Retries are bounded by busy_timeout; a 503 without Retry-After (stuck, not busy) raises at once."""
+    busy = _Busy(10**6)
+    try:
+        start = time.monotonic()
+        with pytest.raises(EndpointError, match=r"503.*still busy after 0.3 s") as caught:
+            Client(busy.url, prefix="", busy_timeout=0.3).state()
+        assert caught.value.status == 503 and time.monotonic() - start < 5
+    finally:
+        busy.close()
+    plain = _Busy(1, retry_after=None)
+    try:
+        with pytest.raises(EndpointError, match="503"):
+            Client(plain.url, prefix="").state()
+        assert plain.requests == 1
+    finally:
+        plain.close()
+
+
+def test_follow_goes_on_with_a_log_started_anew(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A log that restarts at #1 (a new engine): follow(after=old last) says so and yields the new log's events."""
+    log = tmp_path / "e.rank0.jsonl"
+    old = SleepController(FakeMemory({"weights": 1 << 20}), log=log, engine="e")
+    for _ in range(3):
+        old.sleep(1)
+        old.wake()
+    old.close()
+    after = old.last_seq
+    with serve(log) as server:
+        client = Client(server.url)
+        log.unlink()
+        new = SleepController(FakeMemory({"weights": 1 << 20}), log=log, engine="e")
+        new.sleep(1)
+        with caplog.at_level("WARNING", logger="torpor.client"):
+            got = list(client.follow(after=after, poll=0.5, idle_timeout=3))
+        new.close()
+    assert [e.seq for e in got][:3] == [1, 2, 3] and got[0].kind.value == "opened"
+    assert client.restarts == 1 and "started anew" in caplog.text
+
+
 vllm = pytest.importorskip("vllm")
 
 

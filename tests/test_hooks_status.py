@@ -143,3 +143,91 @@ def test_shows_pinned_host_memory_budget_and_what_stayed_on_the_device(
     rank = json.loads(capsys.readouterr().out)["engines"][0]["ranks"][0]
     assert rank["device_asleep"]["untagged"] == 1 << 28 and rank["pinned_bytes"] == 1 << 28
     alloc.close()
+
+
+def _dead_writer(directory: Path) -> None:
+    """Rank 0 of engine llm, cut inside its second sleep, by a child process that has exited (its writer is gone)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from torpor.statemachine import SleepController; from torpor.testing import FakeMemory\n"
+        f"c = SleepController(FakeMemory({TAGS!r}), log=sys.argv[1], engine='llm', rank=0, fsync=False)\n"
+        "c.sleep(1); c.wake(); c.sleep(1)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(directory)], check=True, timeout=120)
+    path = directory / "llm.rank0.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    cut = max(i for i, line in enumerate(lines) if '"kind":"sleep_requested"' in line) + 2
+    path.write_text("".join(lines[:cut]))
+
+
+def test_an_interrupted_rank_is_named_with_its_writer_gone_and_exits_four(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log cut mid-sleep by a dead writer: no empty 'lagging:', the summary says interrupted and whose pid, exit 4."""
+    _dead_writer(tmp_path)
+    assert main(["status", str(tmp_path)]) == 4
+    out = capsys.readouterr().out.splitlines()
+    assert "lagging: " not in out[0] and out[0].startswith("engine llm: suspending, 1 rank; INTERRUPTED")
+    assert "gone mid-command" in out[0] and "recover()" in out[0]
+    assert main(["status", str(tmp_path), "--json"]) == 4
+    assert json.loads(capsys.readouterr().out)["engines"][0]["interrupted"] == [0]
+
+
+def test_a_rank_mid_command_with_its_writer_running_is_in_flight(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank inside the same transition while its writer runs: 'a command is in flight', nobody lags, exit 0."""
+    (ctrl,) = _ranks(tmp_path, 1)
+    ctrl.sleep(1)
+    ctrl.log.close()  # type: ignore[union-attr]
+    path = tmp_path / "llm.rank0.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[: 1 + next(i for i, x in enumerate(lines) if '"sleep_requested"' in x)]))
+    assert main(["status", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "engine llm: suspending, 1 rank; a command is in flight"
+
+
+@pytest.mark.parametrize(
+    ("case", "state", "interrupted", "exit_status"),
+    [("live", "asleep_l1", False, 0), ("closed", "closed", False, 0), ("interrupted", "suspending", True, 4)],
+)
+def test_every_reader_agrees_on_state_closed_and_counts(
+    case: str, state: str, interrupted: bool, exit_status: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torpor status, torpor log replay, /state and Client say the same state, interrupted flag and allocation counts."""
+    from torpor.client import Client
+    from torpor.telemetry import serve
+
+    live = None
+    if case == "interrupted":
+        _dead_writer(tmp_path)
+    else:
+        (live,) = _ranks(tmp_path, 1)
+        live.sleep(1)
+        if case == "closed":
+            live.close()
+    path = tmp_path / "llm.rank0.jsonl"
+
+    assert main(["status", str(tmp_path), "--json"]) == exit_status
+    rank = json.loads(capsys.readouterr().out)["engines"][0]["ranks"][0]
+    assert main(["log", "replay", "--json", str(path)]) == exit_status
+    replayed = json.loads(capsys.readouterr().out)
+    with serve(path) as server:
+        client = Client(server.url, rank=0, engine="llm")
+        served = client.status()
+        answers = {"status": rank["state"], "replay": replayed["state"], "/state": served["state"]}
+        answers["Client"] = client.state()
+    assert answers == dict.fromkeys(answers, state)
+    assert replayed["interrupted"] is served["interrupted"] is interrupted
+    assert replayed["closed"] is served["closed"] is (case == "closed")
+    counts = [
+        {t: u["allocations"] for t, u in where.items()}
+        for where in (rank["residency"], replayed["residency"], served["residency"])
+    ]
+    assert counts == [dict.fromkeys(TAGS, 1)] * 3  # FakeMemory: one allocation per tag, as its usage() says
+    if live is not None and case == "live":
+        assert {t: u.allocations for t, u in live.memory.usage().items()} == counts[0]
+        live.close()

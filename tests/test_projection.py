@@ -80,9 +80,12 @@ def test_every_kind_has_a_step_and_no_state_kinds_change_nothing_else() -> None:
         proj.apply(make_event(kind, before["last_seq"] + 1, "x", 7, {"tag": "weights", "bytes": 1, "state": "awake"}))
         after = proj.to_dict()
         assert (after["last_kind"], after["engine"], after["rank"]) == (kind.value, "x", 7)
-        assert {k: v for k, v in after.items() if k not in last_event_fields} == {
-            k: v for k, v in before.items() if k not in last_event_fields
+        derived = ("state", "closed") if kind is EventKind.CLOSED else ()  # a closed log reads closed
+        assert {k: v for k, v in after.items() if k not in last_event_fields + derived} == {
+            k: v for k, v in before.items() if k not in last_event_fields + derived
         }
+        if derived:
+            assert (after["state"], after["machine_state"], after["closed"]) == ("closed", before["state"], True)
 
 
 def test_residency_stays_exact_past_the_shared_usage_bound() -> None:
@@ -105,3 +108,54 @@ def test_follow_on_starts_afresh_when_the_log_starts_anew() -> None:
     again = follow_on(proj, make_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": {"weights": 7}}))
     assert again is not proj and again.last_seq == 1
     assert follow_on(again, make_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {}})) is again
+
+
+def test_a_closed_log_reads_closed_and_keeps_the_machine_state() -> None:
+    """After close(): shown_state and to_dict()['state'] say closed, machine_state the state it closed in."""
+    ctl = SleepController(FakeMemory(SIZES))
+    ctl.sleep(1)
+    assert not ctl.projection.closed and ctl.projection.to_dict()["state"] == "asleep_l1"
+    ctl.close()
+    proj = replay(ctl.events())
+    assert proj.closed and proj.shown_state == "closed" and proj.state is State.ASLEEP_L1
+    d = proj.to_dict()
+    assert (d["state"], d["machine_state"], d["closed"]) == ("closed", "asleep_l1", True)
+
+
+def test_a_closed_projection_round_trips_through_its_dict_as_a_snapshot_does() -> None:
+    """from_dict(to_dict()) of a closed projection keeps the machine state (snapshots carry to_dict)."""
+    ctl = SleepController(FakeMemory(SIZES))
+    ctl.sleep(2)
+    ctl.close()
+    back = Projection.from_dict(ctl.projection.to_dict())
+    assert back.state is State.ASLEEP_L2 and back.closed and back.to_dict() == ctl.projection.to_dict()
+
+
+def test_an_event_after_closed_opens_the_log_again() -> None:
+    """A controller reopened on a closed log appends 'opened': the log no longer reads closed."""
+    proj = Projection()
+    for seq, kind in enumerate([EventKind.OPENED, EventKind.CLOSED, EventKind.OPENED], start=1):
+        proj.apply(make_event(kind, seq, "e", 0, {"usage": {}} if kind is EventKind.OPENED else {}))
+        assert proj.closed is (kind is EventKind.CLOSED)
+
+
+def test_allocation_counts_come_from_the_events_as_the_memory_reports_them() -> None:
+    """opened, sleep_requested and usage_observed carry allocations per tag; the projection reports them."""
+    mem = FakeMemory(SIZES)
+    ctl = SleepController(mem)
+    want = {t: u.allocations for t, u in mem.usage().items()}
+    assert want == dict.fromkeys(SIZES, 1)
+    assert {t: u.allocations for t, u in ctl.projection.residency.items()} == want
+    ctl.sleep(1)
+    assert {t: u.allocations for t, u in replay(ctl.events()).residency.items()} == want
+    assert ctl.projection.to_dict()["residency"]["weights"]["allocations"] == 1
+    kinds = {e.kind for e in ctl.events() if "allocations" in e.data}
+    assert kinds == {EventKind.OPENED, EventKind.SLEEP_REQUESTED}
+    ctl.observe()
+    assert ctl.events()[-1].data["allocations"] == want
+
+
+def test_a_log_written_before_allocation_counts_reads_zero() -> None:
+    """Events without the allocations field (older logs) fold as before: counts 0, bytes as recorded."""
+    proj = project([make_event(EventKind.OPENED, 1, "e", 0, {"usage": {"weights": 64}})])
+    assert proj.residency["weights"].allocations == 0 and proj.residency["weights"].resident == 64

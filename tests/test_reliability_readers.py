@@ -249,7 +249,8 @@ def test_a_sidecar_stuck_at_a_bad_line_says_so(tmp_path: Path) -> None:
     lines = path.read_bytes().count(b"\n")
     with serve(path) as server:
         status, _, body = fetch(server.url + "/state")
-        assert status == 200 and json.loads(body)["state"] == "asleep_l1"
+        assert status == 200 and json.loads(body)["state"] == "closed"  # the log ends with 'closed'
+        assert json.loads(body)["machine_state"] == "asleep_l1"
         raw = make_event(EventKind.TAG_RELEASED, controller.last_seq + 1, "demo", 0, {"bytes": 5}).to_dict()
         with open(path, "ab") as fh:
             fh.write(_signed(raw))
@@ -258,7 +259,7 @@ def test_a_sidecar_stuck_at_a_bad_line_says_so(tmp_path: Path) -> None:
         answer = json.loads(body)
         assert answer["stuck"] is True and headers["X-Torpor-Stuck"] == "1"
         assert f"{path}:{lines + 1}:" in answer["error"]
-        assert answer["state"]["state"] == "asleep_l1"
+        assert answer["state"]["machine_state"] == "asleep_l1"
         status, _, body = fetch(f"{server.url}/events?after={controller.last_seq}&wait=5")
         assert status == 503 and "stuck" in json.loads(body)["error"]
         good = make_event(EventKind.USAGE_OBSERVED, controller.last_seq + 1, "demo", 0, {"usage": {"weights": 10}})

@@ -87,3 +87,23 @@ def test_missing_log_is_an_error_not_a_traceback(tmp_path: Path, capsys: pytest.
     """A log that does not exist gives exit status 1 and a one-line message."""
     assert main(["plot", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "x.png")]) == 1
     assert "no event log" in capsys.readouterr().err
+
+
+def test_a_wall_time_that_is_no_date_fails_in_one_line_and_draws_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checksummed line with wall=1e20: `torpor plot` exits 1 in one line naming it (or its line), and writes no PNG."""
+    pytest.importorskip("matplotlib")
+    from dataclasses import replace
+
+    from torpor.statemachine.codec import encode_line
+
+    log = make_log(tmp_path)
+    last = list(read_events(log))[-1]
+    with open(log, "ab") as fh:
+        fh.write(encode_line(replace(last, seq=last.seq + 1, wall=1e20)))
+    out = tmp_path / "bad.png"
+    assert main(["plot", str(log), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "1e+20" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()

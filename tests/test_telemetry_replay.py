@@ -143,3 +143,25 @@ def test_resolve_log_takes_any_one_log_and_says_what_a_narrowing_missed(tmp_path
         resolve_log(tmp_path, rank=3)
     with pytest.raises(FileNotFoundError, match="no event log at"):
         resolve_log(tmp_path / "absent.jsonl")
+
+
+def test_a_log_started_anew_serves_only_the_new_logs_events(tmp_path: Path) -> None:
+    """After the log restarts at #1, events(after=0) holds the new run's events only, not the old run's beside them."""
+    log = tmp_path / "e.rank0.jsonl"
+    old = SleepController(FakeMemory({"weights": 64}), log=log, engine="e", fsync=False)
+    old.sleep(1)
+    old.wake()
+    old.close()
+    source = LogSource(log, poll=0.05)
+    try:
+        assert len(source.events(0)) == old.last_seq
+        log.unlink()
+        new = SleepController(FakeMemory({"weights": 64}), log=log, engine="e", fsync=False)
+        deadline = time.monotonic() + 10
+        while source.last_seq != new.last_seq or source.projection.pid != new.projection.pid:
+            assert time.monotonic() < deadline, "the source never read the new log"
+            time.sleep(0.05)
+        assert [e.seq for e in source.events(0)] == [e.seq for e in new.events()]
+        new.close()
+    finally:
+        source.close()

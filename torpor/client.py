@@ -21,8 +21,10 @@ not answer: its status and reason), :class:`~torpor.errors.StateTimeout`
 
 from __future__ import annotations
 
+import email.utils
 import json
 import logging
+import math
 import time
 import urllib.error
 import urllib.parse
@@ -40,6 +42,10 @@ logger = logging.getLogger("torpor.client")
 MAX_POLL = 30.0
 #: ``wait_for`` targets beyond the state names: ``asleep`` is either level.
 ASLEEP_STATES = frozenset(s.value for s in ASLEEP)
+#: What readers call a log whose engine closed its controller (``/state``, ``torpor status``).
+CLOSED = "closed"
+#: Longest single pause a busy answer (503/429 with ``Retry-After``) makes the client take.
+MAX_RETRY_PAUSE = 5.0
 
 
 class Client:
@@ -49,6 +55,9 @@ class Client:
     the only one); ``rank`` the rank (None: the only one, or rank 0). ``prefix`` is ``""`` for the
     standalone endpoint and ``"/torpor"`` for the vLLM route; None finds out
     with one request. ``timeout`` bounds each request beyond its long-poll.
+    ``busy_timeout`` is how long, in all, one request rides out a busy endpoint
+    (503 or 429 with ``Retry-After``: it waits as told, at most
+    :data:`MAX_RETRY_PAUSE` at a time, and asks again); 0 raises at once.
     """
 
     def __init__(
@@ -59,14 +68,19 @@ class Client:
         rank: int | None = None,
         prefix: str | None = None,
         timeout: float = 10.0,
+        busy_timeout: float = 30.0,
     ) -> None:
         self.url = url.rstrip("/")
         self.engine = engine
         self.rank = rank
         self.timeout = timeout
+        self.busy_timeout = busy_timeout
         self._prefix = prefix
         #: The newest sequence number the server reported (``X-Torpor-Last-Seq``, or ``/state``).
         self.last_seq = 0
+        #: How often :meth:`follow` found the log started anew (its last event below the one followed).
+        self.restarts = 0
+        self._server_seq: int | None = None  # X-Torpor-Last-Seq of the last /events answer
 
     # -- requests -------------------------------------------------------------------
 
@@ -74,14 +88,27 @@ class Client:
         query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
         url = f"{self.url}{path}" + (f"?{query}" if query else "")
         request = urllib.request.Request(url, headers={"Accept": "application/json, application/x-ndjson"})  # noqa: S310
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout + wait) as response:  # noqa: S310
-                return response.read(), {k.lower(): v for k, v in response.headers.items()}
-        except urllib.error.HTTPError as exc:
-            raise EndpointError(url, exc.code, _reason(exc.read())) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise EndpointError(url, None, f"cannot reach the endpoint: {reason}") from None
+        busy_until: float | None = None
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout + wait) as response:  # noqa: S310
+                    return response.read(), {k.lower(): v for k, v in response.headers.items()}
+            except urllib.error.HTTPError as exc:
+                body = exc.read()
+                pause = _retry_after(exc.headers.get("Retry-After")) if exc.code in (429, 503) else None
+                if pause is not None:
+                    now = time.monotonic()
+                    busy_until = now + self.busy_timeout if busy_until is None else busy_until
+                    if now < busy_until:
+                        logger.info("%s answered %d (busy); asking again in %.2f s", url, exc.code, pause)
+                        time.sleep(min(pause, MAX_RETRY_PAUSE, busy_until - now))
+                        continue
+                    why = f"{_reason(body)} (still busy after {self.busy_timeout:g} s of retries)"
+                    raise EndpointError(url, exc.code, why) from None
+                raise EndpointError(url, exc.code, _reason(body)) from None
+            except (urllib.error.URLError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                raise EndpointError(url, None, f"cannot reach the endpoint: {reason}") from None
 
     @property
     def prefix(self) -> str:
@@ -104,17 +131,18 @@ class Client:
         raw = json.loads(body)
         if not self.prefix:
             found: dict[str, Any] = raw
+            _check_identity(found, self.engine, self.rank, f"{self.url}/state")
         else:
             found = _rank_of(raw, self.engine, self.rank, self.url)
         self.last_seq = max(self.last_seq, int(found.get("last_seq") or 0))
         return found
 
     def state(self) -> str:
-        """The rank's state now (``awake``, ``asleep_l1``, ``partially_awake``...)."""
+        """The rank's state now (``awake``, ``asleep_l1``, ``partially_awake``..., ``closed`` once its log closed)."""
         return str(self.status()["state"])
 
     def wait_for(self, state: str | State, timeout: float = 300.0) -> dict[str, Any]:
-        """Block until the rank is in ``state`` (``asleep`` matches either level); return its status.
+        """Block until the rank is in ``state`` (``asleep`` matches either level, ``closed`` a closed log); return its status.
 
         It long-polls the rank's events and reads the state again after each
         one, so it returns within a request's time of the transition and
@@ -122,8 +150,8 @@ class Client:
         :class:`~torpor.errors.StateTimeout` after ``timeout`` seconds.
         """
         want = state.value if isinstance(state, State) else str(state)
-        if want != "asleep" and want not in {s.value for s in State}:
-            msg = f"unknown state {want!r}; states: asleep, {', '.join(s.value for s in State)}"
+        if want not in ("asleep", CLOSED) and want not in {s.value for s in State}:
+            msg = f"unknown state {want!r}; states: asleep, {', '.join(s.value for s in State)}, {CLOSED}"
             raise ValueError(msg)
         wanted = ASLEEP_STATES if want == "asleep" else frozenset({want})
         deadline = time.monotonic() + timeout
@@ -147,7 +175,8 @@ class Client:
             params["wait"] = f"{min(wait, MAX_POLL):.3f}"
         body, headers = self._get(f"{self.prefix}/events", params, wait)
         if "x-torpor-last-seq" in headers:
-            self.last_seq = max(self.last_seq, int(headers["x-torpor-last-seq"]))
+            self._server_seq = int(headers["x-torpor-last-seq"])
+            self.last_seq = max(self.last_seq, self._server_seq)
         events = []
         for line in body.splitlines():
             try:
@@ -161,12 +190,29 @@ class Client:
 
         Ends after ``idle_timeout`` seconds without an event (None: never). A
         gap (events that left the server's recent window before they were
-        read) is logged as a warning, and following goes on.
+        read) is logged as a warning, and following goes on. A log started
+        anew (a new engine on the same path: its last event below ``after``)
+        is logged as a warning, counted in :attr:`restarts`, and followed from
+        its event #1: the next event yielded has a lower ``seq`` than the last.
+        It is seen within one poll, while the new log is still shorter than
+        the old one was where this follower stood.
         """
         quiet_since = time.monotonic()
         while True:
             wait = poll if idle_timeout is None else max(0.0, min(poll, quiet_since + idle_timeout - time.monotonic()))
+            self._server_seq = None
             batch = self.events(after, wait=wait)
+            if not batch and after and self._server_seq is not None and self._server_seq < after:
+                logger.warning(
+                    "%s: the log started anew (its last event is #%d, below #%d): following the new log from #1",
+                    self.url,
+                    self._server_seq,
+                    after,
+                )
+                self.restarts += 1
+                self.last_seq = self._server_seq
+                after = 0
+                continue
             if batch:
                 if batch[0].seq > after + 1 and after:
                     logger.warning(
@@ -188,6 +234,32 @@ def _reason(body: bytes) -> str:
     if isinstance(raw, dict):
         return str(raw.get("error") or raw.get("detail") or raw)
     return str(raw)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (delta-seconds or an HTTP date); None when absent or unreadable."""
+    if value is None:
+        return None
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    if math.isnan(seconds):
+        return None
+    return min(max(seconds, 0.05), MAX_RETRY_PAUSE)
+
+
+def _check_identity(found: dict[str, Any], engine: str | None, rank: int | None, url: str) -> None:
+    """The standalone endpoint serves one rank: asking it for another is refused, as ``/events`` refuses it."""
+    if rank is not None and found.get("rank") != rank:
+        raise EndpointError(url, 200, f"this endpoint serves rank {found.get('rank')}, not rank {rank}")
+    if engine is not None and found.get("engine") != engine:
+        raise EndpointError(url, 200, f"this endpoint serves engine {found.get('engine')!r}, not {engine!r}")
 
 
 def _rank_of(fleet: dict[str, Any], engine: str | None, rank: int | None, url: str) -> dict[str, Any]:

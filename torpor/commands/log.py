@@ -9,11 +9,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from torpor.commands.writer import writer_running
 from torpor.demo.report import fmt_bytes, fmt_seconds, table
 from torpor.hooks.follow import Follower
 from torpor.statemachine import Event, EventKind, Projection, read_events
 from torpor.statemachine.projection import project
-from torpor.telemetry.replay import resolve_log
+from torpor.telemetry.replay import resolve_log, wall_problem
 
 #: What a directory holding several logs asks of the user (the log commands take no --engine or --rank).
 _PICK_ONE = "name one of them"
@@ -138,9 +139,27 @@ def describe(event: Event) -> str:
     return " ".join(parts)
 
 
+#: Exit status of ``torpor log replay`` for a log that ends inside a transition whose writer is gone.
+EXIT_INTERRUPTED = 4
+
+
+def _stamp(event: Event) -> str:
+    """``HH:MM:SS.mmm`` of the event's wall time; ``??:??:??.???`` when it is no date (see :func:`wall_problem`)."""
+    if wall_problem(event) is not None:
+        return "??:??:??.???"
+    return time.strftime("%H:%M:%S", time.localtime(event.wall)) + f".{int(event.wall * 1000) % 1000:03d}"
+
+
+def _bad_walls(command: str, problems: list[str]) -> int:
+    """Say why the log is bad (the first problem and how many) on stderr; the exit status 1."""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    print(f"torpor log {command}: {problems[0]}{more}; the log is bad", file=sys.stderr)
+    return 1
+
+
 def timeline_line(event: Event, state: str) -> str:
     """One row of the human timeline."""
-    stamp = time.strftime("%H:%M:%S", time.localtime(event.wall)) + f".{int(event.wall * 1000) % 1000:03d}"
+    stamp = _stamp(event)
     return f"#{event.seq:<5} {stamp}  {state:<15} {event.kind.value:<16} {describe(event)}".rstrip()
 
 
@@ -160,12 +179,13 @@ def run_show(args: argparse.Namespace) -> int:
     proj = Projection()
     if not args.json:
         _header(path, print)
+    problems = [p for p in map(wall_problem, events) if p is not None]
     for event in events:
         proj.apply(event)
         if event.seq <= args.after or (kinds and event.kind.value not in kinds):
             continue
         print(_line(event, proj, args.json))
-    return 0
+    return _bad_walls("show", problems) if problems else 0
 
 
 def _line(event: Event, proj: Projection, as_json: bool) -> str:
@@ -184,11 +204,14 @@ def run_follow(args: argparse.Namespace) -> int:
     proj = Projection()
     if not args.json:
         _header(path, print)
+    problems = [p for p in map(wall_problem, events) if p is not None]
     for event in events:
         proj.apply(event)
         if event.seq > after:
             print(_line(event, proj, args.json))
     after = max(after, events[-1].seq if events else 0)
+    if problems:
+        _bad_walls("follow", problems)
     sys.stdout.flush()
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     with Follower(path, after=after) as follower:
@@ -197,24 +220,44 @@ def run_follow(args: argparse.Namespace) -> int:
             for event in new:
                 proj.apply(event)
                 print(_line(event, proj, args.json), flush=True)
+                problem = wall_problem(event)
+                if problem is not None:
+                    problems.append(problem)
+                    _bad_walls("follow", [problem])
             if new and args.timeout is not None:
                 deadline = time.monotonic() + args.timeout
             if deadline is not None and time.monotonic() >= deadline:
                 break
             if not new:
                 time.sleep(args.interval)
-    return 0
+    return 1 if problems else 0
 
 
-def replay_text(path: Path, proj: Projection) -> str:
-    """The human report of a replayed log."""
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(proj.since_wall)) if proj.since_wall else "-"
+def _date(wall: float) -> str:
+    """``YYYY-MM-DD HH:MM:SS``, ``-`` for none, ``time out of range`` for a wall that is no date."""
+    if not wall:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall))
+    except (OverflowError, OSError, ValueError):
+        return f"time out of range: {wall!r}"
+
+
+def _state_line(proj: Projection) -> str:
+    """The state, as every reader names it (``closed`` after a clean close), and since when."""
+    since = f"since event #{proj.since} ({_date(proj.since_wall)})" + (f", level {proj.level}" if proj.level else "")
+    if proj.closed:
+        return f"closed at event #{proj.last_seq} (the engine closed its log), {proj.state.value} {since}"
+    return f"{proj.state.value} {since}"
+
+
+def replay_text(path: Path, proj: Projection, running: bool | None = None) -> str:
+    """The human report of a replayed log; ``running``: whether its writer still runs (None: not known)."""
     lines = [
         f"event log   {path}",
         f"engine      {proj.engine or '-'} rank {proj.rank} (pid {proj.pid})",
         f"events      {proj.last_seq} (last: #{proj.last_seq} {proj.last_kind or '-'}; last step: {proj.last_step or '-'})",
-        f"state       {proj.state.value} since event #{proj.since} ({since})"
-        + (f", level {proj.level}" if proj.level else ""),
+        f"state       {_state_line(proj)}",
         f"transitions {proj.transitions}, refusals {proj.refusals}, pinned host backup {fmt_bytes(proj.pinned_bytes)}",
         f"graph pool  {proj.pool or 'none'}"
         + (f", {proj.graph_count} graph(s): {', '.join(proj.graphs)}" if proj.graphs else "")
@@ -229,10 +272,18 @@ def replay_text(path: Path, proj: Projection) -> str:
         lines.append(table(["tag", "now", "resident", "on host", "discarded"], rows, indent=""))
     else:
         lines.append("no tagged memory recorded")
-    if proj.interrupted:
+    if proj.interrupted and running:
         lines += [
             "",
-            f"INTERRUPTED: the log ends inside a transition ({proj.state.value}), at {proj.last_step}.",
+            f"IN FLIGHT: the log ends inside a transition ({proj.state.value}), at {proj.last_step};",
+            f"  its writer (pid {proj.pid}) still runs: a command under way (replay again to see it end), or one",
+            "  interrupted inside that process, which then needs controller.recover().",
+        ]
+    elif proj.interrupted:
+        gone = f"its writer (pid {proj.pid}) is gone" if running is False else "its writer is not known to run"
+        lines += [
+            "",
+            f"INTERRUPTED: the log ends inside a transition ({proj.state.value}), at {proj.last_step}; {gone}.",
             "  The process stopped mid-step: memory of the tags above may be partly released.",
             "  Recovery: restart the engine with this log and call controller.recover(), e.g.",
             f"    SleepController(memory, log={str(path)!r}).recover()",
@@ -244,11 +295,16 @@ def replay_text(path: Path, proj: Projection) -> str:
 def run_replay(args: argparse.Namespace) -> int:
     """Print the projection of the log."""
     path = resolve_log(args.path, hint=_PICK_ONE)
-    proj = project(read_events(path))
+    events = list(read_events(path))
+    proj = project(events)
+    running = writer_running(proj.pid) if proj.interrupted else None
     if args.json:
         import json
 
         print(json.dumps(proj.to_dict(), indent=2, sort_keys=True))
     else:
-        print(replay_text(path, proj))
-    return 0
+        print(replay_text(path, proj, running))
+    problems = [p for p in map(wall_problem, events) if p is not None]
+    if problems:
+        return _bad_walls("replay", problems)
+    return EXIT_INTERRUPTED if proj.interrupted and not running else 0

@@ -6,8 +6,15 @@ import argparse
 import json
 import sys
 
+from torpor.commands.writer import writer_running
 from torpor.demo.report import fmt_bytes
 from torpor.hooks.fleet import EngineView, FleetView, RankView, fleet, wait_fleet
+from torpor.statemachine.states import TRANSITIONAL
+
+#: The states a rank's log can end in only inside a command (or when its writer died in one).
+_MID_COMMAND = frozenset(s.value for s in TRANSITIONAL)
+#: Exit status when a rank's log ends inside a transition and its writer is gone.
+EXIT_INTERRUPTED = 4
 
 #: States ``--wait`` accepts.
 WAIT_STATES = ("awake", "asleep", "asleep_l1", "asleep_l2", "partially_awake", "closed")
@@ -18,7 +25,8 @@ examples:
   torpor status /var/run/torpor --engine llm0 --json
   torpor status /var/run/torpor --wait asleep --timeout 60   (exit 0 once all ranks are asleep)
 
-exit status: 0 ok; 1 unreadable logs or a bad directory; 3 --wait timed out"""
+exit status: 0 ok; 1 unreadable logs or a bad directory; 3 --wait timed out;
+  4 a rank's log ends inside a transition and its writer is gone (interrupted: recover() it)"""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -75,11 +83,32 @@ def memory_line(r: RankView) -> str:
     return "; ".join(parts)
 
 
+def interrupted_ranks(engine: EngineView) -> list[RankView]:
+    """Ranks whose log ends inside a transition while its writer is gone (or not known to run)."""
+    return [r for r in engine.ranks if r.state in _MID_COMMAND and r.path is not None and not writer_running(r.pid)]
+
+
+def summary(engine: EngineView) -> str:
+    """The engine's line: its state, the lagging ranks, and whether a transition was interrupted."""
+    if engine.state not in _MID_COMMAND:  # a merged state, or transitional (some rank leads, others lag)
+        line = engine.summary()
+    else:  # every rank in the same transition: nobody lags
+        n = len(engine.ranks)
+        line = f"engine {engine.engine}: {engine.state}, {n} rank{'s' if n != 1 else ''}"
+    gone = interrupted_ranks(engine)
+    if gone:
+        ranks = ", ".join(f"rank {r.rank} (pid {r.pid})" for r in gone)
+        line += f"; INTERRUPTED: the writer of {ranks} is gone mid-command; restart it on its log and call recover()"
+    elif any(r.state in _MID_COMMAND for r in engine.ranks):
+        line += "; a command is in flight"
+    return line
+
+
 def render(view: FleetView) -> str:
     """The text ``torpor status`` prints: a summary line per engine, then one line per rank."""
     lines = []
     for engine in view.engines:
-        lines.append(engine.summary())
+        lines.append(summary(engine))
         if engine.group is not None:  # ranks that sleep and wake as a group: do they agree?
             lines.append(f"  {engine.group.describe()}")
         for r in engine.ranks:
@@ -109,8 +138,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         reached = None
         view = fleet(args.directory, engine=args.engine, world_size=args.world_size)
-    print(json.dumps(view.to_dict(), indent=2) if args.json else render(view))
+    if args.json:
+        data = view.to_dict()
+        for engine, entry in zip(view.engines, data["engines"], strict=True):
+            entry["interrupted"] = [r.rank for r in interrupted_ranks(engine)]
+        print(json.dumps(data, indent=2))
+    else:
+        print(render(view))
     if args.wait and reached is None:
         print(f"torpor status: not {args.wait} after {args.timeout} s", file=sys.stderr)
         return 3
-    return 1 if any(e.state == "unknown" for e in view.engines) else 0
+    if any(e.state == "unknown" for e in view.engines):
+        return 1
+    return EXIT_INTERRUPTED if any(interrupted_ranks(e) for e in view.engines) else 0

@@ -71,7 +71,7 @@ class RankView:
             "pid": self.pid,
             "level": self.level,
             "residency": {
-                t: {"resident": u.resident, "host": u.host, "discarded": u.discarded}
+                t: {"resident": u.resident, "host": u.host, "discarded": u.discarded, "allocations": u.allocations}
                 for t, u in sorted(self.residency.items())
             },
             "error": self.error,

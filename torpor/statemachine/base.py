@@ -112,6 +112,7 @@ class ControllerBase:
             self._emit(
                 EventKind.OPENED,
                 usage=self._resident_usage(),
+                allocations=self._allocation_counts(),
                 memory=type(memory).__name__,
                 previous_state=self.projection.state.value if self._seq else None,
                 host=self.host_policy.to_dict(),
@@ -174,6 +175,9 @@ class ControllerBase:
 
     def _resident_usage(self) -> dict[str, int]:
         return {tag: u.resident for tag, u in self.memory.usage().items()}
+
+    def _allocation_counts(self) -> dict[str, int]:
+        return {tag: u.allocations for tag, u in self.memory.usage().items()}
 
     def _emit(self, kind: EventKind, **data: Any) -> Event:
         with UNINTERRUPTED, self._emit_lock:  # log, projection, subscribers: a Ctrl-C is raised after, never between

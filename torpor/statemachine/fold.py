@@ -57,6 +57,7 @@ def _start_clean(p: ProjectionData, usage: Usage) -> None:
 
 def _opened(p: ProjectionData, event: Event, d: Opened) -> None:
     _start_clean(p, d.usage)
+    p._count(d.allocations)
     if d.host is not None:
         p.host_policy = thaw(d.host)
     p._set_state(State.AWAKE, event)
@@ -75,6 +76,7 @@ def _recovered(p: ProjectionData, event: Event, d: Recovered) -> None:
 
 def _sleep_requested(p: ProjectionData, event: Event, d: SleepRequested) -> None:
     p._observe(d.usage)
+    p._count(d.allocations)
     p.resume_from = p.state
     p.level = int(d.level)
     p._set_state(State.SUSPENDING, event)
@@ -175,6 +177,7 @@ def _pool_released(p: ProjectionData, event: Event, d: PoolReleased) -> None:
 
 def _usage_observed(p: ProjectionData, event: Event, d: UsageObserved) -> None:
     p._observe(d.usage)
+    p._count(d.allocations)
 
 
 def _group_agreed(p: ProjectionData, event: Event, d: GroupAgreed) -> None:

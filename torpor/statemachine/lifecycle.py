@@ -23,7 +23,7 @@ class Lifecycle(CommandGate):
     def observe(self) -> Projection:
         """Record the memory's current per-tag bytes (a ``usage_observed`` event)."""
         with self._emit_lock:
-            self._emit(EventKind.USAGE_OBSERVED, usage=self._resident_usage())
+            self._emit(EventKind.USAGE_OBSERVED, usage=self._resident_usage(), allocations=self._allocation_counts())
             return self.projection
 
     def record(self, kind: EventKind, **data: Any) -> Event:

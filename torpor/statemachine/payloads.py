@@ -41,6 +41,7 @@ class Opened(Payload, kind=EventKind.OPENED):
     """A controller opened: the memory's ``usage``, its class, the state before, the host-memory policy."""
 
     usage: Usage = _NO_USAGE
+    allocations: Usage = _NO_USAGE  # allocations per tag (a count, not bytes); absent in older logs
     memory: str = ""
     previous_state: str | None = None
     host: Mapping[str, Any] | None = None  # pin, after_wake, budget_bytes
@@ -61,6 +62,7 @@ class SleepRequested(Payload, kind=EventKind.SLEEP_REQUESTED):
     level: int
     plan: Mapping[str, str] = _NOTHING
     usage: Usage = _NO_USAGE
+    allocations: Usage = _NO_USAGE  # allocations per tag before the sleep (a count)
 
 
 class TagBackedUp(Payload, kind=EventKind.TAG_BACKED_UP):
@@ -202,9 +204,10 @@ class PoolReleased(Payload, kind=EventKind.POOL_RELEASED):
 
 
 class UsageObserved(Payload, kind=EventKind.USAGE_OBSERVED):
-    """The memory's resident bytes per tag, observed."""
+    """The memory's resident bytes per tag, observed, and its allocations per tag (a count)."""
 
     usage: Usage
+    allocations: Usage = _NO_USAGE
 
 
 class HookDecision(Payload, kind=EventKind.HOOK_DECISION):

@@ -76,6 +76,16 @@ class ProjectionData:
         """True when the events end inside a transition (a crash mid-sleep or mid-wake)."""
         return self.state in TRANSITIONAL
 
+    @property
+    def closed(self) -> bool:
+        """True when the last event is ``closed``: the engine closed its controller, a clean end."""
+        return self.last_kind == "closed"
+
+    @property
+    def shown_state(self) -> str:
+        """The state every reader shows: ``closed`` after a clean close, else the machine's state (``state``)."""
+        return "closed" if self.closed else self.state.value
+
     def asleep_tags(self) -> list[str]:
         """Tags released by a sleep and not restored since (on the host or discarded)."""
         return sorted(self.asleep)
@@ -88,7 +98,9 @@ class ProjectionData:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (used by snapshots, ``/state`` and ``torpor log replay``)."""
         return {
-            "state": self.state.value,
+            "state": self.shown_state,
+            "machine_state": self.state.value,
+            "closed": self.closed,
             "since": self.since,
             "since_wall": self.since_wall,
             "last_seq": self.last_seq,
@@ -122,7 +134,7 @@ class ProjectionData:
         """Inverse of :meth:`to_dict` (snapshot events)."""
         resume = raw.get("resume_from")
         return cls(
-            state=State(raw["state"]),
+            state=State(raw.get("machine_state") or raw["state"]),  # "state" is "closed" after a close
             since=int(raw["since"]),
             since_wall=float(raw.get("since_wall", 0.0)),
             last_seq=int(raw["last_seq"]),
@@ -167,6 +179,16 @@ class ProjectionData:
                 continue
             old = residency.get(tag)
             residency[tag] = interned_usage(int(nbytes), 0, 0, old.allocations if old is not None else 0)
+
+    def _count(self, allocations: Mapping[str, Any]) -> None:
+        """Take the number of allocations per tag from an event that carries them (``allocations``)."""
+        residency = self.residency
+        for tag, count in allocations.items():
+            old = residency.get(tag)
+            if old is None:
+                residency[tag] = interned_usage(0, 0, 0, int(count))
+            else:
+                residency[tag] = interned_usage(old.resident, old.host, old.discarded, int(count))
 
 
 _USAGES: dict[tuple[int, int, int, int], TagUsage] = {}

@@ -89,7 +89,13 @@ class Sleeping(CommandGate):
     def _sleep_planned(self, level: int, plan: dict[str, Action], usage: dict[str, int], start: float) -> Projection:
         offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
         discard = [t for t, a in plan.items() if a is Action.DISCARD]
-        self._emit(EventKind.SLEEP_REQUESTED, level=level, plan={t: a.value for t, a in plan.items()}, usage=usage)
+        self._emit(
+            EventKind.SLEEP_REQUESTED,
+            level=level,
+            plan={t: a.value for t, a in plan.items()},
+            usage=usage,
+            allocations=self._allocation_counts(),
+        )
         progress = SleepProgress(level, plan, start)
         undone = False
 

@@ -17,6 +17,7 @@ from torpor.statemachine.events import Event
 from torpor.statemachine.log import read_events
 from torpor.statemachine.projection import Projection
 from torpor.statemachine.states import State
+from torpor.telemetry.replay import wall_problem
 
 RESIDENCIES = (("resident", "on the GPU"), ("host", "on the host"), ("discarded", "discarded"))
 STATE_COLOURS = {
@@ -90,7 +91,13 @@ def plot(log: str | os.PathLike[str], output: str | os.PathLike[str], title: str
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    tl = timeline(read_events(log))
+    events = list(read_events(log))
+    problems = [p for p in map(wall_problem, events) if p is not None]
+    if problems:  # a time axis from such a wall would be nonsense: the log is bad, say so
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        msg = f"{problems[0]}{more}; the log is bad, nothing plotted"
+        raise ValueError(msg)
+    tl = timeline(events)
     if not tl.times:
         msg = f"{log} holds no events to plot"
         raise ValueError(msg)

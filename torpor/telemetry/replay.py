@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -163,6 +164,8 @@ class LogSource:
             return len(events)
 
     def _take(self, event: Event) -> None:
+        if event.seq == 1 and event.kind is not EventKind.SNAPSHOT and self.projection.last_seq:
+            self._recent.clear()  # the log started anew (#1 after others): the old events are another run's
         self.projection = follow_on(self.projection, event)
         self._recent.append(event)
         self._subscribers.publish(event)  # a subscriber that raises is logged; it never stops the follower
@@ -173,3 +176,16 @@ class LogSource:
                 self.refresh()
             except Exception:  # anything else (an unreadable directory): say so and keep following
                 logger.exception("following %s failed; retrying", self.path)
+
+
+def wall_problem(event: Event) -> str | None:
+    """Why ``event``'s wall time cannot be shown as a local date (a huge finite ``wall``), or None when it can.
+
+    Readers that print or plot times (``torpor log``, ``torpor plot``) show such
+    an event without its time and exit non-zero: the log is bad.
+    """
+    try:
+        time.localtime(event.wall)
+    except (OverflowError, OSError, ValueError) as exc:
+        return f"event #{event.seq} ({event.kind.value}) has a wall time that is no date: {event.wall!r} ({exc})"
+    return None
