@@ -55,9 +55,18 @@ def test_every_command_is_a_trigger() -> None:
 
 def test_mermaid_lists_every_row() -> None:
     """The diagram has one edge per (row, source) pair of the table."""
-    edges = [line for line in mermaid().splitlines() if "-->" in line and "[*]" not in line]
+    edges = [line for line in mermaid().splitlines() if "-->" in line and "[*]" not in line and "closed" not in line]
     expected = sum(len(r["source"]) if isinstance(r["source"], list) else 1 for r in TRANSITIONS)
     assert len(edges) == expected
+
+
+def test_the_diagram_has_the_closed_state_every_reader_names() -> None:
+    """close() leads from every settled state to 'closed' (as torpor status and /state say), and 'opened' back."""
+    lines = mermaid().splitlines()
+    settled = [s.value for s in State if s not in TRANSITIONAL]
+    assert all(f"    {s} --> closed: close()" in lines for s in settled)
+    assert not [line for line in lines if line.startswith(tuple(f"    {s.value} --> closed" for s in TRANSITIONAL))]
+    assert any(line.startswith("    closed --> awake: opened") for line in lines)
 
 
 def test_committed_diagram_is_current() -> None:

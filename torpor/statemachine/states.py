@@ -236,6 +236,9 @@ def mermaid() -> str:
             guard = row.get("conditions") or (f"not {row['unless']}" if "unless" in row else "")
             label = row["trigger"] + (f" [{guard}]" if guard else "")
             lines.append(f"    {src} --> {dest}: {label}")
+    for settled in (s for s in State if s not in TRANSITIONAL):  # close() waits for a command in flight
+        lines.append(f"    {settled.value} --> closed: close()")
+    lines.append("    closed --> awake: opened (a new controller on the same log)")
     return "\n".join(lines) + "\n"
 
 
