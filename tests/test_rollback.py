@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from torpor import SleepController, State
-from torpor.errors import MemoryOperationFailed, TorporError
+from torpor.errors import MemoryOperationFailed, NotRecovered, TorporError
 from torpor.statemachine.events import EventKind
 from torpor.statemachine.policy import Action
 from torpor.statemachine.protocol import Transfer
@@ -100,3 +102,85 @@ def test_a_discard_whose_second_backup_drop_fails_ends_partly_done() -> None:
         ctl.discard(["weights", "runtime"])
     assert _after(ctl, seq) == ["tag_discarded", "discard_completed"]
     assert list(ctl.events()[-1].data["tags"]) == ["weights"]
+
+
+class ReleasedAnyway(FakeMemory):
+    """A release of ``tag`` that fails and leaves the tag released all the same (its undo failed too)."""
+
+    def __init__(self, tag: str, *, restore_lies: bool = False) -> None:
+        super().__init__(SIZES)
+        self.tag = tag
+        self.restore_lies = restore_lies  # a restore that says it worked and leaves the tag released
+        self.armed = False
+
+    def release(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Fail once for ``tag`` after releasing it."""
+        done = super().release(tags)
+        if self.armed and self.tag in tags:
+            self.armed = False
+            raise MemoryOperationFailed("release", self.tag, "unmap failed; mapping it back failed too")
+        return done
+
+    def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Restore; with ``restore_lies``, ``tag`` stays released."""
+        done = super().restore(tags)
+        if self.restore_lies and self.tag in tags:
+            self._tags[self.tag].resident = False
+        return done
+
+
+def test_a_tag_whose_failed_release_left_it_released_is_recorded_and_restored() -> None:
+    """abort_sleep: the memory says the failed tag is released, so tag_released is recorded and the rollback restores it."""
+    memory = ReleasedAnyway("runtime")
+    ctl = SleepController(memory)
+    content = memory.content("runtime")
+    seq = ctl.last_seq
+    memory.armed = True
+    with pytest.raises(MemoryOperationFailed, match="mapping it back failed too"):
+        ctl.sleep(1)
+    events = ctl.events(after=seq)
+    assert [e.data["tag"] for e in events if e.kind is EventKind.TAG_RELEASED][-1] == "runtime"
+    assert "runtime" in [e.data["tag"] for e in events if e.kind is EventKind.TAG_RESTORED]
+    assert events[-1].kind is EventKind.SLEEP_ABORTED
+    assert ctl.state is State.AWAKE
+    assert all(u.resident for u in memory.usage().values())
+    assert memory.content("runtime") == content
+
+
+def test_a_sleep_rollback_that_leaves_a_tag_released_refuses_with_not_recovered() -> None:
+    """abort_sleep never records the engine awake while the memory says a tag is not resident: NotRecovered until recover()."""
+    memory = ReleasedAnyway("runtime", restore_lies=True)
+    ctl = SleepController(memory)
+    memory.armed = True
+    with pytest.raises(MemoryOperationFailed, match="recover"):
+        ctl.sleep(1)
+    assert ctl.state is State.SUSPENDING
+    assert EventKind.SLEEP_ABORTED not in {e.kind for e in ctl.events()}
+    with pytest.raises(NotRecovered, match="not resident"):
+        ctl.wake()
+    ctl.recover()
+    assert ctl.state is State.PARTIALLY_AWAKE
+    assert ctl.projection.asleep_tags() == ["runtime"]
+    memory.restore_lies = False
+    ctl.wake()
+    assert ctl.state is State.AWAKE
+
+
+def test_a_wake_rollback_whose_release_failed_but_released_records_it_rolled_back() -> None:
+    """fail_wake: a release that raised but left the tag released is recorded (tag_rolled_back), so the next wake restores it."""
+    memory = ReleasedAnyway("runtime")
+    ctl = SleepController(memory)
+    content = memory.content("runtime")
+    ctl.sleep(1)
+    memory.fail_once("restore", "weights")  # runtime is restored before weights (sorted), then rolled back
+    memory.armed = True
+    seq = ctl.last_seq
+    with pytest.raises(TorporError):
+        ctl.wake()
+    rolled = [e.data["tag"] for e in ctl.events(after=seq) if e.kind is EventKind.TAG_ROLLED_BACK]
+    assert "runtime" in rolled
+    assert ctl.state is State.ASLEEP_L1
+    assert "runtime" in ctl.projection.asleep_tags()
+    ctl.wake()
+    assert ctl.state is State.AWAKE
+    assert memory.content("runtime") == content

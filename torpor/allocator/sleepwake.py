@@ -17,14 +17,12 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.allocator import native
 from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, wrap
 from torpor.allocator.mapping import (
-    Backups,
     Live,
     Piece,
     assign,
@@ -38,23 +36,17 @@ from torpor.allocator.mapping import (
 from torpor.allocator.offload import Extent, HostArena
 from torpor.allocator.staging import Stager
 from torpor.allocator.table import NativeTable
+from torpor.allocator.undo import ReleaseUndo, Span, TagState
 from torpor.errors import UnknownTag
 from torpor.statemachine.protocol import Transfer
 
 logger = logging.getLogger("torpor.allocator")
 
 
-@dataclass
-class TagState:
-    """Python's part of a tag: its backup (host extents per allocation) and the copies still in flight."""
-
-    backed_up: bool = False
-    pieces: list[Piece] = field(default_factory=list)  # what the backup holds: (allocation, start, size, device)
-    backups: Backups = field(default_factory=dict)  # piece start -> host extents
-    pending: list[tuple[object, int, int]] = field(default_factory=list)  # (event, lo, hi) per batch
+__all__ = ["SleepWake", "TagState"]
 
 
-class SleepWake:
+class SleepWake(ReleaseUndo):
     """The memory protocol's backup, release, restore and drop_backup (mixed into TaggedAllocator)."""
 
     driver: Driver
@@ -83,6 +75,7 @@ class SleepWake:
         """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
         with self._lock:
             self._check_known(tags)
+            self._refuse_partial("backup", list(tags), self._tags)
             start = time.perf_counter()
             self._trim_free(tags)
             for tag in tags:
@@ -154,6 +147,7 @@ class SleepWake:
         with self._lock:
             self._check_known(tags)
             start = time.perf_counter()
+            healed = {t: self._heal_tag(t) for t in tags if self._tags[t].partial}
             todo = [t for t in tags if self.table.usage(t)[0] == native.RELEASED]
             lives: dict[str, list[Live]] = {}
             current = ""
@@ -177,24 +171,32 @@ class SleepWake:
                     raise
                 raise wrap("restore", current or None, exc) from exc
             seconds = time.perf_counter() - start
-            out = {t: Transfer(t, 0, 0.0, self._tags[t].backed_up) for t in tags}
+            out = {t: Transfer(t, healed.get(t, 0), seconds, self._tags[t].backed_up) for t in tags}
             for tag in todo:
                 self.table.mark_awake(tag)
                 out[tag] = Transfer(tag, sum(n for _, n, _ in lives[tag]), seconds, self._tags[tag].backed_up)
-            self._reopened(todo)
+            self._reopened([*healed, *todo])
             return out
 
     def drop_backup(self, tags: Sequence[str]) -> None:
         """Mark the tags' backups stale (host extents return to the arena); a frozen tag takes allocations again."""
         with self._lock:
+            self._refuse_partial("drop backup", list(tags), self._tags)
+            first: AllocatorError | None = None
             for tag in tags:
                 record = self._tags.get(tag)
                 if record is not None:
                     self._drop(record)
                     if self.table.usage(tag)[0] == native.FROZEN:
-                        self.table.thaw(tag)
+                        try:
+                            self.table.thaw(tag)
+                        except AllocatorError as exc:  # the other tags are thawed all the same
+                            first = first or exc
+                            continue
                         self._reopened([tag])
             self.host.end_staging()  # a staged backup dropped before its release: its empty chunks go back
+            if first is not None:
+                raise first
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -248,15 +250,18 @@ class SleepWake:
                 raise
             raise wrap("backup", tag, exc) from exc
 
-    def _settle(self, record: TagState) -> None:
-        """Wait for the tag's copies in flight, ignoring their errors (used before throwing a backup away)."""
+    def _settle(self, record: TagState) -> list[Span]:
+        """Wait for the tag's copies in flight; the batches (lo, hi) whose copy failed (their backup is not valid)."""
         self.stager.abort()  # a staged sleep's threads write into the backup's host memory until they stop
-        for event, _, _ in record.pending:
+        failed: list[Span] = []
+        for event, lo, hi in record.pending:
             try:
                 self.driver.wait(event)
-            except Exception:  # the backup is being dropped anyway
+            except Exception:  # a backup being dropped, or a failed release that copies these batches again
                 logger.debug("a copy failed while its backup was being dropped", exc_info=True)
+                failed.append((lo, hi))
         record.pending.clear()
+        return failed
 
     def _drop(self, record: TagState) -> None:
         self._settle(record)
@@ -297,43 +302,25 @@ class SleepWake:
                     self._thaw_quietly(tag)
                     msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
                     raise AllocatorError("release", tag, msg)
+        pending, record.pending = record.pending, []
+        waited, stale = 0, []
         try:
-            for event, lo, hi in record.pending:
-                self.driver.wait(event)
+            for event, lo, hi in pending:
+                waited += 1
+                try:
+                    self.driver.wait(event)
+                except BaseException:
+                    stale.append((lo, hi))  # its copy failed: the backup of this batch is not its bytes
+                    raise
                 self.table.unmap_range(tag, lo, hi)
-            record.pending.clear()
             self.table.unmap_range(tag)
-        except BaseException as exc:  # an error or an interrupt (Ctrl-C): the tag stays resident
-            self._settle(record)
-            lost = self._map_back(tag, record)
-            self._thaw_quietly(tag)
+        except BaseException as exc:  # an error or an interrupt (Ctrl-C): put the tag back, or release it (undo.py)
+            record.pending = pending[waited:]
+            outcome = self._undo_release(tag, record, stale + self._settle(record))
             if not isinstance(exc, Exception):
                 raise
-            detail = f"; {lost} bytes mapped back fresh (no backup)" if lost else ""
-            raise wrap("release", tag, exc, f"tag left resident{detail}") from exc
+            raise wrap("release", tag, exc, outcome) from exc
         self.table.mark_released(tag)
-
-    def _map_back(self, tag: str, record: TagState) -> int:
-        """Map back what a failed release unmapped (from the backup); return the bytes that came back fresh."""
-        try:
-            ranges = self.table.map_back(tag)
-        except AllocatorError:  # cannot do more: the range stays unmapped and the error above is raised
-            logger.exception("rollback: mapping tag %r back failed", tag)
-            return 0
-        if not record.backed_up:
-            return sum(n for _, n in ranges)
-        live = self.table.allocations(tag)
-        try:
-            ordered = sorted(ranges)
-            for parts in clip_each(record.pieces, [(lo, lo + n) for lo, n in ordered]):
-                for device, address, host, m in copies(parts, record.backups):
-                    self.host.wait_readable(host)
-                    self.driver.copy_h2d(address, host, m, device)
-            for device in {d for _, _, d in live}:
-                self.driver.wait(self.driver.record(device))
-        except Exception:
-            logger.exception("rollback: copying tag %r back failed", tag)
-        return 0
 
     def _remap(self, tag: str, record: TagState, live: list[Live]) -> None:
         """Map ``live`` span by span (adjacent allocations share one handle), each span's copy enqueued at once."""
@@ -362,3 +349,9 @@ class SleepWake:
             failed = self.table.unmap_all(tag)
             if failed:  # they stay listed; the next wake unmaps them first
                 logger.error("rollback: %d mapping(s) of tag %r would not unmap", failed, tag)
+
+    def _heal_tag(self, tag: str) -> int:
+        try:
+            return self._heal(tag, self._tags[tag])
+        except AllocatorError as exc:
+            raise wrap("restore", tag, exc, "tag stays partly released; its backup is kept") from exc

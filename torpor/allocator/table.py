@@ -251,6 +251,20 @@ class NativeTable:
         self._check(rc, err, tag)
         return done
 
+    def map_back_some(self, tag: str) -> tuple[list[tuple[int, int]], AllocatorError | None]:
+        """:meth:`map_back` that never raises: the ranges mapped back (also those before a failure), and the failure."""
+        cap = 1 << 16
+        starts, sizes, count, err = native.u64s(cap), native.u64s(cap), ctypes.c_int(), native.TpErr()
+        rc = self.lib.tp_map_back(
+            self.ctx, self.tag_id(tag), starts, sizes, cap, ctypes.byref(count), ctypes.byref(err)
+        )
+        done = [(int(starts[i]), int(sizes[i])) for i in range(min(count.value, cap))]
+        if rc < 0:
+            return done, native.error_of(err, tag)
+        if count.value > cap:
+            return done, AllocatorError("release", tag, f"{count.value} ranges mapped back, only {cap} reported")
+        return done, None
+
     def mark_released(self, tag: str) -> None:
         """Every mapping of the frozen tag is unmapped: it is released."""
         self._tag_call("tp_mark_released", tag)

@@ -161,7 +161,7 @@ class TagBook:
             out = {}
             for tag, record in self.records.items():
                 state, n, count = self.table.usage(tag)
-                if state != native.RELEASED:
+                if state != native.RELEASED and not record.partial:  # partial: a failed release left part unmapped
                     out[tag] = TagUsage(n, 0, 0, count)
                 elif record.backed_up:
                     out[tag] = TagUsage(0, n, 0, count)

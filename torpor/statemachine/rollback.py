@@ -7,9 +7,16 @@ compensation here undoes exactly that, newest first, and records it:
 - a sleep that fails maps back what it released and drops the backups it made
   (:func:`abort_sleep`: ``tag_restored`` with ``source="rollback"`` per tag, then
   ``sleep_aborted``; or, when mapping back fails too, ``sleep_completed`` with
-  ``incomplete``);
+  ``incomplete``). A tag whose failed release the memory could not undo is
+  released (the memory's ``usage()`` says so): it is recorded as released and
+  restored with the others;
 - a wake that fails releases again what it mapped, keeping the backups
-  (:func:`fail_wake`: ``tag_rolled_back`` per tag, then ``wake_failed``);
+  (:func:`fail_wake`: ``tag_rolled_back`` per tag, then ``wake_failed``); a
+  tag whose release failed is recorded as rolled back when the memory says it
+  is not resident, and stays resident otherwise;
+- a rollback that leaves memory the log cannot describe (a tag the sleep
+  must give back resident is not) records no end: the controller stays in the
+  transitional state and refuses with ``NotRecovered`` until ``recover()``;
 - a discard cannot bring a dropped backup back: one that fails before anything
   changed is a refusal, one that fails part-way ends partly done
   (:func:`discard_failed`: ``discard_completed`` naming what went and the error);
@@ -94,6 +101,7 @@ def abort_sleep(ctl: ControllerBase, done: SleepProgress, exc: BaseException) ->
     """Undo a sleep that failed: map back what was released, drop backups, stay awake; raise ``exc``."""
     note = Compensation(ctl)
     rollback_error: BaseException | None = None
+    _released_anyway(ctl, done, note)
     # A discarded tag had no backup: rolling it back maps fresh memory, its content is gone. Say so.
     lost = done.lost()
     for released in reversed(done.released):
@@ -127,6 +135,7 @@ def abort_sleep(ctl: ControllerBase, done: SleepProgress, exc: BaseException) ->
         raise MemoryOperationFailed(
             "sleep rollback", None, f"{exc}; rolling back failed too: {rollback_error}"
         ) from exc
+    _check_resident(ctl, done, exc)
     interrupt: BaseException | None = None
     if done.backed_up:  # backup() cleans up its own failure
         try:
@@ -153,6 +162,41 @@ def abort_sleep(ctl: ControllerBase, done: SleepProgress, exc: BaseException) ->
     raise exc
 
 
+def _not_resident(ctl: ControllerBase, tag: str) -> int:
+    """The bytes of ``tag`` the memory holds released (on the host or discarded); 0 when it is resident or empty."""
+    usage = ctl.memory.usage().get(tag)
+    if usage is None or usage.resident:
+        return 0
+    return usage.host or usage.discarded
+
+
+def _released_anyway(ctl: ControllerBase, done: SleepProgress, note: Compensation) -> None:
+    """The tag whose release failed is released after all (its undo failed too): record it, so the rollback restores it."""
+    tag = done.failed
+    if tag is None:
+        return
+    nbytes = _not_resident(ctl, tag)
+    if not nbytes:
+        return
+    action = done.plan[tag].value
+    note.record(EventKind.TAG_RELEASED, tag=tag, bytes=nbytes, action=action, seconds=0.0)
+    done.released.append(Transfer(tag, nbytes, 0.0, done.plan[tag] is Action.OFFLOAD))
+    done.failed = None
+
+
+def _check_resident(ctl: ControllerBase, done: SleepProgress, exc: BaseException) -> None:
+    """Before ``sleep_aborted`` says the engine is awake: every planned tag is resident, or the controller needs recover()."""
+    away = [t for t in done.plan if _not_resident(ctl, t)]
+    if not away:
+        return
+    why = f"the rollback of a failed sleep left {', '.join(away)} not resident ({exc})"
+    ctl._log_failure = f"{why}; recover() takes each tag's residency from the memory"
+    logger.error("torpor: %s; the controller needs recover()", why)
+    if not isinstance(exc, Exception):
+        raise exc
+    raise MemoryOperationFailed("sleep rollback", None, f"{exc}; {why}: the controller needs recover()") from exc
+
+
 def fail_wake(ctl: ControllerBase, done: WakeProgress, exc: BaseException) -> NoReturn:
     """Undo a wake that failed: release again what it mapped (backups are still there), back to asleep; raise ``exc``."""
     note = Compensation(ctl)
@@ -163,8 +207,11 @@ def fail_wake(ctl: ControllerBase, done: WakeProgress, exc: BaseException) -> No
         try:
             ctl.memory.release([tag])
         except BaseException:  # the first error is raised below
-            logger.exception("rolling back tag %r after a failed wake failed; it stays resident", tag)
-            continue
+            usage = ctl.memory.usage().get(tag)
+            if usage is None or usage.resident or not (usage.host or usage.discarded):
+                logger.exception("rolling back tag %r after a failed wake failed; it stays resident", tag)
+                continue
+            logger.exception("rolling back tag %r after a failed wake failed; the memory released it all the same", tag)
         note.record(EventKind.TAG_ROLLED_BACK, tag=tag, bytes=transfer.bytes, action=action)
     note.record(
         EventKind.WAKE_FAILED,
