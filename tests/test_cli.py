@@ -475,3 +475,22 @@ def test_bench_progress_goes_to_stderr(
     assert captured.out == "| workload | sleep |\n\n"
     assert "workload 8 GiB/64: cycle 1/4" in captured.err
     assert (tmp_path / "bench.md").read_text() == "| workload | sleep |\n"
+
+
+def test_show_formats_every_byte_count_even_nested_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`log show` prints device={in_use: ...}, host_budget, budget_bytes and host_released as sizes, never raw bytes."""
+    from torpor import HostMemoryPolicy, Policy
+    from torpor.allocator import SimDriver, TaggedAllocator
+
+    alloc = TaggedAllocator(SimDriver(64 << 20))
+    alloc.allocate(8 << 20, "weights")
+    policy = Policy(host=HostMemoryPolicy(budget_bytes=1 << 30, after_wake="release"))
+    ctrl = SleepController(alloc, log=tmp_path / "logs", policy=policy, fsync=False)
+    ctrl.sleep(1)
+    ctrl.wake()
+    ctrl.close()
+    assert main(["log", "show", str(tmp_path / "logs")]) == 0
+    out = capsys.readouterr().out
+    assert "total: 64.00 MiB" in out and "host_budget=1.00 GiB" in out and "budget_bytes: 1.00 GiB" in out
+    assert "host_released=8.00 MiB" in out or "host_released=0 B" in out
+    assert not re.search(r"\b\d{5,}\b", out), [line for line in out.splitlines() if re.search(r"\b\d{5,}\b", line)]

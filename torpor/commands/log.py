@@ -19,8 +19,11 @@ from torpor.telemetry.replay import resolve_log, wall_problem
 #: What a directory holding several logs asks of the user (the log commands take no --engine or --rank).
 _PICK_ONE = "name one of them"
 
-#: Payload fields that are summarized rather than printed whole.
-_BYTES_FIELDS = ("bytes", "freed", "offloaded", "discarded", "restored", "pinned")
+#: Payload fields (and members of mapping fields) that hold byte counts, printed as sizes.
+_BYTES_FIELDS = frozenset(
+    {"bytes", "freed", "offloaded", "discarded", "restored", "pinned", "kept", "host_budget", "host_released"}
+    | {"device", "budget_bytes", "in_use", "tagged", "untagged", "total", "host"}
+)
 #: Longest field value printed whole on a timeline line.
 _MAX_FIELD = 160
 #: Payload fields printed first, in this order; the rest follow alphabetically.
@@ -107,8 +110,12 @@ def _value(name: str, value: Any) -> str:
         return fmt_bytes(value)
     if name == "seconds" and isinstance(value, int | float):
         return fmt_seconds(float(value))
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k}: {_value(name, v)}" for k, v in value.items()) + "}"
+    if isinstance(value, Mapping):  # a byte field's members are bytes; otherwise each member by its own name
+        return (
+            "{"
+            + ", ".join(f"{k}: {_value(name if name in _BYTES_FIELDS else str(k), v)}" for k, v in value.items())
+            + "}"
+        )
     if isinstance(value, tuple | list):
         return "[" + ", ".join(str(v) for v in value) + "]"
     return str(value)
