@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from torpor.commands.status import render
 from torpor.errors import CommandInFlight, GroupFailed
 from torpor.hooks import fleet
 from torpor.statemachine import EventKind, SleepController, State, replay
-from torpor.statemachine.group import VOTE_BYTES, LocalGroup, Vote, as_agreement, decide
+from torpor.statemachine.group import DEFAULT_TIMEOUT, UNHEARD, VOTE_BYTES, LocalGroup, Vote, as_agreement, decide
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 100, "kv_cache": 50, "cudagraph": 10, "runtime": 5}
@@ -64,11 +65,11 @@ def test_without_a_group_nothing_changes() -> None:
 
 def test_vote_round_trips_and_a_long_reason_is_cut_to_fit() -> None:
     """A vote decodes to itself; a huge reason is cut so the encoded vote fits VOTE_BYTES."""
-    vote = Vote(3, 7, "wake", False, "x" * 10_000, 12.5)
+    vote = Vote(3, 7, "wake", False, "x" * 10_000)
     raw = vote.encode()
     assert len(raw) <= VOTE_BYTES
     back = Vote.decode(raw + b"\0\0")
-    assert (back.rank, back.round, back.command, back.ok, back.wall) == (3, 7, "wake", False, 12.5)
+    assert (back.rank, back.round, back.command, back.ok) == (3, 7, "wake", False)
     assert back.reason.endswith("...")
 
 
@@ -227,7 +228,7 @@ def test_as_agreement_takes_agreements_and_refuses_other_objects() -> None:
     assert as_agreement(member) is member
     with pytest.raises(TypeError, match="Agreement"):
         as_agreement(object())
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="group timeout"):
         SleepController(FakeMemory(TAGS), group=member, group_timeout=0)
 
 
@@ -238,15 +239,98 @@ def test_the_group_module_imports_no_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_a_rank_that_votes_after_the_timeout_reads_the_list_that_names_it() -> None:
-    """LocalGroup: a rank arriving after another timed out gets the fixed list (itself missing), so both roll back."""
-    ctls, _ = _ranks(2, timeout=0.2)
-    with pytest.raises(GroupFailed):
-        ctls[0].sleep(1)
+def test_a_rank_hung_in_its_prepare_reads_the_outcome_that_names_it() -> None:
+    """A rank whose prepare outlasts the timeout votes in the round it started and reads the rollback naming it."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(FakeMemory):
+        def backup(self, tags: Any) -> Any:
+            entered.set()
+            release.wait(10)
+            return super().backup(tags)
+
+    members = LocalGroup.make(2, name="tp")
+    ctls = [SleepController(FakeMemory(TAGS), group=members[0], group_timeout=0.2)]
+    ctls.append(SleepController(Slow(TAGS), rank=1, group=members[1], group_timeout=0.2))
+    seen: list[BaseException] = []
+    late = threading.Thread(target=lambda: seen.extend(_all([ctls[1]], lambda c: c.sleep(1))))
+    late.start()
+    entered.wait(10)
     with pytest.raises(GroupFailed) as info:
-        ctls[1].sleep(1)
+        ctls[0].sleep(1)
+    release.set()
+    late.join(10)
     assert list(info.value.ranks) == [1]
+    assert isinstance(seen[0], GroupFailed) and list(seen[0].ranks) == [1]
+    assert seen[0].round == info.value.round
     assert [c.state for c in ctls] == [State.AWAKE] * 2
+
+
+def test_a_command_started_after_the_others_gave_up_is_a_new_round() -> None:
+    """LocalGroup: a rank that starts after a round was decided runs the next round, never reads the old one."""
+    ctls, _ = _ranks(2, timeout=0.2)
+    with pytest.raises(GroupFailed) as first:
+        ctls[0].sleep(1)
+    with pytest.raises(GroupFailed) as second:
+        ctls[1].sleep(1)
+    assert list(first.value.ranks) == [1]
+    assert list(second.value.ranks) == [0]  # a round of its own: rank 0 was not in it
+    assert second.value.round == first.value.round + 1
+    assert [c.state for c in ctls] == [State.AWAKE] * 2
+
+
+@pytest.mark.parametrize("alone", [0, 1])
+def test_one_uneven_command_does_not_break_the_group(alone: int) -> None:
+    """One rank alone calls wake() (refused, fails after the timeout); the next joint sleep and wake succeed at once."""
+    ctls, mems = _ranks(2, timeout=0.3)
+    with pytest.raises(GroupFailed):
+        ctls[alone].wake()
+    for command in (lambda c: c.sleep(1), lambda c: c.wake()):
+        start = time.monotonic()
+        out = _all(ctls, command)
+        assert not [r for r in out if isinstance(r, Exception)], out
+        assert time.monotonic() - start < 0.3
+    assert [c.state for c in ctls] == [State.AWAKE] * 2
+    assert all(m.content("weights") is not None for m in mems)
+
+
+def test_a_reopened_controller_gets_back_in_step() -> None:
+    """One rank closes its controller and opens a new one on the same group: the next joint sleep and wake succeed."""
+    ctls, mems = _ranks(2, timeout=0.3)
+    _all(ctls, lambda c: c.sleep(1))
+    _all(ctls, lambda c: c.wake())
+    member = ctls[1].group.agreement if ctls[1].group else None
+    ctls[1].close()
+    ctls[1] = SleepController(mems[1], engine="e", rank=1, group=member, group_timeout=0.3)
+    for command in (lambda c: c.sleep(1), lambda c: c.wake()):
+        out = _all(ctls, command)
+        assert not [r for r in out if isinstance(r, Exception)], out
+    assert [c.state for c in ctls] == [State.AWAKE] * 2
+
+
+def test_decide_never_commits_on_a_vote_it_did_not_hear() -> None:
+    """decide(): a list with an unheard rank and no failure is a failure naming that rank, never a commit."""
+    failed = decide([Vote(0, 3, "sleep", True).encode(), UNHEARD], 1.0)
+    assert list(failed) == [1]
+    assert "not known" in failed[1]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0, 10.0**9])
+def test_invalid_group_timeouts_are_refused_at_configuration(bad: float) -> None:
+    """A group timeout that is not a finite number of seconds in range is a ValueError when the controller is built."""
+    with pytest.raises(ValueError, match="group timeout"):
+        SleepController(FakeMemory(TAGS), group=LocalGroup.make(1)[0], group_timeout=bad)
+
+
+def test_a_timeout_from_the_environment_is_checked_and_named() -> None:
+    """parse_timeout() names the variable it read when its value is not a usable number of seconds."""
+    from torpor.statemachine.group import parse_timeout
+
+    assert parse_timeout("2.5", "TORPOR_GROUP_TIMEOUT") == 2.5
+    assert parse_timeout(None, "TORPOR_GROUP_TIMEOUT") == DEFAULT_TIMEOUT
+    for bad in ("nan", "abc", "-3", "inf"):
+        with pytest.raises(ValueError, match="TORPOR_GROUP_TIMEOUT"):
+            parse_timeout(bad, "TORPOR_GROUP_TIMEOUT")
 
 
 def test_fleet_group_view_with_ranks_that_never_joined() -> None:

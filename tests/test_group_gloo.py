@@ -156,6 +156,162 @@ def _worker(rank: int, world: int, port: int, logdir: str, lose: str, out: dict[
             ctl.group.timeout = 20.0  # type: ignore[union-attr]
 
 
+# -- the reliability matrix (a child process): store faults, uneven commands, a reopened controller, skew ----------
+
+
+class FaultyStore:
+    """A c10d store whose calls can fail from the ``at``-th call on (once, or every call until disarmed)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.calls: list[str] = []
+        self._at: int | None = None
+        self._persistent = False
+
+    def arm(self, at: int | None, persistent: bool = False) -> None:
+        self.calls, self._at, self._persistent = [], at, persistent
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def call(*args: Any) -> Any:
+            index = len(self.calls)
+            self.calls.append(name)
+            at = self._at
+            if at is not None and (index == at or (self._persistent and index > at)):
+                if not self._persistent:
+                    self._at = None
+                msg = f"injected: store call #{index} ({name}) lost its connection"
+                raise RuntimeError(msg)
+            return method(*args)
+
+        return call
+
+
+#: The group timeout of the reliability matrix; the clock-skew scenario uses SKEW_TIMEOUT.
+REL_TIMEOUT = 1.0
+SKEW_TIMEOUT, SKEW = 3.0, 10.0
+
+
+def _reliability(rank: int, world: int, store_port: int, out: dict[str, Any], path: Path) -> None:
+    import torch.distributed as dist
+
+    from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
+    from torpor.errors import GroupFailed
+    from torpor.hooks.distributed import TorchGroup
+    from torpor.statemachine import SleepController
+
+    raw = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", raw), rank=rank, world_size=world)
+    store = FaultyStore(raw)  # the long-lived store: the parent hosts it and left an earlier run's keys in it
+    driver = SimDriver(capacity=16 * MiB, granularity=16 * KiB)
+    alloc = TaggedAllocator(driver=driver, host=HostPolicy(prepin=False, chunk_bytes=128 * KiB, threads=1))
+    rng = random.Random(rank)
+    blocks = {tag: alloc.allocate(size, tag) for tag, size in TAGS.items()}
+    for tag, addr in blocks.items():
+        driver.write(addr, rng.randbytes(TAGS[tag]))
+    original = {t: driver.read(blocks[t], TAGS[t]) for t in ("weights", "cudagraph")}
+
+    def controller(timeout: float = REL_TIMEOUT) -> SleepController:
+        group = TorchGroup(dist.group.WORLD, store=store, name="tp")
+        return SleepController(alloc, engine="tp", rank=rank, fsync=False, group=group, group_timeout=timeout)
+
+    ctl = controller()
+    scenarios: list[dict[str, Any]] = []
+    out["scenarios"] = scenarios
+
+    def observe() -> tuple[str, bool]:
+        """This rank's state, and whether its memory is what that state says (bytes, residency)."""
+        usage, residency = alloc.usage(), ctl.projection.residency
+        ok = all((usage[t].resident, usage[t].host) == (residency[t].resident, residency[t].host) for t in TAGS)
+        if ctl.state.value == "awake":
+            ok = ok and all(driver.read(blocks[t], TAGS[t]) == original[t] for t in original)
+        elif ctl.state.value == "asleep_l1":
+            ok = ok and all(residency[t].host == TAGS[t] for t in original)
+        return ctl.state.value, ok
+
+    def scenario(name: str, action: Any) -> None:
+        """Run ``action`` on this rank, then (every rank together) the next joint sleep and wake."""
+        seen: dict[str, Any] = {"name": name, "raised": None}
+        start = time.monotonic()
+        try:
+            action()
+        except GroupFailed as exc:
+            seen.update(raised="GroupFailed", ranks=sorted(exc.ranks))
+        except Exception as exc:
+            seen["raised"] = f"{type(exc).__name__}: {exc}"
+        seen["seconds"] = time.monotonic() - start
+        store.arm(None)
+        seen["after"], seen["memory"] = observe()
+        dist.barrier()
+        seen["next"] = []
+        commands = ["wake", "sleep", "wake"] if ctl.state.value != "awake" else ["sleep", "wake"]
+        for command in commands:
+            begin = time.monotonic()
+            try:
+                ctl.sleep(1) if command == "sleep" else ctl.wake()
+                ok = "ok"
+            except Exception as exc:
+                ok = f"{type(exc).__name__}: {exc}"
+            seen["next"].append([command, ok, time.monotonic() - begin])
+        seen["final"], seen["final_memory"] = observe()
+        scenarios.append(seen)
+        path.write_text(json.dumps(out))
+        dist.barrier()
+
+    def joint(command: str) -> None:
+        ctl.sleep(1) if command == "sleep" else ctl.wake()
+
+    # an earlier run left its keys in the store (the parent put them there): the first commands just work
+    scenario("stale store", lambda: None)
+    # a clean round, to learn how many store calls each rank makes in one
+    scenario("clean", lambda: joint("sleep"))
+    store.arm(None)
+    joint("sleep")
+    calls = list(store.calls)
+    joint("wake")
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, calls)
+    out["calls"] = every
+    for faulty in sorted({0, world - 1}):
+        steps = len(every[faulty])
+        voted = every[faulty].index("set") if "set" in every[faulty] else steps
+        for at in range(steps):
+            for persistent in (False, True):
+                if persistent and faulty != 0 and at > voted:
+                    continue  # a rank cut off after its vote landed cannot learn the outcome: see docs/groups.md
+                command = ("sleep", "wake")[at % 2]
+                if command == "wake":
+                    joint("sleep")
+
+                def armed(
+                    command: str = command, at: int = at, persistent: bool = persistent, faulty: int = faulty
+                ) -> None:
+                    if rank == faulty:
+                        store.arm(at, persistent)
+                    joint(command)
+
+                kind = "every call from" if persistent else "one call"
+                scenario(f"{command}: rank {faulty}'s store fails at {kind} #{at} ({every[faulty][at]})", armed)
+    for alone in sorted({0, world - 1}):
+        scenario(f"uneven: rank {alone} alone calls wake", lambda alone=alone: ctl.wake() if rank == alone else None)
+
+    def reopen() -> None:
+        nonlocal ctl
+        if rank == 1:
+            ctl.close()
+            ctl = controller()
+
+    scenario("rank 1 reopens its controller", reopen)
+    skewed = time.time
+    if rank == 1:
+        time.time = lambda: skewed() - SKEW  # type: ignore[assignment]
+    ctl.group.timeout = SKEW_TIMEOUT  # type: ignore[union-attr]
+    scenario(f"rank 1's clock {SKEW:g} s behind, timeout {SKEW_TIMEOUT:g} s", lambda: joint("sleep"))
+    time.time = skewed  # type: ignore[assignment]
+    out["done"] = True
+
+
 def _main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -164,10 +320,14 @@ def _main() -> int:
     parser.add_argument("--logdir", required=True)
     parser.add_argument("--lose", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--store-port", type=int, default=0)
     args = parser.parse_args()
     result: dict[str, Any] = {"rank": args.rank}
     try:
-        _worker(args.rank, args.world, args.port, args.logdir, args.lose, result, Path(args.out))
+        if args.store_port:
+            _reliability(args.rank, args.world, args.store_port, result, Path(args.out))
+        else:
+            _worker(args.rank, args.world, args.port, args.logdir, args.lose, result, Path(args.out))
     except BaseException as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
     Path(args.out).write_text(json.dumps(result))
@@ -178,7 +338,7 @@ def _main() -> int:
 # -- the tests (the parent) ------------------------------------------------------------------
 
 
-def _spawn(tmp_path: Path, world: int, lose: str) -> list[dict[str, Any] | None]:
+def _spawn(tmp_path: Path, world: int, lose: str, store_port: int = 0) -> list[dict[str, Any] | None]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
@@ -187,6 +347,7 @@ def _spawn(tmp_path: Path, world: int, lose: str) -> list[dict[str, Any] | None]
     for rank in range(world):
         cmd = [sys.executable, __file__, "--rank", str(rank), "--world", str(world), "--port", str(port)]
         cmd += ["--logdir", str(tmp_path / "logs"), "--lose", lose, "--out", str(tmp_path / f"rank{rank}.json")]
+        cmd += ["--store-port", str(store_port)]
         log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115  (closed below)
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + RUN_TIMEOUT
@@ -272,6 +433,65 @@ def test_four_ranks_every_failure_rolls_back_and_lost_ranks_are_named(tmp_path: 
     view = _group_view(tmp_path)
     assert view.group is not None
     assert view.group.differ == (0,)  # the survivors agree; rank 0's log ends mid-wake
+
+
+def _stale_store(world: int) -> Any:
+    """A long-lived store (hosted here, as an agent would) holding an earlier run's keys of group ``tp``.
+
+    The earlier run built its group on one rank only (the build counter is
+    off by one), decided 5 rounds, and died in the middle of round 6: opened,
+    with an ok vote for a sleep from every rank but rank 0, never decided.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", free_port(), world, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    from torpor.statemachine.group import Vote
+
+    store.add("torpor/tp/builds", 1)
+    store.set("torpor/tp/0/5/list", "[]")
+    store.set("torpor/tp/last", "5")
+    store.set("torpor/tp/6/open", "an earlier run")
+    for r in range(1, world):
+        store.set(f"torpor/tp/6/v{r}", Vote(r, 6, "sleep", True).encode())
+    return store
+
+
+def _check_reliability(results: list[dict[str, Any] | None], world: int, tmp_path: Path) -> None:
+    logs = "\n".join(f"--- rank {r}:\n{(tmp_path / f'rank{r}.log').read_text()[-3000:]}" for r in range(world))
+    for r, res in enumerate(results):
+        assert res is not None, f"rank {r} wrote no result\n{logs}"
+        assert "error" not in res, f"rank {r}: {res['error']}\n{logs}"
+        assert res.get("done"), f"rank {r} did not finish\n{logs}"
+    names = [s["name"] for s in results[0]["scenarios"]]  # type: ignore[index]
+    assert len(names) > 10
+    for i, name in enumerate(names):
+        seen = [res["scenarios"][i] for res in results]  # type: ignore[index]
+        where = f"{name}: {seen}"
+        assert {s["name"] for s in seen} == {name}, where
+        assert len({s["after"] for s in seen}) == 1, where  # every rank in the same state
+        assert all(s["memory"] for s in seen), where  # and its memory is what that state says
+        assert len({s["raised"] is None for s in seen if s["name"].startswith(("sleep", "wake", "clean"))}) <= 1, where
+        for s in seen:
+            for _command, ok, seconds in s["next"]:
+                assert ok == "ok", where  # the next joint sleep and wake succeed...
+                assert seconds < REL_TIMEOUT, where  # ...within the normal time (no timeout waited out)
+            assert s["final"] == "awake" and s["final_memory"], where
+        if name.startswith(("stale", "clean", "rank 1 reopens", "rank 1's clock")):
+            assert all(s["raised"] is None for s in seen), where
+
+
+def test_two_ranks_survive_store_faults_uneven_commands_reopening_and_skew(tmp_path: Path) -> None:
+    """2 gloo ranks: every store call of a round failing (once, or from then on), an uneven command, a reopened controller, a stale store and a skewed clock leave both ranks in one state matching memory; the next sleep and wake succeed."""
+    store = _stale_store(2)
+    _check_reliability(_spawn(tmp_path, 2, "", store.port), 2, tmp_path)
+
+
+def test_four_ranks_survive_store_faults_uneven_commands_reopening_and_skew(tmp_path: Path) -> None:
+    """4 gloo ranks: the same matrix as with 2 (faults on rank 0 and rank 3); every rank agrees after each and the next sleep and wake succeed."""
+    store = _stale_store(4)
+    _check_reliability(_spawn(tmp_path, 4, "", store.port), 4, tmp_path)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,18 @@ def test_one_rank_the_backend_stays_alone(monkeypatch: pytest.MonkeyPatch) -> No
     assert ctl.group is None
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "ten"])
+def test_an_invalid_group_timeout_in_the_environment_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """TORPOR_GROUP_TIMEOUT that is not a usable number of seconds is a ValueError naming it when the group is joined."""
+    ctl = SleepController(FakeMemory(TAGS))
+    monkeypatch.setattr(backend, "engine_group", lambda: SimpleNamespace(world_size=2, cpu_group=LocalGroup.make(2)[0]))
+    monkeypatch.delenv(backend.ENV_GROUP, raising=False)
+    monkeypatch.setenv(backend.ENV_GROUP_TIMEOUT, value)
+    with pytest.raises(ValueError, match="TORPOR_GROUP_TIMEOUT"):
+        backend.join_engine_group(ctl)
+    assert ctl.group is None
+
+
 def test_executor_and_torpor_agree_after_a_failed_sleep_and_the_retry_succeeds(engine: Any) -> None:
     """Rank 1's backup fails: vLLM's executor is not sleeping and every rank is awake; vLLM's retry puts all to sleep."""
     ex = engine.executor

@@ -1,30 +1,25 @@
 """Groups: the ranks of one tensor-parallel engine sleep, wake and discard all or nothing.
 
 With a group, ``sleep``, ``wake`` and ``discard`` of a :class:`~torpor.SleepController`
-are collective and run in three steps on every rank:
+are collective, in three steps on every rank (docs/groups.md): prepare the
+local part up to where it can still be undone; vote in the command's round
+and learn the round's outcome through an :class:`Agreement` (a rank silent
+past the timeout counts as failed); commit only when this rank knows every
+rank voted ok, else (doubt included) undo and raise
+:class:`~torpor.errors.GroupFailed` naming the failed ranks. A rank whose
+command failed or was refused has undone its part already and votes no; a
+command that changes nothing votes after it returns. Every rank records the
+outcome as a ``group_agreed`` event (``fleet()`` and ``torpor status``
+compare them).
 
-1. prepare: the command does its local part up to the point where it could
-   still be undone (a sleep backs up and releases the offloaded tags but
-   discards nothing; a wake maps and restores but keeps the host backups; a
-   discard releases resident tags but drops no backup);
-2. agree: the rank votes (ok, or why not) and every rank learns every vote
-   through an :class:`Agreement`; a rank that does not vote within the
-   timeout counts as failed;
-3. commit when every rank voted ok (the rest of the command: discard, drop
-   backups), else compensate: every rank undoes its prepared part and raises
-   :class:`~torpor.errors.GroupFailed` naming the failed ranks.
+A round is fixed when the command starts (:meth:`Agreement.begin`): the
+group's first round not decided yet, so a rank that ran a command alone, or
+reopened its controller, joins the next round instead of reading an old one.
+No wall clock is compared across ranks.
 
-A rank whose command fails or is refused before it votes has already undone
-its own part (the controller's usual rollback); it votes no. A command that
-changes nothing (a refusal, a no-op) votes after it returns. The outcome is
-recorded on every rank as a ``group_agreed`` event, which ``fleet()`` and
-``torpor status`` compare across ranks.
-
-This module imports no torch: the agreement is a small protocol with two
-implementations, :class:`LocalGroup` (threads of one process, for tests) and
-``torpor.hooks.distributed.TorchGroup`` (a torch.distributed gloo group),
-which :func:`as_agreement` picks for a ``ProcessGroup``. Without a group
-nothing here runs.
+No torch here: :class:`LocalGroup` (threads of one process) and
+``torpor.hooks.distributed.TorchGroup`` (any ``torch.distributed`` group,
+picked by :func:`as_agreement`) implement the protocol.
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import math
 import threading
 import time
 from collections import Counter
@@ -45,9 +41,11 @@ from torpor.statemachine.states import State
 
 #: Seconds a rank waits for the others' votes before it counts them as failed.
 DEFAULT_TIMEOUT = 120.0
+#: The longest group timeout accepted (a day): the store's waits take milliseconds in a C++ integer.
+MAX_TIMEOUT = 86_400.0
 #: Bytes of one encoded vote (reasons are cut to fit).
 VOTE_BYTES = 2048
-#: What an :class:`Agreement` returns for a rank it could not hear from while another rank's absence explains it.
+#: What an :class:`Agreement` returns for a rank whose vote it does not know (never a commit: see :func:`decide`).
 UNHEARD = b""
 
 P = ParamSpec("P")
@@ -72,24 +70,47 @@ class Participant(Protocol):
 C = TypeVar("C", bound=Participant)
 
 
+def check_timeout(value: object, what: str = "group timeout") -> float:
+    """``value`` as seconds when it is a finite number in (0, :data:`MAX_TIMEOUT`], else ``ValueError`` saying why."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT):
+        msg = f"{what} must be a number of seconds above 0 and at most {MAX_TIMEOUT:g} (a day), got {value!r}"
+        raise ValueError(msg)
+    return seconds
+
+
+def parse_timeout(raw: str | None, variable: str) -> float:
+    """The group timeout from an environment variable's text (:data:`DEFAULT_TIMEOUT` when unset or empty)."""
+    if raw is None or not raw.strip():
+        return DEFAULT_TIMEOUT
+    return check_timeout(raw.strip(), f"${variable} (the group timeout)")
+
+
 @runtime_checkable
 class Agreement(Protocol):
     """How the ranks of a group learn each other's votes.
 
-    ``exchange(round, vote, timeout)`` sends this rank's encoded vote and
-    returns every rank's, indexed by rank: ``None`` for a rank that did not
-    answer within ``timeout`` seconds (dead, hung, or too slow),
-    :data:`UNHEARD` for one whose vote never arrived only because another
-    rank's absence cut the exchange. Every rank that completes the exchange
-    must get the same list. It never raises for a missing rank.
+    ``begin(timeout)``, when a command starts: its round, the group's first not
+    decided yet and not used by this member. ``exchange(round, vote, timeout)``:
+    the round's outcome as every rank's vote (``None``: no vote within
+    ``timeout``; :data:`UNHEARD`: not known here), the same list on every rank
+    that learns it, a list with a failure on one that cannot. Either may raise
+    when this rank cannot reach the others (the command then fails here).
     """
 
     rank: int
     size: int
     name: str
 
+    def begin(self, timeout: float) -> int:
+        """The round a command starting now takes part in."""
+        ...
+
     def exchange(self, round: int, vote: bytes, timeout: float) -> list[bytes | None]:
-        """Every rank's vote for command number ``round``."""
+        """Every rank's vote in ``round``."""
         ...
 
 
@@ -102,14 +123,13 @@ class Vote:
     command: str
     ok: bool
     reason: str = ""
-    wall: float = 0.0
 
     def encode(self) -> bytes:
         """Compact JSON of at most :data:`VOTE_BYTES` bytes (the reason is cut to fit)."""
         reason = self.reason
         while True:
             raw = json.dumps(
-                {"r": self.rank, "n": self.round, "c": self.command, "ok": self.ok, "why": reason, "t": self.wall},
+                {"r": self.rank, "n": self.round, "c": self.command, "ok": self.ok, "why": reason},
                 separators=(",", ":"),
             ).encode()
             if len(raw) <= VOTE_BYTES:
@@ -120,13 +140,18 @@ class Vote:
     def decode(cls, raw: bytes) -> Vote:
         """Inverse of :meth:`encode` (trailing zero bytes ignored)."""
         d = json.loads(raw.rstrip(b"\0").decode())
-        return cls(int(d["r"]), int(d["n"]), str(d["c"]), bool(d["ok"]), str(d["why"]), float(d["t"]))
+        return cls(int(d["r"]), int(d["n"]), str(d["c"]), bool(d["ok"]), str(d["why"]))
 
 
 def decide(raw: list[bytes | None], timeout: float) -> dict[int, str]:
-    """The failed ranks and why, from every rank's vote (the same answer on every rank for the same list)."""
+    """The failed ranks and why, from every rank's vote (the same answer on every rank for the same list).
+
+    A commit (no failed rank) needs every rank's ok vote: an :data:`UNHEARD`
+    rank in a list without another failure is itself the failure.
+    """
     failed: dict[int, str] = {}
     votes: dict[int, Vote] = {}
+    unheard = [rank for rank, item in enumerate(raw) if item == UNHEARD]
     for rank, item in enumerate(raw):
         if item is None:
             failed[rank] = f"no vote within {timeout:g} s (the rank died, hangs, or is slower than the group timeout)"
@@ -144,6 +169,9 @@ def decide(raw: list[bytes | None], timeout: float) -> dict[int, str]:
                 failed[rank] = f"ran {v.command} as group command #{v.round} while the others ran {ref[1]} as #{ref[0]}"
             elif not v.ok:
                 failed[rank] = v.reason
+    if not failed:
+        for rank in unheard:
+            failed[rank] = "vote not known on this rank (it was never heard): no commit without every rank's ok"
     return dict(sorted(failed.items()))
 
 
@@ -160,12 +188,23 @@ class LocalGroup:
         self.rank = rank
         self.size = shared.size
         self.name = shared.name
+        self._used = 0  # the last round this member took part in
 
     @classmethod
     def make(cls, size: int, name: str = "local") -> list[LocalGroup]:
         """One member per rank of a new group."""
         shared = _LocalShared(size, name)
         return [cls(shared, r) for r in range(size)]
+
+    def begin(self, timeout: float) -> int:
+        """The first round not decided yet (and not used by this member): a decided round is never joined late."""
+        s = self._shared
+        with s.cond:
+            round = max(s.last, self._used) + 1
+            while round in s.final:
+                round += 1
+            self._used = round
+            return round
 
     def exchange(self, round: int, vote: bytes, timeout: float) -> list[bytes | None]:
         """Post the vote; wait until every rank posted for ``round`` or the timeout passed."""
@@ -180,6 +219,7 @@ class LocalGroup:
                 if len(got) == self.size or deadline - time.monotonic() <= 0:
                     # complete, or the first rank to time out fixes the list for everyone
                     s.final[round] = [got.get(r) for r in range(self.size)]
+                    s.last = max(s.last, round)
                     s.cond.notify_all()
                     break
                 s.cond.wait(deadline - time.monotonic())
@@ -193,6 +233,7 @@ class _LocalShared:
         self.cond = threading.Condition()
         self.votes: dict[int, dict[int, bytes]] = {}
         self.final: dict[int, list[bytes | None]] = {}
+        self.last = 0  # the highest decided round
 
 
 def as_agreement(group: object) -> Agreement:
@@ -215,6 +256,7 @@ class _Txn:
     command: str
     round: int
     voted: bool = False
+    lost: str = ""  # why this rank could not take part (the agreement could not start the round)
 
 
 @dataclass(frozen=True)
@@ -242,12 +284,9 @@ class GroupMember:
     """A controller's membership in a group: runs its collective commands and holds the agreement."""
 
     def __init__(self, agreement: Agreement, timeout: float = DEFAULT_TIMEOUT) -> None:
-        if timeout <= 0:
-            msg = f"group timeout must be positive seconds, got {timeout!r}"
-            raise ValueError(msg)
+        self.timeout = check_timeout(timeout)
         self.agreement = agreement
-        self.timeout = float(timeout)
-        self.round = 0
+        self.round = 0  # the round of the last command
         self._lock = threading.Lock()
         self._txn: _Txn | None = None
         self.last: Outcome | None = None
@@ -260,8 +299,13 @@ class GroupMember:
             running = self._txn.command if self._txn else "a group command"
             ctl._refuse(command, CommandInFlight(command, f"{running} (collective)", ctl.state.value))
         try:
-            self.round += 1
-            txn = self._txn = _Txn(command, self.round)
+            try:
+                self.round = self.agreement.begin(self.timeout)
+                txn = self._txn = _Txn(command, self.round)
+            except Exception as exc:  # the group cannot be reached: take part in nothing, fail here
+                txn = self._txn = _Txn(command, self.round + 1, lost=f"{type(exc).__name__}: {exc}")
+                outcome = self._vote(ctl, txn, ok=False, reason=f"could not start the round ({txn.lost})")
+                raise outcome.error() from exc
             try:
                 result = method(ctl, *args, **kw)
             except BaseException as exc:
@@ -296,13 +340,21 @@ class GroupMember:
     def _vote(self, ctl: Participant, txn: _Txn, ok: bool, reason: str = "") -> Outcome:
         txn.voted = True
         a = self.agreement
-        vote = Vote(a.rank, txn.round, txn.command, ok, reason, time.time())
+        vote = Vote(a.rank, txn.round, txn.command, ok, reason)
         start = time.perf_counter()
         try:
+            if txn.lost:
+                msg = txn.lost
+                raise RuntimeError(msg)
             raw = a.exchange(txn.round, vote.encode(), self.timeout)
-        except Exception:  # an adapter must not raise; if it does, nobody else was heard
-            raw = [vote.encode() if r == a.rank else None for r in range(a.size)]
+        except Exception as exc:  # this rank cannot learn the outcome: a failure here, whatever the others do
+            why = reason or f"lost the group ({type(exc).__name__}: {exc}); the outcome is not known here"
+            raw = [
+                Vote(a.rank, txn.round, txn.command, False, why).encode() if r == a.rank else UNHEARD
+                for r in range(a.size)
+            ]
         failed = decide(raw, self.timeout)
+        self.round = txn.round = _round_of(raw, a.rank, txn.round)  # a void round is retried by the agreement
         outcome = Outcome(a.name, txn.command, txn.round, a.size, failed, time.perf_counter() - start)
         self.last = outcome
         ctl._emit(
@@ -317,6 +369,14 @@ class GroupMember:
             seconds=outcome.seconds,
         )
         return outcome
+
+
+def _round_of(raw: list[bytes | None], rank: int, asked: int) -> int:
+    """The round this rank's vote was counted in (the one asked, unless the agreement moved it on)."""
+    try:
+        return Vote.decode(raw[rank] or b"").round
+    except (ValueError, KeyError, TypeError, IndexError):
+        return asked
 
 
 def collective(

@@ -40,7 +40,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 from torpor.hooks.vllm.facade import get_instance, require_controller
-from torpor.statemachine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
+from torpor.statemachine.group import GroupMember, as_agreement, parse_timeout
 from torpor.statemachine.states import State
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def join_engine_group(controller: SleepController) -> bool:
     coordinator = engine_group()
     if coordinator is None or int(getattr(coordinator, "world_size", 1)) <= 1:
         return False
-    timeout = float(os.environ.get(ENV_GROUP_TIMEOUT) or DEFAULT_TIMEOUT)
+    timeout = parse_timeout(os.environ.get(ENV_GROUP_TIMEOUT), ENV_GROUP_TIMEOUT)  # ValueError naming it
     group = coordinator.cpu_group
     if type(group).__module__.startswith("torch"):
         from torpor.hooks.distributed import TorchGroup
