@@ -110,10 +110,12 @@ def test_free_segments_go_before_a_sleep_and_do_not_come_back_on_wake() -> None:
     alloc.close()
 
 
-def test_a_tensor_torch_hands_out_while_its_tag_sleeps_is_usable_after_the_wake() -> None:
-    """A block of a sleeping tag reuses its pool (its free segment trimmed): torch serves a tensor from that cache; after the wake it holds memory."""
+def test_a_block_of_a_sleeping_tag_is_refused_and_after_the_wake_its_cached_segment_is_mapped_again() -> None:
+    """A block of a sleeping tag raises TagNotAwake before torch can hand out its (trimmed, unmapped) cache; after the wake the same block gets that segment back, mapped."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from torpor import TagNotAwake
+
     alloc = TaggedAllocator()
     ctl = SleepController(alloc)
     with alloc.use_memory_pool("weights"):
@@ -122,12 +124,16 @@ def test_a_tensor_torch_hands_out_while_its_tag_sleeps_is_usable_after_the_wake(
         t = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
         address = t.data_ptr()
         del t
-    assert alloc.usage()["scratch"].resident == 0  # the free segment was trimmed at the block's end
+    torch.cuda.synchronize()
+    alloc.torch_binding.pools().trim(["scratch"], settled=True)
+    assert alloc.usage()["scratch"].resident == 0  # the free segment was trimmed
     ctl.sleep(1)
-    with alloc.use_memory_pool("scratch"):  # torch hands out its cached (trimmed, unmapped) segment
+    with pytest.raises(TagNotAwake, match="'scratch' is asleep"), alloc.use_memory_pool("scratch"):
+        pytest.fail("a block of a sleeping tag must not open")
+    ctl.wake()
+    with alloc.use_memory_pool("scratch"):  # torch hands out its cached segment: untrimmed (mapped) first
         u = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
     assert u.data_ptr() == address
-    ctl.wake()
     u.fill_(3)
     torch.cuda.synchronize()
     assert int(u[:1024].sum()) == 3 * 1024 and int(u[-1024:].sum()) == 3 * 1024

@@ -42,10 +42,10 @@ def segments(mempool: Any) -> list[dict[str, Any]]:
 
 
 def mark_streams(streams: set[tuple[int, int]]) -> object:
-    """An event recorded now on each (device, stream handle): where the work queued there so far ends.
+    """Where the work queued so far on each (device, stream handle) ends: an event per busy stream (none if idle).
 
-    Recorded in relaxed capture mode, so a capture in another thread is not broken by it.
-    None when an event cannot be recorded (the segments then wait for a sleep, which synchronizes).
+    Asked in relaxed capture mode, so a capture in another thread is not broken by it.
+    None when a stream cannot be asked (the segments then wait for a sleep, which synchronizes).
     """
     import torch
 
@@ -57,6 +57,8 @@ def mark_streams(streams: set[tuple[int, int]]) -> object:
                     stream: Any = torch.cuda.ExternalStream(handle, device=device)  # type: ignore[no-untyped-call]
                 else:
                     stream = torch.cuda.default_stream(device)
+                if stream.query():  # everything queued there has run: nothing can touch the segments any more
+                    continue
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
                 events.append(event)
