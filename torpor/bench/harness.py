@@ -14,6 +14,7 @@ from torpor.allocator.tagged import TaggedAllocator
 from torpor.bench.device import measure_floor
 from torpor.bench.host import HOST_MODES, measure_pageable
 from torpor.bench.interference import measure_pinning_interference
+from torpor.bench.realmodel import run_real_model
 from torpor.bench.report import pins_text, row_line
 from torpor.bench.result import GiB, MiB, Result
 from torpor.bench.systems import run_baseline_raw, run_tms_raw, run_torpor_graphs, run_torpor_raw
@@ -64,6 +65,9 @@ def run(
     log(row_line(r.row(d2h, h2d)))
     gc.collect()
     torch.cuda.empty_cache()
+    for r in run_real_model(cycles, tms):  # a transformers model: weights + graph + KV, three systems
+        results.append(r)
+        log(row_line(r.row(d2h, h2d)))
     interference = measure_pinning_interference()
     log(
         "awake step while pinning {pin_bytes} B ahead ({pin_s:.1f} s): median {busy_median_ms:.3f} ms "

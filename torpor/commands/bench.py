@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from torpor import bench as benchmark
+from torpor.bench import realmodel
 from torpor.extras import require
 
 
@@ -19,7 +20,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="benchmark sleep and wake against the host-link floor (needs a CUDA GPU)",
         description=(
             "Run torpor, a vLLM-style baseline and torch_memory_saver (when importable) side by side on "
-            "8 GiB in 64 allocations, 4 GiB in 2048 x 2 MiB and a small transformer's graph pool; "
+            "8 GiB in 64 allocations, 4 GiB in 2048 x 2 MiB, a small transformer's graph pool and a real "
+            "transformers model (weights, graph, KV block); "
             "write bench.json and bench.md."
         ),
         epilog="example: torpor bench --out out/bench > bench.md   (progress on stderr; then: python benchmarks/plot_bench.py out/bench/bench.json)",
@@ -28,6 +30,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-sweep", action="store_true", help="skip the byte and segment sweeps used by the plots")
     p.add_argument("--no-tms", action="store_true", help="skip torch_memory_saver even when importable")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: $OUT or out/bench)")
+    p.add_argument(
+        "--real-model",
+        action="store_true",
+        help="only the real-model rows: a Qwen3-1.7B-shaped transformers model (random weights), its graph and "
+        "a 2 GiB KV block on torpor, the vLLM-style loop and torch_memory_saver (needs transformers)",
+    )
     p.set_defaults(func=run)
 
 
@@ -43,6 +51,13 @@ def run(args: argparse.Namespace) -> int:
     def save(data: dict[str, object]) -> None:
         (out / "bench.json").write_text(json.dumps(data, indent=1, default=str))
         (out / "bench.md").write_text(benchmark.markdown(data))
+
+    if args.real_model:
+        require("transformers", "torpor bench --real-model")
+        data_model = realmodel.report(args.cycles, not args.no_tms, log=lambda s: print(s, file=sys.stderr, flush=True))
+        save(data_model)
+        print(benchmark.markdown(data_model))
+        return 0
 
     data = benchmark.run(
         cycles=args.cycles,
