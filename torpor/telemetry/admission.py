@@ -244,6 +244,8 @@ class BoundedHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.rfile.close()  # heads are read from the socket by read_head; each one's headers parse from memory
+        self.rfile = io.BytesIO()
         self._pending = b""  # bytes of a pipelined next request read with the last head
 
     def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
