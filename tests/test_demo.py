@@ -381,3 +381,32 @@ def test_keep_serving_says_serving_only_once_ctrl_c_is_handled() -> None:
     _keep_serving(types.SimpleNamespace(url="http://127.0.0.1:9/"), True, say)
     assert signal.getsignal(signal.SIGINT) is before
     assert len(seen) == 3  # serving, the curl hint, stopped serving
+
+
+def test_a_log_dir_that_cannot_be_made_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--log-dir under a path that cannot hold a directory: exit 1, one line naming the directory and the fix."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc = main(["demo", "--device", "sim", "--cycles", "1", "--log-dir", str(blocker / "logs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1
+    assert f"cannot use --log-dir {blocker / 'logs'}" in err[0] and "leave --log-dir out" in err[0]
+    assert not err[0].startswith("torpor demo: [Errno")
+
+
+def test_the_sim_header_says_the_size_the_awake_line_reports(demo_run_output: tuple[int, str, Path]) -> None:
+    """The workload line's scaled size (graphs and 2 MiB rounding included) is the 'awake: X tagged' figure."""
+    _, out, _ = demo_run_output
+    awake = re.search(r"^awake: (\S+ \S+) tagged", out, re.M)
+    header = re.search(r"GiB -> (\S+ \S+) tagged", out)
+    assert awake and header and header.group(1) == awake.group(1), out[:800]
+
+
+def test_the_first_sleep_says_why_it_is_slower(demo_run_output: tuple[int, str, Path]) -> None:
+    """Cycle 1's timing line says the first sleep also pins the host backup that later sleeps reuse."""
+    _, out, _ = demo_run_output
+    first = out[out.index("cycle 1/3") : out.index("cycle 2/3")]
+    later = out[out.index("cycle 2/3") :]
+    assert "first sleep also pins" in first and "first sleep also pins" not in later

@@ -170,7 +170,8 @@ class MissingExtra(TorporError, ImportError):
         why = f" ({cause})" if cause else ""
         msg = (
             f"{feature} needs {module}, which cannot be imported here{why}; "
-            f"install the {extra!r} extra: pip install 'torpor[{extra}]' (or 'torpor[vllm]', which brings vLLM's torch)"
+            f"install the {extra!r} extra: pip install '.[{extra}]' from a torpor checkout "
+            "(or '.[vllm]', which brings vLLM's torch)"
         )
         super().__init__(msg, name=module)
 

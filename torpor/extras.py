@@ -1,9 +1,9 @@
 """Optional dependencies: the GPU parts need the ``cuda`` extra (torch and cuda-bindings).
 
-``pip install torpor`` brings the state machine, the event log and its reader,
+``pip install .`` (from a checkout: torpor is on no package index) brings the state machine, the event log and its reader,
 the command line, telemetry (Prometheus, OpenTelemetry API, the endpoint, the
 dashboard) and the simulated device: none of them imports torch. The CUDA
-allocator, graph capture and ``torpor bench`` need ``pip install 'torpor[cuda]'``
+allocator, graph capture and ``torpor bench`` need ``pip install '.[cuda]'`` from a checkout
 (the ``vllm`` extra brings vLLM's own torch). :func:`require` imports a module
 such a feature needs, or raises :class:`~torpor.errors.MissingExtra` saying what
 to install.

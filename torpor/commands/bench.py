@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and write its results."""
-    torch = require("torch", "torpor bench")
+    torch = require("torch", "the benchmark")  # the CLI prefixes "torpor bench: "
     if not torch.cuda.is_available():
         print("torpor bench: no CUDA device here; run it on a GPU machine (docs/allocator.md)", file=sys.stderr)
         return 2

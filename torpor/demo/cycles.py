@@ -174,6 +174,10 @@ def render(result: CycleResult, total: int) -> str:
         f"  sleep {fmt_seconds(result.sleep_seconds)} ({fmt_rate(result.offloaded, result.sleep_seconds)} to host)"
         f"   wake {fmt_seconds(result.wake_seconds)} ({fmt_rate(result.from_host, result.wake_seconds)} from host)"
     )
+    if result.index == 1:  # the default host-memory policy pins at the first sleep and keeps it (docs/allocator.md)
+        timing += (
+            "\n  (the first sleep also pins the host memory of its backup, which later sleeps reuse: it is slower)"
+        )
     lines = [head, "  path  " + " -> ".join(result.path), grid, timing]
     lines += [stays_line(result)] if result.device_asleep else []
     lines += [f"  check {label}: {c.what}" for label, c in zip(result.labels, result.checks, strict=True)]

@@ -67,7 +67,7 @@ def pick_device(requested: str) -> tuple[str, str]:
     if not available("torch"):
         if requested == "cuda":
             raise MissingExtra("the GPU demo (--device cuda)", "torch")
-        return "sim", "torch is not installed; pip install 'torpor[cuda]' for the GPU demo"
+        return "sim", "torch is not installed; pip install '.[cuda]' from a torpor checkout for the GPU demo"
     if requested == "cuda":
         msg = "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device sim"
         raise ValueError(msg)
@@ -120,7 +120,7 @@ def _artifacts(log: Path, out_dir: Path) -> list[tuple[str, str, str]]:
         plot(log, png, title="torpor demo")
         found.append(("timeline PNG", str(png), f"$ xdg-open {png}"))
     except ImportError as exc:
-        hint = "pip install 'torpor[plot]'" if exc.name == "matplotlib" else str(exc)
+        hint = "pip install '.[plot]' from a torpor checkout" if exc.name == "matplotlib" else str(exc)
         found.append(("timeline PNG", "not written: matplotlib is not installed", f"$ {hint}"))
     dash = out_dir / "grafana-dashboard.json"
     try:
@@ -152,7 +152,14 @@ def run_demo(opts: DemoOptions) -> int:
         raise ValueError(msg)
     device, why = pick_device(opts.device)
     log_dir = Path(opts.log_dir) if opts.log_dir else Path(tempfile.mkdtemp(prefix="torpor-demo-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # one line naming the directory, not a bare "[Errno 2]"
+        msg = (
+            f"cannot use --log-dir {log_dir}: {exc.strerror or exc} "
+            "(give a directory you can create and write, or leave --log-dir out for a new temp dir)"
+        )
+        raise ValueError(msg) from None
     log = log_path_for(log_dir, ENGINE, 0)
     kinds = [CYCLE_KINDS[i % len(CYCLE_KINDS)] for i in range(opts.cycles)]
     progress = Progress(out, total=3 + sum(1 + 2 * len(k.wakes) for k in kinds))

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
+from torpor.demo.report import fmt_bytes
 from torpor.demo.workload import BATCH_SIZES, Check
 from torpor.statemachine import Memory, SleepController
 
@@ -72,16 +73,23 @@ class SimWorkload:
 
     def describe(self) -> list[str]:
         """What runs where."""
-        gpu_total = sum(n for _, _, n in GPU_LAYOUT)
+        gpu_total = sum(n for _, _, n in GPU_LAYOUT) + GRAPH_BYTES * self.scale * len(BATCH_SIZES)
         return [
             "device     simulated (torpor.allocator.SimDriver: device memory is real bytes in host RAM)",
-            f"workload   the GPU demo's weights, kv_cache and runtime allocations, sizes scaled 1/{self.scale}",
-            f"           ({gpu_total / 1024**3:.2f} GiB -> {gpu_total // self.scale // MiB} MiB) to stay small in RAM; "
+            f"workload   the GPU demo's weights, kv_cache, runtime and graph allocations, sizes scaled 1/{self.scale}",
+            f"           ({fmt_bytes(gpu_total)} -> {fmt_bytes(self.tagged_bytes())} tagged, each allocation rounded up "
+            f"to the {fmt_bytes(self.driver.granularity(0))} granule) to stay small in RAM; "
             "timings are host-memory copies, not a GPU link",
             f"graphs     one per batch size {', '.join(map(str, BATCH_SIZES))} in the cudagraph pool "
             f"({GRAPH_BYTES // MiB} MiB of graph memory each)",
             "check      SHA-256 of every allocation after each wake vs the bytes written before the first sleep",
         ]
+
+    def tagged_bytes(self) -> int:
+        """The device bytes :meth:`setup` maps: every scaled allocation rounded up to the granule, graphs included."""
+        granule = self.driver.granularity(0)
+        sizes = [self._size(n) for _, _, n in GPU_LAYOUT] + [GRAPH_BYTES] * len(BATCH_SIZES)
+        return sum(-(-n // granule) * granule for n in sizes)
 
     def _size(self, nbytes: int) -> int:
         return max(nbytes // self.scale, 4096)
