@@ -308,6 +308,26 @@ def test_a_reopened_controller_gets_back_in_step() -> None:
     assert [c.state for c in ctls] == [State.AWAKE] * 2
 
 
+def test_a_rank_that_cannot_start_its_round_fails_without_running_the_command() -> None:
+    """An agreement whose begin() raises fails the command on that rank (GroupFailed naming it); nothing changes."""
+
+    class Unreachable(LocalGroup):
+        def begin(self, timeout: float) -> int:
+            msg = "connection reset"
+            raise RuntimeError(msg)
+
+    shared = LocalGroup.make(2, name="tp")[0]._shared
+    mem = FakeMemory(TAGS)
+    ctl = SleepController(mem, group=Unreachable(shared, 0), group_timeout=0.2)
+    with pytest.raises(GroupFailed) as info:
+        ctl.sleep(1)
+    assert list(info.value.ranks) == [0]
+    assert "connection reset" in info.value.ranks[0]
+    assert ctl.state is State.AWAKE
+    assert mem.content("weights") is not None
+    assert [e.data["result"] for e in ctl.events() if e.kind is EventKind.GROUP_AGREED] == ["rollback"]
+
+
 def test_decide_never_commits_on_a_vote_it_did_not_hear() -> None:
     """decide(): a list with an unheard rank and no failure is a failure naming that rank, never a commit."""
     failed = decide([Vote(0, 3, "sleep", True).encode(), UNHEARD], 1.0)
