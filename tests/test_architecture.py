@@ -55,6 +55,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "torpor.statemachine.log",
             "torpor.statemachine.tail",
             "torpor.statemachine.fanout",
+            "torpor.statemachine.framing",
             "torpor.statemachine.interrupts",
             "torpor.statemachine.logwriter",
             "torpor.statemachine.logfile",

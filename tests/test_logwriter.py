@@ -32,7 +32,7 @@ def test_a_rotation_reads_only_the_first_line_of_the_active_file(
 
     snapshot = {"projection": Projection().to_dict()}
     with EventLog(path, fsync=False, max_bytes=600) as log:
-        monkeypatch.setattr(tail, "_read_file", whole_file)
+        monkeypatch.setattr(tail, "batches", whole_file)
         for _ in range(3):
             for _ in range(10):
                 log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))

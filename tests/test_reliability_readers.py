@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
+import tracemalloc
 import urllib.error
 import urllib.request
 import zlib
@@ -122,7 +127,7 @@ def test_a_rotation_between_listing_and_reading_is_seen(
     proj.apply(snap)
     _append(log, proj, 3)  # segment r.jsonl.1 holds #1..#3; the active file #4 (snapshot) .. #7
     expected = list(range(1, 8))
-    real = tail_module._open
+    real = tail_module.open_regular
     rotated = []
 
     def rotating(file: Path) -> int:
@@ -137,7 +142,7 @@ def test_a_rotation_between_listing_and_reading_is_seen(
                 expected.append(snap.seq)
         return real(file)
 
-    monkeypatch.setattr(tail_module, "_open", rotating)
+    monkeypatch.setattr(tail_module, "open_regular", rotating)
     assert [e.seq for e in read_events(path)] == expected
     log.close()
 
@@ -337,3 +342,73 @@ def test_serve_binds_ipv6_loopback() -> None:
         assert server.url.startswith("http://[::1]:")
         status, _, body = fetch(server.url + "/state")
     assert status == 200 and json.loads(body)["state"] == "awake"
+
+
+# -- files that are not logs, lines that never end, timeouts that never pass ----------------------
+
+
+def _cli(*argv: str, limit: float = 20.0) -> subprocess.CompletedProcess[str]:
+    """``python -m torpor ARGV`` in a child with 3 GiB of address space: (a hang fails the test, not the machine)."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "torpor", *argv],
+            capture_output=True,
+            text=True,
+            timeout=limit,
+            preexec_fn=cap,  # only setrlimit, in the child
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"torpor {' '.join(argv)} still ran after {limit} s")
+
+
+@pytest.mark.parametrize("action", ["show", "replay", "follow"])
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_a_reader_refuses_a_file_that_is_not_a_regular_file(tmp_path: Path, action: str, special: str) -> None:
+    """torpor log show/replay/follow on /dev/zero or a FIFO nobody writes exits 1 at once, saying it is not a regular file."""
+    path = special
+    if special == "fifo":
+        path = str(tmp_path / "e.jsonl")
+        os.mkfifo(path)
+    extra = ["--timeout", "1"] if action == "follow" else []
+    done = _cli("log", action, path, *extra)
+    assert done.returncode == 1, done.stderr
+    assert "not a regular file" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("reader", ["read_events", "Follower"])
+def test_a_line_longer_than_the_limit_is_refused_holding_only_a_window(tmp_path: Path, reader: str) -> None:
+    """A 64 MiB line without a newline: LogCorrupted naming the limit, with a few MiB of memory, not twice the file."""
+    path = tmp_path / "e.jsonl"
+    with EventLog(path, fsync=False) as log:
+        log.append(make_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": {"weights": 1}}))
+    with path.open("ab") as fh:
+        fh.write(b"x" * (64 << 20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(LogCorrupted, match="longer than the 65536-byte limit") as caught:
+            if reader == "read_events":
+                list(read_events(path))
+            else:
+                with Follower(path) as follower:
+                    follower.read_available()
+                    follower.read_available()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert caught.value.line == 2
+    assert peak < 8 << 20, f"reading held {peak >> 20} MiB"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_follow_refuses_a_timeout_that_never_passes(tmp_path: Path, value: str) -> None:
+    """torpor log follow --timeout nan (or inf, or negative) is a usage error at once, not a follow that never ends."""
+    path = tmp_path / "e.jsonl"
+    SleepController(FakeMemory({"weights": 10}), log=path).close()
+    done = _cli("log", "follow", str(path), "--timeout", value, limit=20)
+    assert done.returncode == 2, done.stderr
+    assert "--timeout" in done.stderr and "finite" in done.stderr

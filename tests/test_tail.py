@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -231,13 +232,13 @@ def test_resume_inside_a_segment_reads_no_older_segment(tmp_path: Path, monkeypa
     writer.log.close()
     found = rotated(path)
     opened: list[Path] = []
-    real = tail_module._read_file
+    real = tail_module.batches
 
-    def spy(file: Path) -> tuple[list[bytes], bytes]:
+    def spy(file: Path, max_line: int, torn: list[int]) -> Iterator[list[bytes]]:
         opened.append(file)
-        return real(file)
+        return real(file, max_line, torn)
 
-    monkeypatch.setattr(tail_module, "_read_file", spy)
+    monkeypatch.setattr(tail_module, "batches", spy)
     first, segment = found[2]
     with _tail(path, first) as tail:
         assert _seqs(tail.read_available()) == list(range(first + 1, writer.last + 1))

@@ -47,13 +47,13 @@ from typing import Self
 
 from torpor.errors import LogCorrupted, TorporError
 from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.framing import batches, open_regular, read_lines, too_long, warn_torn
 
 #: The codec's reader of complete lines: ``decode(lines, path, lineno before the first, max_line)``.
 Decode = Callable[[Iterable[bytes], str, int, int], Iterator[Event]]
 
 logger = logging.getLogger("torpor.statemachine.log")
 
-_CHUNK = 1 << 20
 _SNAPSHOT = EventKind.SNAPSHOT
 
 
@@ -86,30 +86,14 @@ def segments(path: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
-def _open(file: Path) -> int:
-    """A read-only descriptor of ``file`` (raises ``FileNotFoundError`` when it is not there)."""
-    return os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-
-
-def _read_file(file: Path) -> tuple[list[bytes], bytes]:
-    """The complete lines of ``file`` (without newlines) and the text after its last newline."""
-    with open(file, "rb") as fh:
-        data = fh.read()
-    lines = data.split(b"\n")
-    torn_tail = lines.pop()
-    return lines, torn_tail
-
-
-def _warn_torn(file: str | os.PathLike[str], lineno: int, nbytes: int) -> None:
-    logger.warning("%s:%d: ignoring a torn last line (%d bytes): the writer was interrupted", file, lineno, nbytes)
-
-
 def read_file(file: str | os.PathLike[str], decode: Decode, max_line: int) -> Iterator[Event]:
     """Events of one file (one segment) only, sequence unchecked; a torn last line is tolerated with a warning."""
-    lines, torn_tail = _read_file(Path(file))
-    yield from decode(lines, str(file), 0, max_line)
-    if torn_tail:
-        _warn_torn(file, len(lines) + 1, len(torn_tail))
+    torn, lineno = [0], 0
+    for lines in batches(Path(file), max_line, torn):
+        yield from decode(lines, str(file), lineno, max_line)
+        lineno += len(lines)
+    if torn[0]:
+        warn_torn(file, lineno + 1, torn[0])
 
 
 class Tail:
@@ -165,7 +149,7 @@ class Tail:
                     yield from self._from_segments(None)
                 if not self._replaced():
                     if self.strict and self._torn:
-                        _warn_torn(self.path, self._lineno + 1, self._torn)
+                        warn_torn(self.path, self._lineno + 1, self._torn)
                     return
                 yield from self._read_held()  # what the writer wrote before it renamed the file
                 if self._torn and self.strict:
@@ -176,11 +160,38 @@ class Tail:
                 self._close()
 
     def _read_held(self) -> Iterator[Event]:
-        """The held file's new whole lines as events; its position moves past them once all are read."""
-        if lines := self._chunk():
-            seen = self.last_seq
-            yield from self._lines(lines, str(self.path), self._lineno, search=True)
-            self._advance(lines, seen)
+        """The held file's new whole lines as events, a window at a time; its position moves past each window read.
+
+        Sets :attr:`_torn`; a line longer than ``max_line`` raises after the events before it.
+        """
+        fd = self._fd
+        if fd is None:
+            return
+        self._check_shrunk(fd)
+        seen, read = self.last_seq, False
+        while True:
+            lines, used, rest = read_lines(fd, self._pos, self.max_line)
+            if lines:
+                read = True
+                yield from self._lines(lines, str(self.path), self._lineno, search=True)
+                self._pos += used
+                self._lineno += len(lines)
+            if rest < 0 and lines:  # a full window: the file goes on
+                continue
+            if rest < 0 or rest > self.max_line:
+                raise too_long(str(self.path), self._lineno + 1, self.max_line)
+            self._torn = rest
+            break
+        if read and not self._checked_after:
+            self._checked_after = True
+            if self.last_seq == seen and self._skipped < seen:
+                self._log.warning(
+                    "%s ends at event #%d, before after=#%d: is it a new log? waiting for #%d",
+                    self.path,
+                    self._skipped,
+                    seen,
+                    seen + 1,
+                )
 
     def read_available(self) -> list[Event]:
         """Every whole event on disk after :attr:`last_seq`, as a list; never blocks.
@@ -213,7 +224,7 @@ class Tail:
 
     def _open(self) -> bool:
         try:
-            fd = _open(self.path)
+            fd = open_regular(self.path)
         except FileNotFoundError:
             return False
         st = os.fstat(fd)
@@ -236,37 +247,12 @@ class Tail:
             return True
         return (st.st_dev, st.st_ino) != self._ident
 
-    def _advance(self, lines: list[bytes], seen: int) -> None:
-        """Move past ``lines`` of the held file, all read (``seen``: :attr:`last_seq` before them)."""
-        self._pos += sum(map(len, lines)) + len(lines)
-        self._lineno += len(lines)
-        if not self._checked_after:
-            self._checked_after = True
-            if self.last_seq == seen and self._skipped < seen:
-                self._log.warning(
-                    "%s ends at event #%d, before after=#%d: is it a new log? waiting for #%d",
-                    self.path,
-                    self._skipped,
-                    seen,
-                    seen + 1,
-                )
-
-    def _chunk(self) -> list[bytes]:
-        """The whole lines (without newlines) after :attr:`_pos` in the held file; sets :attr:`_torn`."""
-        fd = self._fd
-        if fd is None:
-            return []
+    def _check_shrunk(self, fd: int) -> None:
+        """Read the held file again from its start when it was cut below what was read (and perhaps written past it)."""
         size = os.fstat(fd).st_size
         if size < self._pos or (self._pos and os.pread(fd, 1, self._pos - 1) != b"\n"):
-            # Cut below what was read (and perhaps written again past it): what follows is not where we were.
             self._log.warning("%s shrank below what was read (%d bytes); reading it again", self.path, self._pos)
             self._pos, self._lineno, self._first_in_file = 0, 0, True
-        data = os.pread(fd, max(size - self._pos, 0), self._pos)
-        while more := os.pread(fd, _CHUNK, self._pos + len(data)):  # it grew since fstat
-            data += more
-        lines = data.split(b"\n")
-        self._torn = len(lines.pop())
-        return lines
 
     def _lines(self, lines: list[bytes], name: str, lineno: int, *, search: bool) -> Iterator[Event]:
         """The events of ``lines`` (the first is line ``lineno + 1`` of ``name``) after :attr:`last_seq`.
@@ -362,25 +348,26 @@ class Tail:
                 continue  # everything in it was seen
             if upto is not None and first >= upto:
                 return
+            name, torn, lineno = str(segment), [0], 0
             try:
-                lines, torn_tail = _read_file(segment)
+                for lines in batches(segment, self.max_line, torn):
+                    if upto is not None:
+                        handed = self.last_seq
+                        for event in self._lines(lines, name, lineno, search=False):
+                            if event.seq >= upto:  # the held file has it
+                                self.last_seq = handed
+                                return
+                            handed = event.seq
+                            yield event
+                    else:
+                        yield from self._lines(lines, name, lineno, search=False)
+                    lineno += len(lines)
             except FileNotFoundError:
                 continue  # pruned while we looked
-            name = str(segment)
-            if upto is not None:
-                handed = self.last_seq
-                for event in self._lines(lines, name, 0, search=False):
-                    if event.seq >= upto:  # the held file has it
-                        self.last_seq = handed
-                        return
-                    handed = event.seq
-                    yield event
-            else:
-                yield from self._lines(lines, name, 0, search=False)
-            if torn_tail:
+            if torn[0]:
                 if self.strict:
-                    raise LogCorrupted(name, len(lines) + 1, "unterminated line in a rotated segment")
-                _warn_torn(segment, len(lines) + 1, len(torn_tail))
+                    raise LogCorrupted(name, lineno + 1, "unterminated line in a rotated segment")
+                warn_torn(segment, lineno + 1, torn[0])
 
 
 def read_log(path: str | os.PathLike[str], decode: Decode, max_line: int) -> Iterator[Event]:
