@@ -294,6 +294,24 @@ def test_one_uneven_command_does_not_break_the_group(alone: int) -> None:
     assert all(m.content("weights") is not None for m in mems)
 
 
+def test_an_uneven_command_overlapping_the_next_one_fails_that_round_only() -> None:
+    """Rank 1 starts a sleep while rank 0's lone wake still waits: that round fails on both, the next commands succeed."""
+    ctls, _ = _ranks(2, timeout=5.0)
+    lone: list[Any] = []
+    waiting = threading.Thread(target=lambda: lone.extend(_all([ctls[0]], lambda c: c.wake())))
+    waiting.start()
+    time.sleep(0.1)  # rank 0's wake is in its round, waiting for rank 1
+    with pytest.raises(GroupFailed) as info:
+        ctls[1].sleep(1)
+    waiting.join(10)
+    assert isinstance(lone[0], GroupFailed) and lone[0].round == info.value.round
+    assert "ran sleep" in info.value.ranks[1]
+    for command in (lambda c: c.sleep(1), lambda c: c.wake()):
+        out = _all(ctls, command)
+        assert not [r for r in out if isinstance(r, Exception)], out
+    assert [c.state for c in ctls] == [State.AWAKE] * 2
+
+
 def test_a_reopened_controller_gets_back_in_step() -> None:
     """One rank closes its controller and opens a new one on the same group: the next joint sleep and wake succeed."""
     ctls, mems = _ranks(2, timeout=0.3)
