@@ -31,6 +31,7 @@ from test_reliability_faults import (
     _sim_available,
 )
 
+from torpor.cli import main
 from torpor.errors import (
     CommandInFlight,
     ControllerClosed,
@@ -356,14 +357,14 @@ def _count_calls(name: str, fsync: bool, tmp_path: Path, monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize(("call", "fsync"), [("write", False), ("write", True), ("fsync", True)])
 def test_a_sigint_right_after_each_log_write_keeps_log_and_controller_consistent(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, fsync: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], call: str, fsync: bool
 ) -> None:
-    """A real SIGINT landing after each os.write (or fsync) of a cycle: no repeated number, the log reads, the controller agrees and is not left mid-transition."""
+    """A real SIGINT after each os.write (or fsync) of a cycle: no repeated number, the log reads (restart, log replay, status), the controller agrees and is not left mid-transition."""
     cells = _count_calls(call, fsync, tmp_path, monkeypatch)
     assert cells >= 8, f"a cycle makes only {cells} {call} calls on the log"
     problems: list[str] = []
     for nth in range(1, cells + 1):
-        path = tmp_path / f"cell{nth}" / "e.jsonl"
+        path = tmp_path / f"cell{nth}" / "default.rank0.jsonl"  # the name torpor status looks for
         ctrl = SleepController(FakeMemory(TAGS), EventLog(path, fsync=fsync))
         assert ctrl.log is not None
         inject = _SigintAfter(call, nth)
@@ -390,6 +391,10 @@ def test_a_sigint_right_after_each_log_write_keeps_log_and_controller_consistent
             SleepController(FakeMemory(TAGS), path).close()
         except TorporError as exc:
             problems.append(f"{where}: a restarted engine fails: {exc}")
+        for argv in (["log", "replay", str(path)], ["status", str(path.parent)]):
+            if main(argv) != 0:
+                problems.append(f"{where}: torpor {' '.join(argv)} fails: {capsys.readouterr().err.strip()}")
+        capsys.readouterr()
     assert not problems, "\n".join(problems)
 
 
