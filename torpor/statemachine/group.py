@@ -246,7 +246,7 @@ def as_agreement(group: object) -> Agreement:
         return wrapped
     msg = (
         f"group must be a torch.distributed ProcessGroup (gloo) or an object meeting torpor's Agreement "
-        f"protocol (rank, size, name, exchange), not {type(group).__name__}"
+        f"protocol (rank, size, name, begin, exchange), not {type(group).__name__}"
     )
     raise TypeError(msg)
 
