@@ -33,9 +33,10 @@ def _run(backend: str, first: float, later: float, *, ok: bool = True) -> dict[s
 
 
 def test_order_alternates_so_each_backend_goes_first_and_last_equally() -> None:
-    """Two rounds are cumem, torpor, torpor, cumem; three add cumem, torpor."""
+    """Two rounds are cumem, torpor, torpor, cumem; three add cumem, torpor; the first backend can be chosen."""
     assert vllm_bench.order(2) == ["cumem", "torpor", "torpor", "cumem"]
     assert vllm_bench.order(3) == ["cumem", "torpor", "torpor", "cumem", "cumem", "torpor"]
+    assert vllm_bench.order(1, first="torpor") == ["torpor", "cumem"]
 
 
 def test_summary_separates_first_and_later_cycles_and_the_parts_of_a_later_sleep() -> None:
@@ -63,7 +64,7 @@ def test_summary_marks_a_backend_whose_engine_failed() -> None:
     assert not s["torpor"]["ok"] and not s["torpor"]["identical"]
     assert s["torpor"]["engines"] == 1
     table = vllm_bench.markdown(
-        {"model": "/m/tiny", "mode": "compile", "rounds": 2, "cycles": 4, "l2_cycles": 2, "summary": s}
+        {"model": "/m/tiny", "mode": "compile", "order": ["cumem", "torpor"], "cycles": 4, "l2_cycles": 2, "summary": s}
     )
     assert "DIFFERENT or failed" in table
     assert "| `cumem` | 0.300 s / 0.070 s |" in table

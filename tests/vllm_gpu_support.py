@@ -19,6 +19,15 @@ import pytest
 
 #: The model directory (a config.json and weights): built by scripts/gpu-vllm.
 ENV_MODEL = "TORPOR_VLLM_MODEL"
+#: ``compile`` (default: torch.compile + FULL_AND_PIECEWISE CUDA graphs, vLLM's default) or ``graphs``
+#: (full CUDA graphs of decode without torch.compile: an engine starts in seconds, graphs still offloaded).
+ENV_MODE = "TORPOR_VLLM_MODE"
+#: The ``graphs`` mode, as the kit's llm_smoke.py runs it (native custom ops, Triton attention).
+GRAPHS_MODE: dict[str, Any] = {
+    "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]},
+    "kernel_config": {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}},
+    "attention_config": {"backend": "TRITON_ATTN"},
+}
 #: The settings every engine of these tests shares, so a warm torch.compile cache serves them all.
 MAX_MODEL_LEN = 1024
 GPU_MEMORY_UTILIZATION = 0.3
@@ -54,8 +63,33 @@ def llm_kwargs(model: Path, backend: str = "torpor", **extra: Any) -> dict[str, 
         "sleep_mode_backend": backend,
         "sleep_mode_offload_cudagraph": True,
     }
+    if mode() == "graphs":
+        kwargs.update(GRAPHS_MODE)
     kwargs.update(extra)
     return kwargs
+
+
+def mode() -> str:
+    """The engine mode of these tests (``TORPOR_VLLM_MODE``): ``compile`` or ``graphs``."""
+    value = os.environ.get(ENV_MODE, "compile")
+    if value not in ("compile", "graphs"):
+        msg = f"{ENV_MODE}={value!r}: use compile or graphs"
+        raise ValueError(msg)
+    return value
+
+
+def mode_args() -> list[str]:
+    """The ``vllm serve`` flags of :func:`mode` (none for ``compile``)."""
+    if mode() == "compile":
+        return []
+    return [
+        "--compilation-config",
+        json.dumps(GRAPHS_MODE["compilation_config"]),
+        "--kernel-config",
+        json.dumps(GRAPHS_MODE["kernel_config"]),
+        "--attention-backend",
+        GRAPHS_MODE["attention_config"]["backend"],
+    ]
 
 
 def serve_args(model: Path, port: int, *extra: str) -> list[str]:
@@ -85,6 +119,7 @@ def serve_args(model: Path, port: int, *extra: str) -> list[str]:
         "--sleep-mode-backend",
         "torpor",
         "--sleep-mode-offload-cudagraph",
+        *mode_args(),
         *extra,
     ]
 

@@ -14,6 +14,8 @@ extra cycle in each engine's worker is kept in the JSON.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import json
 import os
 import statistics
@@ -28,11 +30,12 @@ from typing import Any
 BACKENDS = ("cumem", "torpor")
 
 
-def order(rounds: int) -> list[str]:
+def order(rounds: int, first: str = BACKENDS[0]) -> list[str]:
     """The engines to start: ABBA per round pair, so each backend is first and last equally often."""
+    pair = [first, *(b for b in BACKENDS if b != first)]
     out: list[str] = []
     for r in range(rounds):
-        out += list(BACKENDS) if r % 2 == 0 else list(reversed(BACKENDS))
+        out += pair if r % 2 == 0 else list(reversed(pair))
     return out
 
 
@@ -43,6 +46,7 @@ def run(
     cycles: int = 4,
     l2_cycles: int = 2,
     mode: str = "compile",
+    first: str = BACKENDS[0],
     out: Path,
     log: Callable[[str], None] = lambda s: None,
     timeout: float = 600.0,
@@ -50,7 +54,10 @@ def run(
     """Run the engines one after another; the raw results and the summary (also written to ``out/vllm-bench.json``)."""
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    for i, backend in enumerate(order(rounds)):
+    data: dict[str, Any] = {}
+    host = machine()
+    engines = order(rounds, first)
+    for i, backend in enumerate(engines):
         result = out / f"engine{i}-{backend}.json"
         env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER=os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"))
         if backend == "torpor":
@@ -61,7 +68,7 @@ def run(
             env["VLLM_PLUGINS"] = "none"  # vLLM's own backend with no plugin loaded: the baseline as users run it
         cmd = [sys.executable, "-m", "torpor.bench.vllm_engine", "--backend", backend, "--model", model]
         cmd += ["--json", str(result), "--mode", mode, "--cycles", str(cycles), "--l2-cycles", str(l2_cycles)]
-        log(f"engine {i + 1}/{len(order(rounds))}: {backend}")
+        log(f"engine {i + 1}/{len(engines)}: {backend}")
         started = time.perf_counter()
         with (out / f"engine{i}-{backend}.log").open("w") as engine_log:
             try:
@@ -75,9 +82,13 @@ def run(
         res.update(engine=i, rc=rc, wall_s=time.perf_counter() - started)
         runs.append(res)
         log(f"  rc {rc}, start {res.get('start_s', float('nan')):.1f} s, identical {res.get('identical')}")
-    data: dict[str, Any] = {"model": model, "mode": mode, "rounds": rounds, "cycles": cycles, "l2_cycles": l2_cycles}
-    data["machine"] = machine()
-    data["runs"] = runs
+        data = _save(out, runs, model=model, mode=mode, order=engines, cycles=cycles, l2_cycles=l2_cycles, machine=host)
+    return data
+
+
+def _save(out: Path, runs: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
+    """The results so far, summarized and written (after every engine: a run cut short keeps what it measured)."""
+    data: dict[str, Any] = {**params, "engines_done": len(runs), "runs": runs}
     data["summary"] = summarize(runs)
     (out / "vllm-bench.json").write_text(json.dumps(data, indent=1, default=str))
     (out / "vllm-bench.md").write_text(markdown(data))
@@ -95,12 +106,8 @@ def machine() -> dict[str, Any]:
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
         pass
-    try:
-        import vllm
-
-        info["vllm"] = vllm.__version__
-    except ImportError:
-        pass
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        info["vllm"] = importlib.metadata.version("vllm")  # the package's metadata: importing vllm takes seconds
     return info
 
 
@@ -165,8 +172,8 @@ def markdown(data: dict[str, Any]) -> str:
     s = data["summary"]
     m = data.get("machine", {})
     lines = [
-        f"Model `{Path(data['model']).name}`, mode {data['mode']}, {data['rounds']} engines per backend "
-        f"({', '.join(order(data['rounds']))}), {data['cycles']} level-1 and {data['l2_cycles']} level-2 cycles each; "
+        f"Model `{Path(data['model']).name}`, mode {data['mode']}, engines in the order {', '.join(data['order'])}, "
+        f"{data['cycles']} level-1 and {data['l2_cycles']} level-2 cycles each; "
         f"{m.get('gpu', '?')}, torch {m.get('torch', '?')}, vLLM {m.get('vllm', '?')}. Medians.",
         "",
         "| backend | L1 sleep first / later | L1 wake first / later | L2 sleep | L2 wake + reload | freed (L1) "
