@@ -19,7 +19,7 @@ from torpor.statemachine.group import collective
 from torpor.statemachine.hostmem import release_unused_host
 from torpor.statemachine.policy import NEVER_DISCARD
 from torpor.statemachine.projection import Projection
-from torpor.statemachine.rollback import discard_failed, undo_discard
+from torpor.statemachine.rollback import discard_failed, not_resident, undo_discard
 from torpor.statemachine.waking import Waking
 
 
@@ -82,6 +82,10 @@ class Discarding(Waking):
             try:
                 released = self.memory.release([tag])[tag]
             except TorporError as exc:  # the tags released before it stay released: partly done
+                gone = not_resident(self, tag)
+                if gone:  # the memory could not put it back and released it: it went too
+                    self._emit(EventKind.TAG_RELEASED, tag=tag, bytes=gone, action="discard", seconds=0.0)
+                    done.append(tag)
                 discard_failed(self, start, exc, changed=True, went=done)
             done.append(tag)
             self._emit(

@@ -162,7 +162,7 @@ def abort_sleep(ctl: ControllerBase, done: SleepProgress, exc: BaseException) ->
     raise exc
 
 
-def _not_resident(ctl: ControllerBase, tag: str) -> int:
+def not_resident(ctl: ControllerBase, tag: str) -> int:
     """The bytes of ``tag`` the memory holds released (on the host or discarded); 0 when it is resident or empty."""
     usage = ctl.memory.usage().get(tag)
     if usage is None or usage.resident:
@@ -175,7 +175,7 @@ def _released_anyway(ctl: ControllerBase, done: SleepProgress, note: Compensatio
     tag = done.failed
     if tag is None:
         return
-    nbytes = _not_resident(ctl, tag)
+    nbytes = not_resident(ctl, tag)
     if not nbytes:
         return
     action = done.plan[tag].value
@@ -186,7 +186,7 @@ def _released_anyway(ctl: ControllerBase, done: SleepProgress, note: Compensatio
 
 def _check_resident(ctl: ControllerBase, done: SleepProgress, exc: BaseException) -> None:
     """Before ``sleep_aborted`` says the engine is awake: every planned tag is resident, or the controller needs recover()."""
-    away = [t for t in done.plan if _not_resident(ctl, t)]
+    away = [t for t in done.plan if not_resident(ctl, t)]
     if not away:
         return
     why = f"the rollback of a failed sleep left {', '.join(away)} not resident ({exc})"
