@@ -372,6 +372,14 @@ def _handler_threads() -> int:
     return sum("process_request_thread" in t.name for t in threading.enumerate())
 
 
+def _ready(socks: list[socket.socket], events: int, seconds: float) -> list[socket.socket]:
+    """The sockets ready for ``events`` within ``seconds`` (poll: a test process holds more than FD_SETSIZE fds)."""
+    poller, by_fd = select.poll(), {sock.fileno(): sock for sock in socks}
+    for fd in by_fd:
+        poller.register(fd, events)
+    return [by_fd[fd] for fd, _ in poller.poll(seconds * 1000)]
+
+
 def _push(socks: list[socket.socket], payload: bytes, seconds: float) -> None:
     """Write ``payload`` to every socket without blocking, for up to ``seconds``; sockets the server shut are dropped."""
     view, sent = memoryview(payload), dict.fromkeys(socks, 0)
@@ -379,8 +387,7 @@ def _push(socks: list[socket.socket], payload: bytes, seconds: float) -> None:
         sock.setblocking(False)
     deadline = time.monotonic() + seconds
     while sent and time.monotonic() < deadline:
-        _, writable, _ = select.select([], list(sent), [], 0.2)
-        for sock in writable:
+        for sock in _ready(list(sent), select.POLLOUT, 0.2):
             try:
                 sent[sock] += sock.send(view[sent[sock] : sent[sock] + 65536])
             except OSError:  # 431, evicted or closed: the server let go of it
@@ -430,7 +437,7 @@ def _connect_many(port: int, n: int) -> list[socket.socket]:
         sock.connect_ex(("127.0.0.1", port))
     deadline, pending = time.monotonic() + 15, list(socks)
     while pending and time.monotonic() < deadline:
-        _, done, _ = select.select([], pending, [], 0.5)
+        done = _ready(pending, select.POLLOUT, 0.5)
         pending = [sock for sock in pending if sock not in done]
     return socks
 
@@ -445,7 +452,7 @@ def test_slow_connections_are_capped_and_make_room_for_a_scrape(controller: Slee
                 for sock in list(alive):
                     try:
                         sock.send(b"G")
-                        gone = bool(select.select([sock], [], [], 0)[0]) and not sock.recv(4096)
+                        gone = bool(_ready([sock], select.POLLIN, 0)) and not sock.recv(4096)
                     except OSError:
                         gone = True
                     if gone:
@@ -470,7 +477,7 @@ def test_a_client_trickling_its_request_is_cut_off_at_the_read_timeout(controlle
             for byte in b"X-Slow: " + b"z" * 100:
                 sock.sendall(bytes([byte]))
                 time.sleep(0.2)
-                if select.select([sock], [], [], 0)[0]:
+                if _ready([sock], select.POLLIN, 0):
                     break
             while chunk := sock.recv(65536):
                 got += chunk
@@ -542,7 +549,7 @@ def test_long_polls_cannot_take_every_connection(controller: SleepController) ->
             time.sleep(0.3)
             refused = []
             for sock in socks:
-                if select.select([sock], [], [], 0)[0]:
+                if _ready([sock], select.POLLIN, 0):
                     refused.append(sock.recv(65536))
             scrape, state = fetch(srv.url + "/metrics")[0], fetch(srv.url + "/state")[0]
         finally:

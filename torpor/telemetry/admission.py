@@ -223,7 +223,9 @@ class BoundedServer(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         super().server_close()
-        self.admission.close()
+        admission = getattr(self, "admission", None)  # None when the bind itself failed
+        if admission is not None:
+            admission.close()
 
 
 _HEAD_REFUSED = {
