@@ -77,7 +77,7 @@ def test_the_writer_lock_dies_with_the_writer_not_with_a_forked_child(tmp_path: 
 
 
 def test_a_forked_child_cannot_write_the_parents_log(tmp_path: Path) -> None:
-    """In a forked child the parent's EventLog refuses to append (it is not the writer) and leaves the file alone."""
+    """In a forked child the parent's EventLog refuses to append (LogWriteFailed: it is not the writer) and leaves the file alone."""
     path = tmp_path / "e.rank0.jsonl"
     with EventLog(path, fsync=False) as log:
         log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
@@ -86,8 +86,8 @@ def test_a_forked_child_cannot_write_the_parents_log(tmp_path: Path) -> None:
             code = 3
             try:
                 log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 2}}))
-            except ValueError as exc:
-                code = 0 if "forked" in str(exc) else 4
+            except LogWriteFailed as exc:
+                code = 0 if "forked child" in str(exc) else 4
             except BaseException:
                 code = 5
             os._exit(code)

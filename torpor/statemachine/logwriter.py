@@ -193,10 +193,11 @@ class EventLog:
     def _write(self, line: bytes, event: Event, *, sync: bool) -> None:
         """Write the whole line (a short write is continued) or none of it; the caller holds the lock."""
         fd = self._fd
+        if fd is None and self._forked:  # a LogWriteFailed, so the controller's paths for an unwritable log apply
+            reason = f"this process (pid {os.getpid()}) is a forked child of the log's writer, which alone writes it"
+            raise LogWriteFailed(str(self.path), event.kind.value, event.seq, reason)
         if fd is None:
             msg = f"the event log {self.path} is closed"
-            if self._forked:
-                msg = f"the event log {self.path} belongs to the process that forked this one; a forked child cannot write it"
             raise ValueError(msg)
         if self._torn:
             self._cut_back(event)
