@@ -740,3 +740,44 @@ def test_a_discard_whose_unmap_and_map_back_fail_records_the_tag_released(tmp_pa
         rig.allocator.free(rig.allocator.allocate(4096, "kv_cache"))
     finally:
         rig.close()
+
+
+@pytest.mark.skipif(not _sim_available(), reason="TaggedAllocator not built yet")
+@pytest.mark.parametrize(
+    "faults",
+    [
+        [("copy_h2d", 5), ("unmap", 3), ("create", 8)],  # the rollback's map back cannot create
+        [("copy_h2d", 5), ("unmap", 3), ("copy_h2d", 6)],  # it maps back, and copying the backup in fails
+        [("copy_h2d", 5), ("unmap", 5), ("set_access", 8)],
+    ],
+    ids=["create", "copy", "set_access"],
+)
+def test_a_wake_rollback_that_cannot_map_a_tag_back_loses_nothing(
+    tmp_path: Path, faults: list[tuple[str, int]]
+) -> None:
+    """A wake fails, its rollback's release of a tag fails half-way, and mapping that tag back fails: the next wake restores every byte."""
+    rig = _rig("sim-split")
+    assert isinstance(rig, SimRig)
+    try:
+        path = tmp_path / "e.jsonl"
+        ctrl = SleepController(rig.memory, EventLog(path, fsync=False))
+        original = rig.content()
+        ctrl.sleep(1)
+        for call, nth in faults:
+            rig.driver.fail(call, nth=nth)
+        with pytest.raises(TorporError, match="copy_h2d"):
+            ctrl.wake()
+        rig.driver.clear_faults()
+        assert ctrl.state is State.ASLEEP_L1
+        _agree(ctrl, path)
+        _agree_with_memory(ctrl, rig)
+        ctrl.wake()
+        assert ctrl.state is State.AWAKE
+        _agree_with_memory(ctrl, rig)
+        after = rig.content()
+        for tag in _offloaded(1):
+            assert after[tag] == original[tag], f"{tag} lost bytes"
+        for tag in TAGS:
+            rig.allocator.free(rig.allocator.allocate(4096, tag))
+    finally:
+        rig.close()
