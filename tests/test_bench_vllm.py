@@ -70,6 +70,23 @@ def test_summary_marks_a_backend_whose_engine_failed() -> None:
     assert "| `cumem` | 0.300 s / 0.070 s |" in table
 
 
+def test_table_shows_torpor_tags_and_one_profile_per_backend() -> None:
+    """The per-tag rows come from torpor's log; each backend's first profiled engine gives the profile table."""
+    profile = {
+        "sleep": {"seconds": 0.09, "top": [{"func": "cumem.py:233:sleep", "calls": 1, "tottime": 0.04, "cum": 0.05}]}
+    }
+    runs = [
+        {**_run("cumem", 0.3, 0.07), "engine": 0, "profile": profile},
+        {**_run("torpor", 0.12, 0.04), "engine": 1},
+        {**_run("cumem", 0.3, 0.07), "engine": 2, "profile": profile},
+    ]
+    data = {"model": "/m", "mode": "graphs", "order": ["cumem", "torpor", "cumem"], "cycles": 4, "l2_cycles": 2}
+    table = vllm_bench.markdown({**data, "runs": runs, "summary": vllm_bench.summarize(runs)})
+    assert "| weights | 400 MB | 0.010 s | 0.001 s |" in table
+    assert table.count("cumem.py:233:sleep") == 1
+    assert "| `torpor` | 0.040 s | 0.032 s | 0.020 s | 0.040 s |" in table
+
+
 def test_torpor_phases_reads_sleeps_and_wakes_with_per_tag_seconds(tmp_path: Path) -> None:
     """A controller's log on the simulated device gives one phase per sleep and wake, with each tag's steps."""
     from torpor.allocator import SimDriver, TaggedAllocator

@@ -188,18 +188,35 @@ def markdown(data: dict[str, Any]) -> str:
             f"{_s(r['l1_wake_later_s'])} | {_s(r['l2_sleep_s'])} | {_s(r['l2_wake_reload_s'])} | {freed} | "
             f"{', '.join(f'{x:.1f} s' for x in r['start_s'])} | {'identical' if r['identical'] else 'DIFFERENT or failed'} |"
         )
+    tags = s["torpor"]["torpor_later_sleep_tags"]
     lines += ["", "Where a later level-1 sleep goes (medians):", ""]
-    lines += ["| backend | `LLM.sleep` | worker `sleep` | backend `suspend` |", "| --- | --- | --- | --- |"]
+    lines += [
+        "| backend | `LLM.sleep` | worker `sleep` | backend `suspend` | torpor's own sleep (event log) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for b in BACKENDS:
         r, p = s[b], s[b]["later_sleep_parts_s"]
+        own = _s(tags.get("(total)", {}).get("seconds")) if b == "torpor" else "-"
         lines.append(
-            f"| `{b}` | {_s(r['l1_sleep_later_s'])} | {_s(p.get('worker.sleep'))} | {_s(p.get('backend.suspend'))} |"
+            f"| `{b}` | {_s(r['l1_sleep_later_s'])} | {_s(p.get('worker.sleep'))} | "
+            f"{_s(p.get('backend.suspend'))} | {own} |"
         )
-    tags = s["torpor"]["torpor_later_sleep_tags"]
     if tags:
         lines += ["", "torpor's later level-1 sleep per tag (event log, medians):", ""]
         lines += ["| tag | bytes | backup | release |", "| --- | --- | --- | --- |"]
         for tag, t in sorted(tags.items()):
+            if tag == "(total)":
+                continue
             size = "" if t.get("bytes") is None else f"{t['bytes'] / 1e6:,.0f} MB"
-            lines.append(f"| {tag} | {size} | {_s(t.get('backup'))} | {_s(t.get('release') or t.get('seconds'))} |")
+            lines.append(f"| {tag} | {size} | {_s(t.get('backup'))} | {_s(t.get('release'))} |")
+    profiled: set[str] = set()
+    for run in data.get("runs", []):
+        sleep = (run.get("profile") or {}).get("sleep")
+        if not sleep or run.get("backend") in profiled:
+            continue
+        profiled.add(run["backend"])
+        lines += ["", f"`{run['backend']}`: one more level-1 sleep under cProfile in the worker"]
+        lines[-1] += f" ({sleep['seconds']:.3f} s with the profiler on), by own time:"
+        lines += ["", "| function | calls | own | with callees |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{t['func']}` | {t['calls']} | {_s(t['tottime'])} | {_s(t['cum'])} |" for t in sleep["top"][:8]]
     return "\n".join(lines) + "\n"
