@@ -10,6 +10,7 @@ from pathlib import Path
 
 from torpor import bench as benchmark
 from torpor.bench import realmodel
+from torpor.bench import vllm as vllm_bench
 from torpor.extras import require
 
 
@@ -36,6 +37,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="only the real-model rows: a Qwen3-1.7B-shaped transformers model (random weights), its graph and "
         "a 2 GiB KV block on torpor, the vLLM-style loop and torch_memory_saver (needs transformers)",
     )
+    p.add_argument(
+        "--vllm",
+        metavar="MODEL",
+        help="instead: vLLM's cumem sleep backend against torpor on MODEL (a local directory), "
+        "engines in alternating order (torpor.bench.vllm; needs vllm)",
+    )
+    p.add_argument("--vllm-rounds", type=int, default=2, help="engines per backend with --vllm (default 2)")
+    p.add_argument("--vllm-first", choices=["cumem", "torpor"], default="cumem", help="with --vllm: which starts first")
+    p.add_argument(
+        "--vllm-mode",
+        choices=["compile", "graphs", "eager"],
+        default="compile",
+        help="with --vllm: torch.compile + CUDA graphs (default), CUDA graphs without compile, or eager",
+    )
     p.set_defaults(func=run)
 
 
@@ -47,6 +62,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = args.out or Path(os.environ.get("OUT") or "out/bench")
     out.mkdir(parents=True, exist_ok=True)
+    if args.vllm:
+        require("vllm", "torpor bench --vllm", extra="vllm")
+        data_vllm = vllm_bench.run(
+            args.vllm,
+            rounds=args.vllm_rounds,
+            cycles=args.cycles,
+            mode=args.vllm_mode,
+            first=args.vllm_first,
+            out=out,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+        )
+        print(vllm_bench.markdown(data_vllm))
+        return 0 if all(row["ok"] for row in data_vllm["summary"].values()) else 1
 
     def save(data: dict[str, object]) -> None:
         (out / "bench.json").write_text(json.dumps(data, indent=1, default=str))
