@@ -9,6 +9,8 @@ Wake maps span after span (one handle per span of adjacent allocations) and
 enqueues each span's copy at once, then waits once. Python holds its own lock
 across these steps but never while torch's allocator could need it: the
 library's calls take only the library's mutex (docs/allocator.md, lock order).
+What a failed release does to put its tag back (or release it honestly when
+that fails too) is :mod:`torpor.allocator.undo`.
 """
 
 from __future__ import annotations

@@ -194,7 +194,8 @@ def _check_resident(ctl: ControllerBase, done: SleepProgress, exc: BaseException
     logger.error("torpor: %s; the controller needs recover()", why)
     if not isinstance(exc, Exception):
         raise exc
-    raise MemoryOperationFailed("sleep rollback", None, f"{exc}; {why}: the controller needs recover()") from exc
+    msg = f"{exc}; {why}: the controller needs recover()"
+    raise MemoryOperationFailed("sleep rollback", None, msg) from exc
 
 
 def fail_wake(ctl: ControllerBase, done: WakeProgress, exc: BaseException) -> NoReturn:
