@@ -11,7 +11,10 @@ import ctypes
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,7 @@ from torpor.statemachine.states import TRANSITIONAL, State
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024}
+WORKER = Path(__file__).with_name("crash_worker.py")
 
 
 class _Interrupting:
@@ -428,3 +432,35 @@ def test_a_real_sigint_at_random_moments_never_breaks_the_log(tmp_path: Path, fs
     ctrl.close()
     assert not problems, "\n".join(problems)
     assert replay(path).state is ctrl.state
+
+
+@pytest.mark.parametrize("fsync", [False, True], ids=["fsync-off", "fsync-on"])
+def test_an_engine_that_catches_sigints_from_outside_leaves_a_log_every_reader_reads(
+    tmp_path: Path, fsync: bool
+) -> None:
+    """SIGINTs sent to a cycling engine that catches them, then SIGKILL: the log reads, numbers follow on, a restart recovers."""
+    path = tmp_path / "default.rank0.jsonl"
+    argv = [sys.executable, str(WORKER), str(path), "7", str(64 << 20), "--catch-interrupts"]
+    worker = subprocess.Popen([*argv, *([] if fsync else ["--no-fsync"])], stdout=subprocess.PIPE)
+    rng = random.Random(27)
+    try:
+        assert worker.stdout is not None
+        assert worker.stdout.readline().strip() == b"ready"
+        for _ in range(40):
+            time.sleep(rng.uniform(0.002, 0.008))
+            worker.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        assert worker.poll() is None, "the engine died of an interrupt it catches"
+    finally:
+        worker.kill()
+        worker.wait(30)
+    seqs = [e.seq for e in replay_events(path)]
+    assert seqs == list(range(1, len(seqs) + 1))
+    restarted = SleepController(FakeMemory(TAGS), path)
+    if restarted.projection.interrupted:  # killed mid-command: the usual way back
+        restarted.recover()
+    restarted.sleep(1)
+    restarted.wake()
+    restarted.close()
+    assert main(["log", "replay", str(path)]) == 0
+    assert main(["status", str(tmp_path)]) == 0
