@@ -76,3 +76,20 @@ def test_outside_the_main_thread_the_block_changes_nothing() -> None:
     thread.start()
     thread.join(10)
     assert seen == [signal.default_int_handler, False]
+
+
+def test_a_handler_installed_inside_the_block_stays() -> None:
+    """A SIGINT handler installed by someone inside the block is left in place when the block ends."""
+    calls: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        calls.append(signum)
+
+    try:
+        with UNINTERRUPTED:
+            signal.signal(signal.SIGINT, handler)
+        assert signal.getsignal(signal.SIGINT) is handler
+        signal.raise_signal(signal.SIGINT)
+        assert calls == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -74,10 +74,7 @@ class _Uninterrupted:
         """Put the replaced handlers back (one installed meanwhile by someone else stays), then run what was noted."""
         self._depth = 0
         saved, self._saved = self._saved, []
-        for sig, handler in saved:
-            current = _signal.signal(sig, handler)
-            if current != self._note:  # replaced inside the block: theirs wins
-                _signal.signal(sig, current)
+        self._put_back(saved)
         pending, self._pending = self._pending, []
         handlers = dict(saved)
         for signum, frame in pending:  # the first that raises wins (a second Ctrl-C is the same Ctrl-C)
@@ -86,6 +83,18 @@ class _Uninterrupted:
                 handler(signum, frame)
             elif handler == _signal.SIG_DFL:  # what it would have done: end the process (or whatever the default is)
                 _signal.raise_signal(signum)
+
+    def _put_back(self, saved: list[tuple[int, Any]]) -> None:
+        """Restore each handler; a signal that a handler already put back raises for cannot leave another one ours."""
+        if not saved:
+            return
+        (sig, handler), rest = saved[0], saved[1:]
+        try:
+            self._put_back(rest)
+        finally:
+            current = _signal.signal(sig, handler)
+            if current != self._note:  # replaced inside the block: theirs wins
+                _signal.signal(sig, current)
 
     @property
     def active(self) -> bool:
