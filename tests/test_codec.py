@@ -168,3 +168,14 @@ def test_a_wall_time_no_clock_can_show_is_corruption(wall: float) -> None:
         decode_line(line, "x.jsonl", 1)
     raw["wall"] = 253402214400.0  # the last accepted second: it prints (time.localtime, datetime)
     assert decode_line(_signed(raw), "x.jsonl", 1).wall == 253402214400.0
+
+
+def test_a_snapshot_whose_state_began_at_no_date_is_corruption() -> None:
+    """A snapshot whose projection's since_wall is finite but no date (1e20) is LogCorrupted naming it, on both paths."""
+    projection = Projection().to_dict()
+    projection["since_wall"] = 1e20
+    line = encode_line(make_event(EventKind.SNAPSHOT, 1, "e", 0, {"projection": projection}))[:-1]
+    with pytest.raises(LogCorrupted, match="since_wall"):
+        list(decode_lines([line], "x.jsonl"))
+    with pytest.raises(LogCorrupted, match="since_wall"):
+        decode_line(line, "x.jsonl", 1)

@@ -35,6 +35,7 @@ LINE_PREFIX = _PREFIX.encode()
 _DECODER = json.JSONDecoder()
 _CRC_OPEN = zlib.crc32(b"{")
 _HEAD = len(_PREFIX) + 8 + 2  # '{"crc":"' + 8 hex + '",'
+_SNAPSHOT = EventKind.SNAPSHOT
 _PLAIN = operator.itemgetter("kind", "seq", "wall", "mono", "pid", "engine", "rank", "data")
 DEFAULT_MAX_LINE = 64 * 1024
 #: The wall times a line may carry: 1970 to the last day of the year 9999, what ``time.localtime`` and
@@ -146,7 +147,18 @@ def decode_line(line: bytes, path: str, lineno: int, max_line: int = DEFAULT_MAX
     problem = payload_problem(event)
     if problem is not None:
         raise LogCorrupted(path, lineno, problem)
+    if event.kind is _SNAPSHOT and not _snapshot_ok(event.data):
+        since = event.data["projection"].get("since_wall")
+        raise LogCorrupted(
+            path, lineno, f"snapshot's since_wall {since!r} is not a time between 1970 and the year 9999"
+        )
     return event
+
+
+def _snapshot_ok(data: Any) -> bool:
+    """True when a snapshot's projection began at a wall time a reader can show (the time its state began)."""
+    since = data["projection"].get("since_wall", 0.0)
+    return type(since) in (int, float) and MIN_WALL <= since <= MAX_WALL
 
 
 def unreadable(event: Event, line: bytes) -> str | None:
@@ -165,6 +177,7 @@ def unreadable(event: Event, line: bytes) -> str | None:
         and MIN_WALL <= event.wall <= MAX_WALL
         and -math.inf < event.mono < math.inf
         and _WRITER_OK(event.data, required, rules)
+        and (event.kind is not _SNAPSHOT or _snapshot_ok(event.data))
     ):
         return None
     try:
@@ -191,6 +204,7 @@ def decode_lines(
     payload_ok = _payload_ok
     crc32 = zlib.crc32
     top, inf, min_wall, max_wall = MAX_INT, math.inf, MIN_WALL, MAX_WALL
+    snapshot, snapshot_ok = _SNAPSHOT, _snapshot_ok
     for line in lines:
         lineno += 1
         event: Event | None = None
@@ -219,6 +233,7 @@ def decode_lines(
                             and min_wall <= wall <= max_wall
                             and -inf < mono < inf
                             and payload_ok(data, required, rules)
+                            and (kind is not snapshot or snapshot_ok(data))
                         ):
                             event = Event(kind, seq, wall, mono, pid, engine, rank, data)
             except Exception:  # decode_line below names what is wrong
