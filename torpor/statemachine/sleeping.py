@@ -23,7 +23,6 @@ from torpor.statemachine.protocol import Doors
 from torpor.statemachine.rollback import SleepProgress, abort_sleep
 from torpor.statemachine.states import ASLEEP, State
 
-
 #: Seconds a sleep waits for the allocation blocks of its tags open in other threads (then refused).
 BLOCK_WAIT_ENV = "TORPOR_BLOCK_WAIT"
 BLOCK_WAIT_DEFAULT = 10.0
