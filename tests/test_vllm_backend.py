@@ -347,3 +347,29 @@ def test_allocator_after_release_raises_controller_closed(engine: Any) -> None:
         engine.allocator.sleep()
     with pytest.raises(ControllerClosed):
         engine.allocator.wake_up(None)
+
+
+def test_log_fsync_follows_torpor_log_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORPOR_LOG_FSYNC=0 makes the worker's log skip fsync (default on); a value that is no switch is refused."""
+    from torpor.hooks.vllm.facade import ENV_LOG_FSYNC
+
+    def log_fsync(name: str) -> bool:
+        allocator = facade.TorporMemAllocator(
+            TaggedAllocator(SimDriver(capacity=16 * MiB)), log_dir=tmp_path / name, engine=name, rank=0
+        )
+        try:
+            log = allocator.controller.log
+            assert log is not None
+            return log.fsync
+        finally:
+            allocator.release_pools()
+
+    monkeypatch.delenv(ENV_LOG_FSYNC, raising=False)
+    assert log_fsync("default") is True
+    monkeypatch.setenv(ENV_LOG_FSYNC, "0")
+    assert log_fsync("off") is False
+    monkeypatch.setenv(ENV_LOG_FSYNC, "1")
+    assert log_fsync("on") is True
+    monkeypatch.setenv(ENV_LOG_FSYNC, "sometimes")
+    with pytest.raises(ValueError, match="TORPOR_LOG_FSYNC"):
+        log_fsync("bad")

@@ -47,9 +47,25 @@ ENV_LOG_DIR = "TORPOR_LOG_DIR"
 ENV_ENGINE = "TORPOR_ENGINE"
 #: Overrides the rank torpor reads from vLLM's world group.
 ENV_RANK = "TORPOR_RANK"
+#: ``0``: the worker's log does not fsync its boundary events (two per sleep, two per wake); default ``1``.
+ENV_LOG_FSYNC = "TORPOR_LOG_FSYNC"
 DEFAULT_ENGINE = "vllm"
 #: How long ``release_pools()`` (vLLM's shutdown, torpor's atexit) waits for a command in flight.
 CLOSE_TIMEOUT_S = 60.0
+
+
+def log_fsync() -> bool:
+    """``$TORPOR_LOG_FSYNC``: whether the worker's log makes each boundary event durable (default yes).
+
+    Off, a sleep or wake writes its events without waiting for the disk: a process
+    that dies keeps them all (they are in the page cache), a host that loses power
+    can lose the last ones (its GPU memory is gone too, and every worker starts awake).
+    """
+    value = os.environ.get(ENV_LOG_FSYNC, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        msg = f"{ENV_LOG_FSYNC}={value!r} is not a switch (use 1 or 0)"
+        raise ValueError(msg)
+    return value in ("1", "true", "on", "")
 
 
 def default_log_dir() -> Path:
@@ -130,7 +146,7 @@ class TorporMemAllocator:
         engine: str | None = None,
         rank: int | None = None,
         policy: Policy | None = None,
-        fsync: bool = True,
+        fsync: bool | None = None,
     ) -> None:
         self._memory = memory
         self._log_dir = log_dir
@@ -189,7 +205,7 @@ class TorporMemAllocator:
             policy=self._policy,
             engine=engine,
             rank=rank,
-            fsync=self._fsync,
+            fsync=self._fsync if self._fsync is not None else log_fsync(),
         )
         if controller.projection.interrupted and controller.projection.pid != os.getpid():
             # The log ends inside a transition of an earlier process; this one starts with fresh memory.
