@@ -10,12 +10,7 @@ class TorporError(Exception):
 
 
 class InvalidTransition(TorporError, RuntimeError):
-    """A command that the current state does not allow.
-
-    Carries ``command``, ``state``, ``since`` (the event number since which the
-    state holds), and ``allowed`` (the states from which the command would be
-    accepted).
-    """
+    """A command the current state does not allow: ``command``, ``state``, ``since`` (event #), ``allowed`` states."""
 
     def __init__(
         self,
@@ -50,11 +45,7 @@ class CommandInFlight(TorporError, RuntimeError):
 
 
 class PoolBusy(TorporError, RuntimeError):
-    """The graph pool cannot be released: something still holds it.
-
-    ``holders`` names each holder (a live graph with its capture site, or a
-    count of other references).
-    """
+    """The graph pool cannot be released: ``holders`` names each (a live graph and its site, or other references)."""
 
     def __init__(self, reason: str, holders: Sequence[str] = ()) -> None:
         self.reason = reason
@@ -81,11 +72,7 @@ class InvalidLevel(TorporError, ValueError):
 
 
 class MemoryOperationFailed(TorporError, RuntimeError):
-    """A memory operation (backup, release, restore, allocate) failed.
-
-    ``operation`` names the step, ``tag`` the tag, ``call`` the driver call
-    that failed when known.
-    """
+    """A memory operation failed: ``operation`` (the step), ``tag``, ``call`` (the driver call, when known)."""
 
     def __init__(self, operation: str, tag: str | None, reason: str, call: str | None = None) -> None:
         self.operation = operation
@@ -157,11 +144,7 @@ class NotRecovered(TorporError, RuntimeError):
 
 
 class MissingExtra(TorporError, ImportError):
-    """A GPU feature was used where its optional dependencies are not installed.
-
-    ``feature`` says what was asked for, ``module`` which import failed, and
-    ``extra`` the ``pip install`` extra that brings it.
-    """
+    """A GPU feature without its optional dependencies: ``feature``, ``module`` (the failed import), ``extra``."""
 
     def __init__(self, feature: str, module: str, extra: str = "cuda", cause: str = "") -> None:
         self.feature = feature
@@ -238,12 +221,9 @@ class LogWriteFailed(TorporError, OSError):
 
 
 class GroupFailed(TorporError, RuntimeError):
-    """A collective command failed on some rank of a group, so every rank undid its part.
+    """A collective command failed on some rank, so every rank undid its part (raised on every rank alike).
 
-    ``ranks`` maps each failed rank to why (its error, or that it did not vote
-    in time); ``command``, ``group`` (the group's name), ``round`` (the
-    group's command number) and ``size`` say what was agreed on. Raised on
-    every rank of the group alike.
+    ``ranks``: each failed rank -> why; ``command``, ``group``, ``round`` (its command number), ``size``.
     """
 
     def __init__(self, command: str, group: str, round: int, size: int, ranks: dict[int, str]) -> None:
@@ -261,11 +241,7 @@ class GroupFailed(TorporError, RuntimeError):
 
 
 class EndpointError(TorporError, RuntimeError):
-    """An endpoint refused a request or could not be reached (:mod:`torpor.client`).
-
-    ``url`` is the request, ``status`` the HTTP status (None when no answer
-    came), ``reason`` what the server (or the network) said.
-    """
+    """An endpoint refused a request or could not be reached: ``url``, ``status`` (None: no answer), ``reason``."""
 
     def __init__(self, url: str, status: int | None, reason: str) -> None:
         self.url = url
@@ -289,10 +265,7 @@ class StateTimeout(TorporError, TimeoutError):
 class HostBudgetExceeded(TorporError, RuntimeError):
     """A sleep whose backups would pin more host memory than the host-memory budget allows (nothing was touched).
 
-    Carries ``needed`` (bytes the sleep's backups need, per tag in
-    ``offloading``), ``budget``, ``held`` (bytes held by backups of tags asleep
-    already) and ``holders`` (``tag: bytes`` for each of those and each tag to
-    offload).
+    ``needed`` (per tag in ``offloading``), ``budget``, ``held`` (by tags asleep already), ``holders`` (``tag: bytes``).
     """
 
     def __init__(self, command: str, state: str, offloading: dict[str, int], held: dict[str, int], budget: int) -> None:
@@ -341,14 +314,7 @@ class AllocatorArgumentError(AllocatorError, ValueError):
 
 
 class TagNotAwake(AllocatorError):
-    """A ``use_memory_pool`` block of a tag that is asleep or going to sleep, refused before torch can allocate in it.
-
-    Torch serves a block's allocations from the segments its pool has cached,
-    without asking the allocator, and a sleeping tag's segments are unmapped: so
-    the refusal comes at the block's start. Carries ``tag``, ``state`` ("going to
-    sleep" or "asleep") and ``cause`` (the sleep that took it, as the controller
-    named it).
-    """
+    """A ``use_memory_pool`` block of a tag asleep or going to sleep (``state``; ``cause``: the sleep), refused at its start."""
 
     def __init__(self, tag: str, state: str, cause: str) -> None:
         self.state = state
@@ -358,10 +324,7 @@ class TagNotAwake(AllocatorError):
 
 
 class BlocksOpen(AllocatorError):
-    """A sleep found ``use_memory_pool`` blocks of its tags open (in other threads past its wait, or in its own).
-
-    Nothing was touched. ``holders`` names each open block: its tag and thread.
-    """
+    """A sleep found blocks of its tags open (another thread's past the wait, or its own); ``holders``: tag and thread."""
 
     def __init__(self, reason: str, holders: Sequence[str]) -> None:
         self.holders = tuple(holders)
@@ -416,3 +379,22 @@ class ActivationError(TorporError, RuntimeError):
 
 class DemoError(TorporError, RuntimeError):
     """The demo cannot run here (a missing piece, or a device it cannot use)."""
+
+
+class NotReloaded(TorporError, RuntimeError):
+    """Tracked tensors that no reload wrote after a wake without a backup; ``names`` lists them."""
+
+    def __init__(self, tag: str, names: list[str]) -> None:
+        self.tag = tag
+        self.names = list(names)
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        msg = (
+            f"{len(names)} tracked tensor(s) of tag {tag!r} were not written since the wake that discarded them: "
+            f"{shown}; their memory holds 0xFF filler, not weights: load them (load_state_dict(..., strict=True)) "
+            "before the next forward"
+        )
+        super().__init__(msg)
+
+
+class TrackRefused(TorporError, ValueError):
+    """``track`` refused: the memory cannot keep ranges, or the policy never discards the tag."""

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from torpor.allocator.cuda_driver import _cu
 from torpor.allocator.graphpool import GraphPool
 from torpor.allocator.trim import BlockPool, BlockPools, trim_enabled
 from torpor.extras import require
@@ -83,8 +84,6 @@ def streams_done(token: object) -> bool:
 @contextmanager
 def relaxed_capture() -> Iterator[None]:
     """This thread's stream-capture mode relaxed inside (a capture in another thread stays valid), restored after."""
-    from torpor.allocator.cuda_driver import _cu
-
     cu = _cu()
     err, previous = cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
     try:

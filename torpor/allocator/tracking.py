@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torpor.allocator.keeprange import KeptRange
-from torpor.errors import TorporError
+from torpor.errors import NotReloaded
 
 POISON = 0xFF
 _MODULE_DICTS = frozenset(
@@ -40,21 +40,6 @@ _MODULE_DICTS = frozenset(
         "_load_state_dict_pre_hooks",
     }
 )
-
-
-class NotReloaded(TorporError, RuntimeError):
-    """Tracked tensors that no reload wrote after a wake without a backup; ``names`` lists them."""
-
-    def __init__(self, tag: str, names: list[str]) -> None:
-        self.tag = tag
-        self.names = list(names)
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        msg = (
-            f"{len(names)} tracked tensor(s) of tag {tag!r} were not written since the wake that discarded them: "
-            f"{shown}; their memory holds 0xFF filler, not weights: load them (load_state_dict(..., strict=True)) "
-            "before the next forward"
-        )
-        super().__init__(msg)
 
 
 def _storage(t: Any) -> tuple[int, int]:

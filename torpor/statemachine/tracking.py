@@ -15,13 +15,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from torpor.errors import TorporError
+from torpor.errors import TrackRefused
 from torpor.statemachine.base import ControllerBase, logger
 from torpor.statemachine.policy import WEIGHTS, Action
-
-
-class TrackRefused(TorporError, ValueError):
-    """``track`` refused: the memory cannot keep ranges, or the policy never discards the tag."""
 
 
 @runtime_checkable
