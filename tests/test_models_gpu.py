@@ -37,6 +37,9 @@ class Rig:
     tokens: Any
     state: dict[str, Any]
     kv: Any
+    ids: (
+        Any  # the graph's static input: held here, or it is freed (and neither backed up nor restored) once rig returns
+    )
 
     def generate(self) -> Any:
         """Greedy tokens for the short prompt."""
@@ -130,6 +133,7 @@ def rig(kind: str, kv_bytes: int, track: bool = True, **overrides: Any) -> Rig:
         [],
         state,
         kv,
+        ids,
     )
     r.tokens = r.generate()
     assert r.tokens.shape[1] == 24
