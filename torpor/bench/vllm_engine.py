@@ -202,11 +202,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         a.log(
             f"{a.backend} cycle {i}: L{level} sleep {sleep_s:.3f} s freed {freed / 1e9:.1f} GB wake {wake['wake_s']:.3f} s {'same' if same else 'DIFFERENT'}"
         )
+    if a.backend == "torpor" and os.environ.get("TORPOR_LOG_DIR"):  # before the profiled cycle: timing rows only
+        res["torpor_phases"] = torpor_phases(Path(os.environ["TORPOR_LOG_DIR"]))
     if a.profile:
         res["profile"] = llm.collective_rpc(here.profiled_cycle, args=(1,))[0]
         res["identical_after_profile"] = generate() == baseline
-    if a.backend == "torpor" and os.environ.get("TORPOR_LOG_DIR"):
-        res["torpor_phases"] = torpor_phases(Path(os.environ["TORPOR_LOG_DIR"]))
     res["ok"] = bool(res["identical"])
     return res
 
