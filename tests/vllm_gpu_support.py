@@ -20,7 +20,7 @@ import pytest
 #: The model directory (a config.json and weights): built by scripts/gpu-vllm.
 ENV_MODEL = "TORPOR_VLLM_MODEL"
 #: ``compile`` (default: torch.compile + FULL_AND_PIECEWISE CUDA graphs, vLLM's default) or ``graphs``
-#: (full CUDA graphs of decode without torch.compile: an engine starts in seconds, graphs still offloaded).
+#: (full CUDA graphs of decode without torch.compile, which took 21-24 s of a start; graphs still offloaded).
 ENV_MODE = "TORPOR_VLLM_MODE"
 #: The ``graphs`` mode, as the kit's llm_smoke.py runs it (native custom ops, Triton attention).
 GRAPHS_MODE: dict[str, Any] = {

@@ -31,7 +31,7 @@ from torpor.statemachine import read_events
 from torpor.statemachine.events import EventKind
 
 PROMPTS = ["Hello, how are you today?", "The capital of France is", "def add(a, b):", "Once upon a time"]
-#: Full CUDA graphs of decode without torch.compile (starts in seconds), as the vLLM kit's llm_smoke.py runs them.
+#: Full CUDA graphs of decode without torch.compile (a shorter start), as the vLLM kit's llm_smoke.py runs them.
 GRAPHS_MODE: dict[str, Any] = {
     "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]},
     "kernel_config": {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}},
