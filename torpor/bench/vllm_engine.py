@@ -168,7 +168,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     here = importlib.import_module("torpor.bench.vllm_engine")
 
     res["backend_class"] = llm.collective_rpc(here.install_timers)[0]
-    sampling = SamplingParams(temperature=0.0, max_tokens=24)
+    sampling = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # random weights may pick EOS early
 
     def generate() -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sampling, use_tqdm=False)]
