@@ -81,16 +81,10 @@ def test_four_threads_allocate_in_tags_while_the_main_thread_sleeps_and_wakes() 
     """4 threads allocate/free in their own tags (pools made in threads) for 60 s, a fifth calls memory_stats and empty_cache, the main thread computes, sleeps and wakes: no hang, every wake bit-exact."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    seconds = float(os.environ.get("TORPOR_THREADS_SECONDS", "60"))
+    seconds = _threads_seconds()
     faulthandler.dump_traceback_later(seconds + 120, exit=True, file=sys.stderr)  # a hang: every thread's stack
     try:
-        torch.manual_seed(0)
-        alloc = TaggedAllocator()
-        ctl = SleepController(alloc)
-        with alloc.use_memory_pool("weights"):
-            w = torch.randn(2048, 2048, device="cuda")
-        with alloc.use_memory_pool("runtime"):
-            x = torch.randn(256, 2048, device="cuda")
+        alloc, ctl, w, x = _weights_and_input(256)
         w_host, ref = w.cpu(), (x @ w).cpu()
         stop = threading.Event()
         workers = [Worker(i) for i in range(4)]
@@ -126,12 +120,7 @@ def test_four_threads_allocate_in_tags_while_the_main_thread_sleeps_and_wakes() 
                 cycles += 1
                 next_sleep = time.monotonic() + 2.0
         stop.set()
-        for t in threads:
-            t.join(60)
-        alive = [t.name for t in threads if t.is_alive()]
-        if alive:
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            pytest.fail(f"threads {alive} still running 60 s after the stop (hang); stacks above")
+        _join(threads)
         errors = [e for wk in workers for e in wk.errors] + stats_errors
         rounds = [wk.rounds for wk in workers]
         print(
@@ -245,6 +234,18 @@ def _threads_seconds() -> float:
     return float(os.environ.get("TORPOR_THREADS_SECONDS", "60"))
 
 
+def _weights_and_input(rows: int) -> tuple[TaggedAllocator, SleepController, torch.Tensor, torch.Tensor]:
+    """A fresh allocator and controller, 2048 x 2048 weights in ``weights`` and a ``rows`` x 2048 input in ``runtime``."""
+    torch.manual_seed(0)
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    with alloc.use_memory_pool("weights"):
+        w = torch.randn(2048, 2048, device="cuda")
+    with alloc.use_memory_pool("runtime"):
+        x = torch.randn(rows, 2048, device="cuda")
+    return alloc, ctl, w, x
+
+
 def _join(threads: list[threading.Thread]) -> None:
     for t in threads:
         t.join(60)
@@ -303,13 +304,7 @@ def _sleep_wake_with_writers(graphs: bool) -> None:
     seconds = _threads_seconds()
     faulthandler.dump_traceback_later(seconds + 120, exit=True, file=sys.stderr)
     try:
-        torch.manual_seed(0)
-        alloc = TaggedAllocator()
-        ctl = SleepController(alloc)
-        with alloc.use_memory_pool("weights"):
-            w = torch.randn(2048, 2048, device="cuda")
-        with alloc.use_memory_pool("runtime"):
-            x = torch.randn(64, 2048, device="cuda")
+        alloc, ctl, w, x = _weights_and_input(64)
         w_host = w.cpu()
         replay: list[tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = []
         if graphs:
