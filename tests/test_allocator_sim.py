@@ -179,3 +179,15 @@ def test_two_faults_armed_on_one_call_each_fail_their_own_invocation() -> None:
         else:
             outcome.append("ok")
     assert outcome == ["failed", "ok", "failed", "ok"]
+
+
+def test_drop_handles_closes_what_a_failed_release_left() -> None:
+    """A release failed on purpose keeps its handle's memory (as a driver would); drop_handles closes it at teardown."""
+    sim = SimDriver(4 * G, granularity=G)
+    handle = sim.create(G, 0)
+    sim.fail("release")
+    with pytest.raises(DriverError):
+        sim.release(handle)
+    assert sim.used == G
+    assert sim.drop_handles() == 1 and sim.used == 0
+    assert sim.drop_handles() == 0

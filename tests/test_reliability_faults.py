@@ -151,8 +151,9 @@ class SimRig:
         self.allocator.wait_host_ready(30)
 
     def close(self) -> None:
-        """Free everything (device, pinned host, the pinning thread)."""
+        """Free everything (device, pinned host, the pinning thread; the handles a failed release left)."""
         self.allocator.close()
+        self.driver.drop_handles()
 
     def calls(self) -> list[Hashable]:
         """Driver call names, in order."""

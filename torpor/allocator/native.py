@@ -73,6 +73,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "tp_close": (_int, [_p]),
     "tp_test_fail_growth": (None, [_int]),
     "tp_sim_new": (_p, [_int, _u64, _u64]),
+    "tp_sim_drop_handles": (_int, [_p]),
     "tp_sim_hit": (_int, [_p, _int, ctypes.c_char_p, ctypes.c_size_t]),
     "tp_sim_fail": (_int, [_p, _int, _int, _int, _int, ctypes.c_char_p]),
     "tp_sim_clear_faults": (None, [_p]),

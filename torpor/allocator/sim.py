@@ -122,6 +122,14 @@ class SimDriver(Driver):
             msg = f"too many armed failures of {call!r} (16 at most)"
             raise ValueError(msg)
 
+    def drop_handles(self) -> int:
+        """After the allocator closed: close the memory of every handle still open; the number closed.
+
+        A release failed on purpose leaves its handle (and a memory file descriptor) open, as a
+        real driver keeps the memory; a test that fails thousands of releases calls this at teardown.
+        """
+        return int(self.lib.tp_sim_drop_handles(self.native_sim))
+
     def clear_faults(self) -> None:
         """Disarm every pending injected failure."""
         self.lib.tp_sim_clear_faults(self.native_sim)
