@@ -191,3 +191,11 @@ def test_drop_handles_closes_what_a_failed_release_left() -> None:
     assert sim.used == G
     assert sim.drop_handles() == 1 and sim.used == 0
     assert sim.drop_handles() == 0
+
+
+def test_an_out_of_memory_error_says_its_sizes_as_a_person_reads_them() -> None:
+    """The simulated device's out-of-memory reason gives sizes (1.00 GiB, 4.00 MiB), not raw byte counts (issue 27)."""
+    sim = SimDriver(64 << 20, granularity=2 << 20)
+    sim.create(4 << 20, 0)
+    with pytest.raises(DriverOutOfMemory, match=r"cannot create 1\.00 GiB: 4\.00 MiB of 64\.00 MiB in use on device 0"):
+        sim.create(1 << 30, 0)

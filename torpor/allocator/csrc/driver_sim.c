@@ -302,14 +302,32 @@ static int sim_unreserve(void *self, uint64_t addr, uint64_t n, tp_err *e) {
   SIM_FAIL(1, "no reservation of %llu bytes at %#llx", (unsigned long long)n, (unsigned long long)addr);
 }
 
+/* `n` bytes as a person reads them ("4.00 MiB", "512 B"), into `out` (32 bytes). */
+static const char *size_text(uint64_t n, char *out) {
+  static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = (double)n;
+  int u = 0;
+  while (v >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    u++;
+  }
+  if (u == 0)
+    snprintf(out, 32, "%llu B", (unsigned long long)n);
+  else
+    snprintf(out, 32, "%.2f %s", v, units[u]);
+  return out;
+}
+
 static int sim_create(void *self, int dev, uint64_t n, uint64_t *handle, tp_err *e) {
   const char *call_name = "create";
   SIM_ENTER(TP_CREATE);
   if (!check_dev(s, dev)) SIM_FAIL(101, "no simulated device %d (have %d)", dev, s->ndev);
   if (n == 0 || n % s->gran) SIM_FAIL(1, "%llu bytes is not a positive multiple of the granularity", (unsigned long long)n);
-  if (s->used[dev] + n > s->capacity)
-    SIM_FAIL(2, "cannot create %llu bytes: %llu of %llu in use on device %d", (unsigned long long)n,
-             (unsigned long long)s->used[dev], (unsigned long long)s->capacity, dev);
+  if (s->used[dev] + n > s->capacity) {
+    char want[32], used[32], cap[32];
+    SIM_FAIL(2, "cannot create %s: %s of %s in use on device %d", size_text(n, want), size_text(s->used[dev], used),
+             size_text(s->capacity, cap), dev);
+  }
   int slot = -1;
   for (int i = 0; i < s->nh; i++)
     if (s->h[i].fd < 0) {
