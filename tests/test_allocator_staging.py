@@ -417,3 +417,44 @@ def test_a_staging_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_
     ctl.wake()
     assert intact(alloc, data)
     alloc.close()
+
+
+class FatalPin(SimDriver):
+    """A SimDriver whose pinning threads (not the main thread) hit a BaseException when they pin a chunk."""
+
+    def __init__(self) -> None:
+        super().__init__(64 * MiB, granularity=G)
+        self.armed = True
+
+    def _host_alloc(self, nbytes: int, host: int | None) -> int:
+        if self.armed and threading.current_thread() is not threading.main_thread():
+            raise Fatal("host_alloc in a pinning thread")
+        return super()._host_alloc(nbytes, host)
+
+
+@pytest.mark.parametrize("prepin", [False, True])
+def test_a_pinning_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_hanging_it(prepin: bool) -> None:
+    """Unstaged pins (a sleep's own threads, or pinning ahead) that hit a BaseException reach the sleep as a torpor error; it never hangs."""
+    sim = FatalPin()
+    _, alloc, ctl = make(sim, staged=False, prepin=prepin)
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    outcome: list[BaseException | None] = []
+
+    def sleep() -> None:
+        try:
+            ctl.sleep(1)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=sleep, daemon=True)
+    t.start()
+    t.join(15)
+    assert not t.is_alive(), "the sleep waits forever for a pinning thread that died"
+    assert outcome and isinstance(outcome[0], TorporError) and "host_alloc" in str(outcome[0]), outcome
+    assert ctl.state is State.AWAKE and intact(alloc, data)
+    sim.armed = False
+    ctl.sleep(1)
+    ctl.wake()
+    assert intact(alloc, data)
+    alloc.close()

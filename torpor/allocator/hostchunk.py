@@ -161,6 +161,11 @@ def closed_error(what: str) -> AllocatorError:
     return AllocatorError("pin host memory", None, msg)
 
 
+def thread_died(what: str, exc: BaseException) -> AllocatorError:
+    """What a pinning thread hit that is no ``Exception`` (it would have died silently), as the error its waiter raises."""
+    return AllocatorError("pin host memory", None, f"the {what} thread hit {type(exc).__name__}: {exc}")
+
+
 def pin_error(exc: BaseException, nbytes: int, pinned: int) -> AllocatorError:
     """The allocator error for a failed pin: out of memory when the driver said so."""
     reason = f"pinning {nbytes} host bytes failed ({exc}); {pinned} bytes pinned"

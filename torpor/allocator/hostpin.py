@@ -17,7 +17,7 @@ import threading
 import time
 
 from torpor.allocator.driver import Driver
-from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, carve, closed_error
+from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, carve, closed_error, thread_died
 
 __all__ = ["PinnedChunks"]
 
@@ -148,9 +148,9 @@ class PinnedChunks:
                 self.driver.host_register(c.host, c.nbytes)
             else:
                 self.driver.host_alloc(c.nbytes, c.host)
-        except Exception as exc:  # kept on the chunk: the copy that needs it raises it
+        except BaseException as exc:  # kept on the chunk: the copy that needs it raises it (never a silent death)
             with self._cond:
-                c.error = exc
+                c.error = exc if isinstance(exc, Exception) else thread_died("pin", exc)
                 held = self._chunks.get(c.host) is c
                 if held:
                     self._pending -= c.nbytes

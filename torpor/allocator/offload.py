@@ -26,7 +26,16 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
-from torpor.allocator.hostchunk import Chunk, Extent, HostPolicy, carve, closed_error, new_chunks, pin_error
+from torpor.allocator.hostchunk import (
+    Chunk,
+    Extent,
+    HostPolicy,
+    carve,
+    closed_error,
+    new_chunks,
+    pin_error,
+    thread_died,
+)
 from torpor.allocator.hostpin import PinnedChunks
 
 __all__ = ["Extent", "HostArena", "HostPolicy"]
@@ -79,10 +88,10 @@ class HostArena(PinnedChunks):
     def _pinner(self) -> None:
         try:
             self.driver.prepare_thread()
-        except Exception as exc:  # no pinning ahead; backups pin when they need to
-            logger.warning("the host pinning thread could not start: %s", exc)
+        except BaseException as exc:  # no pinning ahead; backups pin when they need to
+            logger.warning("the host pinning thread could not start: %r", exc)
             with self._cond:
-                self.last_error = exc
+                self.last_error = exc if isinstance(exc, Exception) else thread_died("pin ahead", exc)
                 self._cond.notify_all()
             return
         while True:
