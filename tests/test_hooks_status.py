@@ -231,3 +231,15 @@ def test_every_reader_agrees_on_state_closed_and_counts(
     if live is not None and case == "live":
         assert {t: u.allocations for t, u in live.memory.usage().items()} == counts[0]
         live.close()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-1", "soon"])
+def test_a_timeout_that_is_no_finite_number_of_seconds_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    """--timeout nan (which passes every comparison, so --wait never ended), inf, -1 or a word: usage error 2, one line."""
+    _ranks(tmp_path, 1)
+    with pytest.raises(SystemExit) as info:
+        main(["status", str(tmp_path), "--wait", "asleep", "--timeout", bad])
+    assert info.value.code == 2
+    assert "finite number of seconds" in capsys.readouterr().err

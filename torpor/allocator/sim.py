@@ -1,17 +1,14 @@
 """SimDriver: a simulated device on host memory, with a capacity and failures injectable at any call.
 
-The device is the native library's simulated driver (csrc/driver_sim.c), so the
-table's C code runs without a GPU: device memory is real memory at real addresses
-(a reservation a PROT_NONE mapping, a handle a memfd, a map an mmap of it), so tests
-check that sleep and wake keep every byte. The CUDA VMM rules the allocator relies
-on hold: a mapping needs a reservation and a live handle, an unmap takes the whole
-mapped range, a released mapped handle frees its memory at the unmap. Host memory
-is plain memory; copies are memmoves after checking both ranges. Host addresses are
-never reused unless ``reuse_host`` asks for what mmap does: a piece of a reservation
-given back is unmapped at once and the next reservation that fits takes its address
-(lowest first). :meth:`SimDriver.fail` arms the n-th next invocation of any call in
-:attr:`SimDriver.CALLS` (the library's and this class's); :attr:`SimDriver.calls`
-records every invocation, in order.
+The device is the native library's simulated driver (csrc/driver_sim.c), so the table's C code runs
+without a GPU: device memory is real memory at real addresses (a reservation a PROT_NONE mapping, a
+handle a memfd, a map an mmap of it), so tests check that sleep and wake keep every byte. The CUDA VMM
+rules the allocator relies on hold: a mapping needs a reservation and a live handle, an unmap takes the
+whole mapped range, a released mapped handle frees its memory at the unmap. Host memory is plain memory;
+copies are memmoves after checking both ranges. Host addresses are never reused unless ``reuse_host``
+asks for what mmap does (a piece of a reservation given back is unmapped at once and the next
+reservation that fits takes its address, lowest first). :meth:`SimDriver.fail` arms the n-th next
+invocation of any call in :attr:`SimDriver.CALLS`; :attr:`SimDriver.calls` records every invocation.
 """
 
 from __future__ import annotations
@@ -63,11 +60,9 @@ class SimCall:
 class SimDriver(Driver):
     """A simulated device with ``capacity`` bytes per device and ``host_capacity`` bytes of pinned host memory.
 
-    ``overhead``: bytes per device reported in use by :meth:`mem_info` outside
-    any handle (what a CUDA context, cuBLAS and NCCL hold on a real GPU).
-    ``reuse_host``: host address space given back is reused by the next
-    reservation that fits, as a real munmap then mmap may do (off: every
-    reservation is at a fresh address).
+    ``overhead``: bytes per device in use outside any handle (a CUDA context, cuBLAS, NCCL on a real GPU).
+    ``reuse_host``: host address space given back is reused by the next reservation that fits (as munmap
+    then mmap may do); off, every reservation is at a fresh address.
     """
 
     name = "sim"
@@ -123,11 +118,7 @@ class SimDriver(Driver):
             raise ValueError(msg)
 
     def drop_handles(self) -> int:
-        """After the allocator closed: close the memory of every handle still open; the number closed.
-
-        A release failed on purpose leaves its handle (and a memory file descriptor) open, as a
-        real driver keeps the memory; a test that fails thousands of releases calls this at teardown.
-        """
+        """Teardown: close every handle a failed release left open (a file descriptor each); the number closed."""
         return int(self.lib.tp_sim_drop_handles(self.native_sim))
 
     def clear_faults(self) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from torpor.commands import seconds
 from torpor.commands.writer import writer_running
 from torpor.demo.report import fmt_bytes, fmt_seconds, table
 from torpor.hooks.follow import Follower
@@ -67,9 +67,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     follow.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="old events to print first (10)")
     follow.add_argument("--after", type=int, metavar="SEQ", help="start after this sequence number (overrides -n)")
     follow.add_argument(
-        "--timeout", type=_seconds, metavar="SECONDS", help="stop after this long with no new event (default: never)"
+        "--timeout", type=seconds, metavar="SECONDS", help="stop after this long with no new event (default: never)"
     )
-    follow.add_argument("--interval", type=_seconds, default=0.2, metavar="SECONDS", help=argparse.SUPPRESS)
+    follow.add_argument("--interval", type=seconds, default=0.2, metavar="SECONDS", help=argparse.SUPPRESS)
     _add_json(follow)
     follow.set_defaults(func=run_follow)
 
@@ -83,18 +83,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_path(rep)
     rep.add_argument("--json", action="store_true", help="print the projection as JSON")
     rep.set_defaults(func=run_replay)
-
-
-def _seconds(text: str) -> float:
-    """A number of seconds, finite and >= 0 (``nan`` passed every comparison, so a follow never ended)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        msg = f"{text!r} is not a finite number of seconds >= 0"
-        raise argparse.ArgumentTypeError(msg)
-    return value
 
 
 def _add_path(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from torpor.commands import seconds
 from torpor.commands.writer import writer_running
 from torpor.demo.report import fmt_bytes
 from torpor.hooks.fleet import EngineView, FleetView, RankView, fleet, wait_fleet
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--wait", choices=WAIT_STATES, metavar="STATE", help=f"block until in STATE ({', '.join(WAIT_STATES)})"
     )
-    p.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds --wait waits at most (default: forever)")
+    p.add_argument("--timeout", type=seconds, metavar="SECONDS", help="seconds --wait waits at most (default: forever)")
     p.set_defaults(func=run)
 
 

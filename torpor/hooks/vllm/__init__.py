@@ -1,7 +1,7 @@
 """torpor as a vLLM 0.33 plugin: sleep backend ``torpor``, its allocator, the extended predicate, HTTP routes.
 
 ``vllm serve MODEL --enable-sleep-mode --sleep-mode-backend torpor
-[--sleep-mode-offload-cudagraph]`` with ``torpor[vllm]`` installed. vLLM finds
+[--sleep-mode-offload-cudagraph]`` with torpor installed with its vllm extra (`pip install '.[vllm]'` from a checkout). vLLM finds
 the plugin through the ``vllm.general_plugins`` entry point
 (:func:`~torpor.hooks.vllm.activation.register`) and the HTTP routes through
 ``vllm.endpoint_plugins`` (:func:`~torpor.hooks.vllm.endpoint.endpoint_plugin`,
