@@ -75,6 +75,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "torpor.statemachine.gate",
             "torpor.statemachine.graphs",
             "torpor.statemachine.group",
+            "torpor.statemachine.localgroup",
             "torpor.statemachine.hostmem",
             "torpor.statemachine.lifecycle",
             "torpor.statemachine.rollback",
@@ -103,6 +104,19 @@ LATE_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {
         "torpor.hooks.distributed imports torch.distributed (an optional third-party package) at module "
         "level; the backend loads it only when vLLM hands it a torch process group. No cycle: "
         "torpor.hooks.distributed does not import the backend (test_no_import_cycles counts this edge)."
+    ),
+    ("torpor", "torpor.hooks.distributed"): (
+        "the package hands the torch group adapter down to torpor.statemachine.group (adapt_groups); "
+        "torpor.hooks.distributed imports torch.distributed at module level, so it is loaded only when "
+        "a controller is given a torch process group."
+    ),
+    ("torpor.hooks.vllm.facade", "torpor.allocator"): (
+        "a worker's default memory: the allocator (and its native library) is loaded only when vLLM "
+        "first asks the facade for memory, not when vLLM loads the plugin."
+    ),
+    ("torpor.hooks.vllm.wiring", "torpor.telemetry"): (
+        "telemetry (prometheus_client) is loaded only when PROMETHEUS_MULTIPROC_DIR is set; it is a "
+        "subscriber and optional."
     ),
 }
 
@@ -174,7 +188,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
                 continue
             visit_stmt(child, child_late, typing_only)
 
-    def add(target: str, node: ast.stmt, late: bool, typing_only: bool) -> None:
+    def add(target: str, node: ast.stmt | ast.expr, late: bool, typing_only: bool) -> None:
         found.append(Import(name, target, f"{where_file}:{node.lineno}", late, typing_only))
 
     def visit_stmt(node: ast.AST, late: bool, typing_only: bool) -> None:
@@ -191,10 +205,31 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
                 candidate = f"{base}.{alias.name}"
                 add(candidate if candidate in known else base, node, late, typing_only)
         else:
+            dynamic = _dynamic_import(node)
+            if dynamic is not None:
+                add(dynamic, node, late, typing_only)
             visit(node, late, typing_only)
 
     visit(tree, False, False)
     return found
+
+
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The module an ``importlib.import_module("...")`` or ``__import__("...")`` call loads (None: not one).
+
+    A name that is not a string literal is not followed (``cli``'s command table, the
+    package's lazy ``__getattr__``): those load modules that the table of names spells out.
+    """
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = node.func
+    named = (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+        isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+    )
+    first = node.args[0]
+    if named and isinstance(first, ast.Constant) and isinstance(first.value, str):
+        return first.value
+    return None
 
 
 def layer_of(module: str) -> int:
@@ -251,17 +286,21 @@ def late_imports() -> list[str]:
     found = [
         f"{imp.where}: {imp.module} imports {imp.target} inside a function"
         for imp in all_imports()
-        if imp.late and not imp.typing_only and _torpor(imp.target)
+        if imp.late and not imp.typing_only and _torpor(imp.target) and imp.target != imp.module
         if (imp.module, imp.target) not in LATE_IMPORT_EXCEPTIONS
     ]
     return list(dict.fromkeys(found))
 
 
 def cycles() -> list[str]:
-    """Import cycles between modules over runtime imports (TYPE_CHECKING imports excluded)."""
+    """Import cycles between modules over every edge: runtime, ``TYPE_CHECKING`` and ``importlib`` imports alike.
+
+    A loop closed by a ``TYPE_CHECKING`` import or a call to ``importlib`` runs no code at
+    import time, but it is still two modules that each need the other: a design loop.
+    """
     graph: dict[str, dict[str, str]] = {}
     for imp in all_imports():
-        if _torpor(imp.target) and not imp.typing_only and imp.target != imp.module:
+        if _torpor(imp.target) and imp.target != imp.module:
             graph.setdefault(imp.module, {}).setdefault(imp.target, imp.where)
     found: list[str] = []
     seen: set[frozenset[str]] = set()
@@ -339,7 +378,7 @@ def test_imports_go_down_the_layers() -> None:
 
 
 def test_no_import_cycles() -> None:
-    """No two torpor modules import each other, directly or through others."""
+    """No two torpor modules import each other, directly or through others, TYPE_CHECKING and importlib included."""
     found = cycles()
     assert not found, "import cycles:\n" + "\n".join(found)
 
@@ -400,6 +439,21 @@ def test_the_contract_catches_an_upward_import(tmp_path: Path) -> None:
     (late,) = [i for i in found if _torpor(i.target)]
     assert late.late and late.target == "torpor.statemachine.controller" and late.where.endswith("probe.py:4")
     assert layer_of(late.target) > layer_of(late.module)
+
+
+def test_the_contract_counts_type_checking_and_importlib_edges(tmp_path: Path) -> None:
+    """An import under TYPE_CHECKING and an importlib call of a literal name are both edges, the latter late."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "import importlib\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+        "    from torpor.statemachine import controller\n\n"
+        "def f():\n    return importlib.import_module('torpor.hooks.distributed')\n"
+    )
+    found = [i for i in imports("torpor.statemachine.group", source, modules()) if _torpor(i.target)]
+    typing_edge, dynamic = found
+    assert typing_edge.typing_only and typing_edge.target == "torpor.statemachine.controller"
+    assert dynamic.late and dynamic.target == "torpor.hooks.distributed" and dynamic.where.endswith("probe.py:8")
+    assert layer_of(dynamic.target) > layer_of(dynamic.module)
 
 
 def test_docs_architecture_has_the_layer_table() -> None:

@@ -16,7 +16,8 @@ from torpor.commands.status import render
 from torpor.errors import CommandInFlight, GroupFailed
 from torpor.hooks import fleet
 from torpor.statemachine import EventKind, SleepController, State, replay
-from torpor.statemachine.group import DEFAULT_TIMEOUT, UNHEARD, VOTE_BYTES, LocalGroup, Vote, as_agreement, decide
+from torpor.statemachine.group import DEFAULT_TIMEOUT, UNHEARD, VOTE_BYTES, Vote, as_agreement, decide
+from torpor.statemachine.localgroup import LocalGroup
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 100, "kv_cache": 50, "cudagraph": 10, "runtime": 5}

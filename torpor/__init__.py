@@ -77,6 +77,7 @@ from torpor.statemachine.events import (
     WakeFailed,
     WakeRequested,
 )
+from torpor.statemachine.group import Agreement, adapt_groups
 
 #: Names of the other subpackages, importable from ``torpor`` and loaded on first use, so that
 #: ``import torpor`` stays light (no torch, no Prometheus registry touched).
@@ -109,6 +110,24 @@ def __getattr__(name: str) -> object:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def _torch_group(group: object) -> Agreement | None:
+    """A ``torch.distributed`` process group as ``torpor.hooks.distributed.TorchGroup`` (None: not a torch object).
+
+    Handed down to :func:`torpor.statemachine.group.as_agreement` when torpor loads, so
+    ``SleepController(group=...)`` takes a torch group while the state machine imports no
+    hooks; torpor.hooks.distributed imports torch, so it is loaded only for a torch group.
+    """
+    if not type(group).__module__.startswith("torch"):
+        return None
+    import importlib
+
+    wrapped: Agreement = importlib.import_module("torpor.hooks.distributed").TorchGroup(group)
+    return wrapped
+
+
+adapt_groups(_torch_group)
 
 
 def __dir__() -> list[str]:

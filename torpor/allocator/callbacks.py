@@ -18,16 +18,17 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torpor.allocator.cuda_driver import _cu
+from torpor.allocator.driver import Driver
 from torpor.allocator.graphpool import GraphPool
+from torpor.allocator.graphstate import GraphPoolState
+from torpor.allocator.table import NativeTable
+from torpor.allocator.tagbook import TagBook
 from torpor.allocator.trim import BlockPool, BlockPools, trim_enabled
 from torpor.extras import require
 from torpor.statemachine.policy import CUDAGRAPH
-
-if TYPE_CHECKING:
-    from torpor.allocator.tagged import TaggedAllocator
 
 logger = logging.getLogger("torpor.allocator")
 _KEEP_ALIVE: list[object] = []  # torch allocators made on native slots: never collected
@@ -109,17 +110,41 @@ def live_blocks(segment: dict[str, Any]) -> list[tuple[int, int]]:
     return out
 
 
-class TorchPools:
-    """One pluggable allocator per tag, a MemPool per open ``use_memory_pool`` block (reused: :mod:`torpor.allocator.trim`), the graph pools."""
+class AllocatorParts(Protocol):
+    """What the torch side uses of a ``TaggedAllocator``: its table, driver, tag book and graph-pool state."""
 
-    def __init__(self, allocator: TaggedAllocator) -> None:
+    @property
+    def table(self) -> NativeTable: ...
+
+    @property
+    def driver(self) -> Driver: ...
+
+    @property
+    def book(self) -> TagBook: ...
+
+    @property
+    def graphs(self) -> GraphPoolState: ...
+
+
+class TorchPools:
+    """One pluggable allocator per tag, a MemPool per open ``use_memory_pool`` block (reused: :mod:`torpor.allocator.trim`), the graph pools.
+
+    It works on the parts of one allocator (:class:`AllocatorParts`: its table, driver, tag
+    book and graph-pool state), read through a protocol: the torch side sits below
+    ``TaggedAllocator`` and does not import it.
+    """
+
+    def __init__(self, allocator: AllocatorParts) -> None:
         require("torch", "TaggedAllocator's CUDA memory pools (use_memory_pool, capture)")
-        self.allocator = allocator
+        self.table = table = allocator.table
+        self.driver = allocator.driver
+        self.book = allocator.book
+        self.graphs = allocator.graphs
         self._allocators: dict[str, Any] = {}
         self.blocks = BlockPools(
             self._new_pool,
-            allocator.table.trim,
-            allocator.table.untrim,
+            table.trim,
+            table.untrim,
             segments,
             enabled=trim_enabled(),
             mark=mark_streams,
@@ -140,8 +165,8 @@ class TorchPools:
         with self._lock:
             found = self._allocators.get(tag)
             if found is None:
-                self.allocator.tag_state(tag)
-                malloc_ptr, free_ptr = self.allocator.table.slot(tag)
+                self.book.state(tag)
+                malloc_ptr, free_ptr = self.table.slot(tag)
                 found = torch._C._cuda_customAllocator(malloc_ptr, free_ptr)
                 _KEEP_ALIVE.append(found)
                 self._allocators[tag] = found
@@ -164,7 +189,7 @@ class TorchPools:
         stack: list[list[Any]] = self._local.__dict__.setdefault("stack", [])
         device = torch.cuda.current_device()
         if device not in self._devices:  # the copy/pinning side: this device's context and copy stream, made now
-            self.allocator.driver.prepare_device(device)
+            self.driver.prepare_device(device)
             self._devices.add(device)
         self.torch_allocator(tag)  # takes the allocator's lock on first use: before the block's lock
         block = self.blocks.enter(tag)
@@ -226,7 +251,7 @@ class TorchPools:
             torch.cuda.synchronize()
             self.blocks.clear()
             gc.collect()
-        graph = self.allocator.graphs.detach()  # teardown: the graph pool's MemPool goes with the others
+        graph = self.graphs.detach()  # teardown: the graph pool's MemPool goes with the others
         if graph is not None and graph.mempool is not None:
             self.drop(graph)
 

@@ -9,20 +9,16 @@ live ranges (every byte of an allocation counts as live) and nothing to close.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
-from torpor.allocator.callbacks import TorchPools
+from torpor.allocator.callbacks import AllocatorParts, TorchPools
 from torpor.allocator.errors import AllocatorError
 from torpor.statemachine.policy import CUDAGRAPH
-
-if TYPE_CHECKING:
-    from torpor.allocator.tagged import TaggedAllocator
 
 
 class TorchBinding:
     """An allocator's :class:`TorchPools`, made at the first use (raises ``MissingExtra`` then without torch)."""
 
-    def __init__(self, allocator: TaggedAllocator) -> None:
+    def __init__(self, allocator: AllocatorParts) -> None:
         self._allocator = allocator
         self._lock = threading.Lock()
         self._pools: TorchPools | None = None

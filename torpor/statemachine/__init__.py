@@ -9,7 +9,8 @@ from __future__ import annotations
 from torpor.statemachine.controller import SleepController, log_path_for
 from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, thaw
 from torpor.statemachine.fanout import Fanout
-from torpor.statemachine.group import Agreement, GroupMember, LocalGroup
+from torpor.statemachine.group import Agreement, GroupMember
+from torpor.statemachine.localgroup import LocalGroup
 from torpor.statemachine.log import decode_line, read_events, read_events_file, replay, segments
 from torpor.statemachine.logwriter import EventLog
 from torpor.statemachine.policy import DEFAULT_POLICY, Action, AfterWake, HostMemoryPolicy, PinWhen, Policy

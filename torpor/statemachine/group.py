@@ -18,14 +18,15 @@ reopened its controller, joins the next round instead of reading an old one.
 No wall clock is compared across ranks.
 
 No torch here: :class:`LocalGroup` (threads of one process) and
-``torpor.hooks.distributed.TorchGroup`` (any ``torch.distributed`` group,
-picked by :func:`as_agreement`) implement the protocol.
+``torpor.hooks.distributed.TorchGroup`` (any ``torch.distributed`` group)
+implement the protocol. This module never imports the hooks: the package
+``torpor`` hands the torch adapter down when it loads (:func:`adapt_groups`),
+and :func:`as_agreement` asks the adapters it was given.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import math
 import threading
@@ -175,75 +176,26 @@ def decide(raw: list[bytes | None], timeout: float) -> dict[int, str]:
     return dict(sorted(failed.items()))
 
 
-class LocalGroup:
-    """A group of ``size`` ranks that are threads of one process (tests, and examples without torch).
+#: What turns a group object of another library into an :class:`Agreement` (None: not one of its groups).
+GroupAdapter = Callable[[object], "Agreement | None"]
 
-    ``LocalGroup.make(n)`` returns one member per rank; give each to the
-    controller of one thread. A rank whose thread never votes counts as
-    failed after the timeout, as a dead process would.
-    """
-
-    def __init__(self, shared: _LocalShared, rank: int) -> None:
-        self._shared = shared
-        self.rank = rank
-        self.size = shared.size
-        self.name = shared.name
-        self._used = 0  # the last round this member took part in
-
-    @classmethod
-    def make(cls, size: int, name: str = "local") -> list[LocalGroup]:
-        """One member per rank of a new group."""
-        shared = _LocalShared(size, name)
-        return [cls(shared, r) for r in range(size)]
-
-    def begin(self, timeout: float) -> int:
-        """The first round not decided yet (and not used by this member): a decided round is never joined late."""
-        s = self._shared
-        with s.cond:
-            round = max(s.last, self._used) + 1
-            while round in s.final:
-                round += 1
-            self._used = round
-            return round
-
-    def exchange(self, round: int, vote: bytes, timeout: float) -> list[bytes | None]:
-        """Post the vote; wait until every rank posted for ``round`` or the timeout passed."""
-        s = self._shared
-        deadline = time.monotonic() + timeout
-        with s.cond:
-            if round not in s.final:  # a rank that comes after the list was fixed reads that list
-                s.votes.setdefault(round, {})[self.rank] = vote
-                s.cond.notify_all()
-            while round not in s.final:
-                got = s.votes[round]
-                if len(got) == self.size or deadline - time.monotonic() <= 0:
-                    # complete, or the first rank to time out fixes the list for everyone
-                    s.final[round] = [got.get(r) for r in range(self.size)]
-                    s.last = max(s.last, round)
-                    s.cond.notify_all()
-                    break
-                s.cond.wait(deadline - time.monotonic())
-            return list(s.final[round])
+_ADAPTERS: list[GroupAdapter] = []
 
 
-class _LocalShared:
-    def __init__(self, size: int, name: str) -> None:
-        self.size = size
-        self.name = name
-        self.cond = threading.Condition()
-        self.votes: dict[int, dict[int, bytes]] = {}
-        self.final: dict[int, list[bytes | None]] = {}
-        self.last = 0  # the highest decided round
+def adapt_groups(adapter: GroupAdapter) -> None:
+    """Hand :func:`as_agreement` a way to wrap foreign groups (the package ``torpor`` hands the torch one down)."""
+    if adapter not in _ADAPTERS:
+        _ADAPTERS.append(adapter)
 
 
 def as_agreement(group: object) -> Agreement:
     """An :class:`Agreement` as given, or a ``torch.distributed`` process group wrapped in ``TorchGroup``."""
     if isinstance(group, Agreement):
         return group
-    if type(group).__module__.startswith("torch"):
-        adapter = importlib.import_module("torpor.hooks.distributed")  # imports torch: only for a torch group
-        wrapped: Agreement = adapter.TorchGroup(group)
-        return wrapped
+    for adapter in _ADAPTERS:
+        wrapped = adapter(group)
+        if wrapped is not None:
+            return wrapped
     msg = (
         f"group must be a torch.distributed ProcessGroup (gloo) or an object meeting torpor's Agreement "
         f"protocol (rank, size, name, begin, exchange), not {type(group).__name__}"

@@ -3,7 +3,8 @@
 The state lives apart from the code that changes it so that the facade and the
 wiring can ask whether torpor is active without importing the activation (which
 imports the facade): the vLLM integration's modules then import in one direction,
-process <- facade <- activation.
+process <- facade <- activation. The facade held here is read through
+:class:`PoolReleaser` (what the activation calls on it at exit), not imported.
 """
 
 from __future__ import annotations
@@ -11,15 +12,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torpor.hooks.nccl import NcclDecision
     from torpor.hooks.predicate import CudagraphPoolDecision
-    from torpor.hooks.vllm.facade import TorporMemAllocator
 
 #: Set by :func:`~torpor.hooks.vllm.activation.activate`; a process that loads the plugin with it set activates at once (spawned workers).
 ENV_ACTIVE = "TORPOR_VLLM_ACTIVE"
+
+
+class PoolReleaser(Protocol):
+    """What the activation keeps of the allocator facade it installed: at exit, its pools are released."""
+
+    def release_pools(self) -> None: ...
 
 
 @dataclass
@@ -31,7 +37,7 @@ class Activation:
     slot_previous: Any = None
     env_previous: str | None = None
     engine_previous: str | None = None
-    allocator: TorporMemAllocator | None = None
+    allocator: PoolReleaser | None = None
     decisions: list[CudagraphPoolDecision] = field(default_factory=list)
     nccl: list[NcclDecision] = field(default_factory=list)
 

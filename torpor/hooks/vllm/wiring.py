@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torpor.hooks.allreduce import register_graph_buffers
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER
@@ -24,7 +24,6 @@ from torpor.hooks.vllm.process import current
 from torpor.statemachine.events import EventKind
 
 if TYPE_CHECKING:
-    from torpor.hooks.vllm.facade import TorporMemAllocator
     from torpor.statemachine.controller import SleepController
 
 logger = logging.getLogger("torpor.vllm")
@@ -93,7 +92,13 @@ def attach_telemetry(controller: SleepController) -> Any:
         return None
 
 
-def on_controller_started(controller: SleepController, allocator: TorporMemAllocator) -> bool:
+class TelemetryHolder(Protocol):
+    """What the wiring sets on the allocator facade: the telemetry handle it detaches when it closes."""
+
+    telemetry: Any
+
+
+def on_controller_started(controller: SleepController, allocator: TelemetryHolder) -> bool:
     """Called once per worker by the facade right after its controller exists; True when the decisions were recorded.
 
     A spawned worker knows no config when its controller starts (vLLM sets the
