@@ -14,7 +14,7 @@ import shutil
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["driver_cuda.c", "driver_sim.c", "table.c", "sleep.c", "trim.c"]
+SOURCES = ["err.c", "driver_cuda.c", "driver_sim.c", "table.c", "sleep.c", "trim.c"]
 CSRC = os.path.join("torpor", "allocator", "csrc")
 
 

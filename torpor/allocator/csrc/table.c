@@ -18,17 +18,6 @@
 
 #include "table.h"
 
-void tp_set_err(tp_err *e, int code, const char *call, const char *fmt, ...) {
-  if (!e) return;
-  e->code = code;
-  e->oom = code == 2;
-  snprintf(e->call, sizeof e->call, "%s", call ? call : "");
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(e->msg, sizeof e->msg, fmt, ap);
-  va_end(ap);
-}
-
 int fail(tp_err *e, int tag, const char *op, const char *fmt, ...) {
   if (!e) return -1;
   memset(e, 0, sizeof *e);
