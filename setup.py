@@ -1,4 +1,4 @@
-"""Build torpor's native allocator (plain C, no Python API) as torpor/allocator/libtorpor_alloc.so.
+"""Build torpor's native allocator (plain C, no Python API) as torpor/allocator/native/libtorpor_alloc.so.
 
 The metadata is in pyproject.toml. The library is loaded with ctypes, links no
 libpython and no torch, and opens the CUDA driver with dlopen at run time, so
@@ -15,7 +15,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = ["err.c", "driver_cuda.c", "driver_sim.c", "table.c", "sleep.c", "trim.c"]
-CSRC = os.path.join("torpor", "allocator", "csrc")
+CSRC = os.path.join("torpor", "allocator", "native", "csrc")
 
 
 class BuildNative(build_ext):
@@ -42,7 +42,7 @@ class BuildNative(build_ext):
 
 
 native = Extension(
-    "torpor.allocator.libtorpor_alloc",
+    "torpor.allocator.native.libtorpor_alloc",
     sources=[os.path.join(CSRC, s) for s in SOURCES],
     depends=[os.path.join(CSRC, h) for h in ("tp.h", "table.h")],
     extra_compile_args=["-std=gnu11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from torpor import SleepController
-from torpor.statemachine.events import Event
+from torpor.statemachine.core.events import Event
 from torpor.telemetry import Server, attach
 from torpor.testing import FakeMemory, capture_events
 

@@ -17,15 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from torpor.allocator.cuda_driver import (
+from torpor.allocator.host.chunks import HostPolicy
+from torpor.allocator.host.offload import Extent, HostArena
+from torpor.allocator.native.cuda_driver import (
     CudaDriver,
     free_host_pages,
     populate_host_pages,
     reserve_host_pages,
     transparent_huge_pages,
 )
-from torpor.allocator.hostchunk import HostPolicy
-from torpor.allocator.offload import Extent, HostArena
 
 MiB = 1 << 20
 GiB = 1 << 30

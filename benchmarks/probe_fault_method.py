@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from probe_first_register import in_threads  # benchmarks/ is the script's folder
 
-from torpor.allocator.cuda_driver import populate_host_pages, reserve_host_pages
+from torpor.allocator.native.cuda_driver import populate_host_pages, reserve_host_pages
 
 GiB = 1 << 30
 THREADS = 16

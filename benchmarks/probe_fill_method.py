@@ -1,7 +1,7 @@
 """Probe: how fast can threads fill never-used host memory with a backup's bytes? No GPU needed for the fill.
 
 Run first thing on a fresh machine: ``python benchmarks/probe_fill_method.py [GiB] [threads] [memfd]``.
-A staged sleep (torpor.allocator.staging) copies each 16 MiB slot of its pinned
+A staged sleep (torpor.allocator.host.staging) copies each 16 MiB slot of its pinned
 ring into the backup's pageable pages: every page is faulted (the kernel zeroes
 it) and then written. This compares two ways of filling ``GiB`` of memory the
 process never touched, 16 MiB at a time from per-thread source buffers:
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import probe_first_touch  # benchmarks/ is the script's folder
 
-from torpor.allocator.cuda_driver import free_host_pages, reserve_host_pages, transparent_huge_pages
+from torpor.allocator.native.cuda_driver import free_host_pages, reserve_host_pages, transparent_huge_pages
 
 MiB = 1 << 20
 GiB = 1 << 30

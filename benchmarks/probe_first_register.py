@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
-from torpor.allocator import cuda_driver
-from torpor.allocator.cuda_driver import free_host_pages, populate_host_pages, reserve_host_pages
+from torpor.allocator.native import cuda_driver
+from torpor.allocator.native.cuda_driver import free_host_pages, populate_host_pages, reserve_host_pages
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from torpor import HostMemoryPolicy, Policy, SleepController, TaggedAllocator
-from torpor.allocator import cuda_driver
-from torpor.allocator.offload import HostArena
-from torpor.allocator.sleepwake import SleepWake
-from torpor.allocator.staging import Stager
+from torpor.allocator.host.offload import HostArena
+from torpor.allocator.host.staging import Stager
+from torpor.allocator.native import cuda_driver
+from torpor.allocator.sleepwake.cycle import SleepWake
 from torpor.bench.device import fill, measure_floor
 
 GiB = 1 << 30

@@ -17,7 +17,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from torpor.allocator.cuda_driver import (
+from torpor.allocator.native.cuda_driver import (
     free_host_pages,
     populate_host_pages,
     reserve_host_pages,

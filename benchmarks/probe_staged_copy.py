@@ -25,10 +25,10 @@ import torch
 from probe_cold_pin import copy_pinning  # benchmarks/ is the script's folder
 from probe_first_register import in_threads
 
-from torpor.allocator import cuda_driver
-from torpor.allocator.cuda_driver import populate_host_pages, reserve_host_pages
-from torpor.allocator.hostchunk import HostPolicy
-from torpor.allocator.offload import HostArena
+from torpor.allocator.host.chunks import HostPolicy
+from torpor.allocator.host.offload import HostArena
+from torpor.allocator.native import cuda_driver
+from torpor.allocator.native.cuda_driver import populate_host_pages, reserve_host_pages
 from torpor.bench.device import measure_floor
 
 GiB = 1 << 30

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
-from torpor.allocator.cuda_driver import CudaDriver
 from torpor.allocator.errors import DriverError
+from torpor.allocator.native.cuda_driver import CudaDriver
 
 MiB = 1 << 20
 SEG = 2 * MiB

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torpor.client import Client
-from torpor.statemachine.events import EventKind
+from torpor.statemachine.core.events import EventKind
 
 
 def post(url: str, path: str, params: list[tuple[str, str]] | None = None, timeout: float = 600.0) -> Any:

@@ -12,8 +12,8 @@ What the model keeps of torch (CUDACachingAllocator with a pluggable allocator p
 The device is one stream: kernels (writes and reads of a tensor's bytes) are queued and run later,
 in order, when the schedule lets the device run or when torpor synchronizes the device. A kernel
 that reads or writes unmapped memory raises in the simulated driver: the model records it as a
-lost CUDA context. ``ModelPools`` stands where ``torpor.allocator.callbacks.TorchPools`` stands on
-CUDA, on torpor's own :class:`~torpor.allocator.trim.BlockPools`, so the code under test is the
+lost CUDA context. ``ModelPools`` stands where ``torpor.allocator.torchside.pools.TorchPools`` stands on
+CUDA, on torpor's own :class:`~torpor.allocator.torchside.trim.BlockPools`, so the code under test is the
 real trimming, doors, native table and sleep/wake.
 """
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.allocator import SimDriver, TaggedAllocator, native
-from torpor.allocator.callbacks import live_blocks
-from torpor.allocator.trim import BlockPools
+from torpor.allocator.torchside.pools import live_blocks
+from torpor.allocator.torchside.trim import BlockPools
 from torpor.errors import DriverError
 
 ALIGN = 512

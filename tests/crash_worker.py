@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 
 from torpor.errors import TorporError
-from torpor.statemachine.controller import SleepController
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.protocol import Transfer
+from torpor.statemachine.core.protocol import Transfer
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024, "workspace": 512}

@@ -16,9 +16,9 @@ import pytest
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-from torpor.statemachine.events import Event
-from torpor.statemachine.projection import Projection
-from torpor.statemachine.states import TRIGGER_EVENTS, destination
+from torpor.statemachine.core.events import Event
+from torpor.statemachine.core.states import TRIGGER_EVENTS, destination
+from torpor.statemachine.projection.view import Projection
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -7,7 +7,7 @@ import ctypes
 import pytest
 
 from torpor.allocator import DriverError
-from torpor.allocator.cuda_driver import (
+from torpor.allocator.native.cuda_driver import (
     CudaDriver,
     free_host_pages,
     populate_host_pages,
@@ -56,8 +56,8 @@ def test_a_new_driver_touches_no_cuda() -> None:
 
 def test_fresh_pages_are_faulted_by_writing_when_the_host_has_room(monkeypatch: pytest.MonkeyPatch) -> None:
     """With room, fault_host_pages writes zeros (fast) and never populates."""
-    from torpor.allocator import cuda_driver
-    from torpor.allocator.headroom import Headroom
+    from torpor.allocator.native import cuda_driver
+    from torpor.allocator.native.headroom import Headroom
 
     populated: list[int] = []
     monkeypatch.setattr(cuda_driver, "populate_host_pages", lambda a, n: populated.append(n))
@@ -69,8 +69,8 @@ def test_fresh_pages_are_faulted_by_writing_when_the_host_has_room(monkeypatch: 
 
 def test_fresh_pages_are_populated_when_the_host_has_no_clear_room(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without clear room, fault_host_pages populates (a clean ENOMEM) instead of writing (the OOM killer)."""
-    from torpor.allocator import cuda_driver
-    from torpor.allocator.headroom import Headroom
+    from torpor.allocator.native import cuda_driver
+    from torpor.allocator.native.headroom import Headroom
 
     populated: list[int] = []
     monkeypatch.setattr(cuda_driver, "populate_host_pages", lambda a, n: populated.append(n))

@@ -1,4 +1,4 @@
-"""Tests of torpor.allocator.graphstate: the graph pool's generations, refusals while asleep or referenced, observers."""
+"""Tests of torpor.allocator.torchside.graphstate: the graph pool's generations, refusals while asleep or referenced, observers."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import gc
 import pytest
 
 from torpor.allocator import AllocatorError, GraphPool, SimDriver
-from torpor.allocator.graphstate import GraphPoolState
-from torpor.allocator.table import NativeTable
-from torpor.allocator.tagbook import TagBook
+from torpor.allocator.native.table import NativeTable
+from torpor.allocator.sleepwake.tagbook import TagBook
+from torpor.allocator.torchside.graphstate import GraphPoolState
 from torpor.errors import PoolBusy
 
 G = 64 * 1024

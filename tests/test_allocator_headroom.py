@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor.allocator.headroom import Headroom, host_headroom
+from torpor.allocator.native.headroom import Headroom, host_headroom
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -48,6 +48,6 @@ def test_no_allocator_module_imports_the_controller_or_the_bench() -> None:
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
             for name in names:
-                if name == "torpor" or name.startswith(("torpor.statemachine.controller", "torpor.bench")):
+                if name == "torpor" or name.startswith(("torpor.statemachine.machine.controller", "torpor.bench")):
                     offenders.append(f"{path.name}: {name}")
     assert offenders == []

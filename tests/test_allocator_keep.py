@@ -1,4 +1,4 @@
-"""Tests of torpor.allocator.keep on SimDriver: ranges of a tag kept across a discard, counted, replayed, rolled back."""
+"""Tests of torpor.allocator.keep.keeping on SimDriver: ranges of a tag kept across a discard, counted, replayed, rolled back."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 from tests.support import samples, value
 from torpor import EventKind, SleepController, State
 from torpor.allocator import AllocatorError, HostPolicy, SimDriver, TaggedAllocator
-from torpor.allocator.keep import merged
-from torpor.allocator.keeprange import KeptRange
+from torpor.allocator.keep.keeping import merged
+from torpor.allocator.keep.ranges import KeptRange
 from torpor.statemachine import replay
 from torpor.telemetry import attach
 

@@ -7,7 +7,7 @@ import torch
 
 from torpor import SleepController
 from torpor.allocator import TaggedAllocator
-from torpor.statemachine.events import EventKind
+from torpor.statemachine.core.events import EventKind
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20

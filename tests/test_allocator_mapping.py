@@ -7,8 +7,8 @@ import random
 from collections import deque
 
 from torpor.allocator import SimDriver, TaggedAllocator
-from torpor.allocator.mapping import Piece, clip, clip_each, take_front
-from torpor.allocator.offload import Extent
+from torpor.allocator.host.offload import Extent
+from torpor.allocator.sleepwake.plan import Piece, clip, clip_each, take_front
 
 
 def test_take_front_cuts_an_extent_and_leaves_the_rest_in_order() -> None:

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from torpor.allocator import AllocatorError, AllocatorOutOfMemory, HostArena, HostPolicy, SimDriver
-from torpor.allocator.offload import Extent
+from torpor.allocator.host.offload import Extent
 
 C = 64 * 1024
 

@@ -1,4 +1,4 @@
-"""Tests of torpor.allocator.tagbook: each tag's record, usage by residency, and the tag each thread routes to."""
+"""Tests of torpor.allocator.sleepwake.tagbook: each tag's record, usage by residency, and the tag each thread routes to."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from torpor import SleepController
 from torpor.allocator import SimDriver, TaggedAllocator
-from torpor.allocator.table import NativeTable
-from torpor.allocator.tagbook import TagBook
+from torpor.allocator.native.table import NativeTable
+from torpor.allocator.sleepwake.tagbook import TagBook
 
 G = 64 * 1024
 
@@ -181,7 +181,7 @@ def test_the_block_wait_is_read_from_the_environment_and_bad_values_are_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """TORPOR_BLOCK_WAIT: unset is 10 s, a number of seconds is taken, nan/negative/words are refused with its name."""
-    from torpor.statemachine.sleeping import block_wait
+    from torpor.statemachine.machine.sleeping import block_wait
 
     monkeypatch.delenv("TORPOR_BLOCK_WAIT", raising=False)
     assert block_wait() == 10.0

@@ -10,8 +10,8 @@ import pytest
 from torpor import SleepController, State
 from torpor.allocator import AllocatorError, HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import MemoryOperationFailed, OutOfMemory, PoolBusy, TorporError, UnknownTag
-from torpor.statemachine.policy import DEFAULT_POLICY
-from torpor.statemachine.protocol import GraphPoolMemory, Memory, TagUsage
+from torpor.statemachine.core.policy import DEFAULT_POLICY
+from torpor.statemachine.core.protocol import GraphPoolMemory, Memory, TagUsage
 
 G = 64 * 1024
 MiB = 1 << 20

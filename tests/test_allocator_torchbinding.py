@@ -1,4 +1,4 @@
-"""Tests of torpor.allocator.torchbinding: torch's pools are made once, at the first use, and not before."""
+"""Tests of torpor.allocator.torchside.binding: torch's pools are made once, at the first use, and not before."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from torpor.allocator import SimDriver, TaggedAllocator
-from torpor.allocator.torchbinding import TorchBinding
+from torpor.allocator.torchside.binding import TorchBinding
 
 
 def test_nothing_is_made_before_the_first_use() -> None:

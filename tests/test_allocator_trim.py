@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from torpor.allocator import AllocatorError
-from torpor.allocator.trim import BlockPools, trim_enabled
+from torpor.allocator.torchside.trim import BlockPools, trim_enabled
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""Tests for torpor.allocator.undo: a failed release is put back, or released honestly, and never loses a backed-up byte."""
+"""Tests for torpor.allocator.sleepwake.undo: a failed release is put back, or released honestly, and never loses a backed-up byte."""
 
 from __future__ import annotations
 

@@ -28,61 +28,27 @@ DOC = ROOT / "docs" / "architecture.md"
 LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "core",
-        "events, states, tag policy, payload checks, the projection as a fold, the memory "
-        "protocol, every error class: no I/O, no threads, no torch",
+        "the machine's vocabulary (events, states, tag policy, the memory protocol), the "
+        "projection as a fold, every error class: no I/O, no threads, no torch",
         (
             "torpor._version",
             "torpor.errors",
             "torpor.extras",
-            "torpor.statemachine.events",
-            "torpor.statemachine.fields",
-            "torpor.statemachine.kinds",
-            "torpor.statemachine.payloads",
-            "torpor.statemachine.states",
-            "torpor.statemachine.policy",
-            "torpor.statemachine.payload",
-            "torpor.statemachine.projection",
-            "torpor.statemachine.projection_data",
-            "torpor.statemachine.fold",
-            "torpor.statemachine.protocol",
+            "torpor.statemachine.core.*",
+            "torpor.statemachine.projection.*",
         ),
     ),
     (
         "log",
-        "the event log on disk: its codec, writer, files, the one tailer every reader uses, and the subscriber fan-out",
-        (
-            "torpor.statemachine.codec",
-            "torpor.statemachine.log",
-            "torpor.statemachine.tail",
-            "torpor.statemachine.fanout",
-            "torpor.statemachine.framing",
-            "torpor.statemachine.interrupts",
-            "torpor.statemachine.logwriter",
-            "torpor.statemachine.logfile",
-            "torpor.hooks.follow",
-            "torpor.telemetry.replay",
-        ),
+        "the event store: payload checks, the line codec, the files on disk, the writer, the one "
+        "tailer every reader uses, and the subscriber fan-out",
+        ("torpor.statemachine.log.*", "torpor.hooks.follow", "torpor.telemetry.replay"),
     ),
     (
         "controller",
         "the guard and the plan: commands checked against the projection, memory calls, "
         "events appended, rollback, TP groups",
-        (
-            "torpor.statemachine",
-            "torpor.statemachine.base",
-            "torpor.statemachine.controller",
-            "torpor.statemachine.discarding",
-            "torpor.statemachine.gate",
-            "torpor.statemachine.graphs",
-            "torpor.statemachine.group",
-            "torpor.statemachine.localgroup",
-            "torpor.statemachine.hostmem",
-            "torpor.statemachine.lifecycle",
-            "torpor.statemachine.rollback",
-            "torpor.statemachine.sleeping",
-            "torpor.statemachine.tracking",
-            "torpor.statemachine.waking",
-        ),
+        ("torpor.statemachine", "torpor.statemachine.machine.*"),
     ),
     (
         "mechanism and subscribers",
@@ -97,6 +63,13 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
 )
 
+#: Inside a package, its parts (subpackages or modules), lowest first: a part imports only
+#: from itself or a part before it; the package's own ``__init__`` is its facade, above all.
+SUBPACKAGES: dict[str, tuple[str, ...]] = {
+    "torpor.statemachine": ("core", "projection", "log", "machine"),
+    "torpor.allocator": ("errors", "native", "host", "sleepwake", "keep", "torchside", "tagged"),
+}
+
 #: Function-level imports of torpor modules allowed, with the reason (module, imported) -> why.
 #: Function-level imports of optional third-party packages (torch, cuda-bindings, ...) are allowed.
 LATE_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {
@@ -106,7 +79,7 @@ LATE_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {
         "torpor.hooks.distributed does not import the backend (test_no_import_cycles counts this edge)."
     ),
     ("torpor", "torpor.hooks.distributed"): (
-        "the package hands the torch group adapter down to torpor.statemachine.group (adapt_groups); "
+        "the package hands the torch group adapter down to torpor.statemachine.machine.group (adapt_groups); "
         "torpor.hooks.distributed imports torch.distributed at module level, so it is loaded only when "
         "a controller is given a torch process group."
     ),
@@ -281,6 +254,30 @@ def layer_violations() -> list[str]:
     return out
 
 
+def _part(module: str, package: str) -> str | None:
+    """The part of ``package`` that ``module`` is in (None: outside it, or the package's facade)."""
+    if not module.startswith(package + "."):
+        return None
+    return module[len(package) + 1 :].split(".", maxsplit=1)[0]
+
+
+def subpackage_violations() -> list[str]:
+    """Imports from a later part of the same package (SUBPACKAGES), as 'file:line module imports target'."""
+    out = []
+    for imp in all_imports():
+        for package, parts in SUBPACKAGES.items():
+            mine, theirs = _part(imp.module, package), _part(imp.target, package)
+            if imp.target == package and mine is not None:  # a part importing its package's facade
+                out.append(f"{imp.where}: {imp.module} ({mine}) imports the facade {package}")
+            if mine is None or theirs is None:
+                continue
+            if mine not in parts or theirs not in parts:
+                out.append(f"{imp.where}: {imp.module} or {imp.target} is in no part of SUBPACKAGES[{package!r}]")
+            elif parts.index(theirs) > parts.index(mine):
+                out.append(f"{imp.where}: {imp.module} ({mine}) imports {imp.target} ({theirs})")
+    return list(dict.fromkeys(out))
+
+
 def late_imports() -> list[str]:
     """Function-level imports of torpor modules not listed in LATE_IMPORT_EXCEPTIONS."""
     found = [
@@ -377,6 +374,23 @@ def test_imports_go_down_the_layers() -> None:
     assert not offenders, "imports against the layer direction:\n" + "\n".join(offenders)
 
 
+def test_parts_of_a_package_import_down_its_list() -> None:
+    """Inside statemachine and allocator, a part imports only itself or an earlier part (TYPE_CHECKING too)."""
+    offenders = subpackage_violations()
+    assert not offenders, "imports against SUBPACKAGES:\n" + "\n".join(offenders)
+
+
+def test_every_module_of_a_layered_package_is_in_a_part() -> None:
+    """Each module of statemachine and allocator lies in one of its package's named parts."""
+    stray = [
+        m
+        for m in modules()
+        for package, parts in SUBPACKAGES.items()
+        if (part := _part(m, package)) is not None and part not in parts
+    ]
+    assert not stray, f"modules in no part of SUBPACKAGES: {stray}"
+
+
 def test_no_import_cycles() -> None:
     """No two torpor modules import each other, directly or through others, TYPE_CHECKING and importlib included."""
     found = cycles()
@@ -430,14 +444,14 @@ def test_allocator_imports_no_controller_telemetry_or_hooks() -> None:
 
 def test_the_contract_catches_an_upward_import(tmp_path: Path) -> None:
     """A core module importing the controller is named with its file and line."""
-    path = PACKAGE / "statemachine" / "events.py"
-    fake = imports("torpor.statemachine.events", path, modules())
+    path = PACKAGE / "statemachine" / "core" / "events.py"
+    fake = imports("torpor.statemachine.core.events", path, modules())
     assert all(layer_of(i.target) == 0 for i in fake if _torpor(i.target))
     source = tmp_path / "probe.py"
-    source.write_text("import os\n\ndef f():\n    from torpor.statemachine import controller\n")
-    found = imports("torpor.statemachine.events", source, modules())
+    source.write_text("import os\n\ndef f():\n    from torpor.statemachine.machine import controller\n")
+    found = imports("torpor.statemachine.core.events", source, modules())
     (late,) = [i for i in found if _torpor(i.target)]
-    assert late.late and late.target == "torpor.statemachine.controller" and late.where.endswith("probe.py:4")
+    assert late.late and late.target == "torpor.statemachine.machine.controller" and late.where.endswith("probe.py:4")
     assert layer_of(late.target) > layer_of(late.module)
 
 
@@ -446,12 +460,12 @@ def test_the_contract_counts_type_checking_and_importlib_edges(tmp_path: Path) -
     source = tmp_path / "probe.py"
     source.write_text(
         "import importlib\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
-        "    from torpor.statemachine import controller\n\n"
+        "    from torpor.statemachine.machine import controller\n\n"
         "def f():\n    return importlib.import_module('torpor.hooks.distributed')\n"
     )
-    found = [i for i in imports("torpor.statemachine.group", source, modules()) if _torpor(i.target)]
+    found = [i for i in imports("torpor.statemachine.machine.group", source, modules()) if _torpor(i.target)]
     typing_edge, dynamic = found
-    assert typing_edge.typing_only and typing_edge.target == "torpor.statemachine.controller"
+    assert typing_edge.typing_only and typing_edge.target == "torpor.statemachine.machine.controller"
     assert dynamic.late and dynamic.target == "torpor.hooks.distributed" and dynamic.where.endswith("probe.py:8")
     assert layer_of(dynamic.target) > layer_of(dynamic.module)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torpor.bench import Result, markdown
 from torpor.bench.host import HOST_MODES, host_markdown
-from torpor.statemachine.policy import AfterWake, HostMemoryPolicy, PinWhen
+from torpor.statemachine.core.policy import AfterWake, HostMemoryPolicy, PinWhen
 
 GiB = 1 << 30
 

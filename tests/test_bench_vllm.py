@@ -90,7 +90,7 @@ def test_table_shows_torpor_tags_and_one_profile_per_backend() -> None:
 def test_torpor_phases_reads_sleeps_and_wakes_with_per_tag_seconds(tmp_path: Path) -> None:
     """A controller's log on the simulated device gives one phase per sleep and wake, with each tag's steps."""
     from torpor.allocator import SimDriver, TaggedAllocator
-    from torpor.statemachine.controller import SleepController
+    from torpor.statemachine.machine.controller import SleepController
 
     MiB = 1 << 20
     memory = TaggedAllocator(SimDriver(capacity=64 * MiB))

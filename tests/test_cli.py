@@ -74,7 +74,7 @@ def _huge_wall_log(tmp_path: Path) -> Path:
     """A log whose last line is checksummed and well formed but says wall=1e20 (no platform date)."""
     from dataclasses import replace
 
-    from torpor.statemachine.codec import encode_line
+    from torpor.statemachine.log.codec import encode_line
 
     path = _log(tmp_path)
     events = list(read_events(path))

@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.codec: the log's on-disk form, read and written in one place."""
+"""Tests for torpor.statemachine.log.codec: the log's on-disk form, read and written in one place."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from torpor.errors import LogCorrupted
-from torpor.statemachine import codec
-from torpor.statemachine.codec import decode_line, decode_lines, encode_line
-from torpor.statemachine.events import PAYLOADS, Event, EventKind, make_event, thaw
-from torpor.statemachine.projection import Projection
+from torpor.statemachine.core.events import PAYLOADS, Event, EventKind, make_event, thaw
+from torpor.statemachine.log import codec
+from torpor.statemachine.log.codec import decode_line, decode_lines, encode_line
+from torpor.statemachine.projection.view import Projection
 
 #: One line of each kind a controller writes, as torpor 39a9702 (before the typed payloads) wrote them.
 OLD_LOG = Path(__file__).parent / "data" / "main-39a9702.jsonl"
@@ -100,7 +100,7 @@ _ODD_VALUES: tuple[object, ...] = (
 
 def _valid_payload(kind: EventKind) -> dict[str, object]:
     """A payload of ``kind`` the reference check accepts, built from values of the list above."""
-    from torpor.statemachine.payload import _CHECKS
+    from torpor.statemachine.log.checks import _CHECKS
 
     out: dict[str, object] = {}
     for name, check in _CHECKS[kind].items():
@@ -114,7 +114,7 @@ def _valid_payload(kind: EventKind) -> dict[str, object]:
 
 def test_the_fast_check_agrees_with_payload_problem_on_every_field() -> None:
     """The codec's per-kind fast check accepts a payload exactly when payload_problem finds nothing."""
-    from torpor.statemachine.payload import payload_problem
+    from torpor.statemachine.log.checks import payload_problem
 
     compared = 0
     for name, (kind, required, rules) in codec._FAST.items():

@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.controller: guarded commands, two-phase sleep, rollback, subscribers."""
+"""Tests for torpor.statemachine.machine.controller: guarded commands, two-phase sleep, rollback, subscribers."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from torpor.errors import (
     PoolBusy,
     UnknownTag,
 )
-from torpor.statemachine.events import EventKind
-from torpor.statemachine.logwriter import EventLog
+from torpor.statemachine.core.events import EventKind
+from torpor.statemachine.log.writer import EventLog
 from torpor.testing import FakeMemory, capture_events
 
 SIZES = {"weights": 2**30, "kv_cache": 2**31, "cudagraph": 2**26, "runtime": 2**20}

@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.events: immutability and the log form."""
+"""Tests for torpor.statemachine.core.events: immutability and the log form."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Annotated, Any, get_args, get_origin
 import pytest
 
 from torpor.errors import LogCorrupted
-from torpor.statemachine.codec import decode_line, decode_lines, encode_line
-from torpor.statemachine.events import PAYLOADS, SCHEMA_VERSION, Event, EventKind, make_event
-from torpor.statemachine.fields import REQUIRED
+from torpor.statemachine.core.events import PAYLOADS, SCHEMA_VERSION, Event, EventKind, make_event
+from torpor.statemachine.core.fields import REQUIRED
+from torpor.statemachine.log.codec import decode_line, decode_lines, encode_line
 
 
 def test_event_is_frozen() -> None:

@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.fanout: one subscriber fan-out, a failing subscriber isolated."""
+"""Tests for torpor.statemachine.log.fanout: one subscriber fan-out, a failing subscriber isolated."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from torpor.statemachine.events import Event, EventKind, make_event
-from torpor.statemachine.fanout import Fanout
+from torpor.statemachine.core.events import Event, EventKind, make_event
+from torpor.statemachine.log.fanout import Fanout
 
 log = logging.getLogger("torpor.test.fanout")
 Callback = Callable[[Event], object]

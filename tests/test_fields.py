@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.fields: the payload base class, typed fields over a read-only mapping."""
+"""Tests for torpor.statemachine.core.fields: the payload base class, typed fields over a read-only mapping."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import MappingProxyType
 
 import pytest
 
-from torpor.statemachine.events import PAYLOADS, EventKind, TagReleased, TagRestored, make_event
-from torpor.statemachine.fields import REQUIRED, Payload, freeze, thaw
+from torpor.statemachine.core.events import PAYLOADS, EventKind, TagReleased, TagRestored, make_event
+from torpor.statemachine.core.fields import REQUIRED, Payload, freeze, thaw
 
 
 def test_fields_are_typed_attributes_with_defaults() -> None:

@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.framing: a log file's bytes framed into lines a window at a time."""
+"""Tests for torpor.statemachine.log.framing: a log file's bytes framed into lines a window at a time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from torpor.errors import LogCorrupted
-from torpor.statemachine import framing
+from torpor.statemachine.log import framing
 
 
 def test_lines_come_in_windows_and_the_torn_end_is_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,8 +16,8 @@ from torpor.commands.status import render
 from torpor.errors import CommandInFlight, GroupFailed
 from torpor.hooks import fleet
 from torpor.statemachine import EventKind, SleepController, State, replay
-from torpor.statemachine.group import DEFAULT_TIMEOUT, UNHEARD, VOTE_BYTES, Vote, as_agreement, decide
-from torpor.statemachine.localgroup import LocalGroup
+from torpor.statemachine.machine.group import DEFAULT_TIMEOUT, UNHEARD, VOTE_BYTES, Vote, as_agreement, decide
+from torpor.statemachine.machine.localgroup import LocalGroup
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 100, "kv_cache": 50, "cudagraph": 10, "runtime": 5}
@@ -235,7 +235,7 @@ def test_as_agreement_takes_agreements_and_refuses_other_objects() -> None:
 
 def test_the_group_module_imports_no_torch() -> None:
     """torpor.statemachine (the group protocol included) imports without torch."""
-    code = "import sys, torpor.statemachine.group, torpor.statemachine; print('torch' in sys.modules)"
+    code = "import sys, torpor.statemachine.machine.group, torpor.statemachine; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -363,7 +363,7 @@ def test_invalid_group_timeouts_are_refused_at_configuration(bad: float) -> None
 
 def test_a_timeout_from_the_environment_is_checked_and_named() -> None:
     """parse_timeout() names the variable it read when its value is not a usable number of seconds."""
-    from torpor.statemachine.group import parse_timeout
+    from torpor.statemachine.machine.group import parse_timeout
 
     assert parse_timeout("2.5", "TORPOR_GROUP_TIMEOUT") == 2.5
     assert parse_timeout(None, "TORPOR_GROUP_TIMEOUT") == DEFAULT_TIMEOUT

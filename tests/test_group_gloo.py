@@ -447,7 +447,7 @@ def _stale_store(world: int) -> Any:
     store = dist.TCPStore(
         "127.0.0.1", free_port(), world, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )
-    from torpor.statemachine.group import Vote
+    from torpor.statemachine.machine.group import Vote
 
     store.add("torpor/tp/builds", 1)
     store.set("torpor/tp/0/5/list", "[]")

@@ -22,7 +22,7 @@ from vllm.v1.executor.abstract import Executor  # noqa: E402
 from torpor.errors import GroupFailed  # noqa: E402
 from torpor.hooks.vllm import backend  # noqa: E402
 from torpor.statemachine import SleepController, State  # noqa: E402
-from torpor.statemachine.localgroup import LocalGroup  # noqa: E402
+from torpor.statemachine.machine.localgroup import LocalGroup  # noqa: E402
 from torpor.testing import FakeMemory  # noqa: E402
 
 TAGS = {"weights": 100, "kv_cache": 50, "cudagraph": 10}

@@ -13,7 +13,7 @@ import pytest
 from torpor.hooks import FleetError, FleetView, fleet, wait_fleet, wait_fleet_async
 from torpor.hooks.fleet import project_rank
 from torpor.statemachine import EventKind, EventLog, SleepController, log_path_for, replay
-from torpor.statemachine.log import read_events_file
+from torpor.statemachine.log.reader import read_events_file
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 1 << 30, "kv_cache": 2 << 30}

@@ -10,11 +10,11 @@ import pytest
 from torpor import HostBudgetExceeded, SleepController, State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import TorporError
-from torpor.statemachine.events import EventKind
-from torpor.statemachine.hostmem import budget_refusal, device_report
-from torpor.statemachine.log import read_events, replay
-from torpor.statemachine.policy import Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
-from torpor.statemachine.projection import Projection
+from torpor.statemachine.core.events import EventKind
+from torpor.statemachine.core.policy import Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
+from torpor.statemachine.log.reader import read_events, replay
+from torpor.statemachine.machine.hostmem import budget_refusal, device_report
+from torpor.statemachine.projection.view import Projection
 from torpor.testing import FakeMemory
 
 G = 64 * 1024
@@ -220,7 +220,7 @@ def test_cold_first_sleep_on_the_gpu_is_bit_exact_with_and_without_huge_pages(mo
     """A first sleep with nothing pinned (staged, pinned after) wakes bit-exact; also with no huge pages nor MADV_POPULATE_WRITE."""
     import torch
 
-    from torpor.allocator import cuda_driver
+    from torpor.allocator.native import cuda_driver
 
     for fallback in (False, True):
         if fallback:  # as on a kernel without THP and before 5.14: 4 KiB pages, faulted in by writing zeros

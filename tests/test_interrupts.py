@@ -8,7 +8,7 @@ from types import FrameType
 
 import pytest
 
-from torpor.statemachine.interrupts import UNINTERRUPTED
+from torpor.statemachine.log.interrupts import UNINTERRUPTED
 
 
 def test_a_sigint_inside_the_block_is_raised_when_it_ends() -> None:

@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.log: checksums, durability, torn lines, corruption, rotation, permissions."""
+"""Tests for torpor.statemachine.log.reader: checksums, durability, torn lines, corruption, rotation, permissions."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import torpor.statemachine.codec as codec_module
-import torpor.statemachine.log as log_module
+import torpor.statemachine.log.codec as codec_module
+import torpor.statemachine.log.reader as log_module
 from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
-from torpor.statemachine.events import Event, EventKind, make_event
-from torpor.statemachine.log import decode_line, encode_line, read_events, read_events_file, segments
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.projection import Projection
+from torpor.statemachine.core.events import Event, EventKind, make_event
+from torpor.statemachine.log.reader import decode_line, encode_line, read_events, read_events_file, segments
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.projection.view import Projection
 
 _EMPTY_PROJECTION = Projection().to_dict()  # what a snapshot of a fresh rank holds
 

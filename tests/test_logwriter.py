@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.logwriter: what a rotation reads of the active file; the writer and forked children."""
+"""Tests for torpor.statemachine.log.writer: what a rotation reads of the active file; the writer and forked children."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 
 from torpor.errors import LogWriteFailed
-from torpor.statemachine import tail
-from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.log import read_events, segments
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.projection import Projection
+from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.log.reader import read_events, segments, tail
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.projection.view import Projection
 
 
 def test_a_rotation_reads_only_the_first_line_of_the_active_file(
@@ -44,7 +43,7 @@ def test_a_rotation_reads_only_the_first_line_of_the_active_file(
 
 _FORKING_ENGINE = """
 import multiprocessing, sys, time
-from torpor.statemachine.controller import SleepController
+from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 ctrl = SleepController(FakeMemory({"weights": 4096}), sys.argv[1])
 helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=False)

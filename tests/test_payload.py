@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.payload: every event kind has a payload rule readers apply."""
+"""Tests for torpor.statemachine.log.checks: every event kind has a payload rule readers apply."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from torpor import SleepController, TorporError
-from torpor.statemachine import payload
-from torpor.statemachine.events import PAYLOADS, Event, EventKind
-from torpor.statemachine.log import read_events
+from torpor.statemachine.core.events import PAYLOADS, Event, EventKind
+from torpor.statemachine.log import checks as payload
+from torpor.statemachine.log.reader import read_events
 from torpor.testing import FakeMemory
 
 

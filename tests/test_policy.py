@@ -1,11 +1,11 @@
-"""Tests for torpor.statemachine.policy: the default plan and the wake set."""
+"""Tests for torpor.statemachine.core.policy: the default plan and the wake set."""
 
 from __future__ import annotations
 
 import pytest
 
 from torpor.errors import InvalidLevel
-from torpor.statemachine.policy import (
+from torpor.statemachine.core.policy import (
     DEFAULT_POLICY,
     Action,
     AfterWake,
@@ -110,7 +110,7 @@ def test_tags_discarded_at_every_level_are_never_backed_up() -> None:
 
 def test_the_tag_vocabulary_is_the_policy_s() -> None:
     """The named tags are the strings the default policy and the deferrable set use."""
-    from torpor.statemachine import policy
+    from torpor.statemachine.core import policy
 
     named = [policy.WEIGHTS, policy.KV_CACHE, policy.CUDAGRAPH, policy.RUNTIME, policy.WORKSPACE]
     assert named == TAGS and policy.DEFAULT_TAG == "default"

@@ -1,12 +1,12 @@
-"""Tests for torpor.statemachine.projection: the fold, snapshots and replay."""
+"""Tests for torpor.statemachine.projection.view: the fold, snapshots and replay."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from torpor import SleepController, State, replay
-from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.projection import Projection, follow_on, project
+from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.projection.view import Projection, follow_on, project
 from torpor.testing import FakeMemory
 
 SIZES = {"weights": 100, "kv_cache": 200, "cudagraph": 10}
@@ -68,7 +68,7 @@ def test_transitions_counted() -> None:
 
 def test_every_kind_has_a_step_and_no_state_kinds_change_nothing_else() -> None:
     """Each event kind folds without error; a no-state kind changes only the last-event fields."""
-    from torpor.statemachine.projection import _NO_STATE, _STEPS
+    from torpor.statemachine.projection.view import _NO_STATE, _STEPS
 
     assert set(_STEPS) == set(EventKind)
     ctl = SleepController(FakeMemory(SIZES))

@@ -25,11 +25,11 @@ from torpor.errors import (
     UnknownTag,
     UnsafeLogPath,
 )
-from torpor.statemachine.controller import SleepController
-from torpor.statemachine.events import SCHEMA_VERSION, EventKind
-from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_line, read_events, replay
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.states import State
+from torpor.statemachine.core.events import SCHEMA_VERSION, EventKind
+from torpor.statemachine.core.states import State
+from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_line, read_events, replay
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024}

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 
 from torpor.errors import TorporError
-from torpor.statemachine.controller import SleepController, _clip
-from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.log import read_events, replay
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.protocol import Transfer
-from torpor.statemachine.states import State
+from torpor.statemachine.core.events import Event, EventKind
+from torpor.statemachine.core.protocol import Transfer
+from torpor.statemachine.core.states import State
+from torpor.statemachine.log.reader import read_events, replay
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.machine.controller import SleepController, _clip
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024, "workspace": 512, "cudagraph": 0}

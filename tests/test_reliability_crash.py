@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from torpor.errors import NotRecovered
-from torpor.statemachine.controller import SleepController
-from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.log import read_events, replay, segments
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.projection import Projection
-from torpor.statemachine.protocol import Transfer
-from torpor.statemachine.states import TRANSITIONAL, State
+from torpor.statemachine.core.events import Event, EventKind
+from torpor.statemachine.core.protocol import Transfer
+from torpor.statemachine.core.states import TRANSITIONAL, State
+from torpor.statemachine.log.reader import read_events, replay, segments
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.machine.controller import SleepController
+from torpor.statemachine.projection.view import Projection
 from torpor.testing import FakeMemory
 
 WORKER = Path(__file__).with_name("crash_worker.py")

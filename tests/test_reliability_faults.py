@@ -21,13 +21,13 @@ from typing import Any, NamedTuple, Protocol
 import pytest
 
 from torpor.errors import NotRecovered, OutOfMemory, TorporError
-from torpor.statemachine.controller import SleepController
-from torpor.statemachine.events import EventKind
-from torpor.statemachine.log import replay
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.policy import DEFAULT_POLICY, Action
-from torpor.statemachine.protocol import Memory, Transfer
-from torpor.statemachine.states import State
+from torpor.statemachine.core.events import EventKind
+from torpor.statemachine.core.policy import DEFAULT_POLICY, Action
+from torpor.statemachine.core.protocol import Memory, Transfer
+from torpor.statemachine.core.states import State
+from torpor.statemachine.log.reader import replay
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 
 MiB = 1 << 20
@@ -128,7 +128,7 @@ class SimRig:
         self, seed: int = 0, *, prepin: bool = True, host_capacity: int = 64 * MiB, group_bytes: int = 64 * MiB
     ) -> None:
         from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
-        from torpor.statemachine.policy import DEFAULT_POLICY
+        from torpor.statemachine.core.policy import DEFAULT_POLICY
 
         # host addresses given back are reused, as mmap after munmap may (a failed pin must not mix backups)
         self.driver = SimDriver(

@@ -43,11 +43,11 @@ from torpor.errors import (
     NotRecovered,
     TorporError,
 )
-from torpor.statemachine.controller import SleepController
-from torpor.statemachine.events import EventKind
-from torpor.statemachine.log import replay
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.states import TRANSITIONAL, State
+from torpor.statemachine.core.events import EventKind
+from torpor.statemachine.core.states import TRANSITIONAL, State
+from torpor.statemachine.log.reader import replay
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024}
@@ -266,7 +266,7 @@ def test_not_recovered_names_the_log_failure(tmp_path: Path) -> None:
 
 def replay_events(path: Path) -> list[Any]:
     """Every event of the log at ``path``."""
-    from torpor.statemachine.log import read_events
+    from torpor.statemachine.log.reader import read_events
 
     return list(read_events(path))
 

@@ -25,10 +25,10 @@ from torpor.cli import main
 from torpor.errors import LogCorrupted
 from torpor.hooks.follow import Follower, follow
 from torpor.statemachine import SleepController, replay
-from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.log import encode_line, read_events, segments
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.projection import Projection
+from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.log.reader import encode_line, read_events, segments
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.projection.view import Projection
 from torpor.telemetry import serve
 from torpor.telemetry.replay import LogSource
 from torpor.testing import FakeMemory
@@ -116,7 +116,7 @@ def test_a_rotation_between_listing_and_reading_is_seen(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, new_file: str
 ) -> None:
     """The active file renamed just before the reader opens it (new file empty, or opened by its snapshot): no event is lost."""
-    import torpor.statemachine.tail as tail_module
+    import torpor.statemachine.log.tail as tail_module
 
     path = tmp_path / "r.jsonl"
     proj = Projection()

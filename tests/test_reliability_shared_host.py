@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 
 from torpor.errors import EventTooLarge, LogLocked, LogWriteFailed, NotAnEventLog, UnsafeLogPath
-from torpor.statemachine import log as log_module
-from torpor.statemachine.controller import SleepController
-from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.log import read_events, replay, segments
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.projection import MAX_GRAPH_SITES
-from torpor.statemachine.states import State
+from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.core.states import State
+from torpor.statemachine.log import reader as log_module
+from torpor.statemachine.log.reader import read_events, replay, segments
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.machine.controller import SleepController
+from torpor.statemachine.projection.view import MAX_GRAPH_SITES
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024, "cudagraph": 2048}
@@ -175,9 +175,9 @@ def _is_log(fd: int) -> bool:
 
 FULL_DISK = """
 import json, os, resource, signal, sys
-from torpor.statemachine.controller import SleepController
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.states import State
+from torpor.statemachine.machine.controller import SleepController
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.core.states import State
 from torpor.testing import FakeMemory
 
 path, room = sys.argv[1], int(sys.argv[2])
@@ -309,7 +309,7 @@ def test_snapshots_stay_bounded_over_thousands_of_captures(tmp_path: Path) -> No
 
 HOLDER = """
 import sys
-from torpor.statemachine.controller import SleepController
+from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 
 ctrl = SleepController(FakeMemory({"weights": 4096}), log=sys.argv[1], fsync=False)

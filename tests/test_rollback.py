@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.rollback: progress records, each compensation's events, and a discard that fails."""
+"""Tests for torpor.statemachine.machine.rollback: progress records, each compensation's events, and a discard that fails."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 
 from torpor import SleepController, State
 from torpor.errors import MemoryOperationFailed, NotRecovered, TorporError
-from torpor.statemachine.events import EventKind
-from torpor.statemachine.policy import Action
-from torpor.statemachine.protocol import Transfer
-from torpor.statemachine.rollback import SleepProgress, discard_failed
+from torpor.statemachine.core.events import EventKind
+from torpor.statemachine.core.policy import Action
+from torpor.statemachine.core.protocol import Transfer
+from torpor.statemachine.machine.rollback import SleepProgress, discard_failed
 from torpor.testing import FakeMemory
 
 SIZES = {"weights": 4096, "kv_cache": 8192, "cudagraph": 1024, "runtime": 512}

@@ -28,7 +28,7 @@ import torch
 
 from torpor import SleepController, State
 from torpor.allocator import TaggedAllocator
-from torpor.statemachine.log import replay
+from torpor.statemachine.log.reader import replay
 
 pytestmark = pytest.mark.gpu
 

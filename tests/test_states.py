@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.states: the table, the guard built from it, its conditions and the committed diagram."""
+"""Tests for torpor.statemachine.core.states: the table, the guard built from it, its conditions and the committed diagram."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from support import off_table_moves
 
 from torpor import SleepController
 from torpor.errors import InvalidTransition, NotRecovered, PoolBusy, TorporError
-from torpor.statemachine import states
-from torpor.statemachine.events import EventKind, make_event
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.states import (
+from torpor.statemachine.core import states
+from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.core.states import (
     COMMANDS,
     GUARD,
     TRANSITIONAL,
@@ -26,6 +25,7 @@ from torpor.statemachine.states import (
     diagram_markdown,
     mermaid,
 )
+from torpor.statemachine.log.writer import EventLog
 from torpor.testing import FakeMemory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.tail: the one tailer under every log reader, in the cases production meets."""
+"""Tests for torpor.statemachine.log.tail: the one tailer under every log reader, in the cases production meets."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 
 from torpor.errors import LogCorrupted
 from torpor.hooks.follow import Follower, follow
-from torpor.statemachine.events import Event, EventKind, make_event
-from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_lines, encode_line, read_events
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.projection import Projection
-from torpor.statemachine.tail import Tail, rotated, segments
+from torpor.statemachine.core.events import Event, EventKind, make_event
+from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_lines, encode_line, read_events
+from torpor.statemachine.log.tail import Tail, rotated, segments
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.projection.view import Projection
 from torpor.telemetry.replay import LogSource
 
 
@@ -224,7 +224,7 @@ def test_resume_after_every_sequence_number_across_segments(tmp_path: Path) -> N
 
 def test_resume_inside_a_segment_reads_no_older_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Resuming after N opens only the segment holding N+1 and those after it, not the older ones."""
-    import torpor.statemachine.tail as tail_module
+    import torpor.statemachine.log.tail as tail_module
 
     path = tmp_path / "r.jsonl"
     writer = Writer(path, max_bytes=700)
@@ -362,7 +362,7 @@ def test_segments_never_comes_back_empty_while_a_rotation_renames_the_active_fil
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rotation renaming the active file while segments() looks still leaves it a file (no 'no event log')."""
-    from torpor.statemachine import tail
+    from torpor.statemachine.log import tail
 
     path = tmp_path / "e.jsonl"
     path.write_bytes(b"")

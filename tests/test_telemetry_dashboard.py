@@ -19,8 +19,8 @@ from support import real_prometheus
 from torpor import SleepController
 from torpor.cli import main
 from torpor.errors import TorporError
-from torpor.statemachine.events import EventKind
-from torpor.statemachine.protocol import Transfer
+from torpor.statemachine.core.events import EventKind
+from torpor.statemachine.core.protocol import Transfer
 from torpor.telemetry import METRICS, Server, serve
 from torpor.telemetry.dashboard import STATE_CODES, dashboard, render_dashboard
 from torpor.telemetry.plot import STATE_COLOURS

@@ -8,7 +8,7 @@ import pytest
 
 from torpor import SleepController, State
 from torpor.cli import main
-from torpor.statemachine.log import read_events
+from torpor.statemachine.log.reader import read_events
 from torpor.telemetry.plot import STATE_COLOURS, plot, timeline
 from torpor.telemetry.replay import resolve_log
 from torpor.testing import FakeMemory
@@ -96,7 +96,7 @@ def test_a_wall_time_that_is_no_date_fails_in_one_line_and_draws_nothing(
     pytest.importorskip("matplotlib")
     from dataclasses import replace
 
-    from torpor.statemachine.codec import encode_line
+    from torpor.statemachine.log.codec import encode_line
 
     log = make_log(tmp_path)
     last = list(read_events(log))[-1]

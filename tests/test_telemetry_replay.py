@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from torpor import EventLog, SleepController, replay
-from torpor.statemachine.log import segments
+from torpor.statemachine.log.reader import segments
 from torpor.telemetry import serve
 from torpor.telemetry.replay import LogSource, resolve_log
 from torpor.testing import FakeMemory

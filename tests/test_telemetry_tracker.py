@@ -8,7 +8,7 @@ import pytest
 
 from torpor import EventKind, SleepController, State
 from torpor.errors import InvalidTransition
-from torpor.statemachine.events import make_event
+from torpor.statemachine.core.events import make_event
 from torpor.telemetry.tracker import HOST_TO_DEVICE, Observation, Tracker, interpret, woken_label
 from torpor.testing import FakeMemory
 

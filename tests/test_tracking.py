@@ -1,4 +1,4 @@
-"""Tests of torpor.statemachine.tracking: the controller's track entry point and its refusals."""
+"""Tests of torpor.statemachine.machine.tracking: the controller's track entry point and its refusals."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from torpor import SleepController, TrackRefused
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
-from torpor.allocator.keeprange import KeptRange
+from torpor.allocator.keep.ranges import KeptRange
 from torpor.testing import FakeMemory
 
 

@@ -147,7 +147,7 @@ def test_routes_are_read_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 
 def count_decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one for every log line decoded from now on (counted at the codec's fast check)."""
-    import torpor.statemachine.codec as codec_module
+    import torpor.statemachine.log.codec as codec_module
 
     decoded: list[int] = []
     check = codec_module._payload_ok
@@ -199,8 +199,8 @@ def test_state_reads_only_what_was_appended(monkeypatch: pytest.MonkeyPatch, tmp
 
 def test_state_names_a_bad_line_and_heals_when_it_is_repaired(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A rank log that grows a bad line is unreadable (naming file and line) until the line is repaired in place."""
-    from torpor.statemachine.events import EventKind, make_event
-    from torpor.statemachine.log import encode_line
+    from torpor.statemachine.core.events import EventKind, make_event
+    from torpor.statemachine.log.reader import encode_line
 
     (controller,) = ranks(tmp_path, 1)
     client = TestClient(vllm_app(monkeypatch, tmp_path))

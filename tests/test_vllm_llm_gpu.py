@@ -29,7 +29,7 @@ def test_llm_sleep_wake_rl_order_and_level2_with_graph_offload(tmp_path: Path, m
 
     from torpor.hooks.fleet import fleet
     from torpor.statemachine import read_events
-    from torpor.statemachine.events import EventKind
+    from torpor.statemachine.core.events import EventKind
 
     log_dir = tmp_path / "logs"
     monkeypatch.setenv("TORPOR_LOG_DIR", str(log_dir))

@@ -49,7 +49,7 @@ from torpor.statemachine import (
 )
 
 # The payload class of each event kind (``event.data``): what subscribers match on.
-from torpor.statemachine.events import (
+from torpor.statemachine.core.events import (
     PAYLOADS,
     Closed,
     CommandRepeated,
@@ -77,7 +77,7 @@ from torpor.statemachine.events import (
     WakeFailed,
     WakeRequested,
 )
-from torpor.statemachine.group import Agreement, adapt_groups
+from torpor.statemachine.machine.group import Agreement, adapt_groups
 
 #: Names of the other subpackages, importable from ``torpor`` and loaded on first use, so that
 #: ``import torpor`` stays light (no torch, no Prometheus registry touched).
@@ -95,8 +95,8 @@ _LAZY = {
     "follow": "torpor.hooks",
     "fleet": "torpor.hooks",
     "Client": "torpor.client",
-    "TrackRefused": "torpor.statemachine.tracking",
-    "NotReloaded": "torpor.allocator.tracking",
+    "TrackRefused": "torpor.statemachine.machine.tracking",
+    "NotReloaded": "torpor.allocator.keep.tracker",
 }
 
 
@@ -115,7 +115,7 @@ def __getattr__(name: str) -> object:
 def _torch_group(group: object) -> Agreement | None:
     """A ``torch.distributed`` process group as ``torpor.hooks.distributed.TorchGroup`` (None: not a torch object).
 
-    Handed down to :func:`torpor.statemachine.group.as_agreement` when torpor loads, so
+    Handed down to :func:`torpor.statemachine.machine.group.as_agreement` when torpor loads, so
     ``SleepController(group=...)`` takes a torch group while the state machine imports no
     hooks; torpor.hooks.distributed imports torch, so it is loaded only for a torch group.
     """

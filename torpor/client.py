@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from torpor.errors import EndpointError, StateTimeout
-from torpor.statemachine.events import Event
-from torpor.statemachine.states import ASLEEP, State
+from torpor.statemachine.core.events import Event
+from torpor.statemachine.core.states import ASLEEP, State
 
 logger = logging.getLogger("torpor.client")
 

@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from torpor.errors import MemoryOperationFailed, PoolBusy
-from torpor.statemachine.controller import SleepController
-from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.policy import CUDAGRAPH
-from torpor.statemachine.protocol import TagUsage, Transfer
+from torpor.statemachine.core.events import Event, EventKind
+from torpor.statemachine.core.policy import CUDAGRAPH
+from torpor.statemachine.core.protocol import TagUsage, Transfer
+from torpor.statemachine.machine.controller import SleepController
 
 _tokens = itertools.count(1)
 

@@ -2,20 +2,20 @@
 
 ``TaggedAllocator(driver=None)`` (None: the CUDA driver) meets the memory
 protocol the :class:`~torpor.SleepController` drives; its allocation table and
-torch's malloc/free live in a small C library (:mod:`torpor.allocator.native`).
+torch's malloc/free live in a small C library (:mod:`torpor.allocator.native.library`).
 ``SimDriver`` is that library's simulated device on host memory, with fault
 injection. Importing this package touches neither CUDA, torch, nor the library.
 """
 
 from __future__ import annotations
 
-from torpor.allocator.cuda_driver import CudaDriver
-from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory, DriverError, DriverOutOfMemory
-from torpor.allocator.graphpool import CaptureHandle, CaptureObserver, CaptureObservers, GraphPool
-from torpor.allocator.offload import HostArena, HostPolicy
-from torpor.allocator.sim import SimCall, SimDriver
+from torpor.allocator.host.offload import HostArena, HostPolicy
+from torpor.allocator.native.cuda_driver import CudaDriver
+from torpor.allocator.native.driver import Driver
+from torpor.allocator.native.sim import SimCall, SimDriver
 from torpor.allocator.tagged import GRAPH_TAG, TaggedAllocator
+from torpor.allocator.torchside.graphpool import CaptureHandle, CaptureObserver, CaptureObservers, GraphPool
 
 __all__ = [
     "GRAPH_TAG",

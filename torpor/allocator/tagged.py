@@ -3,14 +3,14 @@
 Mechanism only: the controller decides which tags are backed up or discarded;
 this class does what it is told, all or nothing per call (backup, restore) or
 per tag (release), and rolls back its own mappings when a step fails. It meets
-``torpor.statemachine.protocol.GraphPoolMemory`` and runs unchanged on
-:class:`~torpor.allocator.cuda_driver.CudaDriver` and
-:class:`~torpor.allocator.sim.SimDriver`.
+``torpor.statemachine.core.protocol.GraphPoolMemory`` and runs unchanged on
+:class:`~torpor.allocator.native.cuda_driver.CudaDriver` and
+:class:`~torpor.allocator.native.sim.SimDriver`.
 
 The allocation table (allocations, mappings, address arenas, slabs, each tag's
-state) lives in the native library (:mod:`torpor.allocator.table`), which also
+state) lives in the native library (:mod:`torpor.allocator.native.table`), which also
 serves torch's malloc and free without the GIL. This class orchestrates sleep
-and wake over it (:mod:`torpor.allocator.sleepwake`): the copies and pinned
+and wake over it (:mod:`torpor.allocator.sleepwake.cycle`): the copies and pinned
 host memory are Python's (the driver's copy stream), the mappings the library's.
 
 The class is a facade over parts that each do one job: :class:`TagBook`
@@ -27,25 +27,25 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
-from torpor.allocator.callbacks import TorchPools
-from torpor.allocator.cuda_driver import CudaDriver
-from torpor.allocator.driver import Driver
 from torpor.allocator.errors import AllocatorError
-from torpor.allocator.graphpool import CaptureHandle, CaptureObserver, PoolId
-from torpor.allocator.graphstate import GraphPoolState
-from torpor.allocator.keep import Keeping
-from torpor.allocator.offload import HostArena, HostPolicy
-from torpor.allocator.sleepwake import TagState
-from torpor.allocator.staging import Stager
-from torpor.allocator.table import NativeTable
-from torpor.allocator.tagbook import TagBook
-from torpor.allocator.torchbinding import TorchBinding
-from torpor.statemachine.policy import CUDAGRAPH, DEFAULT_TAG
-from torpor.statemachine.protocol import DeviceMemory, TagUsage
+from torpor.allocator.host.offload import HostArena, HostPolicy
+from torpor.allocator.host.staging import Stager
+from torpor.allocator.keep.keeping import Keeping
+from torpor.allocator.native.cuda_driver import CudaDriver
+from torpor.allocator.native.driver import Driver
+from torpor.allocator.native.table import NativeTable
+from torpor.allocator.sleepwake.cycle import TagState
+from torpor.allocator.sleepwake.tagbook import TagBook
+from torpor.allocator.torchside.binding import TorchBinding
+from torpor.allocator.torchside.graphpool import CaptureHandle, CaptureObserver, PoolId
+from torpor.allocator.torchside.graphstate import GraphPoolState
+from torpor.allocator.torchside.pools import TorchPools
+from torpor.statemachine.core.policy import CUDAGRAPH, DEFAULT_TAG
+from torpor.statemachine.core.protocol import DeviceMemory, TagUsage
 
 logger = logging.getLogger("torpor.allocator")
 MiB = 1 << 20
-GRAPH_TAG = CUDAGRAPH  # the graph pool's tag (the name lives in torpor.statemachine.policy)
+GRAPH_TAG = CUDAGRAPH  # the graph pool's tag (the name lives in torpor.statemachine.core.policy)
 
 
 class SlabStats:
@@ -66,7 +66,7 @@ class SlabStats:
 class TaggedAllocator(Keeping):
     """Tagged device memory with sleep (backup, release) and wake (restore) per tag; see the module docstring.
 
-    ``driver``: None means :class:`~torpor.allocator.cuda_driver.CudaDriver`.
+    ``driver``: None means :class:`~torpor.allocator.native.cuda_driver.CudaDriver`.
     ``host``: the pinned-host policy. ``group_bytes``: bytes per pipelined
     copy group. ``piece_bytes``: the largest single mapping made on wake.
     ``slab_bytes``: the largest slab shared by one-granule allocations (at most
@@ -302,7 +302,7 @@ class TaggedAllocator(Keeping):
 
     def close(self) -> None:
         """Teardown: unmap what is mapped, free reservations and pinned memory (also while asleep)."""
-        self._close_kept()  # kept copies of discarded tags (torpor.allocator.keep)
+        self._close_kept()  # kept copies of discarded tags (torpor.allocator.keep.keeping)
         with self._lock:
             for record in self._tags.values():
                 self._settle(record)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from torpor.allocator.cuda_driver import transparent_huge_pages
+from torpor.allocator.native.cuda_driver import transparent_huge_pages
 from torpor.allocator.tagged import TaggedAllocator
 from torpor.bench.device import measure_floor
 from torpor.bench.host import HOST_MODES, measure_pageable

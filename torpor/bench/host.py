@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from torpor.statemachine.policy import AfterWake, HostMemoryPolicy, PinWhen
+from torpor.statemachine.core.policy import AfterWake, HostMemoryPolicy, PinWhen
 
 GiB = 1 << 30
 

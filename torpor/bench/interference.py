@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torpor.allocator.cuda_driver import CudaDriver
-from torpor.allocator.offload import HostArena, HostPolicy
+from torpor.allocator.host.offload import HostArena, HostPolicy
+from torpor.allocator.native.cuda_driver import CudaDriver
 from torpor.bench.result import GiB
 
 

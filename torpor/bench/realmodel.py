@@ -27,7 +27,7 @@ from torpor.bench.device import free_device, measure_floor, tensor_at
 from torpor.bench.report import row_line
 from torpor.bench.result import GiB, MiB, Result
 from torpor.bench.systems import VllmStyle, run_tms_raw, timed_sleep_wake
-from torpor.statemachine.controller import SleepController
+from torpor.statemachine.machine.controller import SleepController
 
 #: A Qwen3-1.7B shape: 28 layers, hidden 2048, tied embeddings (1.7 B parameters, 3.4 GB in bf16).
 DENSE: dict[str, Any] = {

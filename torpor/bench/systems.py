@@ -14,8 +14,8 @@ from typing import Any
 from torpor.allocator.tagged import TaggedAllocator
 from torpor.bench.device import fill, free_device, same
 from torpor.bench.result import MiB, Result
-from torpor.statemachine.controller import SleepController
-from torpor.statemachine.policy import HostMemoryPolicy, Policy
+from torpor.statemachine.core.policy import HostMemoryPolicy, Policy
+from torpor.statemachine.machine.controller import SleepController
 
 # -- torpor -------------------------------------------------------------------------------
 

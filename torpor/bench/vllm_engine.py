@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.statemachine import read_events
-from torpor.statemachine.events import EventKind
+from torpor.statemachine.core.events import EventKind
 
 PROMPTS = ["Hello, how are you today?", "The capital of France is", "def add(a, b):", "Once upon a time"]
 #: Full CUDA graphs of decode without torch.compile (a shorter start), as the vLLM kit's llm_smoke.py runs them.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from torpor.statemachine.states import diagram_markdown, mermaid
+from torpor.statemachine.core.states import diagram_markdown, mermaid
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

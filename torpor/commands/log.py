@@ -14,7 +14,7 @@ from torpor.commands.writer import writer_running
 from torpor.demo.report import fmt_bytes, fmt_seconds, table
 from torpor.hooks.follow import Follower
 from torpor.statemachine import Event, EventKind, Projection, read_events
-from torpor.statemachine.projection import project
+from torpor.statemachine.projection.view import project
 from torpor.telemetry.replay import resolve_log, wall_problem
 
 #: What a directory holding several logs asks of the user (the log commands take no --engine or --rank).

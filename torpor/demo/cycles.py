@@ -10,7 +10,7 @@ from torpor.demo.report import fmt_bytes, fmt_rate, fmt_seconds, table
 from torpor.demo.workload import DEMO_TAGS, Check, Workload
 from torpor.errors import InvalidTransition
 from torpor.statemachine import Event, SleepController
-from torpor.statemachine.events import SleepCompleted, TagReleased, TagRestored, WakeCompleted
+from torpor.statemachine.core.events import SleepCompleted, TagReleased, TagRestored, WakeCompleted
 
 
 @dataclass(frozen=True)

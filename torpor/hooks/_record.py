@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torpor.statemachine.events import Event, EventKind
+from torpor.statemachine.core.events import Event, EventKind
 
 if TYPE_CHECKING:
-    from torpor.statemachine.controller import SleepController
+    from torpor.statemachine.machine.controller import SleepController
 
 
 def record_decision(controller: SleepController | None, hook: str, active: bool, detail: str) -> Event | None:

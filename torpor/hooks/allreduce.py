@@ -16,7 +16,7 @@ from torpor.hooks._record import record_decision
 from torpor.hooks.predicate import CudagraphPoolDecision
 
 if TYPE_CHECKING:
-    from torpor.statemachine.controller import SleepController
+    from torpor.statemachine.machine.controller import SleepController
 
 
 def register_graph_buffers(decision: CudagraphPoolDecision, *, controller: SleepController | None = None) -> bool:

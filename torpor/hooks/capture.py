@@ -21,14 +21,14 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
-from torpor.allocator.graphpool import CaptureHandle, CaptureObserver, CaptureObservers
+from torpor.allocator.torchside.graphpool import CaptureHandle, CaptureObserver, CaptureObservers
 from torpor.errors import (
     CaptureRoutingError,
 )
 from torpor.hooks.predicate import CudagraphPoolDecision
 
 if TYPE_CHECKING:
-    from torpor.statemachine.controller import SleepController
+    from torpor.statemachine.machine.controller import SleepController
 
 logger = logging.getLogger("torpor.hooks")
 

@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from torpor.errors import GroupUnsupported
-from torpor.statemachine.group import UNHEARD, Vote
+from torpor.statemachine.machine.group import UNHEARD, Vote
 
 #: A rank waits this many timeouts for the round's outcome: rank 0 may arrive up to one timeout later and then
 #: wait one timeout for the others.
@@ -67,7 +67,7 @@ T = TypeVar("T")
 
 
 class TorchGroup:
-    """An ``Agreement`` (see :mod:`torpor.statemachine.group`) for a ``torch.distributed`` process group.
+    """An ``Agreement`` (see :mod:`torpor.statemachine.machine.group`) for a ``torch.distributed`` process group.
 
     ``group`` defaults to the default (world) group; ``store`` to the default
     group's rendezvous store; ``name`` to ``pg:`` and the group's global

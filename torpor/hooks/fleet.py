@@ -33,9 +33,9 @@ from torpor.errors import (
 )
 from torpor.hooks.fleetview import ENGINE_STATES, EngineView, FleetView, GroupView, RankView, group_view, merge
 from torpor.hooks.follow import Follower
-from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_line
-from torpor.statemachine.projection import Projection, project
+from torpor.statemachine.core.events import Event, EventKind
+from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_line
+from torpor.statemachine.projection.view import Projection, project
 
 __all__ = [
     "ENGINE_STATES",

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from torpor.statemachine.protocol import TagUsage
-from torpor.statemachine.states import ASLEEP, State
+from torpor.statemachine.core.protocol import TagUsage
+from torpor.statemachine.core.states import ASLEEP, State
 
 #: Engine-wide states :func:`fleet` reports.
 ENGINE_STATES: tuple[str, ...] = ("awake", "asleep", "partially_awake", "transitional", "closed", "unknown")

@@ -20,9 +20,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Protocol
 
-from torpor.statemachine.events import Event, EventKind
-from torpor.statemachine.log import DEFAULT_MAX_LINE, decode_lines
-from torpor.statemachine.tail import Tail
+from torpor.statemachine.core.events import Event, EventKind
+from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_lines
+from torpor.statemachine.log.tail import Tail
 
 logger = logging.getLogger("torpor.hooks")
 
@@ -50,7 +50,7 @@ class Follower(Tail):
     ``after`` is the last sequence number already seen (0: from the start);
     :attr:`last_seq` advances as events are returned, so a consumer that
     stores it can resume later with ``Follower(path, after=last_seq)``. It is
-    the log's one tailer (:class:`~torpor.statemachine.tail.Tail`) with the
+    the log's one tailer (:class:`~torpor.statemachine.log.tail.Tail`) with the
     log's own decoder; warnings go to the ``torpor.hooks`` logger.
     """
 

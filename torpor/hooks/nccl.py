@@ -23,7 +23,7 @@ from torpor.hooks._warn import warn_once
 from torpor.hooks.predicate import CudagraphPoolDecision
 
 if TYPE_CHECKING:
-    from torpor.statemachine.controller import SleepController
+    from torpor.statemachine.machine.controller import SleepController
 
 NCCL_GRAPH_REGISTER = "NCCL_GRAPH_REGISTER"
 

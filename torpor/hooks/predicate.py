@@ -17,7 +17,7 @@ from torpor.hooks._record import record_decision
 from torpor.hooks._warn import warn_once
 
 if TYPE_CHECKING:
-    from torpor.statemachine.controller import SleepController
+    from torpor.statemachine.machine.controller import SleepController
 
 #: Sleep backends whose memory is cuMem (the graph pool needs one of them).
 CUMEM_BACKENDS: frozenset[str] = frozenset({"cumem", "torpor"})

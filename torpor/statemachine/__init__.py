@@ -6,17 +6,10 @@ Imports no torch and no CUDA: the memory it drives is any object meeting
 
 from __future__ import annotations
 
-from torpor.statemachine.controller import SleepController, log_path_for
-from torpor.statemachine.events import SCHEMA_VERSION, Event, EventKind, thaw
-from torpor.statemachine.fanout import Fanout
-from torpor.statemachine.group import Agreement, GroupMember
-from torpor.statemachine.localgroup import LocalGroup
-from torpor.statemachine.log import decode_line, read_events, read_events_file, replay, segments
-from torpor.statemachine.logwriter import EventLog
-from torpor.statemachine.policy import DEFAULT_POLICY, Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
-from torpor.statemachine.projection import Projection, project
-from torpor.statemachine.protocol import DeviceMemory, GraphPoolMemory, HostMemory, Memory, TagUsage, Transfer
-from torpor.statemachine.states import (
+from torpor.statemachine.core.events import SCHEMA_VERSION, Event, EventKind, thaw
+from torpor.statemachine.core.policy import DEFAULT_POLICY, Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
+from torpor.statemachine.core.protocol import DeviceMemory, GraphPoolMemory, HostMemory, Memory, TagUsage, Transfer
+from torpor.statemachine.core.states import (
     COMMANDS,
     GUARD,
     TRANSITIONS,
@@ -27,7 +20,14 @@ from torpor.statemachine.states import (
     diagram_markdown,
     mermaid,
 )
-from torpor.statemachine.tail import Tail
+from torpor.statemachine.log.fanout import Fanout
+from torpor.statemachine.log.reader import decode_line, read_events, read_events_file, replay, segments
+from torpor.statemachine.log.tail import Tail
+from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.machine.controller import SleepController, log_path_for
+from torpor.statemachine.machine.group import Agreement, GroupMember
+from torpor.statemachine.machine.localgroup import LocalGroup
+from torpor.statemachine.projection.view import Projection, project
 
 __all__ = [
     "COMMANDS",

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from torpor.statemachine.states import State
+from torpor.statemachine.core.states import State
 from torpor.telemetry.plot import STATE_COLOURS
 
 UID = "torpor-sleep"

@@ -29,7 +29,7 @@ from operator import attrgetter
 from urllib.parse import parse_qsl
 
 from torpor.errors import BadRequest
-from torpor.statemachine.events import Event
+from torpor.statemachine.core.events import Event
 from torpor.telemetry.tracker import Source
 
 #: The query parameters of ``/events`` on both endpoints.

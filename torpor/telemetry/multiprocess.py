@@ -23,7 +23,7 @@ from prometheus_client import multiprocess as _mp
 from prometheus_client.metrics import Counter, Gauge, Histogram
 from prometheus_client.registry import CollectorRegistry
 
-from torpor.statemachine.events import (
+from torpor.statemachine.core.events import (
     Event,
     EventKind,
     TagBackedUp,
@@ -32,8 +32,8 @@ from torpor.statemachine.events import (
     TagRestored,
     TagRolledBack,
 )
-from torpor.statemachine.protocol import TagUsage
-from torpor.statemachine.states import State
+from torpor.statemachine.core.protocol import TagUsage
+from torpor.statemachine.core.states import State
 from torpor.telemetry.errors import DuplicateRank
 from torpor.telemetry.prometheus import BASE_LABELS, LAST_GAUGES, METRICS
 from torpor.telemetry.rankstats import DURATION_BUCKETS

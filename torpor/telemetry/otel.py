@@ -22,7 +22,7 @@ from typing import Any
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-from torpor.statemachine.events import (
+from torpor.statemachine.core.events import (
     Event,
     EventKind,
     Refused,

@@ -13,10 +13,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torpor.statemachine.events import Event
-from torpor.statemachine.log import read_events
-from torpor.statemachine.projection import Projection
-from torpor.statemachine.states import State
+from torpor.statemachine.core.events import Event
+from torpor.statemachine.core.states import State
+from torpor.statemachine.log.reader import read_events
+from torpor.statemachine.projection.view import Projection
 from torpor.telemetry.replay import wall_problem
 
 RESIDENCIES = (("resident", "on the GPU"), ("host", "on the host"), ("discarded", "discarded"))

@@ -26,8 +26,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from torpor.statemachine.events import Event
-from torpor.statemachine.states import State
+from torpor.statemachine.core.events import Event
+from torpor.statemachine.core.states import State
 from torpor.telemetry.errors import DuplicateRank
 from torpor.telemetry.rankstats import RankStats
 from torpor.telemetry.tracker import Observation, Tracker

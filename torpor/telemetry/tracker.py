@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from torpor.statemachine.events import (
+from torpor.statemachine.core.events import (
     Event,
     EventKind,
     Opened,
@@ -28,9 +28,9 @@ from torpor.statemachine.events import (
     WakeCompleted,
     WakeFailed,
 )
-from torpor.statemachine.fanout import Fanout
-from torpor.statemachine.projection import Projection
-from torpor.statemachine.states import State
+from torpor.statemachine.core.states import State
+from torpor.statemachine.log.fanout import Fanout
+from torpor.statemachine.projection.view import Projection
 
 logger = logging.getLogger("torpor.telemetry")
 

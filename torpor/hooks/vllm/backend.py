@@ -40,11 +40,11 @@ import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 from torpor.hooks.vllm.facade import get_instance, require_controller
-from torpor.statemachine.group import GroupMember, as_agreement, parse_timeout
-from torpor.statemachine.states import State
+from torpor.statemachine.core.states import State
+from torpor.statemachine.machine.group import GroupMember, as_agreement, parse_timeout
 
 if TYPE_CHECKING:
-    from torpor.statemachine.controller import SleepController
+    from torpor.statemachine.machine.controller import SleepController
 
     _Base = object
 else:

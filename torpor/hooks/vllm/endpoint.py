@@ -46,8 +46,8 @@ from torpor.errors import BadRequest, TorporError
 from torpor.hooks.fleet import FleetError, FleetView, fleet, rank_follower, rank_logs
 from torpor.hooks.follow import Follower
 from torpor.hooks.vllm.facade import default_log_dir
-from torpor.statemachine.projection import Projection, follow_on
-from torpor.statemachine.tail import segments
+from torpor.statemachine.log.tail import segments
+from torpor.statemachine.projection.view import Projection, follow_on
 from torpor.telemetry.endpoint import source_error
 from torpor.telemetry.feed import NDJSON, EventFeed, events_headers, events_query
 from torpor.telemetry.replay import LogSource

@@ -35,9 +35,9 @@ from torpor.errors import (
 from torpor.hooks.capture import cumem_capture
 from torpor.hooks.vllm import process
 from torpor.hooks.vllm.wiring import on_controller_started, record_when_known
-from torpor.statemachine.controller import SleepController, log_path_for
-from torpor.statemachine.policy import DEFAULT_TAG, WEIGHTS, Policy
-from torpor.statemachine.protocol import Memory
+from torpor.statemachine.core.policy import DEFAULT_TAG, WEIGHTS, Policy
+from torpor.statemachine.core.protocol import Memory
+from torpor.statemachine.machine.controller import SleepController, log_path_for
 
 logger = logging.getLogger("torpor.vllm")
 

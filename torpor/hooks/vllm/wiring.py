@@ -21,10 +21,10 @@ from torpor.hooks.nccl import NCCL_GRAPH_REGISTER
 from torpor.hooks.predicate import CudagraphPoolDecision
 from torpor.hooks.vllm.predicate import decision_for
 from torpor.hooks.vllm.process import current
-from torpor.statemachine.events import EventKind
+from torpor.statemachine.core.events import EventKind
 
 if TYPE_CHECKING:
-    from torpor.statemachine.controller import SleepController
+    from torpor.statemachine.machine.controller import SleepController
 
 logger = logging.getLogger("torpor.vllm")
 

@@ -1,0 +1,359 @@
+"""Sleep and wake over the native table: backup copies, release (unmap) pipelined with them, restore, rollback.
+
+Sleep: :meth:`SleepWake.backup` freezes each tag in the library (new
+allocations are refused, frees keep their mappings), enqueues the copies of
+each batch of adjacent allocations on the driver's copy stream and records an
+event per batch; :meth:`SleepWake.release` asks the library to unmap each batch
+as soon as its copy is done, so unmapping overlaps the copies still in flight.
+Wake maps span after span (one handle per span of adjacent allocations) and
+enqueues each span's copy at once, then waits once. Python holds its own lock
+across these steps but never while torch's allocator could need it: the
+library's calls take only the library's mutex (docs/allocator.md, lock order).
+What a failed release does to put its tag back (or release it honestly when
+that fails too) is :mod:`torpor.allocator.sleepwake.undo`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from torpor.allocator.errors import AllocatorError, wrap
+from torpor.allocator.host.offload import Extent, HostArena
+from torpor.allocator.host.staging import Stager
+from torpor.allocator.native import library as native
+from torpor.allocator.native.driver import Driver
+from torpor.allocator.native.table import NativeTable
+from torpor.allocator.sleepwake.plan import (
+    Live,
+    Piece,
+    assign,
+    batches,
+    clip_each,
+    copies,
+    live_pieces,
+    pieces,
+    spans,
+)
+from torpor.allocator.sleepwake.undo import ReleaseUndo, Span, TagState
+from torpor.errors import UnknownTag
+from torpor.statemachine.core.protocol import Transfer
+
+logger = logging.getLogger("torpor.allocator")
+
+
+__all__ = ["SleepWake", "TagState"]
+
+
+class SleepWake(ReleaseUndo):
+    """The memory protocol's backup, release, restore and drop_backup (mixed into TaggedAllocator)."""
+
+    driver: Driver
+    table: NativeTable
+    host: HostArena
+    stager: Stager
+    group_bytes: int
+    piece_bytes: int
+    _lock: threading.RLock
+    _tags: dict[str, TagState]
+
+    def granularity(self, device: int | None = None) -> int:  # provided by TaggedAllocator
+        raise NotImplementedError
+
+    def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+        """Allocation address -> the ranges of it in use, where torch says (None: every byte is live)."""
+        return None
+
+    def _trim_free(self, tags: Sequence[str]) -> None:
+        """Before a sleep: free segments of torch pools no open block uses go back (neither copied nor mapped on wake)."""
+
+    def _reopened(self, tags: Sequence[str]) -> None:
+        """The tags take allocations again (woken, or thawed after a failed sleep): pools used meanwhile get memory."""
+
+    def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
+        with self._lock:
+            self._check_known(tags)
+            self._refuse_partial("backup", list(tags), self._tags)
+            start = time.perf_counter()
+            self._trim_free(tags)
+            for tag in tags:
+                if self.table.usage(tag)[0] == native.RELEASED:
+                    msg = f"tag {tag!r} is released; nothing resident to back up"
+                    raise AllocatorError("backup", tag, msg)
+            frozen: list[str] = []
+            taken: list[TagState] = []
+            try:
+                for tag in tags:
+                    self.table.freeze(tag)
+                    frozen.append(tag)
+                lives = {t: self.table.allocations(t) for t in tags}
+                for device in {d for live in lives.values() for _, _, d in live}:
+                    try:
+                        self.driver.synchronize(device)
+                    except Exception as exc:
+                        raise wrap("backup", None, exc) from exc
+                for tag in tags:
+                    record = self._tags[tag]
+                    self._drop(record)
+                    self._take_host(tag, record, live_pieces(lives[tag], self._live_blocks(tag)))
+                    taken.append(record)
+                for tag in tags:
+                    self._enqueue_backup(tag, self._tags[tag], lives[tag])
+                try:
+                    self.stager.finish()  # a staged sleep's copies are in host memory once this returns
+                except AllocatorError as exc:
+                    raise wrap("backup", tags[0] if len(tags) == 1 else None, exc) from exc
+            except BaseException:  # an error or an interrupt (Ctrl-C): no backup stays half made
+                for record in taken:
+                    self._drop(record)
+                for tag in frozen:
+                    self._thaw_quietly(tag)
+                self.host.end_staging()  # staged chunks left empty go back
+                raise
+            seconds = time.perf_counter() - start
+            return {t: Transfer(t, sum(p[2] for p in self._tags[t].pieces), seconds, True) for t in tags}
+
+    def release(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Release each tag's physical memory; per tag all or nothing (a failed tag stays resident)."""
+        with self._lock:
+            self._check_known(tags)
+            if not any(self._tags[t].pending for t in tags):
+                devices = {d for t in tags for _, _, d in self.table.allocations(t)}
+                for device in devices:
+                    try:
+                        self.driver.synchronize(device)
+                    except Exception as exc:
+                        raise wrap("release", None, exc) from exc
+            self._trim_free([t for t in tags if self.table.usage(t)[0] == native.ACTIVE])  # discarded tags
+            out = {}
+            try:
+                for tag in tags:
+                    start = time.perf_counter()
+                    record = self._tags[tag]
+                    if self.table.usage(tag)[0] == native.RELEASED:
+                        out[tag] = Transfer(tag, 0, 0.0, record.backed_up)
+                        continue
+                    self._release_tag(tag, record)
+                    out[tag] = Transfer(tag, self.table.usage(tag)[1], time.perf_counter() - start, record.backed_up)
+            finally:
+                # only now: registering while the release unmaps made both wait on the driver (H200, docs/allocator.md)
+                self.host.end_staging()
+            return out
+
+    def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Map each tag back at its addresses and copy its backup in; all or nothing, backups kept."""
+        with self._lock:
+            self._check_known(tags)
+            start = time.perf_counter()
+            healed = {t: self._heal_tag(t) for t in tags if self._tags[t].partial}
+            todo = [t for t in tags if self.table.usage(t)[0] == native.RELEASED]
+            lives: dict[str, list[Live]] = {}
+            current = ""
+            try:
+                for tag in todo:
+                    current = tag
+                    if self.table.unmap_all(tag):  # left mapped by a rollback that could not unmap
+                        msg = "a mapping left by an earlier failed wake would not unmap"
+                        raise AllocatorError("restore", tag, msg)
+                    lives[tag] = self.table.allocations(tag)
+                    self._forget_freed(self._tags[tag], lives[tag])
+                    self._remap(tag, self._tags[tag], lives[tag])
+                for device in {d for live in lives.values() for _, _, d in live}:
+                    self.driver.wait(self.driver.record(device))
+            except BaseException as exc:  # an error or an interrupt (Ctrl-C): unmap what this restore mapped
+                self._rollback_restore(todo, lives)
+                logger.warning(
+                    "Rolling back %d mapped allocation(s) after a failed wake", sum(map(len, lives.values()))
+                )
+                if not isinstance(exc, Exception):
+                    raise
+                raise wrap("restore", current or None, exc) from exc
+            seconds = time.perf_counter() - start
+            out = {t: Transfer(t, healed.get(t, 0), seconds, self._tags[t].backed_up) for t in tags}
+            for tag in todo:
+                self.table.mark_awake(tag)
+                out[tag] = Transfer(tag, sum(n for _, n, _ in lives[tag]), seconds, self._tags[tag].backed_up)
+            self._reopened([*healed, *todo])
+            return out
+
+    def drop_backup(self, tags: Sequence[str]) -> None:
+        """Mark the tags' backups stale (host extents return to the arena); a frozen tag takes allocations again."""
+        with self._lock:
+            self._refuse_partial("drop backup", list(tags), self._tags)
+            first: AllocatorError | None = None
+            for tag in tags:
+                record = self._tags.get(tag)
+                if record is not None:
+                    self._drop(record)
+                    if self.table.usage(tag)[0] == native.FROZEN:
+                        try:
+                            self.table.thaw(tag)
+                        except AllocatorError as exc:  # the other tags are thawed all the same
+                            first = first or exc
+                            continue
+                        self._reopened([tag])
+            self.host.end_staging()  # a staged backup dropped before its release: its empty chunks go back
+            if first is not None:
+                raise first
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_known(self, tags: Sequence[str]) -> None:
+        unknown = [t for t in tags if t not in self._tags]
+        if unknown:
+            raise UnknownTag(unknown, self._tags)
+
+    def _thaw_quietly(self, tag: str) -> None:
+        try:
+            self.table.thaw(tag)
+        except AllocatorError:
+            logger.exception("tag %r stays frozen (no new allocations) after a failed sleep step", tag)
+            return
+        self._reopened([tag])
+
+    def _take_host(self, tag: str, record: TagState, parts: list[Piece]) -> None:
+        total = sum(p[2] for p in parts)
+        try:
+            extents = self.host.take(total, stage=True) if total else []
+        except AllocatorError as exc:
+            raise wrap("backup", tag, exc) from exc
+        record.pieces = parts
+        record.backups = assign(parts, extents)
+        record.backed_up = True
+
+    def _enqueue_backup(self, tag: str, record: TagState, live: list[Live]) -> None:
+        ends = {a: a + n for a, n, _ in live}
+        groups = batches(record.pieces, self.group_bytes)
+        try:
+            for i, batch in enumerate(groups):
+                keyed = [(start, start, n, d) for _, start, n, d in batch]
+                for device, address, host, n in copies(keyed, record.backups):
+                    # a chunk not pinned yet is filled through the staging ring; where the ring cannot be
+                    # pinned, the chunk is pinned now and copied into once it is (chunk by chunk)
+                    pinned = self.host.wait_pinned(host)
+                    if not pinned and self.stager.copy(host, address, n, device):
+                        continue
+                    if not pinned:  # the ring gave up: its chunks are being pinned now
+                        self.host.wait_pinned(host)
+                    self.driver.copy_d2h(host, address, n, device)
+                # once copied, the mappings inside whole allocations of this batch may go; an allocation whose
+                # pieces continue in the next batch waits for it
+                hi = ends[batch[-1][0]]
+                if i + 1 < len(groups):
+                    hi = min(hi, groups[i + 1][0][0])
+                record.pending.append((self.driver.record(batch[0][3]), batch[0][0], hi))
+        except BaseException as exc:
+            self._settle(record)
+            if not isinstance(exc, Exception):  # an interrupt stays an interrupt
+                raise
+            raise wrap("backup", tag, exc) from exc
+
+    def _settle(self, record: TagState) -> list[Span]:
+        """Wait for the tag's copies in flight; the batches (lo, hi) whose copy failed (their backup is not valid)."""
+        self.stager.abort()  # a staged sleep's threads write into the backup's host memory until they stop
+        failed: list[Span] = []
+        for event, lo, hi in record.pending:
+            try:
+                self.driver.wait(event)
+            except Exception:  # a backup being dropped, or a failed release that copies these batches again
+                logger.debug("a copy failed while its backup was being dropped", exc_info=True)
+                failed.append((lo, hi))
+        record.pending.clear()
+        return failed
+
+    def _drop(self, record: TagState) -> None:
+        self._settle(record)
+        extents: list[Extent] = [e for backup in record.backups.values() for e in backup]
+        record.backups = {}
+        record.pieces = []
+        if extents:  # one give: with keep_after_wake off each give trims
+            self.host.give(extents)
+        record.backed_up = False
+
+    def _forget(self, record: TagState, gone: set[int]) -> None:
+        """Give back the backups of the allocations in ``gone`` (freed while asleep)."""
+        keep, extents = [], []
+        for p in record.pieces:
+            if p[0] in gone:
+                extents += record.backups.pop(p[1], [])
+            else:
+                keep.append(p)
+        record.pieces = keep
+        if extents:
+            self.host.give(extents)
+
+    def _forget_freed(self, record: TagState, live: list[Live]) -> None:
+        alive = {a for a, _, _ in live}
+        self._forget(record, {p[0] for p in record.pieces if p[0] not in alive})
+
+    def _release_tag(self, tag: str, record: TagState) -> None:
+        if self.table.usage(tag)[0] == native.ACTIVE:  # discarded, or released again on a kept backup
+            self.table.freeze(tag)
+            if (
+                record.backed_up
+            ):  # the backup a wake copied in (a failed wake's rollback): it must cover every allocation
+                live = self.table.allocations(tag)
+                self._forget_freed(record, live)
+                backed = {p[0] for p in record.pieces}
+                missing = [a for a, _, _ in live if a not in backed]
+                if missing:
+                    self._thaw_quietly(tag)
+                    msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
+                    raise AllocatorError("release", tag, msg)
+        pending, record.pending = record.pending, []
+        waited, stale = 0, []
+        try:
+            for event, lo, hi in pending:
+                waited += 1
+                try:
+                    self.driver.wait(event)
+                except BaseException:
+                    stale.append((lo, hi))  # its copy failed: the backup of this batch is not its bytes
+                    raise
+                self.table.unmap_range(tag, lo, hi)
+            self.table.unmap_range(tag)
+        except BaseException as exc:  # an error or an interrupt (Ctrl-C): put the tag back, or release it (undo.py)
+            record.pending = pending[waited:]
+            outcome = self._undo_release(tag, record, stale + self._settle(record))
+            if not isinstance(exc, Exception):
+                raise
+            raise wrap("release", tag, exc, outcome) from exc
+        self.table.mark_released(tag)
+
+    def _remap(self, tag: str, record: TagState, live: list[Live]) -> None:
+        """Map ``live`` span by span (adjacent allocations share one handle), each span's copy enqueued at once."""
+        if not live:
+            return
+        gran = self.granularity(live[0][2])
+        step = max(self.piece_bytes // gran, 1) * gran
+        todo = [
+            (span[0][1], sum(p[2] for p in span), span[0][3]) for span in spans(pieces(live, step), self.group_bytes)
+        ]
+        # only the bytes the backup holds: free blocks come back as fresh memory (one pass over the pieces)
+        held = clip_each(record.pieces, [(s, s + n) for s, n, _ in todo]) if record.backed_up else [[] for _ in todo]
+        for (start, size, device), parts in zip(todo, held, strict=True):
+            self.table.map_span(tag, start, size, device)
+            for dev, address, host, n in copies(parts, record.backups):
+                self.host.wait_readable(host)  # a staged sleep's chunks are pinned in the background
+                self.driver.copy_h2d(address, host, n, dev)
+
+    def _rollback_restore(self, todo: list[str], lives: dict[str, Any]) -> None:
+        for device in {d for live in lives.values() for _, _, d in live}:
+            try:
+                self.driver.synchronize(device)
+            except Exception:  # the wake failed already; unmap what we can
+                logger.exception("synchronizing before rolling back a wake failed")
+        for tag in todo:
+            failed = self.table.unmap_all(tag)
+            if failed:  # they stay listed; the next wake unmaps them first
+                logger.error("rollback: %d mapping(s) of tag %r would not unmap", failed, tag)
+
+    def _heal_tag(self, tag: str) -> int:
+        try:
+            return self._heal(tag, self._tags[tag])
+        except AllocatorError as exc:
+            raise wrap("restore", tag, exc, "tag stays partly released; its backup is kept") from exc

@@ -1,0 +1,57 @@
+"""The torch side of one allocator, bound at the first use on CUDA: nothing imports torch before.
+
+:class:`TorchBinding` makes the allocator's :class:`~torpor.allocator.torchside.pools.TorchPools`
+(one pluggable allocator per tag, pools for its blocks) when a ``use_memory_pool`` block
+or a capture first needs them on CUDA, and answers for them until then: no
+live ranges (every byte of an allocation counts as live) and nothing to close.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from torpor.allocator.errors import AllocatorError
+from torpor.allocator.torchside.pools import AllocatorParts, TorchPools
+from torpor.statemachine.core.policy import CUDAGRAPH
+
+
+class TorchBinding:
+    """An allocator's :class:`TorchPools`, made at the first use (raises ``MissingExtra`` then without torch)."""
+
+    def __init__(self, allocator: AllocatorParts) -> None:
+        self._allocator = allocator
+        self._lock = threading.Lock()
+        self._pools: TorchPools | None = None
+
+    @property
+    def current(self) -> TorchPools | None:
+        """The torch pools, None before the first use."""
+        return self._pools
+
+    def pools(self) -> TorchPools:
+        """The torch pools, made now on the first use (from any thread, once); refused once the allocator is closed."""
+        if self._allocator.table.closed:  # its slots may serve another allocator by now (NativeTable.slot)
+            raise AllocatorError("use_memory_pool", None, "the allocator is closed: torch gets no pool of it")
+        pools = self._pools
+        if pools is None:
+            with self._lock:
+                pools = self._pools
+                if pools is None:
+                    pools = self._pools = TorchPools(self._allocator)
+        return pools
+
+    def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+        """Segment -> its blocks in use, where torch has a pool of ``tag`` (None: every byte counts as live).
+
+        The graph pool is backed up whole: blocks a capture freed are still the graphs' working memory.
+        """
+        pools = self._pools
+        if pools is None or tag == CUDAGRAPH:
+            return None
+        found: dict[int, list[tuple[int, int]]] | None = pools.live_ranges(tag)
+        return found
+
+    def close(self) -> None:
+        """Close the torch pools if they were made (torch frees their cached segments through the native free)."""
+        if self._pools is not None:
+            self._pools.close()

@@ -1,0 +1,9 @@
+"""The machine's vocabulary: event kinds and their payload classes, the states, the tag policy and the memory protocol.
+
+It owns what every other part of torpor speaks: :mod:`.kinds` and :mod:`.payloads`
+(what each event says), :mod:`.events` (the event itself), :mod:`.states`
+(states and the allowed transitions), :mod:`.policy` (what each tag does at each
+level) and :mod:`.protocol` (what the controller asks of device memory). Pure
+data and checks: it imports nothing of torpor but :mod:`torpor.errors`, no I/O,
+no threads, no torch, and nothing of the projection, the log or the machine above it.
+"""
