@@ -1,4 +1,4 @@
-"""Tests of torpor.hooks.follow: tailing a rank's event log across appends, rotation and resumes."""
+"""Tests of torpor.statemachine.log.follow: tailing a rank's event log across appends, rotation and resumes."""
 
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ import pytest
 
 from torpor.cli import main
 from torpor.errors import LogCorrupted
-from torpor.hooks.follow import Follower, follow
 from torpor.statemachine import SleepController, replay
 from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.log.follow import Follower, follow
 from torpor.statemachine.log.reader import encode_line, read_events, segments
 from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.projection.view import Projection

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from torpor.errors import LogCorrupted
-from torpor.hooks.follow import Follower, follow
 from torpor.statemachine.core.events import Event, EventKind, make_event
+from torpor.statemachine.log.follow import Follower, follow
 from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_lines, encode_line, read_events
 from torpor.statemachine.log.tail import Tail, rotated, segments
 from torpor.statemachine.log.writer import EventLog

@@ -12,8 +12,8 @@ from typing import Any
 from torpor.commands import seconds
 from torpor.commands.writer import writer_running
 from torpor.demo.report import fmt_bytes, fmt_seconds, table
-from torpor.hooks.follow import Follower
 from torpor.statemachine import Event, EventKind, Projection, read_events
+from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.projection.view import project
 from torpor.telemetry.replay import resolve_log, wall_problem
 

@@ -38,7 +38,6 @@ from torpor.hooks.fleet import (
     wait_fleet,
     wait_fleet_async,
 )
-from torpor.hooks.follow import Follower, follow, follow_async
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, NcclDecision, apply_nccl_defaults
 from torpor.hooks.predicate import (
     CUMEM_BACKENDS,
@@ -47,6 +46,7 @@ from torpor.hooks.predicate import (
     cudagraph_pool_decision,
     detect_platform,
 )
+from torpor.statemachine.log.follow import Follower, follow, follow_async
 
 __all__ = [
     "CUMEM_BACKENDS",

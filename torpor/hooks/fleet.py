@@ -32,8 +32,8 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.hooks.fleetview import ENGINE_STATES, EngineView, FleetView, GroupView, RankView, group_view, merge
-from torpor.hooks.follow import Follower
 from torpor.statemachine.core.events import Event, EventKind
+from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_line
 from torpor.statemachine.projection.view import Projection, project
 

@@ -5,8 +5,8 @@ polls for appended lines and hands each new event to its subscribers, so
 ``serve(LogSource(path), port)`` (or ``serve(path, port)``) exposes
 ``/metrics``, ``/state`` and ``/events`` for an engine running elsewhere on the
 host, without touching it. It reads through the log's one tailer
-(:class:`~torpor.statemachine.log.tail.Tail`, as :class:`~torpor.hooks.follow.Follower`),
-like ``torpor log follow`` and :func:`~torpor.hooks.follow.follow`: only
+(:class:`~torpor.statemachine.log.tail.Tail`, as :class:`~torpor.statemachine.log.follow.Follower`),
+like ``torpor log follow`` and :func:`~torpor.statemachine.log.follow.follow`: only
 complete lines, rotation seen as rotation (renamed segments read in order,
 pruned ones skipped from a snapshot), each new byte read once; and hands each
 event to its subscribers through the one fan-out (:class:`~torpor.statemachine.log.fanout.Fanout`).
@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from torpor.errors import TorporError
-from torpor.hooks.follow import Follower
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.fanout import Fanout
+from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.tail import segments
 from torpor.statemachine.projection.view import Projection, follow_on
 

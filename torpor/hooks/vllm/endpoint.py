@@ -44,8 +44,8 @@ from fastapi.responses import JSONResponse, Response
 
 from torpor.errors import BadRequest, TorporError
 from torpor.hooks.fleet import FleetError, FleetView, fleet, rank_follower, rank_logs
-from torpor.hooks.follow import Follower
 from torpor.hooks.vllm.facade import default_log_dir
+from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.tail import segments
 from torpor.statemachine.projection.view import Projection, follow_on
 from torpor.telemetry.endpoint import source_error

@@ -1,7 +1,7 @@
 """The one reader of an event log's files: segments, rotation, torn lines, resume after a sequence number.
 
 Every reader of a log goes through :class:`Tail`: ``read_events`` (the whole
-history, once, strictly), :class:`~torpor.hooks.follow.Follower` and
+history, once, strictly), :class:`~torpor.statemachine.log.follow.Follower` and
 ``follow()`` (``tail -f``), the telemetry :class:`~torpor.telemetry.replay.LogSource`
 (and so the standalone endpoint and the vLLM routes), ``torpor log`` and the
 fleet view. A tail knows the files, not the line format: it frames bytes
