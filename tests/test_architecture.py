@@ -470,6 +470,52 @@ def test_the_contract_counts_type_checking_and_importlib_edges(tmp_path: Path) -
     assert layer_of(dynamic.target) > layer_of(dynamic.module)
 
 
+def tower_state() -> tuple[set[str], dict[str, set[str]]]:
+    """The attributes ControllerBase.__init__ sets, and those each other class of the controller's tower assigns."""
+    machine = PACKAGE / "statemachine" / "machine"
+    classes: dict[str, ast.ClassDef] = {}
+    for path in sorted(machine.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = node
+
+    def in_tower(name: str) -> bool:
+        node = classes.get(name)
+        if node is None:
+            return False
+        return name == "ControllerBase" or any(isinstance(b, ast.Name) and in_tower(b.id) for b in node.bases)
+
+    def assigned(node: ast.AST) -> set[str]:
+        found = set()
+        for sub in ast.walk(node):
+            targets = (
+                sub.targets
+                if isinstance(sub, ast.Assign)
+                else [sub.target]
+                if isinstance(sub, ast.AnnAssign | ast.AugAssign)
+                else []
+            )
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    found.add(t.attr)
+        return found
+
+    init = next(f for f in classes["ControllerBase"].body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    others = {name: assigned(node) for name, node in classes.items() if in_tower(name) and name != "ControllerBase"}
+    return assigned(init), others
+
+
+def test_the_controllers_state_is_set_in_one_place() -> None:
+    """Every attribute the controller's mixins assign is one ControllerBase.__init__ sets (docs/architecture.md lists them)."""
+    base, others = tower_state()
+    assert {"memory", "projection", "_in_flight", "_seq"} <= base
+    new = {name: sorted(attrs - base) for name, attrs in others.items() if attrs - base}
+    assert not new, f"controller state set outside ControllerBase.__init__: {new}"
+    documented = DOC.read_text()
+    missing = sorted(a for a in base if f"`{a}`" not in documented)
+    assert not missing, f"docs/architecture.md's controller state table lacks {missing}"
+
+
 def test_docs_architecture_has_the_layer_table() -> None:
     """docs/architecture.md's layer table is the one LAYERS generates."""
     text = DOC.read_text()

@@ -5,6 +5,11 @@ protocol the :class:`~torpor.SleepController` drives; its allocation table and
 torch's malloc/free live in a small C library (:mod:`torpor.allocator.native.library`).
 ``SimDriver`` is that library's simulated device on host memory, with fault
 injection. Importing this package touches neither CUDA, torch, nor the library.
+
+Its parts, lowest first, each importing only those before it: :mod:`.native`
+(the C library, its table and drivers), :mod:`.host` (pinned host memory),
+:mod:`.sleepwake` (backup, release, restore), :mod:`.keep` (ranges kept across a
+discard), :mod:`.torchside` (torch's pools) and :mod:`.tagged` (``TaggedAllocator``).
 """
 
 from __future__ import annotations

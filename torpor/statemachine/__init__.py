@@ -1,7 +1,10 @@
 """The event-sourced sleep-state machine: states, events, the log, replay and the controller.
 
-Imports no torch and no CUDA: the memory it drives is any object meeting
-:class:`Memory`.
+Four layers, each a subpackage that imports only those before it: :mod:`.core`
+(the vocabulary: events, states, policy, the memory protocol), :mod:`.projection`
+(the fold over events), :mod:`.log` (the event store on disk and its readers) and
+:mod:`.machine` (the controller). Imports no torch and no CUDA: the memory it
+drives is any object meeting :class:`Memory`; this facade exports the public names.
 """
 
 from __future__ import annotations

@@ -64,7 +64,9 @@ class ControllerBase:
     """One engine rank's controller without its commands: the events, the projection, the reading API.
 
     See :class:`~torpor.statemachine.machine.controller.SleepController` for the
-    arguments; the command modules add the commands.
+    arguments; the command modules add the commands, and no state: every attribute
+    of a controller is set here (docs/architecture.md, "The controller's state",
+    says what each is and who changes it; tests/test_architecture.py checks it).
     """
 
     def __init__(
