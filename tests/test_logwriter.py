@@ -14,7 +14,8 @@ import pytest
 
 from torpor.errors import LogWriteFailed
 from torpor.statemachine.core.events import EventKind, make_event
-from torpor.statemachine.log.reader import read_events, segments, tail
+from torpor.statemachine.log import tail
+from torpor.statemachine.log.reader import read_events, segments
 from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.projection.view import Projection
 
