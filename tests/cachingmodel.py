@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from torpor.allocator import SimDriver, TaggedAllocator, native
+from torpor.allocator import SimDriver, TaggedAllocator
+from torpor.allocator.native import library as native
 from torpor.allocator.torchside.pools import live_blocks
 from torpor.allocator.torchside.trim import BlockPools
 from torpor.errors import DriverError

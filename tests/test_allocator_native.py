@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from torpor.allocator import AllocatorError, AllocatorOutOfMemory, SimDriver, TaggedAllocator, native
+from torpor.allocator import AllocatorError, AllocatorOutOfMemory, SimDriver, TaggedAllocator
+from torpor.allocator.native import library as native
 
 G = 64 * 1024
 MiB = 1 << 20
