@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torpor import SleepController, replay
 from torpor.statemachine.core.events import EventKind, make_event
-from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 2**34, "kv_cache": 2**35, "cudagraph": 2**31, "runtime": 2**28, "workspace": 2**27, "lora": 2**26}

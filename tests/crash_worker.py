@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from torpor.errors import TorporError
 from torpor.statemachine.core.protocol import Transfer
-from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 

@@ -21,7 +21,7 @@ from torpor.errors import (
     UnknownTag,
 )
 from torpor.statemachine.core.events import EventKind
-from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.testing import FakeMemory, capture_events
 
 SIZES = {"weights": 2**30, "kv_cache": 2**31, "cudagraph": 2**26, "runtime": 2**20}

@@ -14,7 +14,7 @@ from support import off_table_moves
 from torpor import SleepController, State, replay
 from torpor.errors import TorporError
 from torpor.statemachine.core.events import EventKind
-from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.testing import FakeMemory
 
 SIZES = {"weights": 4096, "kv_cache": 8192, "cudagraph": 1024, "runtime": 512}

@@ -18,8 +18,8 @@ import torpor.statemachine.log.codec as codec_module
 import torpor.statemachine.log.reader as log_module
 from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
 from torpor.statemachine.core.events import Event, EventKind, make_event
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import decode_line, encode_line, read_events, read_events_file, segments
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.projection.view import Projection
 
 _EMPTY_PROJECTION = Projection().to_dict()  # what a snapshot of a fresh rank holds

@@ -1,4 +1,4 @@
-"""Tests for torpor.statemachine.log.writer: what a rotation reads of the active file; the writer and forked children."""
+"""Tests for torpor.statemachine.log.eventlog: what a rotation reads of the active file; the writer and forked children."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from torpor.errors import LogWriteFailed
 from torpor.statemachine.core.events import EventKind, make_event
 from torpor.statemachine.log import tail
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import read_events, segments
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.projection.view import Projection
 
 

@@ -12,7 +12,7 @@ import torch
 
 from torpor import EventKind, SleepController, State
 from torpor.allocator import TaggedAllocator
-from torpor.allocator.keep.tracker import ModuleTracker, NotReloaded
+from torpor.allocator.keep.modules import ModuleTracker, NotReloaded
 from torpor.bench import realmodel as rm
 
 pytestmark = pytest.mark.gpu

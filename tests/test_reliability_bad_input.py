@@ -27,8 +27,8 @@ from torpor.errors import (
 )
 from torpor.statemachine.core.events import SCHEMA_VERSION, EventKind
 from torpor.statemachine.core.states import State
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_line, read_events, replay
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 

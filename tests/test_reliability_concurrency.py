@@ -23,8 +23,8 @@ from torpor.errors import TorporError
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.core.protocol import Transfer
 from torpor.statemachine.core.states import State
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import read_events, replay
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.machine.controller import SleepController, _clip
 from torpor.testing import FakeMemory
 

@@ -20,8 +20,8 @@ from torpor.errors import NotRecovered
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.core.protocol import Transfer
 from torpor.statemachine.core.states import TRANSITIONAL, State
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import read_events, replay, segments
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.machine.controller import SleepController
 from torpor.statemachine.projection.view import Projection
 from torpor.testing import FakeMemory

@@ -25,8 +25,8 @@ from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.policy import DEFAULT_POLICY, Action
 from torpor.statemachine.core.protocol import Memory, Transfer
 from torpor.statemachine.core.states import State
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import replay
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 

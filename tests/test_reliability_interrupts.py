@@ -45,8 +45,8 @@ from torpor.errors import (
 )
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.states import TRANSITIONAL, State
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import replay
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
 

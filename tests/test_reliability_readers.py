@@ -25,9 +25,9 @@ from torpor.cli import main
 from torpor.errors import LogCorrupted
 from torpor.statemachine import SleepController, replay
 from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.follow import Follower, follow
 from torpor.statemachine.log.reader import encode_line, read_events, segments
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.projection.view import Projection
 from torpor.telemetry import serve
 from torpor.telemetry.replay import LogSource

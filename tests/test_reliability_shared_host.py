@@ -14,8 +14,8 @@ from torpor.errors import EventTooLarge, LogLocked, LogWriteFailed, NotAnEventLo
 from torpor.statemachine.core.events import EventKind, make_event
 from torpor.statemachine.core.states import State
 from torpor.statemachine.log import reader as log_module
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import read_events, replay, segments
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.machine.controller import SleepController
 from torpor.statemachine.projection.view import MAX_GRAPH_SITES
 from torpor.testing import FakeMemory
@@ -176,7 +176,7 @@ def _is_log(fd: int) -> bool:
 FULL_DISK = """
 import json, os, resource, signal, sys
 from torpor.statemachine.machine.controller import SleepController
-from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.core.states import State
 from torpor.testing import FakeMemory
 

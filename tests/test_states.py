@@ -25,7 +25,7 @@ from torpor.statemachine.core.states import (
     diagram_markdown,
     mermaid,
 )
-from torpor.statemachine.log.writer import EventLog
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.testing import FakeMemory
 
 ROOT = Path(__file__).resolve().parent.parent

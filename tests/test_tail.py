@@ -13,10 +13,10 @@ import pytest
 
 from torpor.errors import LogCorrupted
 from torpor.statemachine.core.events import Event, EventKind, make_event
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.follow import Follower, follow
 from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_lines, encode_line, read_events
 from torpor.statemachine.log.tail import Tail, rotated, segments
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.projection.view import Projection
 from torpor.telemetry.replay import LogSource
 

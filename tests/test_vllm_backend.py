@@ -253,7 +253,7 @@ def test_worker_records_hook_decisions_and_release_closes(engine: Any) -> None:
 def test_restarted_worker_recovers_an_interrupted_log(engine: Any) -> None:
     """A log left mid-sleep by a dead process is recovered by the next worker on that rank, not refused forever."""
     from torpor.statemachine.core.events import make_event
-    from torpor.statemachine.log.writer import EventLog
+    from torpor.statemachine.log.eventlog import EventLog
 
     path = engine.logs / "vllm.rank0.jsonl"
     engine.logs.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,7 @@ _LAZY = {
     "fleet": "torpor.hooks",
     "Client": "torpor.client",
     "TrackRefused": "torpor.statemachine.machine.tracking",
-    "NotReloaded": "torpor.allocator.keep.tracker",
+    "NotReloaded": "torpor.allocator.keep.modules",
 }
 
 

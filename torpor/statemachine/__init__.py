@@ -23,10 +23,10 @@ from torpor.statemachine.core.states import (
     diagram_markdown,
     mermaid,
 )
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.fanout import Fanout
 from torpor.statemachine.log.reader import decode_line, read_events, read_events_file, replay, segments
 from torpor.statemachine.log.tail import Tail
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.machine.controller import SleepController, log_path_for
 from torpor.statemachine.machine.group import Agreement, GroupMember
 from torpor.statemachine.machine.localgroup import LocalGroup

@@ -2,7 +2,7 @@
 
 It owns how events are kept and read back: :mod:`.checks` (what a payload must
 hold to be read), :mod:`.codec` and :mod:`.framing` (one checksummed JSON line),
-:mod:`.files` (opening log files safely), :mod:`.writer` (``EventLog``),
+:mod:`.files` (opening log files safely), :mod:`.eventlog` (``EventLog``, the writer),
 :mod:`.reader` (``read_events``, ``replay``), :mod:`.tail` (the one tailer every
 reader uses), :mod:`.follow` (a live log followed: ``torpor.hooks.follow``),
 :mod:`.fanout` (subscribers) and :mod:`.interrupts` (signals held off a write). It imports the core and the projection (a snapshot holds one), never

@@ -4,7 +4,7 @@ Each line is one event, ``{"crc":"xxxxxxxx",...}``: the CRC-32 of the line with
 the ``"crc"`` member removed (the line codec, :mod:`torpor.statemachine.log.codec`,
 is re-exported here). Lines are flushed on every append and fsync'ed at
 transition boundaries (configurable). The writer, :class:`EventLog`
-(:mod:`torpor.statemachine.log.writer`, re-exported here), opens its files as
+(:mod:`torpor.statemachine.log.eventlog`, re-exported here), opens its files as
 :mod:`torpor.statemachine.log.files` describes (0600, no links followed, one
 writer per log, never a file that is not a torpor log), and a failed write is
 cut back to the last whole line. When the active file passes ``max_bytes`` it is renamed to

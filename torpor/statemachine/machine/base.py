@@ -24,10 +24,10 @@ from torpor.statemachine.core.events import Event, EventKind, make_event
 from torpor.statemachine.core.policy import DEFAULT_POLICY, Policy
 from torpor.statemachine.core.protocol import Memory
 from torpor.statemachine.core.states import State
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.fanout import Fanout
 from torpor.statemachine.log.interrupts import UNINTERRUPTED
 from torpor.statemachine.log.reader import read_events
-from torpor.statemachine.log.writer import EventLog
 from torpor.statemachine.machine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
 from torpor.statemachine.machine.hostmem import apply_host_policy
 from torpor.statemachine.projection.view import Projection, project
