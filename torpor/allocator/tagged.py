@@ -177,8 +177,7 @@ class TaggedAllocator(Keeping):
         self.book.enter_block(tag)
         try:
             with self.book.routed(tag):
-                pools = self._torch if self._torch is not None or not self._on_cuda() else self._torch_pools()
-                torch_ctx = pools.use(tag) if pools is not None else None
+                torch_ctx = self._torch_pools().use(tag) if self._on_cuda() else None
                 try:
                     if torch_ctx is None:
                         yield
@@ -203,7 +202,7 @@ class TaggedAllocator(Keeping):
         thread past the wait, or in this one); nothing is touched then. ``cause``
         names the sleep in later refusals. The controller calls this before a sleep.
         """
-        self.book.close_doors([t for t in tags if t != GRAPH_TAG], cause, timeout)
+        self.book.close_doors(tags, cause, timeout)
 
     def open_doors(self, tags: Sequence[str]) -> None:
         """The sleep that closed the doors ended: blocks of ``tags`` may start wherever the tag is awake again."""
@@ -321,13 +320,13 @@ class TaggedAllocator(Keeping):
     def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
         return self.torch_binding.live_ranges(tag)
 
-    def _trim_free(self, tags: Sequence[str]) -> None:
+    def _trim_free(self, tags: Sequence[str], synced: bool) -> None:
         pools = self._torch
         if pools is None:
             return
-        # the devices first: a kernel queued before a free may still touch a free segment (trim.py)
-        for device in {d for t in tags for _, _, d in self.table.allocations(t)}:
-            self.driver.synchronize(device)
+        if not synced:  # the devices first: a kernel queued before a free may still touch a free segment (trim.py)
+            for device in {d for t in tags for _, _, d in self.table.allocations(t)}:
+                self.driver.synchronize(device)
         pools.trim(list(tags), settled=True)
 
     def _on_cuda(self) -> bool:

@@ -67,11 +67,11 @@ class SleepWake(ReleaseUndo):
         """Allocation address -> the ranges of it in use, where torch says (None: every byte is live)."""
         return None
 
-    def _trim_free(self, tags: Sequence[str]) -> None:
-        """Before a sleep: free segments of torch pools no open block uses go back (neither copied nor mapped on wake)."""
+    def _trim_free(self, tags: Sequence[str], synced: bool) -> None:
+        """Before a sleep: free segments of torch pools no open block uses go back (neither copied nor mapped on wake).
 
-    def _reopened(self, tags: Sequence[str]) -> None:
-        """The tags take allocations again (woken, or thawed after a failed sleep): pools used meanwhile get memory."""
+        ``synced``: the caller synchronized the tags' devices just before (else the hook does).
+        """
 
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
@@ -79,7 +79,7 @@ class SleepWake(ReleaseUndo):
             self._check_known(tags)
             self._refuse_partial("backup", list(tags), self._tags)
             start = time.perf_counter()
-            self._trim_free(tags)
+            self._trim_free(tags, synced=False)
             for tag in tags:
                 if self.table.usage(tag)[0] == native.RELEASED:
                     msg = f"tag {tag!r} is released; nothing resident to back up"
@@ -121,14 +121,15 @@ class SleepWake(ReleaseUndo):
         """Release each tag's physical memory; per tag all or nothing (a failed tag stays resident)."""
         with self._lock:
             self._check_known(tags)
-            if not any(self._tags[t].pending for t in tags):
+            synced = not any(self._tags[t].pending for t in tags)
+            if synced:
                 devices = {d for t in tags for _, _, d in self.table.allocations(t)}
                 for device in devices:
                     try:
                         self.driver.synchronize(device)
                     except Exception as exc:
                         raise wrap("release", None, exc) from exc
-            self._trim_free([t for t in tags if self.table.usage(t)[0] == native.ACTIVE])  # discarded tags
+            self._trim_free([t for t in tags if self.table.usage(t)[0] == native.ACTIVE], synced)  # discarded tags
             out = {}
             try:
                 for tag in tags:
@@ -177,7 +178,6 @@ class SleepWake(ReleaseUndo):
             for tag in todo:
                 self.table.mark_awake(tag)
                 out[tag] = Transfer(tag, sum(n for _, n, _ in lives[tag]), seconds, self._tags[tag].backed_up)
-            self._reopened([*healed, *todo])
             return out
 
     def drop_backup(self, tags: Sequence[str]) -> None:
@@ -194,8 +194,6 @@ class SleepWake(ReleaseUndo):
                             self.table.thaw(tag)
                         except AllocatorError as exc:  # the other tags are thawed all the same
                             first = first or exc
-                            continue
-                        self._reopened([tag])
             self.host.end_staging()  # a staged backup dropped before its release: its empty chunks go back
             if first is not None:
                 raise first
@@ -212,8 +210,6 @@ class SleepWake(ReleaseUndo):
             self.table.thaw(tag)
         except AllocatorError:
             logger.exception("tag %r stays frozen (no new allocations) after a failed sleep step", tag)
-            return
-        self._reopened([tag])
 
     def _take_host(self, tag: str, record: TagState, parts: list[Piece]) -> None:
         total = sum(p[2] for p in parts)

@@ -198,8 +198,8 @@ class BlockPools:
         return self.trimmed_bytes - before
 
     def _trim_pool(self, entry: BlockPool, settled: bool) -> None:
-        free = {int(seg["address"]): seg for seg in self._snapshot(entry.mempool) if free_segment(seg)}
-        free = {a: seg for a, seg in free.items() if a not in entry.trimmed}
+        segments = ((int(seg["address"]), seg) for seg in self._snapshot(entry.mempool))
+        free = {a: seg for a, seg in segments if a not in entry.trimmed and free_segment(seg)}
         entry.marked = {a: t for a, t in entry.marked.items() if a in free}  # used again or given back: not ours
         fresh = [a for a in free if a not in entry.marked]
         if fresh and not settled:  # the work queued on their streams so far may still touch them
