@@ -391,13 +391,9 @@ class FatalIn(SimDriver):
         return super()._host_alloc(nbytes, host)
 
 
-@pytest.mark.parametrize("where", ["prepare_thread", "host_alloc"])
-def test_a_staging_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_hanging_it(where: str) -> None:
-    """A BaseException in a staging thread's setup or slot pin reaches the sleep (refused, resident); it never hangs."""
-    sim = FatalIn(where)
-    _, alloc, ctl = make(sim)
-    data = fill(alloc, "weights", [8 * G, 8 * G])
-    outcome: list[BaseException | None] = []
+def sleep_outcome(ctl: SleepController, timeout: float) -> list[BaseException | str | None]:
+    """Sleep at level 1 in a thread: [None] when it went, [the exception] it raised, or ["hung"] after ``timeout`` s."""
+    outcome: list[BaseException | str | None] = []
 
     def sleep() -> None:
         try:
@@ -408,8 +404,18 @@ def test_a_staging_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_
 
     t = threading.Thread(target=sleep, daemon=True)
     t.start()
-    t.join(10)
-    assert not t.is_alive(), "the sleep waits forever for a staging thread that died"
+    t.join(timeout)
+    return outcome if not t.is_alive() else ["hung"]
+
+
+@pytest.mark.parametrize("where", ["prepare_thread", "host_alloc"])
+def test_a_staging_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_hanging_it(where: str) -> None:
+    """A BaseException in a staging thread's setup or slot pin reaches the sleep (refused, resident); it never hangs."""
+    sim = FatalIn(where)
+    _, alloc, ctl = make(sim)
+    data = fill(alloc, "weights", [8 * G, 8 * G])
+    outcome = sleep_outcome(ctl, 10)
+    assert outcome != ["hung"], "the sleep waits forever for a staging thread that died"
     assert outcome and isinstance(outcome[0], TorporError) and where in str(outcome[0])
     assert ctl.state is State.AWAKE and intact(alloc, data) and not stage_threads()
     sim.where = ""
@@ -438,19 +444,8 @@ def test_a_pinning_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_
     sim = FatalPin()
     _, alloc, ctl = make(sim, staged=False, prepin=prepin)
     data = fill(alloc, "weights", [8 * G, 8 * G])
-    outcome: list[BaseException | None] = []
-
-    def sleep() -> None:
-        try:
-            ctl.sleep(1)
-            outcome.append(None)
-        except BaseException as exc:
-            outcome.append(exc)
-
-    t = threading.Thread(target=sleep, daemon=True)
-    t.start()
-    t.join(15)
-    assert not t.is_alive(), "the sleep waits forever for a pinning thread that died"
+    outcome = sleep_outcome(ctl, 15)
+    assert outcome != ["hung"], "the sleep waits forever for a pinning thread that died"
     assert outcome and isinstance(outcome[0], TorporError) and "host_alloc" in str(outcome[0]), outcome
     assert ctl.state is State.AWAKE and intact(alloc, data)
     sim.armed = False

@@ -74,10 +74,9 @@ def executors() -> list[Executor]:
 
 @dataclass
 class Worker:
-    """What one logical thread holds: its open blocks and its tensors (with their tags)."""
+    """What one logical thread holds: its open blocks (innermost last) and its tensors (with their tags)."""
 
-    blocks: list[str] = field(default_factory=list)
-    stack: ExitStack = field(default_factory=ExitStack)
+    blocks: list[tuple[str, ExitStack]] = field(default_factory=list)
     tensors: list[tuple[str, Tensor]] = field(default_factory=list)
 
 
@@ -116,20 +115,16 @@ class Schedule:
             self._command(lambda: self.ctl.wake(None if arg % 3 == 0 else [("weights", "kv_cache")[arg % 2]]))
 
     def _enter(self, w: Worker, tag: str) -> None:
+        block = ExitStack()
         try:
-            w.stack.enter_context(self.alloc.use_memory_pool(tag))
+            block.enter_context(self.alloc.use_memory_pool(tag))
         except TorporError:  # the tag is asleep or going to sleep: refused at the block's start
             self.refused += 1
             return
-        w.blocks.append(tag)
+        w.blocks.append((tag, block))
 
     def _leave(self, w: Worker) -> None:
-        w.blocks.pop()
-        w.stack.close()
-        stack = ExitStack()  # the outer blocks stay open: re-enter them in order on a fresh stack
-        for tag in w.blocks:
-            stack.enter_context(self.alloc.use_memory_pool(tag))
-        w.stack = stack
+        w.blocks.pop()[1].close()  # the innermost block ends; the outer ones stay open
 
     def _alloc(self, w: Worker, arg: int) -> None:
         tensor = self.torch.malloc((1 + arg % 5) * G // 3)
@@ -138,10 +133,10 @@ class Schedule:
             return
         self.pattern = self.pattern % 250 + 1
         self.torch.write(tensor, self.pattern)
-        w.tensors.append((w.blocks[-1], tensor))
+        w.tensors.append((w.blocks[-1][0], tensor))
 
     def _check(self, w: Worker) -> None:
-        inside = w.blocks[-1]  # the tag of an open block is awake while it is open: its tensors are mapped
+        inside = w.blocks[-1][0]  # the tag of an open block is awake while it is open: its tensors are mapped
         for tag, tensor in w.tensors:
             if tag == inside and tensor.intact:
                 self.torch.read(tensor, self.wrong)
@@ -164,7 +159,8 @@ class Schedule:
 
     def finish(self) -> None:
         for who, w in enumerate(self.workers):
-            executors()[who].run(w.stack.close)
+            while w.blocks:
+                executors()[who].run(lambda w=w: self._leave(w))
         self.stream.run()
         if self.ctl.state is not State.AWAKE:
             self.ctl.wake()
