@@ -131,6 +131,22 @@ def test_wake_batches_driver_calls() -> None:
     assert sim.count("copy_h2d") - copies == 4  # one copy per batch (one pinned chunk, adjacent addresses)
 
 
+def test_a_discarded_tag_comes_back_one_mapping_per_allocation_and_a_backed_up_one_in_pieces() -> None:
+    """A wake maps a discarded tag's large allocations whole (the next sleep unmaps few) and a backed-up tag's in pieces."""
+    sim, alloc = make(slab_bytes=0)
+    fill(alloc, "kv_cache", [8 * G, 8 * G])
+    data = fill(alloc, "weights", [8 * G])
+    alloc.backup(["weights"])
+    alloc.release(["kv_cache", "weights"])
+    alloc.restore(["kv_cache", "weights"])
+    assert alloc.table.stats("kv_cache")[3] == 2  # two allocations, two mappings (not 4 spans of 2 pieces)
+    assert alloc.table.stats("weights")[3] == 2  # pieces of 2 granules in spans of 4, each copy enqueued at once
+    assert intact(alloc, data) and alloc.usage()["kv_cache"].resident == 16 * G
+    unmaps = sim.count("unmap")
+    alloc.release(["kv_cache"])
+    assert sim.count("unmap") - unmaps == 2
+
+
 def test_free_in_a_shared_mapping_waits_for_the_last_user_or_the_next_sleep() -> None:
     """After a wake adjacent allocations share a mapping: a free keeps it mapped for the others, and the range comes back later."""
     sim, alloc = make(slab_bytes=0)

@@ -68,7 +68,8 @@ class TaggedAllocator(Keeping):
 
     ``driver``: None means :class:`~torpor.allocator.native.cuda_driver.CudaDriver`.
     ``host``: the pinned-host policy. ``group_bytes``: bytes per pipelined
-    copy group. ``piece_bytes``: the largest single mapping made on wake.
+    copy group. ``piece_bytes``: the largest single mapping a wake makes for
+    a tag with a backup (a discarded tag's allocations are mapped whole).
     ``slab_bytes``: the largest slab shared by one-granule allocations (at most
     64 granules; 0 maps each allocation on its own). ``capture_observers``:
     called with the pool id whenever a capture into this allocator's graph

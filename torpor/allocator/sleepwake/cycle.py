@@ -324,8 +324,10 @@ class SleepWake(ReleaseUndo):
         """Map ``live`` span by span (adjacent allocations share one handle), each span's copy enqueued at once."""
         if not live:
             return
+        # pieces only where there are copies to pipeline: a tag with no backup (discarded) maps each allocation
+        # with one handle, as it was first mapped, so that the next sleep unmaps a few mappings, not hundreds
         gran = self.granularity(live[0][2])
-        step = max(self.piece_bytes // gran, 1) * gran
+        step = max(self.piece_bytes // gran, 1) * gran if record.backed_up else max(n for _, n, _ in live)
         todo = [
             (span[0][1], sum(p[2] for p in span), span[0][3]) for span in spans(pieces(live, step), self.group_bytes)
         ]
