@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +117,44 @@ def test_torpor_phases_reads_sleeps_and_wakes_with_per_tag_seconds(tmp_path: Pat
     assert first["kv_cache"]["bytes"] == 8 * MiB and "backup" not in first["kv_cache"]
     assert "restore" in phases[1]["tags"]["weights"]
     assert list(phases[-1]["wake_tags"]) == ["weights"]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it holds no memory, and init may be slow to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_run_engine_ends_the_processes_an_engine_left_behind_before_the_next_starts(tmp_path: Path) -> None:
+    """An engine that exits at once and leaves a child running (vLLM's engine core): the child is ended, and counted."""
+    child = "import time; time.sleep(300)"
+    engine = (
+        "import os, subprocess, sys; "
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); print(p.pid, flush=True); os._exit(3)"
+    )
+    log = tmp_path / "engine.log"
+    rc, left = vllm_bench.run_engine([sys.executable, "-c", engine], dict(os.environ), log, timeout=60)
+    pid = int(log.read_text().split()[0])
+    assert rc == 3 and left == [pid]
+    assert not _alive(pid)
+
+
+def test_run_engine_past_its_timeout_is_ended_with_everything_it_started(tmp_path: Path) -> None:
+    """An engine that hangs is reported as a timeout, and neither it nor its child survives the call."""
+    engine = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"
+    rc, left = vllm_bench.run_engine([sys.executable, "-c", engine], dict(os.environ), tmp_path / "e.log", timeout=2)
+    assert rc == "timeout" and len(left) == 1
+    assert not [p for p in left if _alive(p)]
+
+
+def test_end_group_kills_what_ignores_sigterm(tmp_path: Path) -> None:
+    """A process that ignores SIGTERM is killed after the grace period; a group with nobody alive is left alone."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    assert vllm_bench.end_group(proc.pid, grace=0.3, kill_wait=10) == [proc.pid]
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert vllm_bench.end_group(proc.pid) == []

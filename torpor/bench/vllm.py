@@ -18,6 +18,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -70,20 +71,63 @@ def run(
         cmd += ["--json", str(result), "--mode", mode, "--cycles", str(cycles), "--l2-cycles", str(l2_cycles)]
         log(f"engine {i + 1}/{len(engines)}: {backend}")
         started = time.perf_counter()
-        with (out / f"engine{i}-{backend}.log").open("w") as engine_log:
-            try:
-                done = subprocess.run(
-                    cmd, env=env, stdout=engine_log, stderr=subprocess.STDOUT, timeout=timeout, check=False
-                )
-                rc: int | str = done.returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+        rc, left = run_engine(cmd, env, out / f"engine{i}-{backend}.log", timeout)
         res: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {"backend": backend, "ok": False}
-        res.update(engine=i, rc=rc, wall_s=time.perf_counter() - started)
+        res.update(engine=i, rc=rc, wall_s=time.perf_counter() - started, left_behind=len(left))
         runs.append(res)
-        log(f"  rc {rc}, start {res.get('start_s', float('nan')):.1f} s, identical {res.get('identical')}")
+        ended = f", {len(left)} process(es) it left ended" if left else ""
+        log(f"  rc {rc}, start {res.get('start_s', float('nan')):.1f} s, identical {res.get('identical')}{ended}")
         data = _save(out, runs, model=model, mode=mode, order=engines, cycles=cycles, l2_cycles=l2_cycles, machine=host)
     return data
+
+
+def run_engine(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> tuple[int | str, list[int]]:
+    """Run one engine in a session of its own, then end every process still in it; its exit status and those pids.
+
+    vLLM's engine core is a child process that can outlive an engine process
+    which exits at once (``os._exit``), holding its share of the device: on the
+    H200 the fourth engine of a run found 11 of 140 GiB free and could not
+    start. So the next engine starts only once this one's process group is gone.
+    """
+    with log_path.open("w") as engine_log:
+        proc = subprocess.Popen(cmd, env=env, stdout=engine_log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        left = end_group(proc.pid)
+        proc.wait()
+    return rc, [pid for pid in left if pid != proc.pid]
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that are alive (zombies hold no device memory), read from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+        if state != "Z" and int(pgrp) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def end_group(pgid: int, grace: float = 15.0, kill_wait: float = 10.0) -> list[int]:
+    """SIGTERM what is alive in group ``pgid``, SIGKILL what is left after ``grace`` s; the pids alive at first."""
+    alive = group_members(pgid)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
+        if not group_members(pgid):
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + wait
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return alive
 
 
 def _save(out: Path, runs: list[dict[str, Any]], **params: Any) -> dict[str, Any]:

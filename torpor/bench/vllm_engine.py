@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         res = {"backend": a.backend, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
     a.json.write_text(json.dumps(res, default=str))
     sys.stderr.flush()
-    os._exit(0 if res.get("ok") else 1)  # the engine's processes go with ours; a normal exit can wait on them
+    # a normal exit can wait on the engine's processes; the driver (torpor.bench.vllm.run_engine) ends what is left
+    os._exit(0 if res.get("ok") else 1)
 
 
 if __name__ == "__main__":
