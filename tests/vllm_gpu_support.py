@@ -46,6 +46,10 @@ def require_vllm_gpu() -> Path:
     if not model or not (Path(model) / "config.json").is_file():
         pytest.skip(f"{ENV_MODEL} names no model directory (scripts/gpu-vllm builds the tiny Qwen3 and sets it)")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not in the kit
+    # torch.cuda.is_available() above (and the suite's device count) leaves this process unable to fork a CUDA
+    # child while torch.cuda.is_initialized() stays False, which is all vLLM checks (vllm#32611): a forked engine
+    # core then fails with "Cannot re-initialize CUDA in forked subprocess" (seen on the H200). Spawn it instead.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     return Path(model)
 
 
