@@ -531,6 +531,10 @@ def test_a_full_endpoint_answers_503_with_retry_after(controller: SleepControlle
         blocking.release.set()
         for thread in busy:
             thread.join(10)
+        # a client has its answer before the server's thread gives the connection back: wait for that, not a 503
+        deadline = time.monotonic() + 10
+        while srv.admission.active and time.monotonic() < deadline:
+            time.sleep(0.01)
         after = fetch(srv.url + "/state")[0]
     assert status == 503 and headers["Retry-After"] == "1" and headers["Connection"] == "close"
     assert "busy" in json.loads(body)["error"] and took < 2.0
