@@ -247,7 +247,8 @@ def markdown(data: dict[str, Any]) -> str:
         )
     if tags:
         lines += ["", "torpor's later level-1 sleep per tag (event log, medians):", ""]
-        lines += ["| tag | bytes | backup | release |", "| --- | --- | --- | --- |"]
+        # one backup call copies every offloaded tag: its seconds are the call's, the same on each of them
+        lines += ["| tag | bytes | backup (the one call) | release |", "| --- | --- | --- | --- |"]
         for tag, t in sorted(tags.items()):
             if tag == "(total)":
                 continue

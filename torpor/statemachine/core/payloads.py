@@ -66,7 +66,11 @@ class SleepRequested(Payload, kind=EventKind.SLEEP_REQUESTED):
 
 
 class TagBackedUp(Payload, kind=EventKind.TAG_BACKED_UP):
-    """A tag's content copied to the host (before its release)."""
+    """A tag's content copied to the host (before its release).
+
+    ``seconds``: the backup call's; one call copies every tag a sleep offloads (its copies overlap), so each of
+    those tags' events carries the same seconds.
+    """
 
     tag: str
     bytes: int
