@@ -7,9 +7,10 @@ importing :mod:`torpor.bench` needs no torch.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
-from torpor.bench.result import GiB
+from torpor.bench.result import GiB, Result
 
 
 class _Raw:
@@ -73,3 +74,19 @@ def same(ranges: list[tuple[int, int]], refs: list[Any]) -> bool:
     import torch
 
     return all(bool(torch.equal(tensor_at(p, n), r)) for (p, n), r in zip(ranges, refs, strict=True))
+
+
+def run_record(results: list[Result], d2h: float, h2d: float, cycles: int) -> dict[str, Any]:
+    """What every bench JSON starts with: the GPU, torch, the date, the floor, the cycles, the rows and raw results."""
+    import torch
+
+    return {
+        "machine": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "floor_d2h_Bps": d2h,
+        "floor_h2d_Bps": h2d,
+        "cycles": cycles,
+        "rows": [r.row(d2h, h2d) for r in results],
+        "raw": [asdict(r) for r in results],
+    }

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from torpor.allocator.native.cuda_driver import transparent_huge_pages
 from torpor.allocator.tagged import TaggedAllocator
-from torpor.bench.device import measure_floor
+from torpor.bench.device import measure_floor, run_record
 from torpor.bench.host import HOST_MODES, measure_pageable
 from torpor.bench.interference import measure_pinning_interference
 from torpor.bench.realmodel import run_real_model
@@ -78,14 +76,7 @@ def run(
 
     def snapshot() -> dict[str, Any]:
         return {
-            "machine": torch.cuda.get_device_name(0),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "floor_d2h_Bps": d2h,
-            "floor_h2d_Bps": h2d,
-            "cycles": cycles,
-            "rows": [r.row(d2h, h2d) for r in results],
-            "raw": [asdict(r) for r in results],
+            **run_record(results, d2h, h2d, cycles),
             "sweeps": sweeps,
             "awake_interference": interference,
             "host_modes": [r.row(d2h, h2d) for r in modes],

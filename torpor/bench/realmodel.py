@@ -19,11 +19,10 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from torpor.allocator.tagged import TaggedAllocator
-from torpor.bench.device import free_device, measure_floor, tensor_at
+from torpor.bench.device import free_device, measure_floor, run_record, tensor_at
 from torpor.bench.report import row_line
 from torpor.bench.result import GiB, MiB, Result
 from torpor.bench.systems import VllmStyle, run_tms_raw, timed_sleep_wake
@@ -306,21 +305,11 @@ def run_real_model(cycles: int = 4, tms: bool = True) -> list[Result]:
 
 def report(cycles: int = 4, tms: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Only the real-model rows (``torpor bench --real-model``), with the floor measured first, JSON-ready."""
-    import torch
 
     d2h, h2d = measure_floor()
     log(f"floor: pinned D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s")
     results = run_real_model(cycles, tms)
-    rows = [r.row(d2h, h2d) for r in results]
-    for row in rows:
+    data = run_record(results, d2h, h2d, cycles)
+    for row in data["rows"]:
         log(row_line(row))
-    return {
-        "machine": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "floor_d2h_Bps": d2h,
-        "floor_h2d_Bps": h2d,
-        "cycles": cycles,
-        "rows": rows,
-        "raw": [asdict(r) for r in results],
-    }
+    return data
