@@ -83,13 +83,7 @@ class Fanout(Generic[S]):
 
     def publish(self: Fanout[C], event: Event) -> None:
         """Call every subscriber that wants ``event`` with it, in subscription order."""
-        for callback, kinds in self._entries:
-            if kinds is not None and event.kind not in kinds:
-                continue
-            try:
-                callback(event)
-            except Exception:  # a subscriber must never break the publisher or the other subscribers
-                self._failed(callback, event)
+        self.deliver(event, lambda callback: callback(event))
 
     def deliver(self, event: Event, call: Callable[[S], object]) -> None:
         """``call(subscriber)`` for every subscriber that wants ``event``, in subscription order."""
