@@ -286,6 +286,17 @@ def _finish(ctrl: SleepController, commands: Sequence[tuple[str, Any]]) -> None:
         ctrl.wake()
 
 
+def _next_cycle_keeps_its_bytes(rig: Rig, ctrl: SleepController, label: object) -> None:
+    """New content written, then a level-1 cycle: every offloaded tag reads back what was written."""
+    rig.scribble()
+    again = rig.content()
+    ctrl.sleep(1)
+    ctrl.wake()
+    after = rig.content()
+    for tag in _offloaded(1):
+        assert after[tag] == again[tag], f"next cycle lost {tag!r} ({label})"
+
+
 def _check_offloaded_back(rig: Rig, case: Case, level: int, original: dict[str, Any]) -> None:
     """Every tag the scenario's sleep offloaded has its original content again."""
     after = rig.content()
@@ -347,13 +358,7 @@ def _check_case_on(rig: Rig, case: Case, tmp_path: Path) -> None:
     _check_offloaded_back(rig, case, level, original)
     _agree(ctrl, path)
     # the memory works for the next cycle
-    rig.scribble()
-    again = rig.content()
-    ctrl.sleep(1)
-    ctrl.wake()
-    after = rig.content()
-    for tag in _offloaded(1):
-        assert after[tag] == again[tag], f"next cycle lost {tag!r} ({case})"
+    _next_cycle_keeps_its_bytes(rig, ctrl, case)
     _agree(ctrl, path)
 
 
@@ -608,13 +613,7 @@ def _check_double_on(rig: SimRig, cell: Double, tmp_path: Path) -> None:
     _check_offloaded_back(rig, case, level, original)
     _agree(ctrl, path)
     _agree_with_memory(ctrl, rig)
-    rig.scribble()
-    again = rig.content()
-    ctrl.sleep(1)
-    ctrl.wake()
-    after = rig.content()
-    for tag in _offloaded(1):
-        assert after[tag] == again[tag], f"next cycle lost {tag!r} ({cell})"
+    _next_cycle_keeps_its_bytes(rig, ctrl, cell)
     for tag in TAGS:  # every tag takes allocations again
         rig.allocator.free(rig.allocator.allocate(4096, tag))
     _agree(ctrl, path)
