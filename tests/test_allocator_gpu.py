@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torpor import SleepController, State, TorporError
-from torpor.allocator import TaggedAllocator
+from torpor.allocator import AllocatorOutOfMemory, TaggedAllocator
 from torpor.errors import PoolBusy
 
 pytestmark = pytest.mark.gpu
@@ -294,6 +294,22 @@ def test_expandable_segments_do_not_break_pools_or_capture() -> None:
     assert "OK" in proc.stdout
 
 
+def test_a_segment_torch_frees_under_a_running_kernel_is_unmapped_after_it() -> None:
+    """torch's OOM retry frees a cached segment a queued kernel still writes: the free waits, no CUDA error, data right."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64")  # makes torch free oversize cached blocks
+    here = Path(__file__).resolve()
+    proc = subprocess.run(
+        [sys.executable, str(here), "free_under_kernel"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
 def _scenario_l1() -> None:
     m = build(weights_mib=128, kv_mib=64)
     m.ctl.sleep(1)
@@ -303,5 +319,39 @@ def _scenario_l1() -> None:
     print("OK")
 
 
+def _scenario_free_under_kernel() -> None:
+    alloc = TaggedAllocator()
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    filler = torch.empty(free - 1536 * MiB, dtype=torch.uint8, device="cuda")  # leaves 1.5 GiB
+    with alloc.use_memory_pool("runtime"):
+        x = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda")
+        seen = torch.empty(2, dtype=torch.uint8, device="cuda")
+        done = torch.cuda.Event()
+        for spin in (1000, 2_000_000_000):  # the first round maps what the kernels need; the second maps nothing new
+            torch.cuda.synchronize()
+            torch.cuda._sleep(spin)  # the second: about a second of spinning on the stream
+            x.fill_(7)  # queued behind the spin
+            torch.stack([x.min(), x.max()], out=seen)  # reads x after the fill
+            done.record()
+        queued = not done.query()
+        del x  # torch caches the block (free in stream order); the fill and the reads have not run
+        t0 = time.perf_counter()
+        # 768 MiB does not fit in what is left: torch's OOM retry frees x's cached segment, then maps y
+        y = torch.full((768 * MiB,), 3, dtype=torch.uint8, device="cuda")
+        took = time.perf_counter() - t0
+    torch.cuda.synchronize()  # a kernel that ran on an unmapped range lost the context: this raises
+    if not queued:
+        raise SystemExit("the kernels on x had finished before torch freed it: the scenario tests nothing")
+    errors = [e for e in alloc.pending_errors() if not isinstance(e, AllocatorOutOfMemory)]  # the first try of y
+    if errors:
+        raise SystemExit(f"errors: {errors}")
+    read, held = seen.tolist(), [int(y.min().item()), int(y.max().item())]
+    if read != [7, 7] or held != [3, 3]:
+        raise SystemExit(f"x read {read} (not 7..7), y holds {held} (not 3..3): memory changed under a kernel")
+    del filler
+    print(f"OK: y mapped after {took:.3f} s")
+
+
 if __name__ == "__main__":
-    {"l1": _scenario_l1}[sys.argv[1]]()
+    {"l1": _scenario_l1, "free_under_kernel": _scenario_free_under_kernel}[sys.argv[1]]()

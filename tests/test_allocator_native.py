@@ -536,3 +536,30 @@ def test_a_closed_allocator_reaches_no_torch_pool_and_binds_no_slot() -> None:
         alloc.torch_binding.pools()
     with pytest.raises(AllocatorError, match="closed"):
         alloc.table.slot("w")
+
+
+def test_torchs_free_of_a_segment_waits_for_its_stream_before_unmapping() -> None:
+    """A segment torch frees (OOM retry, a freed pool) is unmapped only after its stream's queued work: wait, then unmap."""
+    sim, alloc = make()
+    malloc, free = slot(alloc, "runtime")
+    p = malloc(4 * G, 0, None)  # type: ignore[operator]
+    start = len(sim.calls)
+    free(p, 4 * G, 0, None)  # type: ignore[operator]
+    calls = [c.call for c in sim.calls[start:]]
+    assert "unmap" in calls and "wait" in calls and calls.index("wait") < calls.index("unmap"), calls
+    assert sim.used == 0 and alloc.pending_errors() == []
+
+
+def test_a_free_whose_stream_wait_fails_keeps_the_mapping_and_reports_it() -> None:
+    """When the wait for the stream fails the segment's mapping stays (no kernel can fault); the error reaches Python; a sleep unmaps it."""
+    sim, alloc = make()
+    malloc, free = slot(alloc, "runtime")
+    p = malloc(4 * G, 0, None)  # type: ignore[operator]
+    sim.fail("wait", reason="stream wait failed on purpose")
+    free(p, 4 * G, 0, None)  # type: ignore[operator]
+    errors = alloc.pending_errors()
+    assert len(errors) == 1 and "stream wait failed on purpose" in str(errors[0]) and errors[0].operation == "free"
+    assert sim.used == 4 * G and alloc.usage()["runtime"].allocations == 0
+    alloc.backup(["runtime"])
+    alloc.release(["runtime"])
+    assert sim.used == 0

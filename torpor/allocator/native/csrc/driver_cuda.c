@@ -16,6 +16,7 @@ typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemHandle;
 typedef void *CUcontext;
+typedef void *CUstream;
 typedef struct {
   int type;
   int id;
@@ -51,6 +52,8 @@ typedef struct {
   X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                   \
   X(cuMemUnmap, (CUdeviceptr, size_t))                                                        \
   X(cuMemRelease, (CUmemHandle))                                                              \
+  X(cuStreamIsCapturing, (CUstream, int *))                                                   \
+  X(cuStreamSynchronize, (CUstream))                                                          \
   X(cuGetErrorName, (CUresult, const char **))                                                \
   X(cuGetErrorString, (CUresult, const char **))
 
@@ -160,6 +163,17 @@ static int cu_release(void *self, uint64_t handle, tp_err *e) {
   return check(cu, cu->cuMemRelease(handle), "cuMemRelease", e);
 }
 
+/* A stream that captures a graph is not waited for: a synchronize would invalidate the capture, and torch frees
+ * no segment it holds work of then (its frees wait for the capture's end). */
+static int cu_wait_stream(void *self, int dev, void *stream, tp_err *e) {
+  tp_cuda *cu = self;
+  int capturing = 0; /* CU_STREAM_CAPTURE_STATUS_NONE */
+  if (cu_ensure(self, dev, e)) return -1;
+  if (check(cu, cu->cuStreamIsCapturing(stream, &capturing), "cuStreamIsCapturing", e)) return -1;
+  if (capturing) return 0;
+  return check(cu, cu->cuStreamSynchronize(stream), "cuStreamSynchronize", e);
+}
+
 int tp_cuda_driver(tp_driver *out, tp_err *e) {
   tp_cuda *cu = &g_cuda;
   pthread_mutex_lock(&cu->mu);
@@ -198,5 +212,6 @@ int tp_cuda_driver(tp_driver *out, tp_err *e) {
   out->unmap = cu_unmap;
   out->release = cu_release;
   out->ensure_context = cu_ensure;
+  out->wait_stream = cu_wait_stream;
   return 0;
 }

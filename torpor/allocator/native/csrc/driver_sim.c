@@ -56,7 +56,8 @@ struct tp_sim {
 };
 
 static const char *call_names[TP_NCALLS] = {"granularity", "reserve", "unreserve", "create",
-                                            "map",         "set_access", "unmap",   "release"};
+                                            "map",         "set_access", "unmap",   "release",
+                                            [TP_WAIT] = "wait"};
 
 static void *grow(void *p, int *cap, int need, size_t each) {
   if (need <= *cap) return p;
@@ -434,6 +435,14 @@ static int sim_ensure(void *self, int dev, tp_err *e) {
   return 0;
 }
 
+/* A stream wait (torch's free of a segment): logged as TP_WAIT and failable; the simulated device runs nothing. */
+static int sim_wait_stream(void *self, int dev, void *stream, tp_err *e) {
+  (void)dev;
+  (void)stream;
+  SIM_ENTER(TP_WAIT);
+  SIM_DONE();
+}
+
 void tp_sim_driver(tp_sim *sim, tp_driver *out) {
   out->self = sim;
   out->granularity = sim_granularity;
@@ -445,6 +454,7 @@ void tp_sim_driver(tp_sim *sim, tp_driver *out) {
   out->unmap = sim_unmap;
   out->release = sim_release;
   out->ensure_context = sim_ensure;
+  out->wait_stream = sim_wait_stream;
 }
 
 /* The simulated VMM calls, for the Python SimDriver's own methods (each returns 0, or -1 with *e set). */

@@ -399,7 +399,9 @@ static int alloc_locked(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *
   return 0;
 }
 
-static int free_locked(tp_ctx *c, uint64_t addr, tp_err *e) {
+/* Drop the record of the allocation at `addr`; a mapping losing its last user goes too (tag active), unless `keep`
+ * (the wait for torch's stream failed: a kernel may still use it; the tag's next sleep or the close unmaps it). */
+static int free_locked(tp_ctx *c, uint64_t addr, int keep, tp_err *e) {
   if (c->closed) return 0; /* torch frees its cached segments at exit, after a close */
   int k = alloc_lower(c, addr);
   if (k >= c->na || c->a[k].addr != addr)
@@ -422,7 +424,7 @@ static int free_locked(tp_ctx *c, uint64_t addr, tp_err *e) {
     if (m->slab) {
       for (uint64_t p = rec.addr; p < end; p += m->gran) m->spare |= 1ull << ((p - m->start) / m->gran);
     }
-    if (m->users <= 0 && state == TP_ACTIVE) {
+    if (m->users <= 0 && state == TP_ACTIVE && !keep) {
       if (drop_mapping(c, i, e)) {
         driver_fail(e, rec.tag, "free");
         rc = -1;
@@ -448,7 +450,7 @@ TP_EXPORT int tp_alloc_raw(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_
 
 TP_EXPORT int tp_free_raw(tp_ctx *c, uint64_t addr, tp_err *e) {
   pthread_mutex_lock(&c->mu);
-  int rc = free_locked(c, addr, e);
+  int rc = free_locked(c, addr, 0, e);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -488,15 +490,24 @@ static void *slot_malloc(int slot, long long size, int dev) {
   return rc ? NULL : (void *)(uintptr_t)addr;
 }
 
-static void slot_free(int slot, void *ptr, int dev) {
+static void slot_free(int slot, void *ptr, int dev, void *stream) {
   tp_ctx *c = __atomic_load_n(&g_slots[slot].ctx, __ATOMIC_ACQUIRE);
   if (!ptr || !c) return;
   int tag = __atomic_load_n(&g_slots[slot].tag, __ATOMIC_RELAXED);
-  tp_err e;
+  tp_err e, waited;
   memset(&e, 0, sizeof e);
+  memset(&waited, 0, sizeof waited);
+  /* torch frees a segment (OOM retry, a pool's end) as soon as its blocks are free in stream order: kernels queued
+   * on `stream` may still use it, and cuMemUnmap (unlike cudaFree) does not wait. Waited for outside the mutex. */
+  int stuck = !__atomic_load_n(&c->closed, __ATOMIC_RELAXED) && /* closed: torch frees at exit, nothing is unmapped */
+              (c->drv.ensure_context(c->drv.self, dev, &waited) || c->drv.wait_stream(c->drv.self, dev, stream, &waited));
   pthread_mutex_lock(&c->mu);
+  if (stuck) {
+    driver_fail(&waited, tag, "free");
+    ring_push(c, &waited);
+  }
   int rc = c->drv.ensure_context(c->drv.self, dev, &e) ? driver_fail(&e, tag, "free")
-                                                        : free_locked(c, (uint64_t)(uintptr_t)ptr, &e);
+                                                        : free_locked(c, (uint64_t)(uintptr_t)ptr, stuck, &e);
   if (rc) ring_push(c, &e);
   __atomic_sub_fetch(&g_slots[slot].live, 1, __ATOMIC_RELAXED); /* torch gave the block back, freed or not */
   pthread_mutex_unlock(&c->mu);
@@ -509,8 +520,7 @@ static void slot_free(int slot, void *ptr, int dev) {
   }                                                                                                  \
   static void slot_free_##b##_##k(void *ptr, long long size, int dev, void *stream) {                \
     (void)size;                                                                                      \
-    (void)stream;                                                                                    \
-    slot_free((b) * 8 + (k), ptr, dev);                                                              \
+    slot_free((b) * 8 + (k), ptr, dev, stream);                                                      \
   }
 #define TP_SLOT8(b) TP_SLOT(b, 0) TP_SLOT(b, 1) TP_SLOT(b, 2) TP_SLOT(b, 3) TP_SLOT(b, 4) TP_SLOT(b, 5) TP_SLOT(b, 6) TP_SLOT(b, 7)
 TP_SLOT8(0) TP_SLOT8(1) TP_SLOT8(2) TP_SLOT8(3) TP_SLOT8(4) TP_SLOT8(5) TP_SLOT8(6) TP_SLOT8(7)

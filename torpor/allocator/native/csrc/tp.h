@@ -28,7 +28,7 @@ enum {
   TP_GRANULARITY, TP_RESERVE, TP_UNRESERVE, TP_CREATE, TP_MAP, TP_SET_ACCESS, TP_UNMAP, TP_RELEASE,
   TP_HOST_RESERVE, TP_HOST_ALLOC, TP_HOST_FREE, TP_HOST_UNRESERVE, TP_COPY_D2H, TP_COPY_H2D, TP_RECORD, TP_WAIT,
   TP_SYNCHRONIZE, TP_MEM_INFO,
-  TP_NCALLS = 32 /* room for calls the Python side adds; only the first eight run in the library */
+  TP_NCALLS = 32 /* room for calls the Python side adds; the first eight and TP_WAIT (a stream) run in the library */
 };
 
 /* One failure: what failed, the driver's code (2: out of memory), and why. */
@@ -52,6 +52,8 @@ typedef struct {
   int (*unmap)(void *self, uint64_t addr, uint64_t n, tp_err *e);
   int (*release)(void *self, uint64_t handle, tp_err *e);
   int (*ensure_context)(void *self, int dev, tp_err *e);
+  /* Wait for the work queued on `stream` (torch's, for a segment it frees); 0 at once while it captures a graph. */
+  int (*wait_stream)(void *self, int dev, void *stream, tp_err *e);
 } tp_driver;
 
 typedef struct tp_sim tp_sim;
