@@ -74,6 +74,21 @@ def test_summary_marks_a_backend_whose_engine_failed() -> None:
     assert "| `cumem` | 0.300 s / 0.070 s |" in table
 
 
+def test_spread_gives_each_rows_single_cycles_and_calls_overlapping_ranges_a_tie() -> None:
+    """Each row's min-max per backend; ranges apart name the faster backend, overlapping ones are a tie."""
+    runs = [_run("cumem", 0.3, 0.07), _run("torpor", 0.12, 0.04), _run("torpor", 0.14, 0.08), _run("cumem", 0.35, 0.06)]
+    s = vllm_bench.summarize(runs)
+    assert s["torpor"]["ranges"]["l1_sleep_later_s"] == [0.04, 0.08]
+    assert s["cumem"]["ranges"]["l1_sleep_first_s"] == [0.3, 0.35]
+    table = "\n".join(vllm_bench.spread(s))
+    assert "| L1 sleep, first | 0.300-0.350 s | 0.120-0.140 s | `torpor` faster |" in table
+    assert "| L1 sleep, later | 0.060-0.070 s | 0.040-0.080 s | overlap: not told apart |" in table
+    assert vllm_bench.verdict([0.01, 0.02], [0.03, 0.04]) == "`cumem` faster"
+    assert vllm_bench.verdict(None, [0.03, 0.04]) == "n/a"
+    data = {"model": "/m", "mode": "compile", "order": ["cumem", "torpor"], "cycles": 4, "l2_cycles": 2}
+    assert "Single cycles, min-max" in vllm_bench.markdown({**data, "runs": runs, "summary": s})
+
+
 def test_table_shows_torpor_tags_and_one_profile_per_backend() -> None:
     """The per-tag rows come from torpor's log; each backend's first profiled engine gives the profile table."""
     profile = {

@@ -167,16 +167,20 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         l1 = [[c for c in r["cycles"] if c["level"] == 1] for r in mine]
         l2 = [c for r in mine for c in r["cycles"] if c["level"] == 2]
         later = [c for cs in l1 for c in cs[1:]]
+        series = {
+            "l1_sleep_first_s": [cs[0]["sleep_s"] for cs in l1 if cs],
+            "l1_sleep_later_s": [c["sleep_s"] for c in later],
+            "l1_wake_first_s": [cs[0]["wake_s"] for cs in l1 if cs],
+            "l1_wake_later_s": [c["wake_s"] for c in later],
+            "l2_sleep_s": [c["sleep_s"] for c in l2],
+            "l2_wake_reload_s": [c["wake_s"] for c in l2],
+        }
         row: dict[str, Any] = {
             "engines": len(mine),
             "ok": bool(mine) and all(r.get("ok") for r in mine),
             "start_s": [round(r["start_s"], 1) for r in mine],
-            "l1_sleep_first_s": _median([cs[0]["sleep_s"] for cs in l1 if cs]),
-            "l1_sleep_later_s": _median([c["sleep_s"] for c in later]),
-            "l1_wake_first_s": _median([cs[0]["wake_s"] for cs in l1 if cs]),
-            "l1_wake_later_s": _median([c["wake_s"] for c in later]),
-            "l2_sleep_s": _median([c["sleep_s"] for c in l2]),
-            "l2_wake_reload_s": _median([c["wake_s"] for c in l2]),
+            **{key: _median(values) for key, values in series.items()},
+            "ranges": {key: [min(values), max(values)] if values else None for key, values in series.items()},
             "l2_reload_s": _median([c["reload_s"] for c in l2 if "reload_s" in c]),
             "freed_l1_gb": _median([c["freed"] / 1e9 for cs in l1 for c in cs]),
             "identical": bool(mine) and all(r.get("identical") for r in mine),
@@ -211,6 +215,39 @@ def _s(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f} s"
 
 
+ROWS = {
+    "l1_sleep_first_s": "L1 sleep, first",
+    "l1_sleep_later_s": "L1 sleep, later",
+    "l1_wake_first_s": "L1 wake, first",
+    "l1_wake_later_s": "L1 wake, later",
+    "l2_sleep_s": "L2 sleep",
+    "l2_wake_reload_s": "L2 wake + reload",
+}
+
+
+def verdict(a: list[float] | None, b: list[float] | None, names: tuple[str, str] = BACKENDS) -> str:
+    """Which backend's single cycles all beat the other's (ranges apart), else that this run cannot tell them apart."""
+    if not a or not b:
+        return "n/a"
+    if a[1] < b[0]:
+        return f"`{names[0]}` faster"
+    if b[1] < a[0]:
+        return f"`{names[1]}` faster"
+    return "overlap: not told apart"
+
+
+def spread(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """The table of each row's single cycles, min-max per backend, and whether the ranges are apart."""
+    a, b = BACKENDS
+    lines = ["", "Single cycles, min-max (a row whose ranges overlap is a tie in this run):", ""]
+    lines += [f"| row | `{a}` | `{b}` | ranges |", "| --- | --- | --- | --- |"]
+    for key, name in ROWS.items():
+        ra, rb = summary[a].get("ranges", {}).get(key), summary[b].get("ranges", {}).get(key)
+        cells = ["n/a" if r is None else f"{r[0]:.3f}-{r[1]:.3f} s" for r in (ra, rb)]
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {verdict(ra, rb)} |")
+    return lines
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The comparison table, the parts of a later level-1 sleep, and torpor's per-tag figures."""
     s = data["summary"]
@@ -232,6 +269,7 @@ def markdown(data: dict[str, Any]) -> str:
             f"{_s(r['l1_wake_later_s'])} | {_s(r['l2_sleep_s'])} | {_s(r['l2_wake_reload_s'])} | {freed} | "
             f"{', '.join(f'{x:.1f} s' for x in r['start_s'])} | {'identical' if r['identical'] else 'DIFFERENT or failed'} |"
         )
+    lines += spread(s)
     tags = s["torpor"]["torpor_later_sleep_tags"]
     lines += ["", "Where a later level-1 sleep goes (medians):", ""]
     lines += [
