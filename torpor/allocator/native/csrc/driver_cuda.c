@@ -163,8 +163,8 @@ static int cu_release(void *self, uint64_t handle, tp_err *e) {
   return check(cu, cu->cuMemRelease(handle), "cuMemRelease", e);
 }
 
-/* A stream that captures a graph is not waited for: a synchronize would invalidate the capture, and torch frees
- * no segment it holds work of then (its frees wait for the capture's end). */
+/* A stream that captures a graph is not waited for: a synchronize would invalidate the capture (the free then
+ * unmaps at once; kernels captured are not run, and torch defers the free of blocks a capture used to its end). */
 static int cu_wait_stream(void *self, int dev, void *stream, tp_err *e) {
   tp_cuda *cu = self;
   int capturing = 0; /* CU_STREAM_CAPTURE_STATUS_NONE */
