@@ -242,7 +242,7 @@ def spread(summary: dict[str, dict[str, Any]]) -> list[str]:
     lines = ["", "Single cycles, min-max (a row whose ranges overlap is a tie in this run):", ""]
     lines += [f"| row | `{a}` | `{b}` | ranges |", "| --- | --- | --- | --- |"]
     for key, name in ROWS.items():
-        ra, rb = summary[a].get("ranges", {}).get(key), summary[b].get("ranges", {}).get(key)
+        ra, rb = summary[a]["ranges"][key], summary[b]["ranges"][key]
         cells = ["n/a" if r is None else f"{r[0]:.3f}-{r[1]:.3f} s" for r in (ra, rb)]
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {verdict(ra, rb)} |")
     return lines
