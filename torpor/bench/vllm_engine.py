@@ -65,6 +65,30 @@ def install_timers(wrapper: Any) -> str:
     return type(owners["backend"]).__name__
 
 
+def model_checksums(wrapper: Any) -> dict[str, str]:
+    """In the worker: a checksum of every parameter and buffer of the model on the device, by name.
+
+    Two int64 sums over the tensor's 32-bit words (or bytes, when its size is not a multiple of 4):
+    the plain sum and a position-weighted one, so a changed, lost or moved word changes one of them.
+    Computed on the device (a few GB/s of host copies would take longer than the cycle).
+    """
+    import torch
+
+    worker = getattr(wrapper, "worker", wrapper)
+    model = worker.model_runner.model
+    out: dict[str, str] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    with torch.no_grad():
+        for name, t in named:
+            flat = t.detach().contiguous().view(-1).view(torch.uint8)
+            words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+            w = words.to(torch.int64)
+            pos = torch.arange(w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
+            out[name] = f"{t.dtype}:{tuple(t.shape)}:{int(w.sum()):x}:{int((w * pos).sum()):x}"
+            del w, pos
+    return out
+
+
 def take_times(wrapper: Any) -> list[tuple[str, float]]:
     """In the worker: the timings recorded since the last call, cleared."""
     worker = getattr(wrapper, "worker", wrapper)
@@ -160,7 +184,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     res: dict[str, Any] = {"backend": a.backend, "model": a.model, "mode": a.mode, "cycles": []}
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(a.model, a.backend, a.mode, a.gpu_mem))
+    kwargs = engine_kwargs(a.model, a.backend, a.mode, a.gpu_mem)
+    if a.load_format:
+        kwargs["load_format"] = a.load_format
+    llm = LLM(**kwargs)
     res["start_s"] = time.perf_counter() - start
     import torch  # after the engine is up: a CUDA context here must not precede its start
 
@@ -173,7 +200,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     def generate() -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sampling, use_tqdm=False)]
 
+    checksums = a.checksums
+
+    def sums() -> dict[str, str]:
+        return llm.collective_rpc(here.model_checksums)[0] if checksums else {}
+
+    res["warmups"] = [generate() for _ in range(a.warmups)]  # the first generations, kept as tokens
     baseline = generate()
+    res["baseline"] = baseline
+    res["warmups_equal_baseline"] = [w == baseline for w in res["warmups"]]
+    before = sums()
+    res["checksums_before"] = before
     res["identical"] = True
     plan = [1] * a.cycles + [2] * a.l2_cycles
     for i, level in enumerate(plan):
@@ -194,20 +231,32 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             r = time.perf_counter()
             llm.wake_up(tags=["kv_cache"])
             wake = {"wake_s": time.perf_counter() - t, "wake_weights_s": w - t, "reload_s": r - w}
-        same = generate() == baseline
+        tokens = generate()
+        same = tokens == baseline
         res["identical"] = res["identical"] and same
         cycle: dict[str, Any] = {"level": level, "index": i, "sleep_s": sleep_s, "freed": freed, "same": same, **wake}
+        if res["warmups"]:
+            cycle["same_as_first"] = tokens == res["warmups"][0]
+        if checksums:
+            after = sums()
+            cycle["tensors_changed"] = sorted(n for n in before if after.get(n) != before[n])
+            cycle["tensors_checked"] = len(before)
+            if not same:
+                cycle["tokens"] = tokens
         cycle["worker"] = llm.collective_rpc(here.take_times)[0]
         res["cycles"].append(cycle)
+        changed = f", {len(cycle['tensors_changed'])} of {len(before)} tensors changed" if checksums else ""
         a.log(
-            f"{a.backend} cycle {i}: L{level} sleep {sleep_s:.3f} s freed {freed / 1e9:.1f} GB wake {wake['wake_s']:.3f} s {'same' if same else 'DIFFERENT'}"
+            f"{a.backend} cycle {i}: L{level} sleep {sleep_s:.3f} s freed {freed / 1e9:.1f} GB wake {wake['wake_s']:.3f} s {'same' if same else 'DIFFERENT'}{changed}"
         )
     if a.backend == "torpor" and os.environ.get("TORPOR_LOG_DIR"):  # before the profiled cycle: timing rows only
         res["torpor_phases"] = torpor_phases(Path(os.environ["TORPOR_LOG_DIR"]))
     if a.profile:
         res["profile"] = llm.collective_rpc(here.profiled_cycle, args=(1,))[0]
         res["identical_after_profile"] = generate() == baseline
-    res["ok"] = bool(res["identical"])
+    tensors_same = all(not c.get("tensors_changed") for c in res["cycles"])
+    res["tensors_identical"] = tensors_same
+    res["ok"] = bool(res["identical"]) and tensors_same
     return res
 
 
@@ -222,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--l2-cycles", type=int, default=2, help="level-2 cycles (default 2)")
     p.add_argument("--gpu-mem", type=float, default=0.3)
     p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--warmups", type=int, default=0, help="generations before the baseline, kept as tokens")
+    p.add_argument(
+        "--checksums", action="store_true", help="checksum every parameter and buffer before and after each cycle"
+    )
+    p.add_argument("--load-format", default=None, help="vLLM's load_format (dummy: random weights of the config)")
     a = p.parse_args(argv)
     a.log = lambda s: (sys.stderr.write(s + "\n"), sys.stderr.flush())
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
