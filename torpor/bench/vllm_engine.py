@@ -9,7 +9,11 @@ timers put into the worker (``collective_rpc``), the worker's ``sleep`` /
 ``wake_up`` and the backend's ``suspend`` / ``resume``: what lies between is
 vLLM's engine core and IPC, and the worker's own synchronize and memory
 queries. The last cycle runs under cProfile in the worker (its figures are not
-in the timing rows). Greedy outputs are compared after every wake.
+in the timing rows). After every wake the checksums of every parameter and buffer
+on the device are compared with the ones before the first sleep, and the greedy
+outputs with a baseline generated after a warm-up generation: vLLM's first
+generation after a cold compile can differ from later ones with every tensor
+unchanged (docs/vllm.md, "Exactness of the first cold sleep").
 
 The driver is :mod:`torpor.bench.vllm`; one engine per process because vLLM's
 ``cumem`` allocator and torpor's cannot share one.
