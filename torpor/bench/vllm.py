@@ -184,6 +184,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "l2_reload_s": _median([c["reload_s"] for c in l2 if "reload_s" in c]),
             "freed_l1_gb": _median([c["freed"] / 1e9 for cs in l1 for c in cs]),
             "identical": bool(mine) and all(r.get("identical") for r in mine),
+            "tensors_identical": bool(mine) and all(r.get("tensors_identical", False) for r in mine),
         }
         parts: dict[str, list[float]] = {}
         for c in later:
@@ -258,8 +259,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"{m.get('gpu', '?')}, torch {m.get('torch', '?')}, vLLM {m.get('vllm', '?')}. Medians.",
         "",
         "| backend | L1 sleep first / later | L1 wake first / later | L2 sleep | L2 wake + reload | freed (L1) "
-        "| engine start | outputs after every wake |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| engine start | tensors after every wake | outputs after every wake |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for b in BACKENDS:
         r = s[b]
@@ -267,7 +268,9 @@ def markdown(data: dict[str, Any]) -> str:
         lines.append(
             f"| `{b}` | {_s(r['l1_sleep_first_s'])} / {_s(r['l1_sleep_later_s'])} | {_s(r['l1_wake_first_s'])} / "
             f"{_s(r['l1_wake_later_s'])} | {_s(r['l2_sleep_s'])} | {_s(r['l2_wake_reload_s'])} | {freed} | "
-            f"{', '.join(f'{x:.1f} s' for x in r['start_s'])} | {'identical' if r['identical'] else 'DIFFERENT or failed'} |"
+            f"{', '.join(f'{x:.1f} s' for x in r['start_s'])} | "
+            f"{'identical' if r.get('tensors_identical') else 'CHANGED or not checked'} | "
+            f"{'identical' if r['identical'] else 'DIFFERENT or failed'} |"
         )
     lines += spread(s)
     tags = s["torpor"]["torpor_later_sleep_tags"]

@@ -260,7 +260,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         res["identical_after_profile"] = generate() == baseline
     tensors_same = all(not c.get("tensors_changed") for c in res["cycles"])
     res["tensors_identical"] = tensors_same
-    res["ok"] = bool(res["identical"]) and tensors_same
+    # the tensors decide: at 8B vLLM's greedy outputs can flip between generations with no tensor changed
+    # (docs/vllm.md, "Exactness of the first cold sleep"); without checksums the outputs are all there is
+    res["ok"] = tensors_same if checksums else bool(res["identical"])
     return res
 
 
