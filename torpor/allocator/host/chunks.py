@@ -13,7 +13,7 @@ MiB = 1 << 20
 
 def _default_threads() -> int:
     # 8 threads faulted in and registered 8 GiB in 0.33 s on the H200 host, 16 in 0.40 s (they contend):
-    # benchmarks/probe_cold_pin.py, docs/benchmarks.md
+    # benchmarks/probes/probe_cold_pin.py, docs/benchmarks.md
     return max(2, min(8, os.cpu_count() or 4))
 
 
@@ -27,7 +27,7 @@ def _default_staged() -> bool:
 
 def _default_stage_threads() -> int:
     # 16 threads copied 8 GiB from the ring into fresh pageable memory in 0.41 s on a freshly started H200
-    # machine (benchmarks/probe_staged_copy.py, docs/benchmarks.md); copies into fresh pages scale with threads
+    # machine (benchmarks/probes/probe_staged_copy.py, docs/benchmarks.md); copies into fresh pages scale with threads
     return max(2, min(16, os.cpu_count() or 4))
 
 

@@ -4,7 +4,7 @@ Why: on a freshly started H200 machine the first sleep's own pinning (fault
 8 GiB in, register it, copy into it) took 2.0-2.3 s, 13-15x the copy floor,
 while copying the same 8 GiB through a 512 MiB pinned ring into fresh pageable
 pages with 16 threads took 0.41 s (2.66x), and registering those pages
-afterwards took 0.33 s (benchmarks/probe_staged_copy.py, docs/benchmarks.md).
+afterwards took 0.33 s (benchmarks/probes/probe_staged_copy.py, docs/benchmarks.md).
 So a sleep that needs host chunks not yet pinned copies through the ring; the
 arena registers the chunks in the background once the sleep's copies are done
 (:meth:`~torpor.allocator.host.offload.HostArena.end_staging`), and a wake waits for

@@ -115,7 +115,7 @@ def fault_host_pages(address: int, nbytes: int, room: Callable[[int], bool]) -> 
     """Fault never-written pages in: by writing zeros where the host clearly has room, else by populating.
 
     Writing faulted fresh pages 5-10x faster than ``MADV_POPULATE_WRITE`` on the
-    H200 guest (benchmarks/probe_fault_method.py), but a write fault with no
+    H200 guest (benchmarks/probes/probe_fault_method.py), but a write fault with no
     memory under a cgroup limit calls the OOM killer where populating fails
     with ENOMEM (:mod:`torpor.allocator.native.headroom`). Never for pages that hold
     data: both ways leave zeros on kernels without ``MADV_POPULATE_WRITE``.
@@ -306,7 +306,7 @@ class CudaDriver(Driver):
 
         Not ``cuMemHostAlloc``: it holds the driver's lock while the pages are
         made, which stalled every CUDA call of the engine for the whole pinning
-        time on the H200 here (benchmarks/probe_pinning.py); pages faulted in
+        time on the H200 here (benchmarks/probes/probe_pinning.py); pages faulted in
         first (by several threads at once in a sleep) are registered quickly,
         holding the lock briefly per chunk.
         """

@@ -4,7 +4,7 @@ Why it matters: a page fault that finds no memory under a cgroup limit calls
 the OOM killer on some process (often this one), while ``MADV_POPULATE_WRITE``
 and ``cuMemHostRegister`` fail with ENOMEM, which a sleep turns into a clear
 refusal. Faulting by writing is 5-10x faster on the H200 guest
-(benchmarks/probe_fault_method.py), so the driver writes only where the room
+(benchmarks/probes/probe_fault_method.py), so the driver writes only where the room
 is clearly there, and populates (slower, fails cleanly) where it is not; a
 staged sleep, which fills pageable pages by copying into them, stages only
 where the room is there (docs/allocator.md, "Faulting host pages").

@@ -1,6 +1,6 @@
 """GPU probe: the staged cold sleep's shape (threads x slot size) on never-used host memory, in one process.
 
-``python benchmarks/probe_stage_shape.py [GiB] [rounds] [T x SLOT_MiB,...]`` (default
+``python benchmarks/probes/probe_stage_shape.py [GiB] [rounds] [T x SLOT_MiB,...]`` (default
 ``8 2 16x16,8x16,16x8,12x8``): for each round, each variant in turn gets a new
 allocator, ``GiB`` in 64 tensors and one cold ``sleep(1)`` timed; every allocator
 stays asleep until the end, so each variant's sleep faults host pages no earlier

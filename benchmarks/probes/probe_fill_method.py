@@ -1,6 +1,6 @@
 """Probe: how fast can threads fill never-used host memory with a backup's bytes? No GPU needed for the fill.
 
-Run first thing on a fresh machine: ``python benchmarks/probe_fill_method.py [GiB] [threads] [memfd]``.
+Run first thing on a fresh machine: ``python benchmarks/probes/probe_fill_method.py [GiB] [threads] [memfd]``.
 A staged sleep (torpor.allocator.host.staging) copies each 16 MiB slot of its pinned
 ring into the backup's pageable pages: every page is faulted (the kernel zeroes
 it) and then written. This compares two ways of filling ``GiB`` of memory the

@@ -1,6 +1,6 @@
 """Probe: faulting fresh host memory in by ``MADV_POPULATE_WRITE`` against by writing it (``memset``), interleaved.
 
-Run first in a freshly started machine: ``python benchmarks/probe_fault_method.py [GiB per region] [rounds]``.
+Run first in a freshly started machine: ``python benchmarks/probes/probe_fault_method.py [GiB per region] [rounds]``.
 Each round faults one new region with ``MADV_POPULATE_WRITE`` and one with ``memset`` (16 threads each,
 huge pages advised, the regions kept until the end so every region is memory the process never used), and
 prints the rate of each. It tells whether the staged sleep's ring and the pinned pipeline's chunks should be

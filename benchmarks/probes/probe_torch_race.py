@@ -1,6 +1,6 @@
 """GPU probe: which torch allocator calls, made from several threads at once, crash torch (no torpor code runs).
 
-``python benchmarks/probe_torch_race.py MODE [seconds]``, each mode in its own
+``python benchmarks/probes/probe_torch_race.py MODE [seconds]``, each mode in its own
 process; a crash shows as a signal exit code and faulthandler's thread stacks.
 Every mode runs four allocating threads and a fifth calling
 ``torch.cuda.memory_stats()`` and ``empty_cache()`` in a loop, like

@@ -1,7 +1,7 @@
 """GPU probe: a cold first sleep through a small pinned ring (a staged copy), against pinning the destination.
 
 Run on a CUDA machine, first in a freshly started machine:
-``python benchmarks/probe_staged_copy.py [GiB] [order]`` with ``order`` a comma list of
+``python benchmarks/probes/probe_staged_copy.py [GiB] [order]`` with ``order`` a comma list of
 
 - ``staged``: device -> a ring of small registered slots -> ``threads`` threads copy each slot into fresh
   pageable memory (huge pages advised); then that memory is registered (what a wake needs), timed apart;

@@ -1,7 +1,7 @@
 """GPU probe: where the first cold sleep of a fresh process spends its time, against a later one.
 
 Run on a CUDA machine, each mode in a fresh process:
-``python benchmarks/probe_first_sleep.py MODE [GiB] [segments]`` with MODE one of
+``python benchmarks/probes/probe_first_sleep.py MODE [GiB] [segments]`` with MODE one of
 
 - ``plain``: the bench's first row (tensors made, then ``sleep(1)`` with nothing pinned);
 - ``prime``: the same after pinning and unpinning one 2 MiB page from 8 threads first

@@ -1,6 +1,6 @@
 """GPU probe: where a cold first sleep's host-memory preparation goes, stage by stage, per chunk size and thread count.
 
-Run on a CUDA machine: ``python benchmarks/probe_cold_pin.py [GiB]``. For each
+Run on a CUDA machine: ``python benchmarks/probes/probe_cold_pin.py [GiB]``. For each
 configuration, on fresh host memory: reserve (mmap, huge pages advised), fault
 in with N threads (MADV_POPULATE_WRITE), register each chunk
 (cuMemHostRegister) with N threads, and the two fused per chunk (what the

@@ -4,7 +4,7 @@ The loop of issue 26 as a user wrote it: ``with alloc.use_memory_pool(tag): keep
 at most 64 kept, 32 dropped at a time, while the main thread runs ``a = (a @ a).tanh_()`` in the default pool.
 Prints one line: seconds, matmuls, blocks per worker, and the first error (a CUDA error loses the context).
 
-    python benchmarks/probe_writer_race.py [--workers N] [--seconds S] [--stats] [--numel N]
+    python benchmarks/probes/probe_writer_race.py [--workers N] [--seconds S] [--stats] [--numel N]
 """
 
 from __future__ import annotations

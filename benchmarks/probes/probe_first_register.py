@@ -1,7 +1,7 @@
 """GPU probe: is the first process's slow ``cuMemHostRegister`` a cost per page never registered before?
 
 Run on a CUDA machine, first in a freshly started machine, then again:
-``python benchmarks/probe_first_register.py [GiB]``. Prints, one line each:
+``python benchmarks/probes/probe_first_register.py [GiB]``. Prints, one line each:
 
 - registering fresh pages (faulted in first) from one thread, then the same pages
   again after unregistering them, then other fresh pages;

@@ -1,6 +1,6 @@
 """GPU probe: how much does pinning host memory in a background thread stall an awake engine, per chunk size, thread count and method?
 
-Run on a CUDA machine: ``python benchmarks/probe_pinning.py [GiB]``. The
+Run on a CUDA machine: ``python benchmarks/probes/probe_pinning.py [GiB]``. The
 "engine" is a loop of ``torpor.bench.engine_step`` (a 16 MiB
 pinned input copy, a bf16 matmul, 32 small kernels, synchronize). For each configuration a background pool pins
 GiB of host memory while the loop runs; printed: pinning time, step median,

@@ -1,6 +1,6 @@
 """GPU probe: may a sleep release a discarded KV cache while the backup copies of the other tags run?
 
-Run on a CUDA machine: ``python benchmarks/probe_release_overlap.py [--kv-gib 40] [--copy-mb 412] [--rounds 3]``.
+Run on a CUDA machine: ``python benchmarks/probes/probe_release_overlap.py [--kv-gib 40] [--copy-mb 412] [--rounds 3]``.
 A level-1 sleep of a vLLM engine copies its weights and graphs to the host (about 412 MB) and
 releases its KV cache (tens of GB, nothing copied). torpor waits for the copies before it
 releases anything; this measures, with torpor's CudaDriver and nothing else, the two orders:

@@ -1,6 +1,6 @@
 """Probe: is a fresh host's first cold sleep slow because its memory is touched for the first time? No GPU needed.
 
-Run first thing on a fresh machine: ``python benchmarks/probe_first_touch.py [GiB]``.
+Run first thing on a fresh machine: ``python benchmarks/probes/probe_first_touch.py [GiB]``.
 Faults ``GiB`` of host memory in (huge pages advised, 32 MiB chunks, as the
 host arena does) with 8 threads, then *another* ``GiB`` with 16 threads while
 the first is still held (so both touch memory this host never touched), frees

@@ -1,6 +1,6 @@
 """GPU probe for the first sleep over many small mappings: does cuMemUnmap take a span of several mappings, and what does each unmap strategy cost?
 
-Run on a CUDA machine: ``python benchmarks/probe_unmap.py``. Uses torpor's
+Run on a CUDA machine: ``python benchmarks/probes/probe_unmap.py``. Uses torpor's
 CudaDriver (the allocator's own driver calls). Prints one line per finding.
 """
 

@@ -1,6 +1,6 @@
 """GPU probe: when torch frees a cached segment of a torpor pool (OOM retry), is a kernel still queued on it?
 
-Run on a CUDA machine: ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64 python benchmarks/probe_free_under_kernel.py``.
+Run on a CUDA machine: ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64 python benchmarks/probes/probe_free_under_kernel.py``.
 Prints how long the spin kernel takes alone, the device's free memory at each step, the
 tag's allocations before and after the allocation that makes torch free the segment, and how
 long that allocation took (a free that waits for the stream takes about the spin's time).
