@@ -1,0 +1,50 @@
+"""The errors of torpor's torch_memory_saver API: where TMS prints and calls ``exit(1)``, torpor raises one of these."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torpor.errors import TorporError
+
+
+class TmsError(TorporError):
+    """Base of the errors :mod:`torpor.tms` raises."""
+
+
+class TagStateError(TmsError, RuntimeError):
+    """``pause`` of a tag that is not awake, or ``resume`` of a tag that is not paused: ``command``, ``tag``, ``state``.
+
+    TMS 0.0.10 prints "Cannot pause allocation that is not active" and exits the
+    process; torpor raises, with nothing touched.
+    """
+
+    def __init__(self, command: str, tag: str, state: str, allowed: Iterable[str]) -> None:
+        self.command = command
+        self.tag = tag
+        self.state = state
+        self.allowed = tuple(allowed)
+        verb = "paused" if command == "resume" else "awake"
+        hint = "resume it first" if command == "pause" else "pause it first"
+        msg = (
+            f"torch_memory_saver.{command}: tag {tag!r} is {state!r}, not {verb} "
+            f"({command} needs {' or '.join(self.allowed)}); {hint}"
+        )
+        super().__init__(msg)
+
+
+class TmsConfigError(TmsError, ValueError):
+    """A ``TMS_*`` environment variable (``name``) with a value (``value``) TMS does not accept."""
+
+    def __init__(self, name: str, value: str, accepted: str) -> None:
+        self.name = name
+        self.value = value
+        msg = f"{name}={value!r} is not accepted (TMS exits on it); use {accepted}"
+        super().__init__(msg)
+
+
+class TmsUsageError(TmsError, RuntimeError):
+    """A call TMS refuses too (an ``assert`` or an ``exit(1)`` there), said as a torpor error: ``what``."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(what)
