@@ -18,13 +18,13 @@ import argparse
 import faulthandler
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -155,12 +155,6 @@ def _main() -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.gpu2
 def test_full_gpu_on_rank1_rolls_the_group_back_then_it_wakes_and_replays(tmp_path: Path) -> None:
     """Rank 1's wake fails (GPU full): both ranks raise GroupFailed and stay asleep intact; after freeing, the group wakes and the all-reduce graph replays right."""
@@ -168,7 +162,7 @@ def test_full_gpu_on_rank1_rolls_the_group_back_then_it_wakes_and_replays(tmp_pa
     env.update(NO_MULTICAST)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    port = _free_port()
+    port = support.free_port()
     procs = []
     for rank in range(WORLD):
         cmd = [sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--logdir", str(tmp_path / "logs")]

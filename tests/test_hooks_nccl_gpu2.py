@@ -17,13 +17,13 @@ import faulthandler
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -203,12 +203,6 @@ def _main() -> int:
 # -- the tests (run by pytest in the parent) ----------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(tmp_path: Path, mode: str, extra_env: dict[str, str]) -> tuple[list[dict[str, Any]], list[int], str]:
     """Run the two workers; their results, exit codes and output tails (fails when a result is missing)."""
     env = {k: v for k, v in os.environ.items() if k != "NCCL_GRAPH_REGISTER"}
@@ -218,7 +212,7 @@ def _spawn(tmp_path: Path, mode: str, extra_env: dict[str, str]) -> tuple[list[d
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("NCCL_DEBUG", "INFO")  # NCCL then logs the NCCL_* values it read from the environment
     env.setdefault("NCCL_DEBUG_SUBSYS", "ENV")
-    port = _free_port()
+    port = support.free_port()
     logdir = tmp_path / "logs"
     procs = []
     for rank in range(WORLD):
