@@ -1,0 +1,200 @@
+"""TmsEngine: one controller per TMS tag, pause/resume as logged sleeps and wakes, all checks before anything moves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torpor import State
+from torpor.allocator import SimDriver, TaggedAllocator
+from torpor.errors import TorporError
+from torpor.statemachine.core.policy import Action
+from torpor.tms.tmsengine import TmsEngine, check_alloc_conf
+from torpor.tms.tmsenv import TmsSettings
+from torpor.tms.tmserrors import TagStateError, TmsUsageError
+
+MiB = 1 << 20
+
+
+def engine(log: str | None = None, settings: TmsSettings | None = None) -> TmsEngine:
+    """An engine on a simulated device, telemetry off."""
+    alloc = TaggedAllocator(SimDriver(64 * MiB))
+    return TmsEngine("torch", allocator=alloc, log=log, settings=settings or TmsSettings(), telemetry=False)
+
+
+def fill(e: TmsEngine) -> dict[str, int]:
+    """kv_cache (no backup), weights (pinned backup), cuda_graph (no backup): one 2 MiB allocation each."""
+    out = {}
+    for tag, cpu in (("kv_cache", False), ("weights", True), ("cuda_graph", False)):
+        with e.region(tag, cpu, False, None):
+            out[tag] = e.allocator.allocate(2 * MiB)
+        e.allocator.write(out[tag], tag.encode() * 4)
+    return out
+
+
+def test_each_tag_pauses_alone_in_sglangs_order() -> None:
+    """kv_cache, weights, cuda_graph paused one by one, resumed in reverse: weights kept, the others discarded."""
+    e = engine()
+    addr = fill(e)
+    for tag in ("kv_cache", "weights", "cuda_graph"):
+        e.pause(tag)
+        assert e.allocator.usage()[tag].resident == 0
+        assert e.controllers[tag].state is State.ASLEEP_L1
+    for tag in ("cuda_graph", "weights", "kv_cache"):
+        e.resume(tag)
+        assert e.controllers[tag].state is State.AWAKE
+    assert e.allocator.read(addr["weights"], 28) == b"weights" * 4
+    assert all(u.resident == 2 * MiB for u in e.allocator.usage().values())
+
+
+def test_the_policy_follows_the_regions_settings() -> None:
+    """A region with a CPU (or disk) backup is offloaded, one without is discarded: the plan the sleep records."""
+    e = engine()
+    fill(e)
+    e.pause(None)
+    plans = {t: ev.data["plan"] for t, c in e.controllers.items() for ev in c.events() if ev.kind == "sleep_requested"}
+    assert plans == {
+        "kv_cache": {"kv_cache": "discard"},
+        "weights": {"weights": "offload"},
+        "cuda_graph": {"cuda_graph": "discard"},
+    }
+    assert e.tags["weights"].policy().plan(1, ["weights"]) == {"weights": Action.OFFLOAD}
+
+
+def test_double_pause_names_the_tag_and_its_state() -> None:
+    """Pausing a paused tag raises TagStateError (TMS exits), naming the tag and its state."""
+    e = engine()
+    fill(e)
+    e.pause("kv_cache")
+    with pytest.raises(TagStateError, match=r"'kv_cache' is 'asleep_l1'") as info:
+        e.pause("kv_cache")
+    assert (info.value.tag, info.value.state, info.value.command) == ("kv_cache", "asleep_l1", "pause")
+    assert isinstance(info.value, TorporError)
+
+
+def test_resume_of_an_awake_tag_is_refused() -> None:
+    """Resuming a tag that is not paused raises TagStateError naming it."""
+    e = engine()
+    fill(e)
+    with pytest.raises(TagStateError, match=r"'weights' is 'awake'"):
+        e.resume("weights")
+
+
+def test_pause_all_checks_every_tag_first() -> None:
+    """pause(None) with one tag paused refuses and leaves every other tag awake."""
+    e = engine()
+    fill(e)
+    e.pause("weights")
+    with pytest.raises(TagStateError, match="'weights'"):
+        e.pause(None)
+    assert e.controllers["kv_cache"].state is State.AWAKE
+    with pytest.raises(TagStateError, match="'cuda_graph' is 'awake'"):
+        e.resume(None)
+    assert e.controllers["weights"].state is State.ASLEEP_L1
+
+
+def test_pause_all_and_resume_all() -> None:
+    """pause(None) and resume(None) (and the empty tag, as TMS reads it) cover every tag."""
+    e = engine()
+    fill(e)
+    e.pause("")
+    assert all(u.resident == 0 for u in e.allocator.usage().values())
+    e.resume(None)
+    assert all(c.state is State.AWAKE for c in e.controllers.values())
+
+
+def test_a_failed_pause_wakes_what_it_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When one tag's sleep fails, the tags paused before it in the same call are resumed, then the error raised."""
+    e = engine()
+    fill(e)
+
+    def boom(level: int = 1, *, idempotent: bool = False) -> object:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(e.controllers["weights"], "sleep", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        e.pause(None)
+    assert e.controllers["cuda_graph"].state is State.AWAKE  # sorted: cuda_graph went first, and came back
+
+
+def test_a_tag_with_two_settings_pauses_as_one() -> None:
+    """A tag used with and without a CPU backup gets two torpor tags; pause(tag) pauses both, each by its own action."""
+    e = engine()
+    with e.region("w", True, False, None):
+        kept = e.allocator.allocate(2 * MiB)
+    with e.region("w", False, False, None):
+        e.allocator.allocate(2 * MiB)
+    e.allocator.write(kept, b"keep")
+    assert e.tags["w"].actions == {"w": Action.OFFLOAD, "w#discard": Action.DISCARD}
+    e.pause("w")
+    usage = e.allocator.usage()
+    assert (usage["w"].host, usage["w#discard"].discarded) == (2 * MiB, 2 * MiB)
+    e.resume("w")
+    assert e.allocator.read(kept, 4) == b"keep"
+
+
+def test_nested_regions_inner_wins() -> None:
+    """Inside a nested region allocations are the inner tag's; after it, the outer's again."""
+    e = engine()
+    with e.region("outer", True, False, None):
+        with e.region("inner", False, False, None):
+            inner = e.allocator.allocate(2 * MiB)
+            assert e.current().tag == "inner"
+        outer = e.allocator.allocate(2 * MiB)
+    usage = e.allocator.usage()
+    assert usage["inner"].allocations == usage["outer"].allocations == 1
+    assert inner != outer
+
+
+def test_disable_needs_an_active_region() -> None:
+    """disable() outside any region (and without TMS_INIT_ENABLE) is refused, as TMS's assert; inside it works."""
+    e = engine()
+    with pytest.raises(TmsUsageError, match="only when tms is active"), e.disable():
+        pass
+    with e.region("w", False, False, None), e.disable():
+        assert e.current().interesting is False
+    init = engine(settings=TmsSettings(init_enable=True, init_enable_cpu_backup=True))
+    assert init.current().mode == "pinned"
+    with init.disable():
+        pass
+
+
+def test_allocating_in_a_paused_region_is_refused() -> None:
+    """A region of a paused tag cannot start (torpor's TagNotAwake), instead of handing out unmapped memory."""
+    e = engine()
+    fill(e)
+    e.pause("kv_cache")
+    with pytest.raises(TorporError, match="kv_cache"), e.region("kv_cache", False, False, None):
+        pass
+
+
+def test_each_tag_logs_its_own_transitions(tmp_path: Path) -> None:
+    """With a log directory every TMS tag writes ENGINE.TAG.rankN.jsonl holding its pause and resume."""
+    e = engine(log=str(tmp_path))
+    fill(e)
+    e.pause("kv_cache")
+    e.resume("kv_cache")
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "tms.kv_cache.rank0.jsonl").read_text().splitlines()]
+    assert kinds[-2:] == ["tag_restored", "wake_completed"]
+    assert "sleep_completed" in kinds
+
+
+def test_expandable_segments_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PYTORCH_CUDA_ALLOC_CONF with expandable_segments:True is refused with TMS's words and the reason."""
+    check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    with pytest.raises(TmsUsageError, match="expandable_segments is not supported"):
+        check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"})
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(TmsUsageError):
+        engine()
+
+
+def test_cuda_graph_pool_belongs_to_one_tag() -> None:
+    """The graph pool joins the first cuda_graph() tag; another tag is refused with both names."""
+    e = engine()
+    e.adopt_graph_pool("cuda_graph")
+    assert e.tags["cuda_graph"].actions["cudagraph"] is Action.OFFLOAD
+    with pytest.raises(TmsUsageError, match="'cuda_graph'"):
+        e.adopt_graph_pool("other")
