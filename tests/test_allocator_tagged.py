@@ -237,7 +237,7 @@ def test_allocate_into_a_released_tag_is_refused() -> None:
     _, alloc = make()
     fill(alloc, "w", [G])
     alloc.release(["w"])
-    with pytest.raises(AllocatorError, match="released"):
+    with pytest.raises(AllocatorError, match="tag 'w' is asleep; wake it first"):
         alloc.allocate(G, "w")
 
 
@@ -519,3 +519,37 @@ def test_close_while_asleep_frees_everything() -> None:
     alloc.close()
     assert sim.used == 0 and sim.host_used == 0
     assert not any(True for _ in sim.mapped_ranges())
+
+
+def test_allocate_into_an_asleep_tag_names_its_state_and_the_sleep_event() -> None:
+    """allocate() into an asleep tag is refused like use_memory_pool: TagNotAwake naming the tag, 'asleep' and the sleep's event."""
+    from torpor import TagNotAwake
+
+    _, alloc = make()
+    fill(alloc, "weights", [2 * G])
+    ctl = SleepController(alloc)
+    ctl.sleep(1)
+    with pytest.raises(
+        TagNotAwake, match=r"tag 'weights' is asleep \(sleep level 1, event #\d+ \(sleep_requested\)\)"
+    ) as info:
+        alloc.allocate(G, "weights")
+    assert info.value.operation == "allocate" and info.value.state == "asleep"
+    ctl.wake()
+    assert alloc.allocate(G, "weights")
+
+
+def test_write_into_an_asleep_tags_address_names_the_tag_its_state_and_the_sleep_event() -> None:
+    """write() at an address of an asleep tag raises TagNotAwake naming the tag, its state and the sleep's event, not a bare DriverError."""
+    from torpor import TagNotAwake
+
+    _, alloc = make()
+    data = fill(alloc, "kv_cache", [2 * G])
+    ctl = SleepController(alloc)
+    ctl.sleep(1)
+    address = next(iter(data))
+    with pytest.raises(TagNotAwake, match=r"tag 'kv_cache' is asleep \(sleep level 1, event #\d+") as info:
+        alloc.write(address + 16, b"x" * 8)
+    assert info.value.operation == "write" and info.value.tag == "kv_cache"
+    assert f"{address + 16:#x}" in str(info.value)
+    ctl.wake()
+    alloc.write(address, b"y" * 8)

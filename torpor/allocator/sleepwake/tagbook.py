@@ -94,6 +94,25 @@ class TagBook:
             held = self._open.setdefault(tag, {}).setdefault(thread.ident or 0, _Held(thread.name))
             held.count += 1
 
+    def not_awake(self, tag: str) -> tuple[str, str] | None:
+        """(state, the sleep that put it there) when ``tag`` is asleep or going to sleep; None while it is awake."""
+        with self._doors:
+            state = self.table.usage(tag)[0]
+            if tag not in self._closing and state == native.ACTIVE:
+                return None
+            asleep = state == native.RELEASED and tag not in self._closing
+            return ("asleep" if asleep else "going to sleep"), self._cause.get(tag, "")
+
+    def owner(self, address: int) -> str | None:
+        """The tag of the allocation that holds ``address`` (None: no allocation of a known tag holds it)."""
+        with self.lock:
+            tags = list(self.records)
+        for tag in tags:
+            for start, size, _ in self.table.allocations(tag):
+                if start <= address < start + size:
+                    return tag
+        return None
+
     def leave_block(self, tag: str) -> None:
         """The block of ``tag`` this thread entered last ended (a sleep waiting for it may go on)."""
         with self._doors:
