@@ -13,6 +13,7 @@ import shutil
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 SOURCES = ["err.c", "driver_cuda.c", "driver_sim.c", "table.c", "sleep.c", "trim.c"]
 CSRC = os.path.join("torpor", "allocator", "native", "csrc")
@@ -41,6 +42,23 @@ class BuildNative(build_ext):
         return []  # no PyInit_*: this is not a Python module
 
 
+PTH = os.path.join("torpor", "tms", "torpor-tms.pth")
+
+
+class BuildPyWithPth(build_py):
+    """build_py that also puts torpor-tms.pth at the wheel's top (site-packages), where ``site`` runs it at start.
+
+    The file turns torpor.tms's switch on only when TORPOR_TMS=1 (docs/tms.md).
+    """
+
+    def run(self) -> None:
+        super().run()
+        self.copy_file(PTH, os.path.join(self.build_lib, os.path.basename(PTH)), preserve_mode=False)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, os.path.basename(PTH))]
+
+
 native = Extension(
     "torpor.allocator.native.libtorpor_alloc",
     sources=[os.path.join(CSRC, s) for s in SOURCES],
@@ -49,4 +67,4 @@ native = Extension(
     libraries=["dl", "pthread"],
 )
 
-setup(ext_modules=[native], cmdclass={"build_ext": BuildNative})
+setup(ext_modules=[native], cmdclass={"build_ext": BuildNative, "build_py": BuildPyWithPth})

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from torpor.allocator import TaggedAllocator
+from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.states import State
 from torpor.statemachine.machine.controller import SleepController
 from torpor.telemetry.session import attach
+from torpor.tms.switch import active
 from torpor.tms.tagview import DISCARD_MODE, TagView, TmsTag, mode_of
 from torpor.tms.tmsenv import BACKENDS, TmsSettings
 from torpor.tms.tmserrors import TagStateError, TmsUsageError
@@ -146,6 +148,7 @@ class TmsEngine:
                 rank=self.rank,
             )
             self.controllers[tag] = ctl
+            ctl.record(EventKind.HOOK_DECISION, hook="torch_memory_saver", active=True, detail=active())
             if self.telemetry:
                 self._attach(ctl)
             return ctl

@@ -1,0 +1,132 @@
+"""The switch: TORPOR_TMS=1 makes an unmodified `import torch_memory_saver` give torpor.tms, in children too."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from torpor.tms import switch
+
+ROOT = Path(__file__).resolve().parent.parent
+PTH = ROOT / "torpor" / "tms" / "torpor-tms.pth"
+WHEEL = ROOT / ".whl" / "torch_memory_saver-0.0.10-cp39-abi3-manylinux2014_x86_64.whl"
+
+PROBE = (
+    "import torch_memory_saver as t\n"
+    "from torch_memory_saver import torch_memory_saver, TorchMemorySaver, configure_subprocess\n"
+    "from torch_memory_saver.hooks.mode_preload import configure_subprocess as c2\n"
+    "print('IMPL', t.__name__, type(torch_memory_saver).__module__, c2 is configure_subprocess)\n"
+)
+
+
+def site_dir(tmp_path: Path) -> Path:
+    """A directory holding torpor's .pth, as installing torpor leaves site-packages."""
+    d = tmp_path / "site"
+    d.mkdir(exist_ok=True)
+    shutil.copy(PTH, d / PTH.name)
+    return d
+
+
+def run(code: str, env_extra: dict[str, str], tmp_path: Path, argv: list[str] | None = None) -> str:
+    """Run ``code`` in a fresh interpreter whose site dirs include the .pth's; its stdout and stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORPOR_TMS", "PYTHONPATH")}
+    env.update(env_extra)
+    boot = f"import site; site.addsitedir({str(site_dir(tmp_path))!r})\n"
+    cmd = argv if argv is not None else [sys.executable, "-c", boot + code]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    return out.stdout + out.stderr
+
+
+def real_tms(tmp_path: Path) -> str | None:
+    """A directory with the real torch_memory_saver 0.0.10's Python part (None when the wheel is not here)."""
+    if not WHEEL.is_file():
+        return None
+    target = tmp_path / "real"
+    with zipfile.ZipFile(WHEEL) as whl:
+        whl.extractall(target)
+    return str(target)
+
+
+def test_the_pth_turns_the_switch_on(tmp_path: Path) -> None:
+    """With TORPOR_TMS=1 the .pth makes torch_memory_saver torpor.tms, and its submodules torpor's."""
+    out = run(PROBE, {"TORPOR_TMS": "1"}, tmp_path)
+    assert "IMPL torpor.tms torpor.tms.saver True" in out
+
+
+def test_the_switch_wins_over_the_real_package(tmp_path: Path) -> None:
+    """The real TMS on the path is never loaded under the switch; without it, the real one is."""
+    real = real_tms(tmp_path)
+    if real is None:
+        pytest.skip("the real torch_memory_saver wheel is not in .whl/")
+    pytest.importorskip("torch")
+    out = run(PROBE, {"TORPOR_TMS": "1", "PYTHONPATH": real}, tmp_path)
+    assert "IMPL torpor.tms torpor.tms.saver True" in out
+    plain = run(
+        "import torch_memory_saver as t; print('IMPL', t.__file__)", {"PYTHONPATH": real, "TORPOR_TMS": "0"}, tmp_path
+    )
+    assert f"IMPL {real}" in plain
+
+
+def test_without_the_switch_nothing_changes(tmp_path: Path) -> None:
+    """Without TORPOR_TMS=1 (and no TMS installed) import torch_memory_saver fails as before."""
+    code = (
+        "import importlib.util, sys\n"
+        "print('FOUND', importlib.util.find_spec('torch_memory_saver') is not None and 'real' not in str(sys.path))\n"
+        "from torpor.tms.switch import AliasFinder\n"
+        "print('FINDER', any(isinstance(f, AliasFinder) for f in sys.meta_path))\n"
+    )
+    out = run(code, {}, tmp_path)
+    assert "FINDER False" in out
+
+
+def test_children_inherit_the_switch(tmp_path: Path) -> None:
+    """A program started by `python -m torpor.tms.tmsrun` and the Python processes it spawns get torpor's TMS."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import multiprocessing as mp, subprocess, sys\n"
+        "import torch_memory_saver\n"
+        "print('PARENT', torch_memory_saver.__name__)\n"
+        "def child(q):\n"
+        "    import torch_memory_saver as t\n"
+        "    q.put(t.__name__)\n"
+        "if __name__ == '__main__':\n"
+        "    code = 'import torch_memory_saver as t; print(\"GRANDCHILD\", t.__name__)'\n"
+        "    subprocess.run([sys.executable, '-c', code], check=True)\n"
+        "    ctx = mp.get_context('spawn'); q = ctx.Queue(); p = ctx.Process(target=child, args=(q,))\n"
+        "    p.start(); print('SPAWNED', q.get(timeout=60)); p.join()\n"
+    )
+    out = run("", {}, tmp_path, argv=[sys.executable, "-m", "torpor.tms.tmsrun", str(script)])
+    for who in ("PARENT", "GRANDCHILD", "SPAWNED"):
+        assert f"{who} torpor.tms" in out
+
+
+def test_the_log_says_once_which_implementation(tmp_path: Path) -> None:
+    """torpor's log says once, at the first import, which implementation is active."""
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "import torch_memory_saver\nimport torch_memory_saver.entrypoint\n"
+    )
+    out = run(code, {"TORPOR_TMS": "1"}, tmp_path)
+    assert out.count("torpor.tms: import torch_memory_saver") == 1
+    assert "torpor's implementation" in out
+
+
+def test_an_unknown_submodule_is_named(tmp_path: Path) -> None:
+    """A TMS submodule torpor does not provide fails with a message that says so."""
+    code = "try:\n    import torch_memory_saver.binary_wrapper\nexcept ModuleNotFoundError as e:\n    print('ERR', e)\n"
+    out = run(code, {"TORPOR_TMS": "1"}, tmp_path)
+    assert "ERR torpor.tms does not provide 'torch_memory_saver.binary_wrapper'" in out
+
+
+def test_activate_reads_the_variable() -> None:
+    """activate() installs nothing unless TORPOR_TMS is 1."""
+    assert switch.activate({}) is False
+    assert switch.activate({"TORPOR_TMS": "0"}) is False
+    assert "imported by name" in switch.active()

@@ -1,0 +1,97 @@
+"""The switch: with ``TORPOR_TMS=1``, ``import torch_memory_saver`` gives :mod:`torpor.tms`, installed or not.
+
+A meta-path finder placed first on ``sys.meta_path`` answers for
+``torch_memory_saver`` and the submodules TMS's users import
+(``entrypoint``, ``hooks``, ``hooks.mode_preload``, ``testing_utils``) with
+torpor's modules, so the real package, if installed, is never loaded. The
+``torpor-tms.pth`` file that installing torpor puts in site-packages calls
+:func:`activate` at every interpreter start, which installs the finder only
+when ``TORPOR_TMS=1``; spawned children inherit the variable and run the same
+``.pth``. Without it nothing changes. ``python -m torpor.tms.run`` does the
+same where the ``.pth`` is not installed (docs/tms.md, "The switch").
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+logger = logging.getLogger("torpor.tms")
+
+ENV = "TORPOR_TMS"
+TMS = "torch_memory_saver"
+
+#: What each TMS module name gives under the switch.
+ALIASES: dict[str, str] = {
+    TMS: "torpor.tms",
+    f"{TMS}.entrypoint": "torpor.tms.saver",
+    f"{TMS}.hooks": "torpor.tms",
+    f"{TMS}.hooks.mode_preload": "torpor.tms.preload",
+    f"{TMS}.testing_utils": "torpor.tms.tmstesting",
+}
+
+_said = False
+
+
+def active() -> str:
+    """Which implementation ``import torch_memory_saver`` gives in this process, in words."""
+    if any(isinstance(f, AliasFinder) for f in sys.meta_path):
+        return f"torpor.tms answers import torch_memory_saver ({ENV}=1): torpor's implementation of its 0.0.10 API"
+    return f"torpor.tms, imported by name ({ENV} is not 1: import torch_memory_saver gives the installed package)"
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Hands out an already imported torpor module under the TMS name."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        global _said  # noqa: PLW0603 -- said once per process
+        module = importlib.import_module(self.target)
+        if not _said:
+            _said = True
+            logger.info("torpor.tms: import %s gives %s", spec.name, active())
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the torpor module is imported already."""
+
+
+class AliasFinder(importlib.abc.MetaPathFinder):
+    """Finds ``torch_memory_saver`` (and the submodules of :data:`ALIASES`) as torpor's modules."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        """A spec for a TMS name torpor answers; None for any other name (the next finder looks)."""
+        aliased = ALIASES.get(fullname)
+        if aliased is None:
+            if fullname.startswith(f"{TMS}."):
+                msg = f"torpor.tms does not provide {fullname!r} ({ENV}=1; docs/tms.md lists what it provides)"
+                raise ModuleNotFoundError(msg, name=fullname)
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(aliased), is_package=aliased == "torpor.tms")
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once); a ``torch_memory_saver`` imported before is replaced."""
+    if not any(isinstance(f, AliasFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, AliasFinder())
+    for name in [n for n in sys.modules if n == TMS or n.startswith(f"{TMS}.")]:
+        del sys.modules[name]
+
+
+def activate(environ: dict[str, str] | None = None) -> bool:
+    """Install the finder when ``TORPOR_TMS=1`` (what the ``.pth`` calls at start); True when it did."""
+    env = os.environ if environ is None else environ
+    if env.get(ENV, "").strip() != "1":
+        return False
+    install()
+    return True
