@@ -8,6 +8,8 @@ import json
 import os
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -574,3 +576,64 @@ def test_pipelined_requests_on_one_connection_are_each_answered(server: Server) 
     two = b"GET /state HTTP/1.1\r\nHost: x\r\n\r\nGET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     got = _raw(server, two)
     assert got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 404" in got
+
+
+#: Run in another process: ``n`` connections with a tiny receive buffer pipeline /events and never read, renewed.
+_SLOW_READERS = r"""
+import socket, sys, time
+port, n, renew = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+request = b"GET /events?after=0 HTTP/1.1\r\nHost: x\r\n\r\n" * 400
+socks = []
+def connect():
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256)
+    s.connect(("127.0.0.1", port))
+    s.setblocking(False)
+    try:
+        s.send(request)
+    except OSError:
+        pass
+    return s
+print("ready", flush=True)
+while True:
+    for s in socks:
+        s.close()
+    socks = []
+    for _ in range(n):
+        try:
+            socks.append(connect())
+        except OSError:
+            pass
+    time.sleep(renew)
+"""
+
+
+def test_slow_readers_in_another_process_do_not_deny_scrapes(controller: SleepController) -> None:
+    """70 connections from another process that pipeline /events and never read: /metrics scrapes are still answered."""
+    for _ in range(50):  # responses large enough to fill a socket's send buffer
+        controller.observe()
+    with serve(controller, 0) as srv:
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", _SLOW_READERS, str(srv.port), "70", "10"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert attacker.stdout is not None
+            assert attacker.stdout.readline().strip() == "ready"
+            deadline = time.monotonic() + 20
+            while srv.admission.active < srv.admission.max_connections:  # every connection held by the attack
+                assert time.monotonic() < deadline, f"the attack holds only {srv.admission.active} connections"
+                time.sleep(0.05)
+            time.sleep(1.0)  # the attack's writes are blocked by now
+            answered = 0
+            scrapes = 20
+            for _ in range(scrapes):
+                with contextlib.suppress(OSError):
+                    status, _, _ = fetch(srv.url + "/metrics")
+                    answered += status == 200
+                time.sleep(0.1)
+        finally:
+            attacker.kill()
+            attacker.wait()
+    assert answered >= 0.9 * scrapes, f"{answered} of {scrapes} scrapes answered under the slow-reader attack"

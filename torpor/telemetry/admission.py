@@ -5,10 +5,13 @@ so every byte and thread a client makes it hold is the engine's. This module
 bounds them:
 
 - **connections**: at most ``max_connections`` (64) at once, one thread each.
-  A new connection beyond that takes the place of the one that has waited
-  longest for its request head (idle keep-alive or stalled: the cheapest to
-  drop, and a scrape that sends its request at once always gets in); when
-  every connection is busy in a request, the newcomer is answered
+  A new connection beyond that takes the place of the one blocked longest in a
+  write (a client that does not read its answers: blocked for more than
+  :data:`STALLED_WRITE` seconds), else of the one that has waited longest for
+  its request head (idle keep-alive or stalled: the cheapest to drop). So a
+  scrape that sends its request at once always gets in, even while slow readers
+  pipeline requests and never read (issue 37). When every connection is busy
+  in a request and none is stalled, the newcomer is answered
   ``503 Service Unavailable`` with ``Retry-After: 1`` and ``Connection: close``
   at once, without a thread, and its socket is drained and closed by the
   server loop a moment later (so the client reads the 503, not a reset);
@@ -19,6 +22,8 @@ bounds them:
 - **time**: the whole head must arrive within ``read_timeout`` (10 s) of the
   connection or of the previous response, however it trickles in (slowloris):
   else 408 (or, when nothing came, a silent close of the idle connection).
+  A whole response (head and body) must go out within the handler's
+  ``timeout`` (10 s) however slowly the client reads: else the connection closes.
 
 Long-polls are bounded by the endpoint itself (``max_waiters`` slots, fewer than
 ``max_connections``, so they can never hold every connection).
@@ -42,6 +47,8 @@ MAX_HEADERS = 64
 #: Refused connections kept at once while their 503 goes out (beyond: the oldest closes now).
 MAX_LINGERING = 256
 LINGER_SECONDS = 1.0
+#: Seconds a connection must have been blocked in one write before a newcomer may take its place.
+STALLED_WRITE = 0.5
 
 OK, CLOSED, TIMEOUT, LINE_TOO_LONG, HEAD_TOO_LARGE, TOO_MANY_HEADERS = range(6)
 
@@ -107,6 +114,7 @@ class Admission:
         self._lock = threading.Lock()
         self.active = 0
         self._reading: dict[socket.socket, float] = {}  # connection -> when it started waiting for a head
+        self._writing: dict[socket.socket, float] = {}  # connection -> when its current write started
         self._evicted: set[socket.socket] = set()
         self._lingering: deque[tuple[socket.socket, float]] = deque()
         #: Connections turned away (503) and connections dropped to make room, since the start.
@@ -114,21 +122,32 @@ class Admission:
         self.evicted = 0
 
     def admit(self, sock: socket.socket) -> bool:
-        """Take ``sock`` (True), making room by dropping the longest-waiting head reader if need be; False: refuse it."""
+        """Take ``sock`` (True), making room by dropping a stalled writer or the longest head reader; False: refuse it."""
         victim = None
         with self._lock:
             if self.active >= self.max_connections:
-                if not self._reading:
+                victim = self._victim_locked()
+                if victim is None:
                     return False
-                victim = min(self._reading, key=self._reading.__getitem__)
-                del self._reading[victim]
+                self._reading.pop(victim, None)
+                self._writing.pop(victim, None)
                 self._evicted.add(victim)
                 self.evicted += 1
             self.active += 1
         if victim is not None:
-            with contextlib.suppress(OSError):  # its thread's recv returns at once; the thread closes it
+            with contextlib.suppress(OSError):  # its thread's recv or send returns at once; the thread closes it
                 victim.shutdown(socket.SHUT_RDWR)
         return True
+
+    def _victim_locked(self) -> socket.socket | None:
+        """The connection to drop for a newcomer: blocked longest in a write (past STALLED_WRITE), else longest reader."""
+        stalled_since = time.monotonic() - STALLED_WRITE
+        stalled = [s for s, since in self._writing.items() if since <= stalled_since]
+        if stalled:
+            return min(stalled, key=self._writing.__getitem__)
+        if self._reading:
+            return min(self._reading, key=self._reading.__getitem__)
+        return None
 
     def reading(self, sock: socket.socket) -> None:
         """``sock``'s thread waits for a request head: it may be dropped to make room."""
@@ -142,10 +161,24 @@ class Admission:
             self._reading.pop(sock, None)
             return sock not in self._evicted
 
+    def writing(self, sock: socket.socket) -> bool:
+        """``sock``'s thread starts a write: blocked in it too long, it may be dropped; False when it was dropped."""
+        with self._lock:
+            if sock in self._evicted:
+                return False
+            self._writing[sock] = time.monotonic()
+            return True
+
+    def done_writing(self, sock: socket.socket) -> None:
+        """``sock``'s write went out (or failed)."""
+        with self._lock:
+            self._writing.pop(sock, None)
+
     def release(self, sock: socket.socket) -> None:
         """``sock``'s thread is done with it."""
         with self._lock:
             self._reading.pop(sock, None)
+            self._writing.pop(sock, None)
             self._evicted.discard(sock)
             self.active -= 1
 
@@ -236,6 +269,39 @@ _HEAD_REFUSED = {
 }
 
 
+class DeadlineWriter(io.BufferedIOBase):
+    """The handler's ``wfile``: each write must go out by the response's deadline; a write blocked past
+    :data:`STALLED_WRITE` may be dropped to make room (:meth:`Admission.admit`)."""
+
+    def __init__(self, sock: socket.socket, admission: Admission) -> None:
+        super().__init__()
+        self._sock = sock
+        self._admission = admission
+        self.deadline = float("inf")
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def write(self, b: Any) -> int:
+        data = memoryview(b)
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            msg = "the response did not go out within the write timeout (the client does not read)"
+            raise TimeoutError(msg)
+        if not self._admission.writing(self._sock):
+            msg = "connection dropped to make room while its client was not reading"
+            raise ConnectionAbortedError(msg)
+        try:
+            self._sock.settimeout(remaining)
+            self._sock.sendall(data)
+        finally:
+            self._admission.done_writing(self._sock)
+        return len(data)
+
+
 class BoundedHandler(BaseHTTPRequestHandler):
     """Reads each request head with :func:`read_head` (bounded in bytes, lines and time), then serves it as usual."""
 
@@ -249,6 +315,8 @@ class BoundedHandler(BaseHTTPRequestHandler):
         self.rfile.close()  # heads are read from the socket by read_head; each one's headers parse from memory
         self.rfile = io.BytesIO()
         self._pending = b""  # bytes of a pipelined next request read with the last head
+        self._writer = DeadlineWriter(self.connection, self.server.admission)
+        self.wfile = self._writer  # type: ignore[assignment]
 
     def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
@@ -277,6 +345,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
         got = read_head(sock, self._pending, self.read_timeout)
         kept = admission.done_reading(sock)
         sock.settimeout(self.timeout)
+        self._writer.deadline = time.monotonic() + (self.timeout if self.timeout is not None else float("inf"))
         self.close_connection = True
         if not kept or got.outcome == CLOSED or (got.outcome == TIMEOUT and not got.partial):
             return  # dropped to make room, hung up, or idle past the timeout: nobody waits for an answer

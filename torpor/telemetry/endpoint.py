@@ -10,7 +10,9 @@ request heads of at most 16 KiB and 64 headers, each within ``read_timeout``
 seconds however slowly it trickles in (408), URLs up to 4 KiB, at most
 ``max_events`` events per response, long-polls up to ``max_wait`` seconds and
 at most ``max_waiters`` at once (fewer than ``max_connections``; 503 with
-``Retry-After: 1`` beyond), and every write within 10 s. A bad or unknown query
+``Retry-After: 1`` beyond), and every response within 10 s (a connection
+blocked in a write, a client that does not read, is the first dropped to make
+room for a newcomer, so scrapes keep answering). A bad or unknown query
 parameter gets a 400 naming it. A client that hangs up costs nothing: its
 long-poll ends (and frees its slot) at once, and nothing is printed.
 
