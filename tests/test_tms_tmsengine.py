@@ -11,7 +11,7 @@ from torpor import State
 from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.errors import TorporError
 from torpor.statemachine.core.policy import Action
-from torpor.tms.tmsengine import TmsEngine, check_alloc_conf
+from torpor.tms.tmsengine import DISABLED_TAG, TmsEngine, check_alloc_conf
 from torpor.tms.tmsenv import TmsSettings
 from torpor.tms.tmserrors import TagStateError, TmsUsageError
 
@@ -155,6 +155,9 @@ def test_disable_needs_an_active_region() -> None:
         pass
     with e.region("w", False, False, None), e.disable():
         assert e.current().interesting is False
+        e.allocator.allocate(2 * MiB)
+    e.pause(None)
+    assert e.allocator.usage()[DISABLED_TAG].resident == 2 * MiB  # never paused
     init = engine(settings=TmsSettings(init_enable=True, init_enable_cpu_backup=True))
     assert init.current().mode == "pinned"
     with init.disable():

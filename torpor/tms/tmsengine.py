@@ -38,6 +38,9 @@ ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 LOG_DIR_ENV = "TORPOR_LOG_DIR"
 ENGINE_ENV = "TORPOR_TMS_ENGINE"
 TELEMETRY_ENV = "TORPOR_TMS_TELEMETRY"
+#: Where ``disable()`` puts allocations: a torpor tag no TMS tag owns, so no pause ever touches it. TMS uses a fresh
+#: torch ``MemPool`` there; inside torpor's pool torch would serve the outer (torpor) pool first (pools.py says why).
+DISABLED_TAG = "torch_memory_saver.disabled"
 
 
 def check_alloc_conf(environ: dict[str, str] | None = None) -> None:
@@ -218,7 +221,7 @@ class TmsEngine:
 
     @contextmanager
     def disable(self) -> Iterator[None]:
-        """Allocations of this thread inside are not the saver's: torch's own pool (a fresh ``MemPool``, as TMS)."""
+        """Allocations of this thread inside are never paused (:data:`DISABLED_TAG`); only inside a region, as TMS."""
         now = self.current()
         if not now.interesting:
             msg = "disable() should be called only when tms is active (inside a region(), or with TMS_INIT_ENABLE=1)"
@@ -226,7 +229,7 @@ class TmsEngine:
         stack = self._stack()
         stack.append(RegionConfig(now.tag, now.mode, interesting=False))
         try:
-            with _outside_torpor(self.allocator):
+            with self.allocator.use_memory_pool(DISABLED_TAG):
                 yield
         finally:
             stack.pop()
@@ -287,18 +290,4 @@ class TmsEngine:
             ctl.close()
 
 
-@contextmanager
-def _outside_torpor(allocator: TaggedAllocator) -> Iterator[None]:
-    """Route torch's allocations in the block to a fresh MemPool of torch's own allocator (CUDA), as TMS's disable()."""
-    if getattr(allocator.driver, "name", "") != "cuda":
-        yield
-        return
-    import torch
-
-    pool = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool):
-        yield
-    del pool
-
-
-__all__ = ["DISCARD_MODE", "HOOK_MODES", "RegionConfig", "TmsEngine", "check_alloc_conf"]
+__all__ = ["DISABLED_TAG", "DISCARD_MODE", "HOOK_MODES", "RegionConfig", "TmsEngine", "check_alloc_conf"]
