@@ -168,3 +168,66 @@ def test_region_routes_allocations_and_pause_frees_them() -> None:
     s.resume("weights")
     assert alloc.usage()["weights"].resident == 2 << 20
     assert alloc.read(w, 64) == b"\x5a" * 64
+
+
+class FakeCudaTensor:
+    """Just enough of a CUDA tensor for get_cpu_backup, over an address of the simulated device."""
+
+    is_cuda = True
+    shape = (1024,)
+
+    def __init__(self, alloc: TaggedAllocator, address: int) -> None:
+        import torch
+
+        self.alloc, self.address, self.dtype = alloc, address, torch.float32
+        self.nbytes = 4096
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def stride(self) -> tuple[int, ...]:
+        return (1,)
+
+    def detach(self) -> FakeCudaTensor:
+        return self
+
+    def to(self, device: str) -> object:
+        import torch
+
+        raw = bytearray(self.alloc.read(self.address, self.nbytes))
+        return torch.frombuffer(raw, dtype=torch.float32)
+
+
+def test_get_cpu_backup_reads_the_pause_backup() -> None:
+    """While paused, get_cpu_backup gives the bytes as they were (copy and zero-copy); after resume None unless retained."""
+    torch = pytest.importorskip("torch")
+    s, alloc = saver()
+    with s.region("weights", enable_cpu_backup=True):
+        w = alloc.allocate(2 << 20)
+    ref = torch.arange(1024, dtype=torch.float32)
+    alloc.write(w, ref.numpy().tobytes())
+    x = FakeCudaTensor(alloc, w)
+    assert s.get_cpu_backup(x) is None  # awake, never paused
+    s.pause("weights")
+    assert torch.equal(s.get_cpu_backup(x), ref)
+    assert torch.equal(s.get_cpu_backup(x, zero_copy=True), ref)
+    s.resume("weights")
+    assert s.get_cpu_backup(x) is None
+    s.retain_cpu_backup = True
+    assert torch.equal(s.get_cpu_backup(x), ref)
+
+
+def test_get_cpu_backup_of_a_discarded_region_and_of_foreign_memory() -> None:
+    """A region without backup gives None; memory no region holds is an error (TMS exits)."""
+    pytest.importorskip("torch")
+    s, alloc = saver()
+    with s.region("kv_cache"):
+        kv = alloc.allocate(2 << 20)
+    other = alloc.allocate(2 << 20, tag="elsewhere")
+    s.pause("kv_cache")
+    assert s.get_cpu_backup(FakeCudaTensor(alloc, kv)) is None
+    with pytest.raises(TmsUsageError, match="no region of the saver"):
+        s.get_cpu_backup(FakeCudaTensor(alloc, other))

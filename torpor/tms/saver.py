@@ -168,7 +168,7 @@ class TorchMemorySaver:
             tag = owning_tag(impl.allocator, tags, address, nbytes)
             if tag is None:
                 raise not_found(address, nbytes)
-            if impl.mode_of_torpor_tag(tag) == DISCARD_MODE or not impl.retain_cpu_backup:
+            if impl.mode_of_torpor_tag(tag) == DISCARD_MODE or not impl.retain_cpu_backup or not impl.resumed(tag):
                 return None
             return x.detach().to("cpu")  # awake, retained: the device's bytes (torpor keeps no stale shadow)
         if zero_copy and len(spans) == 1:

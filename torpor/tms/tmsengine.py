@@ -111,6 +111,7 @@ class TmsEngine:
         self.tags: dict[str, TmsTag] = {}
         self.controllers: dict[str, SleepController] = {}
         self.graph_owner: str | None = None
+        self._resumed: set[str] = set()  # TMS tags resumed at least once (a retained backup exists in TMS)
         self._telemetry: list[Any] = []
         self._lock = threading.RLock()
         self._local = threading.local()
@@ -181,6 +182,11 @@ class TmsEngine:
                     if tag == torpor_tag:
                         return mode
         return "pinned"
+
+    def resumed(self, torpor_tag: str) -> bool:
+        """Whether the TMS tag of ``torpor_tag`` has been paused and resumed (TMS then holds a retained backup)."""
+        with self._lock:
+            return any(entry.owns(torpor_tag) and name in self._resumed for name, entry in self.tags.items())
 
     def adopt_graph_pool(self, tag: str) -> SleepController:
         """``tag`` owns the graph pool from now on (the first ``cuda_graph()`` tag); its controller."""
@@ -274,6 +280,7 @@ class TmsEngine:
                 raise TagStateError("resume", t, state.value, asleep)
         for t in reversed(targets):
             self.controllers[t].wake()
+            self._resumed.add(t)
         logger.info("torpor.tms: resumed %s", ", ".join(targets) or "nothing (no tag yet)")
 
     def is_paused(self, tag: str) -> bool:
