@@ -54,7 +54,13 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         cumem.CuMemAllocator.instance,
         pynccl_allocator._graph_pool_id,
     )
-    for name in (activation.ENV_ACTIVE, "NCCL_GRAPH_REGISTER", "PROMETHEUS_MULTIPROC_DIR", facade.ENV_ENGINE):
+    for name in (
+        activation.ENV_ACTIVE,
+        "NCCL_GRAPH_REGISTER",
+        "PROMETHEUS_MULTIPROC_DIR",
+        "TORPOR_METRICS_DIR",
+        facade.ENV_ENGINE,
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(current_platform, "device_type", "cpu")
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)

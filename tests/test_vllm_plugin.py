@@ -58,6 +58,7 @@ def sandbox(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         "NCCL_GRAPH_REGISTER",
         "VLLM_PLUGINS",
         "PROMETHEUS_MULTIPROC_DIR",
+        "TORPOR_METRICS_DIR",
     ):
         monkeypatch.delenv(name, raising=False)
     # Not the default <tempdir>/torpor: another user's (or another run's) logs there are not ours to write.
@@ -406,3 +407,12 @@ def test_probe_can_be_turned_off(sandbox: Any, monkeypatch: pytest.MonkeyPatch, 
     assert VllmConfig.__dict__["__post_init__"] is before
     vllm_config(tiny_model, "torpor")
     assert not activation.is_active()
+
+
+def test_activation_names_a_metrics_directory_for_the_workers_and_deactivation_withdraws_it(sandbox: Any) -> None:
+    """The first process to activate with no metrics directory set names torpor's own in TORPOR_METRICS_DIR (not PROMETHEUS_MULTIPROC_DIR); deactivate() removes it."""
+    activation.activate()
+    path = os.environ.get("TORPOR_METRICS_DIR")
+    assert path and os.path.isdir(path) and "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    activation.deactivate()
+    assert "TORPOR_METRICS_DIR" not in os.environ and not os.path.exists(path)

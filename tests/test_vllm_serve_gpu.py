@@ -111,8 +111,12 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serve(tmp_path: Path, engine: str, *extra: str) -> Iterator[Server]:
-    """``vllm serve`` with torpor, up and healthy; stopped (its process group) afterwards, its log tail on failure."""
+def serve(tmp_path: Path, engine: str, *extra: str, metrics_dir: bool = True) -> Iterator[Server]:
+    """``vllm serve`` with torpor, up and healthy; stopped (its process group) afterwards, its log tail on failure.
+
+    ``metrics_dir``: False starts it with no metrics variable set at all (neither
+    ``PROMETHEUS_MULTIPROC_DIR`` nor ``TORPOR_METRICS_DIR``), as a new user would.
+    """
     model = support.require_vllm_gpu()
     port = _free_port()
     log_dir = tmp_path / "logs"
@@ -127,6 +131,9 @@ def serve(tmp_path: Path, engine: str, *extra: str) -> Iterator[Server]:
         TORPOR_ENGINE=engine,
         VLLM_USE_FLASHINFER_SAMPLER="0",
     )
+    if not metrics_dir:
+        for name in ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir", "TORPOR_METRICS_DIR"):
+            env.pop(name, None)
     log_path = Path(os.environ.get("OUT") or tmp_path) / f"{engine}.serve.log"
     log = log_path.open("w")
     proc = subprocess.Popen(
@@ -323,3 +330,14 @@ def test_serve_async_scheduling_requests_in_flight_and_queued_across_sleep(tmp_p
         bad = [e for e in events if e["kind"] in ("refused", "sleep_aborted", "wake_failed")]
         assert not bad, bad
         assert kinds.count("sleep_completed") == 2, kinds
+
+
+def test_serve_with_no_metrics_variable_shows_torpor_state_on_metrics(tmp_path: Path) -> None:
+    """``vllm serve --enable-sleep-mode --sleep-mode-backend torpor`` with no metrics variable set shows torpor_state (and vLLM's own gauge) on /metrics, awake and asleep."""
+    with serve(tmp_path, "serve-nometrics-test", "--no-async-scheduling", metrics_dir=False) as server:
+        assert server.complete(support.PROMPTS[0])["http"] == 200
+        _check_metrics(server, "awake", "awake")
+        assert server.ok("POST", "/sleep?level=1") == {"status": "sleeping", "level": 1}
+        _check_metrics(server, "asleep_l1", "weights_offloaded")
+        assert server.ok("POST", "/wake_up")["status"] == "awake"
+        _check_metrics(server, "awake", "awake")

@@ -11,15 +11,31 @@ mode, so each rank's value comes out as that rank wrote it, never summed over
 processes; counters and histograms are summed per label set, which is exact
 because one rank is one process (a restarted rank adds to its predecessor's
 counts, as a counter should). Call :func:`mark_process_dead` when a worker exits.
+
+**With no directory set** (``vllm serve`` with a single API server sets none), the
+process that selects torpor first, the API server, calls :func:`provide_directory`:
+it makes a temporary directory of torpor's own, names it in ``TORPOR_METRICS_DIR``
+(inherited by the engine core and the workers) and registers a
+``MultiProcessCollector`` of that directory in the global registry, the one vLLM's
+``/metrics`` serves while ``PROMETHEUS_MULTIPROC_DIR`` is unset. It does not set
+``PROMETHEUS_MULTIPROC_DIR`` there: vLLM would then serve only the merged files and
+its own front-end metrics, made in memory, would vanish from ``/metrics``. A worker
+writes torpor's series to that directory with prometheus-client's file-backed values
+(:func:`_file_values`), whatever mode its prometheus-client was imported in.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
+from prometheus_client import REGISTRY
 from prometheus_client import multiprocess as _mp
+from prometheus_client import values as _values
 from prometheus_client.metrics import Counter, Gauge, Histogram
 from prometheus_client.registry import CollectorRegistry
 
@@ -40,12 +56,91 @@ from torpor.telemetry.rankstats import DURATION_BUCKETS
 from torpor.telemetry.tracker import Observation, Tracker
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: torpor's own directory for worker metrics when ``PROMETHEUS_MULTIPROC_DIR`` is unset (see the module doc).
+TORPOR_ENV = "TORPOR_METRICS_DIR"
 GAUGE_MODE: Literal["livemostrecent"] = "livemostrecent"
 
 
+def directory() -> str | None:
+    """Where this process's metric files go: ``PROMETHEUS_MULTIPROC_DIR``, else ``TORPOR_METRICS_DIR``, else None."""
+    return os.environ.get(ENV) or os.environ.get(ENV.lower()) or os.environ.get(TORPOR_ENV) or None
+
+
 def enabled() -> bool:
-    """True when ``PROMETHEUS_MULTIPROC_DIR`` names a directory (prometheus-client's switch)."""
-    return bool(os.environ.get(ENV) or os.environ.get(ENV.lower()))
+    """True when a metrics directory is named: ``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's switch) or torpor's."""
+    return directory() is not None
+
+
+class _Provided:
+    """The directory :func:`provide_directory` made in this process (removed at exit, like vLLM's own)."""
+
+    tmp: tempfile.TemporaryDirectory[str] | None = None
+    collector: Any = None
+
+
+_provided = _Provided()
+
+
+def provide_directory(registry: CollectorRegistry = REGISTRY) -> str | None:
+    """Give the workers a metrics directory when none is named, served through ``registry``; the path, or None.
+
+    None (nothing done) when ``PROMETHEUS_MULTIPROC_DIR`` or ``TORPOR_METRICS_DIR`` is set
+    already (the operator's, vLLM's, or a parent's). Call it in the serving process before
+    the workers start: they inherit ``TORPOR_METRICS_DIR``.
+    """
+    with _metrics_lock:
+        if directory() is not None:
+            return None
+        _provided.tmp = tempfile.TemporaryDirectory(prefix="torpor-metrics-")
+        os.environ[TORPOR_ENV] = _provided.tmp.name
+        _provided.collector = _mp.MultiProcessCollector(registry, path=_provided.tmp.name)  # type: ignore[no-untyped-call]
+        return _provided.tmp.name
+
+
+def withdraw_directory(registry: CollectorRegistry = REGISTRY) -> None:
+    """Undo :func:`provide_directory` in this process (the collector, the variable, the directory)."""
+    with _metrics_lock:
+        if _provided.tmp is None:
+            return
+        if _provided.collector is not None:
+            registry.unregister(_provided.collector)
+        if os.environ.get(TORPOR_ENV) == _provided.tmp.name:
+            os.environ.pop(TORPOR_ENV, None)
+        _provided.tmp.cleanup()
+        _provided.tmp = _provided.collector = None
+
+
+_file_class: Any = None
+
+
+@contextmanager
+def _file_values() -> Iterator[None]:
+    """Make the metric children created inside file-backed (prometheus-client's ``MultiProcessValue``).
+
+    prometheus-client picks its value class once, at import, from ``PROMETHEUS_MULTIPROC_DIR``;
+    a worker writing to torpor's directory (or one that imported it before the variable
+    was set) has in-memory values, which no other process can read. The file values
+    name their file from ``PROMETHEUS_MULTIPROC_DIR`` when they open it, so it is set
+    here to the directory (this is a worker: the serving process never writes).
+    Called with ``_metrics_lock`` held.
+    """
+    global _file_class  # noqa: PLW0603 - one file-backed value class per process, as prometheus-client keeps its own
+    if getattr(_values.ValueClass, "_multiprocess", False):
+        yield
+        return
+    path = directory()
+    if path is None:
+        yield
+        return
+    os.environ.setdefault(ENV, path)
+    if _file_class is None:
+        _file_class = _values.MultiProcessValue()  # type: ignore[no-untyped-call]
+    previous = _values.ValueClass
+    _values.ValueClass = _file_class
+    try:
+        yield
+    finally:
+        _values.ValueClass = previous
 
 
 def _labels(name: str) -> list[str]:
@@ -140,7 +235,8 @@ class MultiprocessSink:
         key = (metric, labels)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(*labels)
+            with _metrics_lock, _file_values():
+                child = self._children[key] = metric.labels(*labels)
         return child
 
     def _set(self, name: str, labels: tuple[str, ...], value: float) -> None:

@@ -163,6 +163,9 @@ def activate() -> Activation:
             # One name per engine, shared by its ranks (they inherit the environment), never by two engines on a
             # host: the process that selects torpor first (the API server, or the LLM's process) names the engine.
             os.environ[ENV_ENGINE] = f"{DEFAULT_ENGINE}-{os.getpid()}"
+        # The first process to activate gives the workers a metrics directory when none is named (a single API server
+        # sets none); its children inherit it. torpor's series then reach vLLM's /metrics with no setting.
+        state.metrics_dir = _provide_metrics_dir()
         if not _process.atexit_registered:
             atexit.register(_release_at_exit)
             _process.atexit_registered = True
@@ -188,6 +191,20 @@ def deactivate() -> None:
             os.environ.pop(ENV_ENGINE, None)
         else:
             os.environ[ENV_ENGINE] = state.engine_previous
+        if state.metrics_dir is not None:
+            importlib.import_module("torpor.telemetry.multiprocess").withdraw_directory()
+
+
+def _provide_metrics_dir() -> str | None:
+    """The metrics directory this process made for its workers (None: one was named, or telemetry cannot load)."""
+    try:
+        path: str | None = importlib.import_module("torpor.telemetry.multiprocess").provide_directory()
+    except Exception:  # telemetry is optional: the engine runs without it
+        logger.exception("torpor: making a metrics directory for the workers failed; sleep and wake are unaffected")
+        return None
+    if path is not None:
+        logger.info("torpor: workers write torpor's metrics to %s, served on the API server's /metrics", path)
+    return path
 
 
 def _release_at_exit() -> None:

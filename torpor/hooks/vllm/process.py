@@ -37,6 +37,7 @@ class Activation:
     slot_previous: Any = None
     env_previous: str | None = None
     engine_previous: str | None = None
+    metrics_dir: str | None = None  # the metrics directory this activation made for the workers
     allocator: PoolReleaser | None = None
     decisions: list[CudagraphPoolDecision] = field(default_factory=list)
     nccl: list[NcclDecision] = field(default_factory=list)

@@ -2,11 +2,13 @@
 
 When the facade starts a worker's SleepController it records the shared
 predicate's decision and what it implies for custom all-reduce and NCCL as
-``hook_decision`` events in that rank's log, and, when
-``PROMETHEUS_MULTIPROC_DIR`` is set (the operator sets it before
-``vllm serve``; vLLM's API server then merges every process's metric files on
-``/metrics``), attaches torpor's telemetry in multiprocess mode. Telemetry is a
-subscriber: a failure to attach it is logged and changes nothing else.
+``hook_decision`` events in that rank's log, and attaches torpor's telemetry in
+multiprocess mode when a metrics directory is named: ``PROMETHEUS_MULTIPROC_DIR``
+(the operator's, or vLLM's with several API servers; vLLM's ``/metrics`` then merges
+every process's files) or ``TORPOR_METRICS_DIR``, which the API server's activation
+sets when neither is (:func:`torpor.telemetry.multiprocess.provide_directory`), so
+``vllm serve`` with no setting shows torpor's series. Telemetry is a subscriber: a
+failure to attach it is logged and changes nothing else.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("torpor.vllm")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+TORPOR_METRICS_ENV = (
+    "TORPOR_METRICS_DIR"  # torpor.telemetry.multiprocess.TORPOR_ENV (not imported: telemetry is optional)
+)
 
 
 def known_decision() -> CudagraphPoolDecision | None:
@@ -78,10 +83,12 @@ def record_when_known(controller: SleepController) -> bool:
 
 
 def attach_telemetry(controller: SleepController) -> Any:
-    """Attach torpor's telemetry when ``PROMETHEUS_MULTIPROC_DIR`` is set; the handle, or None."""
-    if not os.environ.get(MULTIPROC_ENV):
+    """Attach torpor's telemetry when a metrics directory is named (see the module doc); the handle, or None."""
+    if not (os.environ.get(MULTIPROC_ENV) or os.environ.get(TORPOR_METRICS_ENV)):
         logger.info(
-            "torpor: %s is not set, so this worker's metrics do not reach the API server's /metrics", MULTIPROC_ENV
+            "torpor: neither %s nor %s is set, so this worker's metrics do not reach the API server's /metrics",
+            MULTIPROC_ENV,
+            TORPOR_METRICS_ENV,
         )
         return None
     try:
