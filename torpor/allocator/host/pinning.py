@@ -17,6 +17,7 @@ import threading
 import time
 
 from torpor.allocator.host.chunks import Chunk, Extent, HostPolicy, carve, closed_error, thread_died
+from torpor.allocator.host.provider import HostProvider
 from torpor.allocator.native.driver import Driver
 
 __all__ = ["PinnedChunks"]
@@ -44,6 +45,12 @@ class PinnedChunks:
         self._paused = 0
         self.last_error: BaseException | None = None
         self.pin_seconds = 0.0
+        self.provider: HostProvider | None = None  # backs ranges reserved from now on (host/provider.py)
+
+    def use_provider(self, provider: HostProvider | None) -> None:
+        """Back ranges reserved from now on with ``provider``'s memory (None: the driver's own); held chunks stay."""
+        with self._cond:
+            self.provider = provider
 
     def configure(self, **changes: object) -> HostPolicy:
         """Change policy fields (``prepin``, ``keep_after_wake``, ``limit_bytes``, ...); return the new policy."""
@@ -106,6 +113,9 @@ class PinnedChunks:
         ``staged``: the chunks are marked for a staged sleep to fill (nobody pins them until it ends).
         """
         base = self.driver.host_reserve(sum(sizes))
+        provider = self.provider
+        if provider is not None:
+            provider.back(base, sum(sizes))
         out = []
         with self._cond:
             if not self._closed:
@@ -191,9 +201,16 @@ class PinnedChunks:
             self.driver.host_unreserve(c.host, c.nbytes)
         except Exception:  # only address space leaks
             logger.exception("giving back %d reserved host bytes at %#x failed", c.nbytes, c.host)
+        self._forget(c)
 
     def _free(self, c: Chunk) -> None:
         try:
             self.driver.host_free(c.host)
         except Exception:  # an unpin that fails only leaks host memory; log it
             logger.exception("unpinning %d host bytes at %#x failed", c.nbytes, c.host)
+        self._forget(c)
+
+    def _forget(self, c: Chunk) -> None:
+        provider = self.provider
+        if provider is not None:
+            provider.forget(c.host, c.nbytes)
