@@ -214,7 +214,7 @@ def test_unreadable_log_is_one_line(tmp_path: Path) -> None:
         (["plot", "{tmp}/nope.jsonl", "-o", "{tmp}/x.png"], "no event log"),
         (["status", "{tmp}/nowhere"], "no such directory"),
         (["dashboard", "-o", "/proc/nope/x.json"], "No such file or directory"),
-        (["diagram", "-o", "{tmp}/missing/x.md"], "No such file or directory"),
+        (["diagram", "-o", "/proc/nope/x.md"], "No such file or directory"),
         (["demo", "--device", "sim", "--log-dir", "/proc/nope"], "/proc/nope"),
     ],
 )
@@ -494,3 +494,114 @@ def test_show_formats_every_byte_count_even_nested_ones(tmp_path: Path, capsys: 
     assert "total: 64.00 MiB" in out and "host_budget=1.00 GiB" in out and "budget_bytes: 1.00 GiB" in out
     assert "host_released=8.00 MiB" in out or "host_released=0 B" in out
     assert not re.search(r"\b\d{5,}\b", out), [line for line in out.splitlines() if re.search(r"\b\d{5,}\b", line)]
+
+
+# -- issue 37 item 6: the CLI as a new user meets it -------------------------------------------
+
+
+def test_a_reader_that_leaves_early_makes_the_command_exit_141(tmp_path: Path) -> None:
+    """`torpor demo | head -1` exits 141 (128 + SIGPIPE), not 0 as if every cycle had run."""
+    script = (
+        f"{' '.join(_torpor())} demo --device sim --cycles 1 --log-dir {tmp_path} | head -1; echo ${{PIPESTATUS[0]}}"
+    )
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.stdout.splitlines()[-1] == "141", proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_unknown_option_of_a_command_is_reported_by_that_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor demo --level 3` is a usage error of `torpor demo` (exit 2), not of the top-level parser."""
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--level", "3"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("torpor demo: error: unrecognized arguments: --level 3"), err
+
+
+def test_log_without_action_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor log` alone prints one line (no usage block above it) and exits 2."""
+    assert main(["log"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "show, follow or replay" in err[0], err
+
+
+def test_a_device_file_is_not_called_a_corrupted_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor log show /dev/zero` says it is not a regular file, not "corrupted line 1" (nothing was read)."""
+    for argv in (["log", "show", "/dev/zero"], ["log", "replay", "/dev/zero"], ["plot", "/dev/zero"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and "not a regular file" in err[0], err
+        assert "corrupted" not in err[0] and ":1:" not in err[0], err
+
+
+def test_an_empty_log_gets_one_answer_from_every_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty log: log show, log replay, plot and status all say it holds no complete event yet, and exit 1."""
+    (tmp_path / "d").mkdir()
+    log = tmp_path / "d" / "llm.rank0.jsonl"
+    log.touch()
+    for argv in (
+        ["log", "show", str(log)],
+        ["log", "replay", str(log)],
+        ["plot", str(log), "-o", str(tmp_path / "t.png")],
+    ):
+        assert main(argv) == 1, argv
+        captured = capsys.readouterr()
+        assert "holds no complete event yet" in captured.err, (argv, captured)
+        assert captured.out == "", (argv, captured.out)
+    assert main(["status", str(tmp_path / "d")]) == 1
+    assert "holds no complete event yet" in capsys.readouterr().out
+
+
+def test_every_output_option_creates_its_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plot -o`, `dashboard -o` and `diagram -o` into a directory that does not exist yet all create it."""
+    log = _log(tmp_path)
+    for argv, name in ((["plot", str(log)], "t.png"), (["dashboard"], "d.json"), (["diagram"], "s.md")):
+        out = tmp_path / "new" / argv[0] / name
+        assert main([*argv, "-o", str(out)]) == 0, (argv, capsys.readouterr().err)
+        assert out.is_file()
+
+
+def test_bench_without_cuda_exits_1_not_the_usage_code(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`torpor bench` on a machine without CUDA is a command that cannot run here (1), not a usage error (2)."""
+    from torpor.commands import bench
+
+    fake_torch = argparse.Namespace(cuda=argparse.Namespace(is_available=lambda: False))
+    monkeypatch.setattr(bench, "require", lambda *args, **kwargs: fake_torch)
+    assert main(["bench"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "no CUDA device" in err[0], err
+
+
+def _broken_links(doc: Path) -> list[str]:
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path) if path else doc
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), re.MULTILINE)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    return broken
+
+
+def test_doc_links_resolve() -> None:
+    """Every relative link in docs/ (docs/bench/history.md included) names a file that exists, and its #anchor a heading."""
+    broken = {
+        str(doc.relative_to(ROOT)): b for doc in sorted((ROOT / "docs").rglob("*.md")) if (b := _broken_links(doc))
+    }
+    assert not broken, f"links that do not resolve: {broken}"
+
+
+def test_readme_contents_lists_every_section() -> None:
+    """The README's Contents links every ``##`` section after it, in order."""
+    readme = (ROOT / "README.md").read_text()
+    contents = readme[readme.index("## Contents") : readme.index("\n## ", readme.index("## Contents") + 1)]
+    listed = re.findall(r"^- \[[^\]]+\]\(#([^)]+)\)", contents, re.MULTILINE)
+    sections = [_slug(h) for h in re.findall(r"^## (.+)$", readme, re.MULTILINE) if h != "Contents"]
+    assert listed == sections

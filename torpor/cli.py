@@ -3,6 +3,13 @@
 Each module in :data:`COMMANDS` defines ``register(subparsers)`` which adds its
 parser and sets ``func(args) -> int``. Errors a user can cause (bad arguments,
 unreadable inputs) print one line and exit non-zero, never a traceback.
+
+One exit-status convention for every command (docs/cli.md, "Exit status"):
+0 done; 1 the command failed (a missing, unreadable, empty or corrupted input, a
+check that did not pass, what it needs is not here); 2 a usage error, reported
+by the command that was misused; 3 ``status --wait`` timed out; 4 a log ends
+inside a transition whose writer is gone; 130 Ctrl-C; 141 the reader of stdout
+left before the command finished (128 + SIGPIPE, as ``yes | head`` gives).
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from typing import NoReturn
 
 from torpor import __version__
 from torpor.errors import TorporError
+
+#: Exit status when the reader of stdout leaves early (128 + SIGPIPE, what a shell reports for ``yes | head``).
+EXIT_BROKEN_PIPE = 141
 
 #: Subcommand modules under ``torpor.commands``, in --help order.
 COMMANDS: tuple[str, ...] = ("demo", "log", "status", "diagram", "dashboard", "plot", "bench")
@@ -45,21 +55,33 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    _name_parsers(parser)
     return parser
+
+
+def _name_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each (sub)parser records itself in the namespace, so an unknown option is reported by the command it follows."""
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _name_parsers(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # `torpor demo --level 3`: demo's usage error, not the top level's
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
-    except BrokenPipeError:  # `torpor log show X | head`: the reader left, nothing to say
+    except BrokenPipeError:  # `torpor demo | head`: the reader left before the end; not done, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return EXIT_BROKEN_PIPE
     except (TorporError, OSError, ValueError) as exc:
         print(f"torpor {args.command}: {exc}", file=sys.stderr)
         return 1

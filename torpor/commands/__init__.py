@@ -1,9 +1,23 @@
-"""Subcommands of the ``torpor`` CLI, one module each (see ``torpor.cli``); :func:`seconds` parses their durations."""
+"""Subcommands of the ``torpor`` CLI, one module each (see ``torpor.cli``); :func:`seconds` parses their durations.
+
+:func:`log_file` and :func:`no_events` give every command that reads one log the
+same answers for what is no event log: not a regular file, or no event yet.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import stat
+from pathlib import Path
+
+from torpor.telemetry.replay import resolve_log
+
+#: What every command says of a log that holds no complete event (``torpor status`` says it per rank).
+NO_EVENT_YET = "holds no complete event yet (an engine writes its first when it opens the log)"
+
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"))
 
 
 def seconds(text: str) -> float:
@@ -16,3 +30,34 @@ def seconds(text: str) -> float:
         msg = f"{text!r} is not a finite number of seconds >= 0"
         raise argparse.ArgumentTypeError(msg)
     return value
+
+
+def log_file(
+    path: str | os.PathLike[str], engine: str | None = None, rank: int | None = None, *, hint: str | None = None
+) -> Path:
+    """The log ``path`` names (:func:`resolve_log`); a path that is no regular file is refused before anything is read."""
+    log = resolve_log(path, engine, rank) if hint is None else resolve_log(path, engine, rank, hint=hint)
+    try:
+        mode = os.stat(log).st_mode
+    except FileNotFoundError:  # a log whose base file rotated away: its segments are read
+        return log
+    if not stat.S_ISREG(mode):
+        what = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        msg = f"{log} is not a regular file ({what}): an event log is a regular file; nothing was read"
+        raise ValueError(msg)
+    return log
+
+
+def no_events(path: Path) -> ValueError:
+    """The error every command raises for a log with no complete event (exit 1)."""
+    return ValueError(f"{path} {NO_EVENT_YET}")
+
+
+def output_file(path: Path) -> Path:
+    """Make ``-o PATH``'s directory (every command that writes a file does); one line naming it when it cannot be made."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        msg = f"cannot write -o {path}: {exc.strerror or exc} (give a path in a directory you can create and write)"
+        raise ValueError(msg) from None
+    return path

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     torch = require("torch", "the benchmark")  # the CLI prefixes "torpor bench: "
     if not torch.cuda.is_available():
         print("torpor bench: no CUDA device here; run it on a GPU machine (docs/allocator.md)", file=sys.stderr)
-        return 2
+        return 1  # the command cannot run here: not a usage error (2), see docs/cli.md
     out = args.out or Path(os.environ.get("OUT") or "out/bench")
     out.mkdir(parents=True, exist_ok=True)
     if args.vllm:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torpor.commands import output_file
 from torpor.telemetry.dashboard import render_dashboard
 
 
@@ -24,8 +25,7 @@ def run(args: argparse.Namespace) -> int:
     """Print or write the dashboard."""
     text = render_dashboard()
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text)
+        output_file(args.output).write_text(text)
     else:
         print(text, end="")
     return 0

@@ -9,13 +9,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torpor.commands import seconds
+from torpor.commands import log_file, no_events, seconds
 from torpor.commands.writer import writer_running
 from torpor.demo.report import fmt_bytes, fmt_seconds, table
 from torpor.statemachine import Event, EventKind, Projection, read_events
 from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.projection.view import project
-from torpor.telemetry.replay import resolve_log, wall_problem
+from torpor.telemetry.replay import wall_problem
 
 #: What a directory holding several logs asks of the user (the log commands take no --engine or --rank).
 _PICK_ONE = "name one of them"
@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         epilog="example: torpor log show /tmp/torpor-demo/demo.rank0.jsonl",
     )
     actions = p.add_subparsers(dest="action", metavar="ACTION")
-    p.set_defaults(func=lambda args: _usage(p))
+    p.set_defaults(func=lambda args: _usage())
 
     show = actions.add_parser(
         "show",
@@ -97,9 +97,9 @@ def _add_json(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _usage(p: argparse.ArgumentParser) -> int:
-    p.print_usage(sys.stderr)
-    print("torpor log: name an action: show, follow or replay (torpor log --help)", file=sys.stderr)
+def _usage() -> int:
+    """One line: which actions there are (a usage error, exit 2)."""
+    print("torpor log: error: name an action: show, follow or replay (see torpor log --help)", file=sys.stderr)
     return 2
 
 
@@ -181,9 +181,11 @@ def _header(path: Path, out: Callable[[str], None]) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     """Print the timeline."""
-    path = resolve_log(args.path, hint=_PICK_ONE)
+    path = log_file(args.path, hint=_PICK_ONE)
     kinds = set(args.kind or ())
     events = list(read_events(path))  # a corrupted line fails before anything is printed
+    if not events:
+        raise no_events(path)
     proj = Projection()
     if not args.json:
         _header(path, print)
@@ -203,7 +205,7 @@ def _line(event: Event, proj: Projection, as_json: bool) -> str:
 
 def run_follow(args: argparse.Namespace) -> int:
     """Print old events, then new ones as they arrive, until Ctrl-C or ``--timeout``."""
-    path = resolve_log(args.path, hint=_PICK_ONE)
+    path = log_file(args.path, hint=_PICK_ONE)  # an empty log is followed: its first event is yet to come
     events = list(read_events(path))
     after = args.after
     if after is None:
@@ -302,8 +304,10 @@ def replay_text(path: Path, proj: Projection, running: bool | None = None) -> st
 
 def run_replay(args: argparse.Namespace) -> int:
     """Print the projection of the log."""
-    path = resolve_log(args.path, hint=_PICK_ONE)
+    path = log_file(args.path, hint=_PICK_ONE)
     events = list(read_events(path))
+    if not events:
+        raise no_events(path)
     proj = project(events)
     running = writer_running(proj.pid) if proj.interrupted else None
     if args.json:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torpor.commands import log_file, no_events, output_file
+from torpor.statemachine import read_events
 from torpor.telemetry.plot import plot
-from torpor.telemetry.replay import resolve_log
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,7 +31,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Draw the timeline and say where it went."""
-    log = resolve_log(args.log, args.engine, args.rank)
-    out = plot(log, args.output, args.title)
+    log = log_file(args.log, args.engine, args.rank)
+    if next(iter(read_events(log)), None) is None:
+        raise no_events(log)
+    out = plot(log, output_file(args.output), args.title)
     print(f"wrote {out}")
     return 0
