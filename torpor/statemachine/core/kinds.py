@@ -36,6 +36,7 @@ class EventKind(enum.StrEnum):
     CLOSED = "closed"
     COMMAND_REPEATED = "command_repeated"
     GROUP_AGREED = "group_agreed"
+    BACKUP_ADOPTED = "backup_adopted"
 
 
 #: Kinds that end (or begin) a transition: the log makes them durable.

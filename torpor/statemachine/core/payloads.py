@@ -256,6 +256,18 @@ class GroupAgreed(Payload, kind=EventKind.GROUP_AGREED):
     seconds: float = 0.0
 
 
+class BackupAdopted(Payload, kind=EventKind.BACKUP_ADOPTED):
+    """A new process took a dead one's host backup from a keeper (``torpor.keeper``): which, whose, how much, how fast."""
+
+    keeper: str = ""
+    engine: str = ""
+    backup: str = ""
+    from_pid: int = 0
+    bytes: int = 0
+    tensors: int = 0
+    seconds: float = 0.0
+
+
 #: The payload class of each kind.
 PAYLOADS: Mapping[EventKind, type[Payload]] = MappingProxyType(
     {EventKind(cls.kind): cls for cls in Payload.__subclasses__()}
@@ -267,6 +279,7 @@ if set(PAYLOADS) != set(EventKind):  # a kind without a class would make every r
 
 __all__ = [
     "PAYLOADS",
+    "BackupAdopted",
     "Closed",
     "CommandRepeated",
     "Device",

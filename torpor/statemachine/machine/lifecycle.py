@@ -27,9 +27,12 @@ class Lifecycle(CommandGate):
             return self.projection
 
     def record(self, kind: EventKind, **data: Any) -> Event:
-        """Record an outside fact (hook decisions); returns the event."""
-        if kind not in (EventKind.HOOK_DECISION, EventKind.USAGE_OBSERVED):
-            msg = f"only hook_decision and usage_observed facts can be recorded from outside, not {kind.value!r}"
+        """Record an outside fact (hook decisions, a keeper's backup adopted); returns the event."""
+        if kind not in (EventKind.HOOK_DECISION, EventKind.USAGE_OBSERVED, EventKind.BACKUP_ADOPTED):
+            msg = (
+                "only hook_decision, usage_observed and backup_adopted facts can be recorded from outside, "
+                f"not {kind.value!r}"
+            )
             raise ValueError(msg)
         return self._emit(kind, **data)
 

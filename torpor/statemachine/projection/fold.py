@@ -197,7 +197,15 @@ def _group_agreed(p: ProjectionData, event: Event, d: GroupAgreed) -> None:
 Step = Callable[[ProjectionData, Event, Any], None]
 
 #: Facts that change nothing the projection holds beyond the last event.
-NO_STATE = frozenset({EventKind.TAG_BACKED_UP, EventKind.HOOK_DECISION, EventKind.CLOSED, EventKind.COMMAND_REPEATED})
+NO_STATE = frozenset(
+    {
+        EventKind.TAG_BACKED_UP,
+        EventKind.HOOK_DECISION,
+        EventKind.CLOSED,
+        EventKind.COMMAND_REPEATED,
+        EventKind.BACKUP_ADOPTED,
+    }
+)
 
 #: Facts recorded beside a transition; they never become its ``last_step``.
 SIDE_FACTS = frozenset(
@@ -208,6 +216,7 @@ SIDE_FACTS = frozenset(
         EventKind.SNAPSHOT,
         EventKind.CLOSED,
         EventKind.COMMAND_REPEATED,
+        EventKind.BACKUP_ADOPTED,
     }
 )
 
