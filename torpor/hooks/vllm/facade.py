@@ -15,6 +15,7 @@ directory that ``torpor status DIR`` reads.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import logging
@@ -35,7 +36,7 @@ from torpor.errors import (
 from torpor.hooks.capture import cumem_capture
 from torpor.hooks.vllm import process
 from torpor.hooks.vllm.wiring import on_controller_started, record_when_known
-from torpor.statemachine.core.policy import DEFAULT_TAG, WEIGHTS, Policy
+from torpor.statemachine.core.policy import DEFAULT_POLICY, DEFAULT_TAG, WEIGHTS, HostMemoryPolicy, PinWhen, Policy
 from torpor.statemachine.core.protocol import Memory
 from torpor.statemachine.machine.controller import SleepController, log_path_for
 
@@ -52,6 +53,26 @@ ENV_LOG_FSYNC = "TORPOR_LOG_FSYNC"
 DEFAULT_ENGINE = "vllm"
 #: How long ``release_pools()`` (vLLM's shutdown, torpor's atexit) waits for a command in flight.
 CLOSE_TIMEOUT_S = 60.0
+
+
+#: When host memory for backups is pinned (``ahead`` | ``at_sleep``); under vLLM unset means ``ahead``.
+ENV_HOST_PIN = "TORPOR_HOST_PIN"
+
+
+def worker_host_policy(environ: dict[str, str] | None = None) -> HostMemoryPolicy:
+    """The host-memory policy of a vLLM worker: the ``TORPOR_HOST_*`` environment's, pinning ``ahead`` unless told.
+
+    vLLM's sleep mode is switched on by the operator, so the engine will sleep, and its
+    weights are known once loaded: pinning their backup memory in the background while
+    the engine starts (within ``TORPOR_HOST_BUDGET``, paused while graphs are captured)
+    makes the first sleep cost what a later one costs. ``TORPOR_HOST_PIN=at_sleep`` opts
+    out (the first sleep then pins as it copies). Outside vLLM the default stays
+    ``at_sleep`` (docs/allocator.md, "Host pinning by default").
+    """
+    env = dict(os.environ if environ is None else environ)
+    if not env.get(ENV_HOST_PIN, "").strip():
+        env[ENV_HOST_PIN] = PinWhen.AHEAD.value
+    return HostMemoryPolicy.from_env(env)
 
 
 def log_fsync() -> bool:
@@ -199,10 +220,13 @@ class TorporMemAllocator:
         log_dir = Path(self._log_dir) if self._log_dir is not None else default_log_dir()
         engine = self._engine or engine_name()
         rank = self._rank if self._rank is not None else worker_rank()
+        policy = self._policy if self._policy is not None else DEFAULT_POLICY
+        if policy.host is None:  # the environment's, with vLLM's default: pin ahead (worker_host_policy)
+            policy = dataclasses.replace(policy, host=worker_host_policy())
         controller = SleepController(  # the log file's directory is created 0700 (or checked) by the log
             self.memory,
             log=log_path_for(log_dir, engine, rank),
-            policy=self._policy,
+            policy=policy,
             engine=engine,
             rank=rank,
             fsync=self._fsync if self._fsync is not None else log_fsync(),

@@ -1,0 +1,54 @@
+"""Tests of torpor.hooks.vllm.facade on the simulated device: the defaults a vLLM worker's controller starts with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torpor import SleepController
+from torpor.allocator import SimDriver, TaggedAllocator
+from torpor.hooks.vllm.facade import TorporMemAllocator
+from torpor.statemachine.core.policy import PinWhen
+
+MiB = 1 << 20
+
+
+def _facade(tmp_path: Path) -> TorporMemAllocator:
+    """A facade over a small simulated device, engine and rank given (no vLLM needed)."""
+    memory = TaggedAllocator(SimDriver(capacity=64 * MiB, granularity=64 << 10))
+    return TorporMemAllocator(memory, log_dir=tmp_path / "logs", engine="facade-test", rank=0, fsync=False)
+
+
+def test_under_vllm_host_memory_is_pinned_ahead_by_default_once_the_weights_are_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With TORPOR_HOST_PIN unset a vLLM worker pins ahead: the weights' host memory is pinned before the first sleep."""
+    monkeypatch.delenv("TORPOR_HOST_PIN", raising=False)
+    facade = _facade(tmp_path)
+    with facade.use_memory_pool("weights"):
+        facade.memory.allocate(8 * MiB)
+    assert facade.controller.host_policy.pin is PinWhen.AHEAD
+    assert facade.memory.wait_host_ready(30)
+    assert facade.memory.pinned_bytes() >= 8 * MiB
+    facade.release_pools()
+
+
+def test_under_vllm_the_operator_opts_out_of_pinning_ahead_with_at_sleep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TORPOR_HOST_PIN=at_sleep keeps a vLLM worker from pinning ahead: nothing is pinned before the first sleep."""
+    monkeypatch.setenv("TORPOR_HOST_PIN", "at_sleep")
+    facade = _facade(tmp_path)
+    with facade.use_memory_pool("weights"):
+        facade.memory.allocate(8 * MiB)
+    assert facade.controller.host_policy.pin is PinWhen.AT_SLEEP
+    assert facade.memory.pinned_bytes() == 0
+    facade.release_pools()
+
+
+def test_plain_pytorch_keeps_pinning_at_sleep_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SleepController outside vLLM with TORPOR_HOST_PIN unset pins at sleep (docs/allocator.md says why)."""
+    monkeypatch.delenv("TORPOR_HOST_PIN", raising=False)
+    memory = TaggedAllocator(SimDriver(capacity=16 * MiB, granularity=64 << 10))
+    assert SleepController(memory).host_policy.pin is PinWhen.AT_SLEEP
