@@ -304,6 +304,15 @@ def test_port_in_use_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert [e.kind for e in read_events(tmp_path / "demo.rank0.jsonl")][-1] is EventKind.CLOSED
 
 
+@pytest.mark.parametrize("host", ["999.1.1.1", "192.0.2.1"])
+def test_a_host_that_is_no_address_here_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str], host: str) -> None:
+    """--host 999.1.1.1 (no address) or one of no interface here: exit 1, one line about --host, not "pick another --port"."""
+    rc = main(["demo", "--device", "sim", "--host", host, "--log-dir", str(tmp_path)])
+    assert rc == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--host {host}" in err[0] and "--port" not in err[0], err
+
+
 def test_progress_rewrites_one_line_on_a_terminal_only() -> None:
     """On a TTY the progress line is rewritten in place and cleared; on a pipe nothing is written."""
     import io

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -90,9 +92,12 @@ def _serve(controller: SleepController, port: int, host: str) -> tuple[Any, str]
     try:
         server = serve(controller, port=port, host=host)
     except OSError as exc:
-        msg = (
-            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; pick another --port, or 0 for any free one"
-        )
+        why = exc.strerror or str(exc)
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:  # the host, not the port
+            hint = f"--host {host} is no address of this machine; give one it has (127.0.0.1, ::1, 0.0.0.0 for all)"
+        else:  # in use, or a privileged port
+            hint = "pick another --port, or 0 for any free one"
+        msg = f"cannot serve metrics on {host}:{port}: {why}; {hint}"
         raise DemoError(msg) from exc
     return server, f"{server.url.rstrip('/')}/metrics   (also /state and /events?after=SEQ)"
 
