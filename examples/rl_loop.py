@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 from torpor.client import Client
+from torpor.errors import TorporError
 from torpor.statemachine.core.events import EventKind
 
 
@@ -76,16 +79,28 @@ def rl_loop(
     return report
 
 
-def main() -> None:
-    """Run the loop with a trainer that does nothing but say so."""
+def main() -> int:
+    """Run the loop with a trainer that does nothing but say so; an engine that refuses is one line and exit 1."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks to confirm")
     args = parser.parse_args()
-    for round_ in rl_loop(args.url, args.steps, lambda step: print(f"step {step}: training"), ranks=args.ranks):
-        print(json.dumps(round_))
+    try:
+        for round_ in rl_loop(args.url, args.steps, lambda step: print(f"step {step}: training"), ranks=args.ranks):
+            print(json.dumps(round_))
+    except urllib.error.HTTPError as exc:  # vLLM's own routes: /sleep and /wake_up exist only in its dev mode
+        why = f"{exc.url} answered {exc.code} {exc.reason}"
+        print(f"rl_loop: {why} (vLLM serves /sleep and /wake_up with VLLM_SERVER_DEV_MODE=1)", file=sys.stderr)
+        return 1
+    except urllib.error.URLError as exc:
+        print(f"rl_loop: cannot reach the engine at {args.url}: {exc.reason}", file=sys.stderr)
+        return 1
+    except (TorporError, OSError) as exc:  # torpor's client: the endpoint refused, or a rank never got there
+        print(f"rl_loop: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -292,3 +292,23 @@ def test_the_rl_loop_example_runs_against_vllms_routes(vllm_server: tuple[list[S
     assert [r.state.value for r in ranks] == ["awake", "awake"]
     assert len(report) == 2
     assert {"rank0_sleep_s", "rank1_sleep_s", "rank0_wake_weights_s", "rank1_wake_kv_cache_s"} <= set(report[1])
+
+
+def test_the_rl_loop_example_says_in_one_line_when_the_endpoint_refuses_it() -> None:
+    """examples/rl_loop.py against a port nobody serves: exit 1 and one line naming the URL, no traceback."""
+    import socket
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = Path(__file__).parents[1] / "examples" / "rl_loop.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--url", f"http://127.0.0.1:{port}", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "Traceback" not in proc.stderr, err
