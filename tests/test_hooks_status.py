@@ -243,3 +243,22 @@ def test_a_timeout_that_is_no_finite_number_of_seconds_is_refused(
         main(["status", str(tmp_path), "--wait", "asleep", "--timeout", bad])
     assert info.value.code == 2
     assert "finite number of seconds" in capsys.readouterr().err
+
+
+def test_closed_is_dated_from_the_closed_event(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank whose engine closed its log reads "closed since #N" with N the closed event, not the sleep before it."""
+    (ctrl,) = _ranks(tmp_path, 1)
+    ctrl.sleep(1)
+    slept = ctrl.last_seq
+    ctrl.close()
+    assert main(["status", str(tmp_path)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("rank 0"))
+    assert f"since #{slept + 1} " in line and f"#{slept} " not in line, line
+
+
+def test_a_missing_rank_is_named_in_words(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--world-size 2 with rank 1's log missing says "no log for rank 1" and the file it looked for."""
+    _ranks(tmp_path, 1)
+    main(["status", str(tmp_path), "--world-size", "2"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("rank 1"))
+    assert "no log for rank 1" in line and "llm.rank1.jsonl" in line and "ENGINE" not in line, line

@@ -117,10 +117,12 @@ def render(view: FleetView) -> str:
             if r.error is not None:
                 lines.append(f"  rank {r.rank:<3} {r.state:<16} {r.error}")
             elif r.path is None:
-                lines.append(f"  rank {r.rank:<3} {r.state:<16} no ENGINE.rank{r.rank}.jsonl in the directory")
+                expected = f"{engine.engine}.rank{r.rank}.jsonl"
+                lines.append(f"  rank {r.rank:<3} {r.state:<16} no log for rank {r.rank} in the directory ({expected})")
             else:
+                since = r.last_seq if r.state == "closed" else r.since  # closed: since its closed event (issue 37)
                 lines.append(
-                    f"  rank {r.rank:<3} {r.state:<16} since #{r.since:<6} {where:<10} {_tags(engine, r.rank)}".rstrip()
+                    f"  rank {r.rank:<3} {r.state:<16} since #{since:<6} {where:<10} {_tags(engine, r.rank)}".rstrip()
                 )
                 memory = memory_line(r)
                 if memory:
