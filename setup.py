@@ -1,5 +1,7 @@
 """Build torpor's native allocator (plain C, no Python API) as torpor/allocator/native/libtorpor_alloc.so.
 
+Beside it, torpor.tms's preload library (torpor/tms/libtorpor_torch_memory_saver_preload.so), the same way.
+
 The metadata is in pyproject.toml. The library is loaded with ctypes, links no
 libpython and no torch, and opens the CUDA driver with dlopen at run time, so
 one build serves every Python 3, torch and CUDA 12/13 driver on the platform.
@@ -23,8 +25,8 @@ class BuildNative(build_ext):
     """build_ext for a plain shared library: a fixed file name, and a clear error when there is no compiler."""
 
     def get_ext_filename(self, fullname: str) -> str:
-        *package, _ = fullname.split(".")
-        return os.path.join(*package, "libtorpor_alloc.so")
+        *package, name = fullname.split(".")
+        return os.path.join(*package, f"{name}.so")
 
     def build_extension(self, ext: Extension) -> None:
         compiler = list(getattr(self.compiler, "compiler_so", None) or [os.environ.get("CC", "cc")])
@@ -67,4 +69,13 @@ native = Extension(
     libraries=["dl", "pthread"],
 )
 
-setup(ext_modules=[native], cmdclass={"build_ext": BuildNative, "build_py": BuildPyWithPth})
+# torch_memory_saver's preload mode (torpor.tms): cudaMalloc/cudaFree onto the table above, put on LD_PRELOAD by
+# torpor.tms.configure_subprocess(); its name holds "torch_memory_saver", as code looking for TMS there expects.
+preload = Extension(
+    "torpor.tms.libtorpor_torch_memory_saver_preload",
+    sources=[os.path.join("torpor", "tms", "csrc", "tms_preload.c")],
+    extra_compile_args=["-std=gnu11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
+    libraries=["dl", "pthread"],
+)
+
+setup(ext_modules=[native, preload], cmdclass={"build_ext": BuildNative, "build_py": BuildPyWithPth})

@@ -238,22 +238,69 @@ def scenario_sglang_order(hook_mode: str) -> None:
         assert controllers[tag].state.value == "awake"
 
 
+def _runtime():  # type: ignore[no-untyped-def]
+    """cudaMalloc, cudaMemcpy and cudaFree as a ctypes user reaches them: the process's global scope (LD_PRELOAD first)."""
+    import ctypes
+
+    api = ctypes.CDLL(None)
+    api.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    api.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    api.cudaFree.argtypes = [ctypes.c_void_p]
+    return api
+
+
+def _round_trip(api, ptr, value: int) -> int:  # type: ignore[no-untyped-def]
+    import ctypes
+
+    if value >= 0:
+        byte = ctypes.c_ubyte(value)
+        assert api.cudaMemcpy(ptr, ctypes.byref(byte), 1, 1) == 0  # host to device
+    back = ctypes.c_ubyte()
+    assert api.cudaMemcpy(ctypes.byref(back), ptr, 1, 2) == 0  # device to host
+    return back.value
+
+
 def scenario_raw_cuda_malloc() -> None:
-    """Raw cudaMalloc of 6912 bytes through ctypes inside a region is tagged, and freed while paused."""
+    """Raw cudaMalloc of 6912 bytes (ctypes) inside a region is torpor's: backed up, restored; freed while paused."""
     import ctypes
 
     import torch
 
     tms = _saver("preload")
     torch.cuda.init()
-    cudart = ctypes.CDLL("libcudart.so." + torch.version.cuda.split(".")[0])  # type: ignore[union-attr]
-    ptr = ctypes.c_void_p()
-    with tms.region(tag="raw"):
-        assert cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(6912)) == 0
-    assert tms._impl.allocator.usage()["raw"].allocations == 1
+    torch.zeros(1, device="cuda")
+    api = _runtime()
+    kept, dropped = ctypes.c_void_p(), ctypes.c_void_p()
+    with tms.region(tag="raw", enable_cpu_backup=True):
+        assert api.cudaMalloc(ctypes.byref(kept), 6912) == 0
+        assert api.cudaMalloc(ctypes.byref(dropped), 6912) == 0
+    assert tms._impl.preload is not None, "torpor's preload library is not bound in this process"
+    assert tms._impl.allocator.usage()["raw"].allocations == 2
+    assert _round_trip(api, kept, 0xA5) == 0xA5
     tms.pause("raw")
-    assert cudart.cudaFree(ptr) == 0  # freed while paused: only the reservation goes
+    assert tms._impl.allocator.usage()["raw"].resident == 0
+    assert api.cudaFree(dropped) == 0  # freed while paused: only its address range goes
     tms.resume("raw")
+    assert _round_trip(api, kept, -1) == 0xA5  # the backup came back
+    assert api.cudaFree(kept) == 0
+    assert tms._impl.allocator.usage()["raw"].allocations == 0
+
+
+def scenario_training_engine() -> None:
+    """TMS_INIT_ENABLE=1 (+ CPU backup): torch's own segments outside any region are tagged, paused and restored."""
+    import torch
+
+    tms = _saver("preload")
+    assert tms.retain_cpu_backup is False  # the saver's first call: torpor binds its table to the preload library
+    torch.cuda.empty_cache()
+    w = torch.full((256 * MiB // 4,), 42.0, device="cuda")  # a fresh segment: torch's cudaMalloc, now torpor's
+    ptr = w.data_ptr()
+    assert tms._impl.allocator.usage()["default"].resident >= w.nbytes
+    before = _free()
+    tms.pause()
+    assert _free() - before >= 0.9 * w.nbytes
+    tms.resume()
+    assert w.data_ptr() == ptr and bool((w == 42.0).all())
 
 
 # -- the tests -----------------------------------------------------------------------------------
@@ -298,14 +345,24 @@ def test_sglang_release_order(hook_mode: str) -> None:
     in_fresh_process(scenario_sglang_order, hook_mode)
 
 
-def test_raw_cuda_malloc_freed_while_paused() -> None:
-    """With torpor's preload library, raw cudaMalloc is tagged and can be freed while paused."""
+def _preload_env(**extra: str) -> dict[str, str]:
     from torpor.tms.preload import preload_library
 
     lib = preload_library()
     if lib is None:
-        pytest.skip("torpor's preload library is not built (docs/tms.md, 'Preload mode')")
-    in_fresh_process(scenario_raw_cuda_malloc, env={"LD_PRELOAD": str(lib)})
+        pytest.skip("torpor's preload library is not built (pip install . or setup.py build_ext --inplace)")
+    return {"LD_PRELOAD": str(lib), **extra}
+
+
+def test_raw_cuda_malloc_freed_while_paused() -> None:
+    """With torpor's preload library, raw cudaMalloc of 6912 bytes is tagged, restored, and can be freed while paused."""
+    in_fresh_process(scenario_raw_cuda_malloc, env=_preload_env())
+
+
+def test_training_engine_with_init_enable() -> None:
+    """TMS_INIT_ENABLE=1 with a CPU backup: memory torch allocates outside any region is paused and restored."""
+    env = _preload_env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    in_fresh_process(scenario_training_engine, env=env)
 
 
 def test_switch_runs_an_unmodified_tms_program(tmp_path: Path) -> None:

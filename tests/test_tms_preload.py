@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.tms import preload
-from torpor.tms.preload import PRELOAD_NAME, configure_subprocess, prepended
+from torpor.tms.preload import PRELOAD_NAME, PreloadHook, configure_subprocess, prepended
+from torpor.tms.tmsengine import TmsEngine
+from torpor.tms.tmsenv import TmsSettings
 
 
 def test_prepended_as_tms() -> None:
@@ -47,3 +53,88 @@ def test_without_the_library_nothing_changes(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("LD_PRELOAD", "/keep.so")
     with configure_subprocess():
         assert os.environ["LD_PRELOAD"] == "/keep.so"
+
+
+SOURCE = Path(__file__).resolve().parent.parent / "torpor" / "tms" / "csrc" / "tms_preload.c"
+
+
+def built(tmp_path: Path) -> Path:
+    """The preload library compiled from source into ``tmp_path`` (its own copy: its bind state is its own)."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path / PRELOAD_NAME
+    cmd = [cc, "-std=gnu11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror"]
+    subprocess.run([*cmd, "-o", str(out), str(SOURCE), "-ldl", "-lpthread"], check=True, timeout=120)
+    return out
+
+
+def hooked(tmp_path: Path) -> tuple[TmsEngine, ctypes.CDLL]:
+    """A preload-mode engine on the simulated device with the library bound to its table."""
+    lib = preload.load(built(tmp_path))
+    engine = TmsEngine(
+        "preload", allocator=TaggedAllocator(SimDriver(64 << 20)), settings=TmsSettings(), telemetry=False
+    )
+    engine.preload = PreloadHook(lib, engine.allocator.table)
+    return engine, lib
+
+
+def test_the_library_exports_cuda_malloc_and_free(tmp_path: Path) -> None:
+    """The library defines cudaMalloc and cudaFree (what LD_PRELOAD interposes) and nothing of CUDA's else."""
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", str(built(tmp_path))], capture_output=True, text=True, check=True
+    )
+    names = {line.split()[-1] for line in out.stdout.splitlines() if " T " in line}
+    assert {"cudaMalloc", "cudaFree"} <= names
+    assert {n for n in names if n.startswith("cuda")} == {"cudaMalloc", "cudaFree"}
+
+
+def test_raw_cuda_malloc_in_a_region_is_tagged_and_freed_while_paused(tmp_path: Path) -> None:
+    """6912 bytes of raw cudaMalloc inside region('raw') land in torpor's table; a pause frees them; cudaFree works paused."""
+    engine, lib = hooked(tmp_path)
+    ptr = ctypes.c_void_p()
+    with engine.region("raw", False, False, None):
+        assert lib.cudaMalloc(ctypes.byref(ptr), 6912) == 0
+    usage = engine.allocator.usage()["raw"]
+    assert (usage.allocations, usage.resident > 0) == (1, True)
+    assert engine.preload is not None and engine.preload.live() == 1
+    engine.pause("raw")
+    assert engine.allocator.usage()["raw"].resident == 0
+    assert lib.cudaFree(ptr) == 0  # freed while paused: only the address range goes
+    assert engine.preload.live() == 0
+    engine.resume("raw")
+    assert engine.allocator.usage()["raw"].allocations == 0
+
+
+def test_thread_tags_follow_regions_and_disable(tmp_path: Path) -> None:
+    """A region sets this thread's tag, disable() turns it off, leaving restores what was there."""
+    engine, lib = hooked(tmp_path)
+    assert lib.tmsp_get_tag() == preload.INHERIT
+    with engine.region("w", True, False, None):
+        inside = lib.tmsp_get_tag()
+        assert inside == engine.allocator.table.tag_id("w")
+        with engine.disable():
+            assert lib.tmsp_get_tag() == preload.OFF
+        assert lib.tmsp_get_tag() == inside
+    assert lib.tmsp_get_tag() == preload.INHERIT
+
+
+def test_init_enable_tags_allocations_outside_regions(tmp_path: Path) -> None:
+    """With a process default (TMS_INIT_ENABLE=1) raw cudaMalloc outside any region goes to that tag."""
+    engine, lib = hooked(tmp_path)
+    assert engine.preload is not None
+    engine.preload.set_default("default")
+    engine.allocator.tag_state("default")
+    ptr = ctypes.c_void_p()
+    assert lib.cudaMalloc(ctypes.byref(ptr), 1 << 20) == 0
+    assert engine.allocator.usage()["default"].allocations == 1
+    assert lib.cudaFree(ptr) == 0
+    engine.preload.set_default(None)
+
+
+def test_preloaded_reads_ld_preload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """preloaded() gives the library only when LD_PRELOAD names it."""
+    lib = built(tmp_path)
+    monkeypatch.setattr(preload, "preload_library", lambda: lib)
+    assert preload.preloaded({"LD_PRELOAD": "/other.so"}) is None
+    assert preload.preloaded({"LD_PRELOAD": f"/other.so:{lib}"}) is not None

@@ -1,26 +1,36 @@
-"""``configure_subprocess()``: put torpor's preload library on ``LD_PRELOAD`` for child processes, as TMS does.
+"""torpor's preload library: ``configure_subprocess()`` puts it on ``LD_PRELOAD`` as TMS does, and :class:`PreloadHook` drives it.
 
 TMS prepends its ``torch_memory_saver_hook_mode_preload*.so`` (``LIB:REST``, or
 ``LIB`` alone) for the duration of the block and restores the old value after.
 torpor does the same with its own library, whose name also contains
 ``torch_memory_saver`` (code that looks for that string on ``LD_PRELOAD``
-finds it). Until that library is built (docs/tms.md, "Preload mode"), the
-block changes nothing and says so once: torpor's preload mode then tags what
-torch allocates inside ``region()`` through torpor's pools, as its torch mode does.
+finds it). Where that library is not built (no C compiler at install), the
+block changes nothing and says so: torpor's preload mode then tags what torch
+allocates inside ``region()`` through torpor's pools, as its torch mode does.
+
+In a process that has the library on ``LD_PRELOAD``, :class:`PreloadHook` binds
+it to the allocator's native table and sets each thread's tag (a region, or
+``disable()``) and the process default (``TMS_INIT_ENABLE=1``), so raw
+``cudaMalloc`` is tagged and pausable (csrc/tms_preload.c).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+
+from torpor.allocator.native.table import NativeTable
 
 logger = logging.getLogger("torpor.tms")
 
 PRELOAD_NAME = "libtorpor_torch_memory_saver_preload.so"
 LD_PRELOAD = "LD_PRELOAD"
+INHERIT = -1  # a thread outside any region: the process default
+OFF = -2  # a thread inside disable(): the real cudaMalloc
 
 
 def preload_library() -> Path | None:
@@ -56,3 +66,60 @@ def configure_subprocess() -> Iterator[None]:
             os.environ.pop(LD_PRELOAD, None)
         else:
             os.environ[LD_PRELOAD] = old
+
+
+def preloaded(environ: Mapping[str, str] | None = None) -> ctypes.CDLL | None:
+    """torpor's preload library when this process has it on ``LD_PRELOAD`` (the loaded copy), else None."""
+    lib = preload_library()
+    entries = (os.environ if environ is None else environ).get(LD_PRELOAD, "").replace(" ", ":").split(":")
+    if lib is None or not any(e and os.path.realpath(e) == str(lib) for e in entries):
+        return None
+    return load(lib)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The preload library at ``path`` with its functions' types (already loaded when it is on LD_PRELOAD)."""
+    lib = ctypes.CDLL(str(path))
+    lib.tmsp_bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.tmsp_bind.restype = None
+    lib.tmsp_set_tag.argtypes = [ctypes.c_int]
+    lib.tmsp_set_tag.restype = ctypes.c_int
+    lib.tmsp_get_tag.restype = ctypes.c_int
+    lib.tmsp_set_default_tag.argtypes = [ctypes.c_int]
+    lib.tmsp_set_default_tag.restype = None
+    lib.tmsp_live.restype = ctypes.c_int
+    lib.tmsp_served.restype = ctypes.c_uint64
+    lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    lib.cudaMalloc.restype = ctypes.c_int
+    lib.cudaFree.argtypes = [ctypes.c_void_p]
+    lib.cudaFree.restype = ctypes.c_int
+    return lib
+
+
+class PreloadHook:
+    """The preload library bound to one allocator's native table: which tag each thread's raw cudaMalloc gets."""
+
+    def __init__(self, lib: ctypes.CDLL, table: NativeTable) -> None:
+        self.lib = lib
+        self.table = table
+        alloc = ctypes.cast(table.lib.tp_alloc_raw, ctypes.c_void_p)
+        free = ctypes.cast(table.lib.tp_free_raw, ctypes.c_void_p)
+        lib.tmsp_bind(ctypes.c_void_p(table.ctx), alloc, free)
+        logger.info("torpor.tms: preload mode: raw cudaMalloc inside regions goes to torpor's table")
+
+    @contextmanager
+    def tagged(self, tag: str | None) -> Iterator[None]:
+        """This thread's raw cudaMalloc goes to torpor tag ``tag`` inside the block (None: the real runtime)."""
+        previous = self.lib.tmsp_set_tag(OFF if tag is None else self.table.tag_id(tag))
+        try:
+            yield
+        finally:
+            self.lib.tmsp_set_tag(previous)
+
+    def set_default(self, tag: str | None) -> None:
+        """Raw cudaMalloc outside any region, in every thread, goes to ``tag`` (None: the real runtime)."""
+        self.lib.tmsp_set_default_tag(INHERIT if tag is None else self.table.tag_id(tag))
+
+    def live(self) -> int:
+        """Allocations the library handed out from the table and that were not freed yet."""
+        return int(self.lib.tmsp_live())

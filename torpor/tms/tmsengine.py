@@ -17,7 +17,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.states import State
 from torpor.statemachine.machine.controller import SleepController
 from torpor.telemetry.session import attach
+from torpor.tms.preload import PreloadHook, preloaded
 from torpor.tms.switch import active
 from torpor.tms.tagview import DISCARD_MODE, TagView, TmsTag, mode_of
 from torpor.tms.tmsenv import BACKENDS, TmsSettings
@@ -115,6 +116,13 @@ class TmsEngine:
         self._telemetry: list[Any] = []
         self._lock = threading.RLock()
         self._local = threading.local()
+        lib = preloaded() if hook_mode == "preload" else None
+        self.preload = PreloadHook(lib, self.allocator.table) if lib is not None else None
+        if self.preload is not None and self.settings.init_enable:  # TMS_INIT_ENABLE=1: outside regions too
+            initial = self._initial()
+            default = self.torpor_tag(initial.tag, initial.mode)
+            self.allocator.tag_state(default)
+            self.preload.set_default(default)
 
     # -- the thread's region config ------------------------------------------------------
 
@@ -220,10 +228,14 @@ class TmsEngine:
         stack = self._stack()
         stack.append(config)
         try:
-            with self.allocator.use_memory_pool(torpor_tag):
+            with self.allocator.use_memory_pool(torpor_tag), self._raw(torpor_tag):
                 yield
         finally:
             stack.pop()
+
+    def _raw(self, torpor_tag: str | None) -> AbstractContextManager[None]:
+        """Where this thread's raw cudaMalloc goes inside a block (preload mode with torpor's library loaded)."""
+        return nullcontext() if self.preload is None else self.preload.tagged(torpor_tag)
 
     @contextmanager
     def disable(self) -> Iterator[None]:
@@ -235,7 +247,7 @@ class TmsEngine:
         stack = self._stack()
         stack.append(RegionConfig(now.tag, now.mode, interesting=False))
         try:
-            with self.allocator.use_memory_pool(DISABLED_TAG):
+            with self.allocator.use_memory_pool(DISABLED_TAG), self._raw(None):
                 yield
         finally:
             stack.pop()
