@@ -605,3 +605,63 @@ def test_readme_contents_lists_every_section() -> None:
     listed = re.findall(r"^- \[[^\]]+\]\(#([^)]+)\)", contents, re.MULTILINE)
     sections = [_slug(h) for h in re.findall(r"^## (.+)$", readme, re.MULTILINE) if h != "Contents"]
     assert listed == sections
+
+
+def _exit_code(argv: list[str]) -> int:
+    """The exit status of ``torpor ARGV`` run in-process (a usage error's SystemExit included)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+def test_each_command_keeps_the_documented_exit_codes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/cli.md's exit-status table lists exactly the codes the CLI gives, and each command gives its codes."""
+    from torpor.commands import bench, diagram
+
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    section = doc[doc.index("## Exit status") : doc.index("\n## ", doc.index("## Exit status") + 1)]
+    documented = {int(code): where for code, where in re.findall(r"^\| (\d+) \|.*\| ([^|]+) \|$", section, re.M)}
+    for sub in ("ok", "dead"):
+        (tmp_path / sub).mkdir()
+    log = _log(tmp_path / "ok")
+    awake = tmp_path / "awake"
+    SleepController(FakeMemory(TAGS), log=awake, engine="eng", fsync=False).close()
+    (tmp_path / "empty.jsonl").touch()
+    cases: dict[int, list[list[str]]] = {
+        0: [["diagram"], ["log", "show", str(log)], ["log", "replay", str(log)], ["status", str(log.parent)]],
+        1: [
+            ["log", "show", str(tmp_path / "empty.jsonl")],
+            ["log", "replay", "/dev/zero"],
+            ["plot", str(tmp_path / "nope.jsonl")],
+            ["status", str(tmp_path / "nowhere")],
+            ["dashboard", "-o", "/proc/nope/x.json"],
+            ["bench"],  # without CUDA (below)
+        ],
+        2: [["demo", "--level", "3"], ["log"], ["log", "show"], ["status", str(awake), "--timeout", "1"]],
+        3: [["status", str(awake), "--wait", "asleep", "--timeout", "0"]],
+        4: [["log", "replay", str(_dead_writer_log(tmp_path / "dead"))], ["status", str(tmp_path / "dead" / "logs")]],
+    }
+    fake_torch = argparse.Namespace(cuda=argparse.Namespace(is_available=lambda: False))
+    monkeypatch.setattr(bench, "require", lambda *args, **kwargs: fake_torch)
+    got = {code: [argv for argv in argvs if _exit_code(argv) != code] for code, argvs in cases.items()}
+    assert not any(got.values()), f"commands that did not exit with their documented code: {got}"
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(diagram, "run", interrupted)
+    assert _exit_code(["diagram"]) == 130
+    # 141: a reader that leaves before the end (a timeline longer than a pipe holds, cut by head)
+    ctrl = SleepController(FakeMemory(TAGS), log=tmp_path / "long", engine="eng", fsync=False)
+    for _ in range(1500):
+        ctrl.observe()
+    ctrl.close()
+    script = f"{' '.join(_torpor())} log show {tmp_path / 'long'} | head -1 >/dev/null; echo ${{PIPESTATUS[0]}}"
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.stdout.split() == ["141"] and proc.stderr == "", proc
+    assert set(documented) == {*cases, 130, 141}, documented
+    assert "status" in documented[3] and "log replay" in documented[4] and "status" in documented[4]
+    capsys.readouterr()
