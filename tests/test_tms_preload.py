@@ -138,3 +138,17 @@ def test_preloaded_reads_ld_preload(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(preload, "preload_library", lambda: lib)
     assert preload.preloaded({"LD_PRELOAD": "/other.so"}) is None
     assert preload.preloaded({"LD_PRELOAD": f"/other.so:{lib}"}) is not None
+
+
+def test_raw_cuda_malloc_with_a_cpu_backup_comes_back(tmp_path: Path) -> None:
+    """Raw cudaMalloc memory of a region with a CPU backup holds its bytes across pause and resume."""
+    engine, lib = hooked(tmp_path)
+    ptr = ctypes.c_void_p()
+    with engine.region("raw", True, False, None):
+        assert lib.cudaMalloc(ctypes.byref(ptr), 6912) == 0
+    assert ptr.value is not None
+    engine.allocator.write(ptr.value, b"\xa5" * 6912)
+    engine.pause("raw")
+    engine.resume("raw")
+    assert engine.allocator.read(ptr.value, 6912) == b"\xa5" * 6912
+    assert lib.cudaFree(ptr) == 0
