@@ -563,3 +563,36 @@ def test_a_free_whose_stream_wait_fails_keeps_the_mapping_and_reports_it() -> No
     alloc.backup(["runtime"])
     alloc.release(["runtime"])
     assert sim.used == 0
+
+
+def test_torchs_malloc_out_of_memory_reclaims_the_tags_pending_segment_after_waiting_for_its_stream() -> None:
+    """A malloc of a tag with no device memory left waits for the stream of the tag's pending free segment, trims it and succeeds; every byte of the new block is right and the trim is reported once."""
+    sim, alloc = make(capacity=10 * G, slab_bytes=0)
+    malloc, free = slot(alloc, "scratch")
+    first = malloc(6 * G, 0, None)  # type: ignore[operator]
+    assert first
+    assert alloc.table.pend(first, 0x1234)  # freed in torch while a kernel on stream 0x1234 was queued
+    waits = sim.count("wait")
+    second = malloc(8 * G, 0, None)  # type: ignore[operator]
+    assert second, alloc.pending_errors()
+    assert sim.count("wait") == waits + 1
+    data = os.urandom(8 * G)
+    alloc.write(second, data)
+    assert alloc.read(second, 8 * G) == data
+    assert alloc.table.trim(first) is True  # reported to the pool's owner once: it maps it again before reuse
+    assert alloc.table.unpend(first) is False
+    free(first, 6 * G, 0, None)  # type: ignore[operator]
+    free(second, 8 * G, 0, None)  # type: ignore[operator]
+    assert alloc.pending_errors() == [] and sim.used == 0
+
+
+def test_an_allocation_out_of_memory_keeps_a_segment_no_longer_pending_and_raises() -> None:
+    """A segment unpended (its pool serves a block again) is not reclaimed: the allocation raises AllocatorOutOfMemory and the segment stays mapped."""
+    _, alloc = make(capacity=10 * G, slab_bytes=0)
+    first = alloc.allocate(6 * G, "scratch")
+    assert alloc.table.pend(first, 0x1234)
+    assert alloc.table.unpend(first) is False
+    with pytest.raises(AllocatorOutOfMemory, match="scratch"):
+        alloc.allocate(8 * G, "scratch")
+    alloc.write(first, b"still mapped")
+    alloc.free(first)

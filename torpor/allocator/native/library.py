@@ -54,6 +54,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "tp_free_raw": (_int, [_p, _u64, _E]),
     "tp_trim": (_int, [_p, _u64, _E]),
     "tp_untrim": (_int, [_p, _u64, _E]),
+    "tp_pend": (_int, [_p, _u64, _p, _E]),
+    "tp_unpend": (_int, [_p, _u64, _E]),
     "tp_slot_bind": (_int, [_p, _int]),
     "tp_slot_malloc_fn": (_p, [_int]),
     "tp_slot_free_fn": (_p, [_int]),

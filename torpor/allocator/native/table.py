@@ -214,6 +214,24 @@ class NativeTable:
             )
         return rc >= 1
 
+    def pend(self, address: int, stream: int) -> bool:
+        """The segment at ``address`` is free in an idle pool; its trim waits for ``stream``; False: not now.
+
+        An allocation of its tag that runs out of memory waits for ``stream`` and trims it (csrc/trim.c).
+        """
+        address = check_address(address, "pend")
+        err = native.TpErr()
+        return self._check(self.lib.tp_pend(self.ctx, address, ctypes.c_void_p(stream or None), ctypes.byref(err)), err) == 1
+
+    def unpend(self, address: int) -> bool:
+        """The segment at ``address`` is pending no more; True when an allocation under pressure trimmed it meanwhile.
+
+        Not an allocation (torch freed it): False.
+        """
+        address = check_address(address, "unpend")
+        err = native.TpErr()
+        return int(self.lib.tp_unpend(self.ctx, address, ctypes.byref(err))) == 1
+
     def untrim(self, address: int) -> bool:
         """Map memory under a trimmed segment again (its pool serves a block again); False when it was not trimmed."""
         address = check_address(address, "untrim")

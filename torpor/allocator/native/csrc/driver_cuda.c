@@ -174,6 +174,13 @@ static int cu_wait_stream(void *self, int dev, void *stream, tp_err *e) {
   return check(cu, cu->cuStreamSynchronize(stream), "cuStreamSynchronize", e);
 }
 
+static int cu_capturing(void *self, int dev, void *stream, int *out, tp_err *e) {
+  tp_cuda *cu = self;
+  *out = 0;
+  if (cu_ensure(self, dev, e)) return -1;
+  return check(cu, cu->cuStreamIsCapturing(stream, out), "cuStreamIsCapturing", e);
+}
+
 int tp_cuda_driver(tp_driver *out, tp_err *e) {
   tp_cuda *cu = &g_cuda;
   pthread_mutex_lock(&cu->mu);
@@ -213,5 +220,6 @@ int tp_cuda_driver(tp_driver *out, tp_err *e) {
   out->release = cu_release;
   out->ensure_context = cu_ensure;
   out->wait_stream = cu_wait_stream;
+  out->capturing = cu_capturing;
   return 0;
 }

@@ -443,6 +443,12 @@ static int sim_wait_stream(void *self, int dev, void *stream, tp_err *e) {
   SIM_DONE();
 }
 
+static int sim_capturing(void *self, int dev, void *stream, int *out, tp_err *e) {
+  (void)self, (void)dev, (void)stream, (void)e;
+  *out = 0; /* the simulated device captures no graph */
+  return 0;
+}
+
 void tp_sim_driver(tp_sim *sim, tp_driver *out) {
   out->self = sim;
   out->granularity = sim_granularity;
@@ -455,6 +461,7 @@ void tp_sim_driver(tp_sim *sim, tp_driver *out) {
   out->release = sim_release;
   out->ensure_context = sim_ensure;
   out->wait_stream = sim_wait_stream;
+  out->capturing = sim_capturing;
 }
 
 /* The simulated VMM calls, for the Python SimDriver's own methods (each returns 0, or -1 with *e set). */

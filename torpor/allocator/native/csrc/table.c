@@ -441,9 +441,23 @@ static int free_locked(tp_ctx *c, uint64_t addr, int keep, tp_err *e) {
   return rc;
 }
 
+/* alloc_locked, and when creating memory failed for want of it: reclaim the tag's pending segments and retry, as
+ * torch's caching allocator frees its cached segments before it gives up (trim.c; the mutex is released while it
+ * waits for their streams). */
+static int alloc_reclaiming(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *out, tp_err *e) {
+  int rc = alloc_locked(c, tag, dev, nbytes, out, e);
+  while (rc && e->oom && tag >= 0 && tag < c->ntags && reclaim_pending(c, tag, dev) > 0) {
+    tp_err again;
+    memset(&again, 0, sizeof again);
+    rc = alloc_locked(c, tag, dev, nbytes, out, &again);
+    if (rc) *e = again;
+  }
+  return rc;
+}
+
 TP_EXPORT int tp_alloc_raw(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *out, tp_err *e) {
   pthread_mutex_lock(&c->mu);
-  int rc = alloc_locked(c, tag, dev, nbytes, out, e);
+  int rc = alloc_reclaiming(c, tag, dev, nbytes, out, e);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -483,7 +497,7 @@ static void *slot_malloc(int slot, long long size, int dev) {
   memset(&e, 0, sizeof e);
   pthread_mutex_lock(&c->mu);
   int rc = c->drv.ensure_context(c->drv.self, dev, &e) ? driver_fail(&e, tag, "allocate")
-                                                        : alloc_locked(c, tag, dev, (uint64_t)size, &addr, &e);
+                                                        : alloc_reclaiming(c, tag, dev, (uint64_t)size, &addr, &e);
   if (rc) ring_push(c, &e);
   else __atomic_add_fetch(&g_slots[slot].live, 1, __ATOMIC_RELAXED);
   pthread_mutex_unlock(&c->mu);

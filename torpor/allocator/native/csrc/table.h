@@ -7,6 +7,10 @@ typedef struct {
   uint64_t addr, size, requested;
   int tag, dev;
   int trimmed; /* torch still holds the segment, free and never to be used again: its memory went back */
+  int pending; /* torch holds it free in an idle pool; its trim waits for `stream` (tp_pend; trim.c) */
+  int reclaimed; /* trimmed by an allocation under pressure while pending; the next tp_trim/tp_unpend reports it */
+  uint64_t pgen; /* which tp_pend: a segment pended again is another wait */
+  void *stream;
 } tp_alloc;
 typedef struct {
   uint64_t start, size, handle, spare, gran;
@@ -38,6 +42,7 @@ struct tp_ctx {
   int ntags;
   tp_err ring[TP_RING];
   int nring;
+  uint64_t pgen;
 };
 
 
@@ -57,4 +62,6 @@ int unmap_one(tp_ctx *c, int i, tp_err *e);
 int drop_mapping(tp_ctx *c, int i, tp_err *e);
 int count_users(tp_ctx *c, uint64_t start, uint64_t n);
 int tag_allocations(tp_ctx *c, int tag);
+int trim_locked(tp_ctx *c, int k, tp_err *e);
+int reclaim_pending(tp_ctx *c, int tag, int dev);
 #endif

@@ -54,6 +54,8 @@ typedef struct {
   int (*ensure_context)(void *self, int dev, tp_err *e);
   /* Wait for the work queued on `stream` (torch's, for a segment it frees); 0 at once while it captures a graph. */
   int (*wait_stream)(void *self, int dev, void *stream, tp_err *e);
+  /* *out = 1 while `stream` captures a graph (it cannot be waited for then). */
+  int (*capturing)(void *self, int dev, void *stream, int *out, tp_err *e);
 } tp_driver;
 
 typedef struct tp_sim tp_sim;
