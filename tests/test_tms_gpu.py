@@ -29,6 +29,14 @@ MiB = 1 << 20
 HOOK_MODES = ("torch", "preload")
 
 
+def mode_env(hook_mode: str) -> dict[str, str]:
+    """What a process of ``hook_mode`` starts with: preload mode has torpor's library on LD_PRELOAD when it is built."""
+    from torpor.tms.preload import preload_library
+
+    lib = preload_library()
+    return {"LD_PRELOAD": str(lib)} if hook_mode == "preload" and lib is not None else {}
+
+
 def in_fresh_process(fn: Callable[..., None], *args: object, env: dict[str, str] | None = None) -> None:
     """Run ``fn(*args)`` in a spawned process with ``env`` added; fail unless it exits 0."""
     old = {k: os.environ.get(k) for k in (env or {})}
@@ -309,13 +317,13 @@ def scenario_training_engine() -> None:
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 def test_simple_region_pause_resume(hook_mode: str) -> None:
     """A region is paused with >= 90 % of its bytes given back and resumed at the same address."""
-    in_fresh_process(scenario_simple, hook_mode)
+    in_fresh_process(scenario_simple, hook_mode, env=mode_env(hook_mode))
 
 
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 def test_kv_cache_and_cuda_graph(hook_mode: str) -> None:
     """A kv_cache region and a graph captured through cuda_graph() replay correctly after pause and resume."""
-    in_fresh_process(scenario_kv_cache_and_graph, hook_mode)
+    in_fresh_process(scenario_kv_cache_and_graph, hook_mode, env=mode_env(hook_mode))
 
 
 @pytest.mark.parametrize("retain", [False, True])
@@ -323,26 +331,26 @@ def test_kv_cache_and_cuda_graph(hook_mode: str) -> None:
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 def test_cpu_backup(hook_mode: str, backend: str, retain: bool) -> None:
     """A CPU-backed region comes back bit for bit, pinned and mmap, retained and not."""
-    in_fresh_process(scenario_cpu_backup, hook_mode, backend, retain)
+    in_fresh_process(scenario_cpu_backup, hook_mode, backend, retain, env=mode_env(hook_mode))
 
 
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 def test_disk_backup(hook_mode: str) -> None:
     """A disk-backed region is freed by a pause and comes back bit for bit."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as directory:
-        in_fresh_process(scenario_disk_backup, hook_mode, directory)
+        in_fresh_process(scenario_disk_backup, hook_mode, directory, env=mode_env(hook_mode))
 
 
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 def test_nested_regions_and_disable(hook_mode: str) -> None:
     """Nested regions pause by their own settings; memory under disable() is never paused."""
-    in_fresh_process(scenario_nested_and_disable, hook_mode)
+    in_fresh_process(scenario_nested_and_disable, hook_mode, env=mode_env(hook_mode))
 
 
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 def test_sglang_release_order(hook_mode: str) -> None:
     """kv_cache, weights, cuda_graph paused in SGLang's order and resumed in reverse: every tag logged, all intact."""
-    in_fresh_process(scenario_sglang_order, hook_mode)
+    in_fresh_process(scenario_sglang_order, hook_mode, env=mode_env(hook_mode))
 
 
 def _preload_env(**extra: str) -> dict[str, str]:
