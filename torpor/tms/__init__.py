@@ -5,16 +5,25 @@ torch_memory_saver import torch_memory_saver`` gives, and with ``TORPOR_TMS=1``
 an unmodified ``import torch_memory_saver`` gives this package
 (:mod:`torpor.tms.switch`). Each TMS tag is one torpor engine whose pause and
 resume are a logged sleep and wake with metrics (docs/tms.md).
+
+The names load on first use (as ``torpor``'s own): the ``.pth`` that turns the
+switch on in every Python process imports only :mod:`torpor.tms.switch`, not
+the allocator, the controller or telemetry.
 """
 
 from __future__ import annotations
 
-from torpor.tms.preload import configure_subprocess
-from torpor.tms.saver import TorchMemorySaver
-from torpor.tms.tmserrors import TagStateError, TmsConfigError, TmsError, TmsUsageError
+import importlib
+import threading
+from typing import TYPE_CHECKING
 
-#: The process's saver, as TMS's global singleton.
-torch_memory_saver = TorchMemorySaver()
+if TYPE_CHECKING:
+    from torpor.tms.preload import configure_subprocess
+    from torpor.tms.saver import TorchMemorySaver
+    from torpor.tms.tmserrors import TagStateError, TmsConfigError, TmsError, TmsUsageError
+
+    #: The process's saver, as TMS's global singleton.
+    torch_memory_saver: TorchMemorySaver
 
 __all__ = [
     "TagStateError",
@@ -25,3 +34,35 @@ __all__ = [
     "configure_subprocess",
     "torch_memory_saver",
 ]
+
+_LAZY = {
+    "TorchMemorySaver": "torpor.tms.saver",
+    "configure_subprocess": "torpor.tms.preload",
+    "TagStateError": "torpor.tms.tmserrors",
+    "TmsConfigError": "torpor.tms.tmserrors",
+    "TmsError": "torpor.tms.tmserrors",
+    "TmsUsageError": "torpor.tms.tmserrors",
+}
+_SINGLETON = "torch_memory_saver"
+_lock = threading.RLock()  # re-entrant: loading a name may load another
+
+
+def __getattr__(name: str) -> object:
+    with _lock:  # the singleton is made once, whichever thread asks first
+        if name in globals():
+            return globals()[name]
+        if name == _SINGLETON:
+            value: object = _make_singleton()
+        else:
+            module = _LAZY.get(name)
+            if module is None:
+                msg = f"module 'torpor.tms' has no attribute {name!r}"
+                raise AttributeError(msg)
+            value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+
+
+def _make_singleton() -> object:
+    saver_class = __getattr__("TorchMemorySaver")
+    return saver_class()  # type: ignore[operator]
