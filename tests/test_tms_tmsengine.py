@@ -201,3 +201,13 @@ def test_cuda_graph_pool_belongs_to_one_tag() -> None:
     assert e.tags["cuda_graph"].actions["cudagraph"] is Action.OFFLOAD
     with pytest.raises(TmsUsageError, match="'cuda_graph'"):
         e.adopt_graph_pool("other")
+
+
+def test_a_pause_inside_its_own_region_is_refused() -> None:
+    """Pausing a tag from inside one of its regions is refused with nothing touched (the region is open)."""
+    e = engine()
+    fill(e)
+    with e.region("kv_cache", False, False, None), pytest.raises(TorporError, match="kv_cache"):
+        e.pause("kv_cache")
+    assert e.controllers["kv_cache"].state is State.AWAKE
+    e.pause("kv_cache")
