@@ -28,7 +28,7 @@ from torpor.errors import TorporError
 EXIT_BROKEN_PIPE = 141
 
 #: Subcommand modules under ``torpor.commands``, in --help order.
-COMMANDS: tuple[str, ...] = ("demo", "log", "status", "diagram", "dashboard", "plot", "bench")
+COMMANDS: tuple[str, ...] = ("demo", "log", "status", "diagram", "dashboard", "plot", "bench", "keeper")
 
 
 class _Parser(argparse.ArgumentParser):

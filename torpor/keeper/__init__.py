@@ -1,0 +1,48 @@
+"""torpor keeper: host backups held by a small local process, so a backup a sleep wrote survives the engine's death.
+
+The keeper (:class:`Keeper`, ``torpor keeper serve``) owns memfd regions and
+hands them over a Unix socket (SCM_RIGHTS) to engines of its own user; an
+engine's allocator maps them under its host backups (:func:`attach`), so a
+sleep copies into keeper memory at the speed it copies into its own. A new
+process of the same engine adopts the backup (:func:`adopt` for plain PyTorch,
+:func:`open_backup` for anything else) after an identity check. docs/keeper.md
+has the design, the threat model and the limits.
+"""
+
+from __future__ import annotations
+
+from torpor.keeper.adoption import Adopted, KeptBackup, adopt, identity_of, open_backup, track_model
+from torpor.keeper.backing import KeeperBacking, attach
+from torpor.keeper.daemon import Keeper
+from torpor.keeper.fingerprint import ModelIdentity, TensorSpec, mismatch
+from torpor.keeper.keeperclient import KeeperLink
+from torpor.keeper.refusals import (
+    AdoptionRefused,
+    KeeperBudgetExceeded,
+    KeeperDenied,
+    KeeperError,
+    KeeperUnavailable,
+)
+from torpor.keeper.wire import socket_path
+
+__all__ = [
+    "Adopted",
+    "AdoptionRefused",
+    "Keeper",
+    "KeeperBacking",
+    "KeeperBudgetExceeded",
+    "KeeperDenied",
+    "KeeperError",
+    "KeeperLink",
+    "KeeperUnavailable",
+    "KeptBackup",
+    "ModelIdentity",
+    "TensorSpec",
+    "adopt",
+    "attach",
+    "identity_of",
+    "mismatch",
+    "open_backup",
+    "socket_path",
+    "track_model",
+]

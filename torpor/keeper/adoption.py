@@ -1,0 +1,250 @@
+"""Adoption: a new process of an engine takes a dead one's backup from the keeper, after an identity check.
+
+:func:`open_backup` asks the keeper for engine ``engine``'s backup with this
+process's :class:`~torpor.keeper.fingerprint.ModelIdentity` (a mismatch is
+refused with the reason), maps its regions and gives each tensor's bytes
+(:meth:`KeptBackup.view`); :meth:`KeptBackup.done` tells the keeper the copy is
+made (it drops the backup) and records ``backup_adopted`` on a controller. For
+plain PyTorch, :func:`adopt` does all of it for a freshly built model: it copies
+each parameter's and buffer's bytes host-to-device (the regions are pinned
+with ``cudaHostRegister`` first, so the copies run at host-link speed), and
+with ``fallback`` given, a keeper that is gone or refuses makes it say why and
+load the normal way instead. :func:`identity_of` and :func:`track_model` give
+a model's identity and its tensors' addresses (what a sleeping engine publishes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torpor.keeper import shmem
+from torpor.keeper.backing import KeeperBacking
+from torpor.keeper.fingerprint import ModelIdentity, TensorSpec
+from torpor.keeper.keeperclient import KeeperLink
+from torpor.keeper.refusals import KeeperError
+from torpor.statemachine.core.events import EventKind
+from torpor.statemachine.machine.controller import SleepController
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Adopted", "KeptBackup", "adopt", "identity_of", "open_backup", "track_model"]
+
+logger = logging.getLogger("torpor.keeper")
+
+#: Statistics of this process's adoptions (read by :mod:`torpor.keeper.keepermetrics`).
+ADOPTED = {"adoptions": 0, "bytes": 0, "fallbacks": 0}
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """One adoption: the keeper's socket, the engine, the backup's id, the dead pid, bytes, tensors and seconds."""
+
+    keeper: str
+    engine: str
+    backup: str
+    from_pid: int
+    bytes: int
+    tensors: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return (
+            f"adopted backup {self.backup} of engine {self.engine!r} from dead pid {self.from_pid}: "
+            f"{self.bytes} bytes in {self.tensors} tensors in {self.seconds:.3f} s"
+        )
+
+
+class KeptBackup:
+    """A backup granted to this process: its regions mapped here, each tensor's bytes by name."""
+
+    def __init__(self, link: KeeperLink, engine: str, reply: dict[str, Any], started: float) -> None:
+        self.link = link
+        self.engine = engine
+        self.id = str(reply["backup"])
+        self.from_pid = int(reply["pid"])
+        self.nbytes = int(reply["bytes"])
+        self._tensors: dict[str, list[list[int]]] = {n: e["segments"] for n, e in reply["tensors"].items()}
+        self._started = started
+        self._maps: dict[int, tuple[int, int]] = {}  # region -> (address, bytes)
+        try:
+            for rid, nbytes in reply["regions"].items():
+                fd = link.map(int(rid))
+                try:
+                    self._maps[int(rid)] = (shmem.map_anywhere(fd, int(nbytes)), int(nbytes))
+                finally:
+                    os.close(fd)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of each region mapped here (to pin them, say)."""
+        return list(self._maps.values())
+
+    def segments(self, name: str) -> Iterator[tuple[int, int, int]]:
+        """(host address, bytes, offset in the tensor) of tensor ``name``'s bytes, in order."""
+        at = 0
+        for rid, offset, n in self._tensors[name]:
+            yield self._maps[int(rid)][0] + int(offset), int(n), at
+            at += int(n)
+
+    def view(self, name: str) -> memoryview:
+        """Tensor ``name``'s bytes (a copy when they lie in more than one segment)."""
+        parts = list(self.segments(name))
+        if len(parts) == 1:
+            host, n, _ = parts[0]
+            return memoryview((ctypes.c_char * n).from_address(host)).cast("B")
+        return memoryview(b"".join(ctypes.string_at(h, n) for h, n, _ in parts))
+
+    def done(self, controller: SleepController | None = None, keeper: str = "") -> Adopted:
+        """The copy is made: the keeper drops the backup; ``backup_adopted`` goes to ``controller``'s log."""
+        seconds = time.perf_counter() - self._started
+        self.link.adopted(seconds)
+        adopted = Adopted(
+            keeper or str(self.link.path), self.engine, self.id, self.from_pid, self.nbytes, len(self._tensors), seconds
+        )
+        ADOPTED["adoptions"] += 1
+        ADOPTED["bytes"] += self.nbytes
+        if controller is not None:
+            controller.record(
+                EventKind.BACKUP_ADOPTED,
+                keeper=adopted.keeper,
+                engine=adopted.engine,
+                backup=adopted.backup,
+                from_pid=adopted.from_pid,
+                bytes=adopted.bytes,
+                tensors=adopted.tensors,
+                seconds=adopted.seconds,
+            )
+        logger.info("%s", adopted)
+        return adopted
+
+    def close(self) -> None:
+        """Unmap the regions (after the copies are done)."""
+        for address, nbytes in self._maps.values():
+            shmem.unmap(address, nbytes)
+        self._maps.clear()
+
+    def __enter__(self) -> KeptBackup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_backup(
+    identity: ModelIdentity,
+    *,
+    keeper: str | os.PathLike[str] | None = None,
+    engine: str = "default",
+    link: KeeperLink | None = None,
+) -> KeptBackup:
+    """Engine ``engine``'s backup, checked against ``identity`` (raises :class:`AdoptionRefused` with the reason)."""
+    started = time.perf_counter()
+    link = link or KeeperLink(keeper)
+    reply = link.adopt(engine, identity.to_dict())
+    return KeptBackup(link, engine, reply, started)
+
+
+# -- plain PyTorch -------------------------------------------------------------------------
+
+
+def _tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def identity_of(model: torch.nn.Module, source: str) -> ModelIdentity:
+    """``model``'s identity: every parameter's and buffer's name, shape and dtype, and ``source``."""
+    specs = [
+        TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
+        for name, t in _tensors(model)
+    ]
+    return ModelIdentity.of(source, specs)
+
+
+def track_model(backing: KeeperBacking, model: torch.nn.Module, source: str) -> ModelIdentity:
+    """Have ``backing`` publish ``model``'s parameters and buffers after each sleep; its identity."""
+    identity = identity_of(model, source)
+    addresses = {}
+    for name, t in _tensors(model):
+        if not t.is_contiguous():
+            msg = f"tensor {name!r} is not contiguous: a keeper backup is read back as contiguous bytes"
+            raise ValueError(msg)
+        addresses[name] = t.data_ptr()
+    backing.track(identity, addresses)
+    return identity
+
+
+def _cudart() -> Any:
+    import torch
+
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch's binding has no annotations
+
+
+def adopt(
+    model: torch.nn.Module,
+    *,
+    source: str,
+    keeper: str | os.PathLike[str] | None = None,
+    engine: str = "default",
+    controller: SleepController | None = None,
+    fallback: Callable[[], object] | None = None,
+    pin: bool = True,
+) -> Adopted | None:
+    """Copy engine ``engine``'s kept backup into freshly built ``model`` (its parameters and buffers, on any device).
+
+    The backup must be of the same model (``source``, every tensor's name,
+    shape and dtype): otherwise :class:`AdoptionRefused` says how they differ.
+    ``fallback``: called instead of raising when there is nothing to adopt
+    (no keeper, no backup, a mismatch); the reason is logged and None returned.
+    ``pin``: register the regions with CUDA first (cudaHostRegister) so the
+    copies to a GPU run at host-link speed.
+    """
+    import torch
+
+    identity = identity_of(model, source)
+    try:
+        kept = open_backup(identity, keeper=keeper, engine=engine)
+    except KeeperError as exc:
+        if fallback is None:
+            raise
+        ADOPTED["fallbacks"] += 1
+        logger.warning("nothing adopted (%s); loading the model the normal way", exc)
+        fallback()
+        return None
+    registered: list[int] = []
+    try:
+        on_cuda = any(t.is_cuda for _, t in _tensors(model))
+        if pin and on_cuda:
+            cudart = _cudart()
+            for address, nbytes in kept.regions():
+                if int(cudart.cudaHostRegister(address, nbytes, 0)) == 0:
+                    registered.append(address)
+        with torch.no_grad():
+            for name, t in _tensors(model):
+                flat = t.detach().view(-1).view(torch.uint8)
+                for host, n, at in kept.segments(name):
+                    src = torch.frombuffer((ctypes.c_char * n).from_address(host), dtype=torch.uint8)
+                    flat[at : at + n].copy_(src, non_blocking=bool(registered))
+        if on_cuda:
+            torch.cuda.synchronize()
+        return kept.done(controller)
+    finally:
+        if registered:
+            cudart = _cudart()
+            for address in registered:
+                cudart.cudaHostUnregister(address)
+        kept.close()
+        kept.link.close()

@@ -1,0 +1,57 @@
+"""The keeper's errors: each one carries what it names (a path, a budget, a reason) and says what to do next."""
+
+from __future__ import annotations
+
+from torpor.errors import TorporError
+
+__all__ = ["AdoptionRefused", "KeeperBudgetExceeded", "KeeperDenied", "KeeperError", "KeeperUnavailable"]
+
+
+class KeeperError(TorporError, RuntimeError):
+    """Base of every error about a keeper process (``torpor keeper``)."""
+
+
+class KeeperUnavailable(KeeperError):
+    """No keeper answers at ``path`` (none started, or it died): ``reason`` says which."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        msg = f"no keeper answers at {path} ({reason}); start one with `torpor keeper serve --socket {path}`"
+        super().__init__(msg)
+
+
+class KeeperDenied(KeeperError, PermissionError):
+    """The keeper serves only its own user: a process of ``uid`` was refused by a keeper of ``keeper_uid``."""
+
+    def __init__(self, path: str, uid: int, keeper_uid: int, reason: str = "") -> None:
+        self.path = path
+        self.uid = uid
+        self.keeper_uid = keeper_uid
+        why = f": {reason}" if reason else ""
+        msg = f"the keeper at {path} serves only uid {keeper_uid}; uid {uid} gets nothing{why}"
+        super().__init__(msg)
+
+
+class KeeperBudgetExceeded(KeeperError):
+    """A region would pass the keeper's byte budget: ``budget``, ``used`` (held now) and ``asked`` bytes."""
+
+    def __init__(self, budget: int, used: int, asked: int) -> None:
+        self.budget = budget
+        self.used = used
+        self.asked = asked
+        msg = (
+            f"the keeper's budget is {budget} bytes, {used} are held and {asked} more were asked "
+            f"({used + asked - budget} over); start the keeper with a larger --budget or drop a dead engine's backup"
+        )
+        super().__init__(msg)
+
+
+class AdoptionRefused(KeeperError):
+    """A backup cannot be adopted by this process: ``engine`` and the ``reason`` (none kept, alive, mismatch)."""
+
+    def __init__(self, engine: str, reason: str) -> None:
+        self.engine = engine
+        self.reason = reason
+        msg = f"cannot adopt engine {engine!r}'s backup: {reason}"
+        super().__init__(msg)
