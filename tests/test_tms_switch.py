@@ -130,3 +130,27 @@ def test_activate_reads_the_variable() -> None:
     assert switch.activate({}) is False
     assert switch.activate({"TORPOR_TMS": "0"}) is False
     assert "imported by name" in switch.active()
+
+
+def test_sglangs_adapter_calls_work_under_the_switch(tmp_path: Path) -> None:
+    """The calls SGLang's adapter makes through the module (singleton, configure_subprocess, region, pause, resume)."""
+    code = (
+        "import torch_memory_saver\n"
+        "from torpor.allocator import SimDriver, TaggedAllocator\n"
+        "saver = torch_memory_saver.torch_memory_saver\n"
+        "alloc = TaggedAllocator(SimDriver(64 << 20))\n"
+        "saver.bind(alloc, telemetry=False)\n"
+        "with torch_memory_saver.configure_subprocess():\n"
+        "    pass\n"
+        "for tag, cpu in (('weights', True), ('kv_cache', False), ('cuda_graph', False)):\n"
+        "    with saver.region(tag=tag, enable_cpu_backup=cpu):\n"
+        "        alloc.allocate(2 << 20)\n"
+        "assert saver.enabled\n"
+        "for tag in ('kv_cache', 'weights', 'cuda_graph'):\n"
+        "    saver.pause(tag=tag)\n"
+        "for tag in ('cuda_graph', 'weights', 'kv_cache'):\n"
+        "    saver.resume(tag=tag)\n"
+        "print('STATES', sorted((t, c.state.value) for t, c in saver._impl.controllers.items()))\n"
+    )
+    out = run(code, {"TORPOR_TMS": "1"}, tmp_path)
+    assert "STATES [('cuda_graph', 'awake'), ('kv_cache', 'awake'), ('weights', 'awake')]" in out

@@ -211,3 +211,20 @@ def test_a_pause_inside_its_own_region_is_refused() -> None:
         e.pause("kv_cache")
     assert e.controllers["kv_cache"].state is State.AWAKE
     e.pause("kv_cache")
+
+
+def test_each_tag_is_an_engine_in_the_metrics() -> None:
+    """With telemetry on, every TMS tag's controller shows in torpor's Prometheus metrics; close() removes them."""
+    prometheus = pytest.importorskip("prometheus_client")
+    alloc = TaggedAllocator(SimDriver(64 * MiB))
+    e = TmsEngine("torch", allocator=alloc, settings=TmsSettings(), telemetry=True)
+    try:
+        fill(e)
+        e.pause("weights")
+        text = prometheus.generate_latest(prometheus.REGISTRY).decode()
+        assert 'torpor_state{state="asleep_l1",torpor_engine="tms.weights",torpor_rank="0"} 1.0' in text
+        assert 'torpor_engine="tms.kv_cache"' in text
+        e.resume("weights")
+    finally:
+        e.close()
+    assert 'torpor_engine="tms.weights"' not in prometheus.generate_latest(prometheus.REGISTRY).decode()
