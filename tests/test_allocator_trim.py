@@ -34,7 +34,34 @@ class Harness:
         self.queued = 0  # kernels queued on the segments' stream so far
         self.completed = 0  # of which the device has run
         self.marks: list[set[tuple[int, int]]] = []
-        self.blocks = BlockPools(self.new_pool, self.trim, self.untrim, self.snapshot, mark=self.mark, done=self.done)
+        self.pending: dict[int, int] = {}  # address -> stream, as the native table keeps them (tp_pend)
+        self.reclaimed: set[int] = set()  # trimmed by an allocation under pressure while pending
+        self.blocks = BlockPools(
+            self.new_pool,
+            self.trim,
+            self.untrim,
+            self.snapshot,
+            mark=self.mark,
+            done=self.done,
+            pend=self.pend,
+            unpend=self.unpend,
+        )
+
+    def pend(self, address: int, stream: int) -> bool:
+        self.pending[address] = stream
+        return True
+
+    def unpend(self, address: int) -> bool:
+        self.pending.pop(address, None)
+        if address in self.reclaimed:
+            self.reclaimed.discard(address)
+            return True
+        return False
+
+    def pressure(self) -> None:
+        """An allocation out of memory reclaims every pending segment (the table waits for their streams)."""
+        self.reclaimed |= set(self.pending)
+        self.pending.clear()
 
     def mark(self, streams: set[tuple[int, int]]) -> object:
         self.marks.append(streams)
@@ -56,6 +83,10 @@ class Harness:
         return FakePool(self.made)
 
     def trim(self, address: int) -> bool:
+        self.pending.pop(address, None)
+        if address in self.reclaimed:  # as tp_trim: a reclaimed segment is reported trimmed once
+            self.reclaimed.discard(address)
+            return True
         if self.asleep:  # as the table: a sleeping tag's segments are the sleep's to release, nothing is trimmed
             return False
         self.trims.append(address)
@@ -183,20 +214,53 @@ def test_a_free_segment_whose_stream_still_has_queued_work_is_unmapped_only_once
     assert h.trims == [free] and len(h.marks) == 1  # marked once, trimmed once its work ran
 
 
-def test_a_marked_segment_of_a_pool_a_block_enters_again_stays_mapped_and_is_not_trimmed_under_it() -> None:
-    """A pool entered again while its free segments wait for their stream keeps them (torch may hand them out); nothing is trimmed under the block."""
+def test_a_pool_whose_free_segments_wait_for_their_stream_stays_idle_and_pending_while_a_new_pool_serves_the_block() -> (
+    None
+):
+    """A block does not reuse a pool whose free segments queued work may still touch: they stay pending (reclaimable under pressure) and the block gets a new pool; nothing is trimmed under a block."""
     h = Harness()
     block = h.blocks.enter("scratch")
     free = h.segment(block.mempool, live=False)
     h.kernel()
     h.blocks.leave(block)
+    assert h.pending == {free: 7}  # marked at the block's end, pended with its stream
     again = h.blocks.enter("scratch")
-    assert again.mempool is block.mempool and again.marked == {}
+    assert again.mempool is not block.mempool and h.pending == {free: 7} and h.trims == []
     h.drain()
-    h.blocks.trim(["scratch"], settled=False)  # the pool is open: never trimmed
-    assert h.trims == []
     h.blocks.leave(again)
-    assert h.trims == [free]  # found free again at its end, its stream idle: trimmed at once
+    assert h.trims == [free] and h.pending == {}  # its work ran: trimmed at the next quiet boundary
+
+
+def test_a_segment_reclaimed_under_pressure_is_mapped_again_before_its_pool_serves_a_block() -> None:
+    """A pending segment an allocation under pressure trimmed is learned at the next boundary: untrimmed before its pool is reused."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    free = h.segment(block.mempool, live=False)
+    h.kernel()
+    h.blocks.leave(block)
+    other = h.blocks.enter("scratch")
+    h.pressure()  # the new block's allocation ran out of memory: the table waited for stream 7 and trimmed it
+    h.blocks.leave(other)
+    h.drain()
+    third = h.blocks.enter("scratch")
+    assert third.mempool is block.mempool and h.untrims == [free]  # learned from the table, mapped again first
+    assert h.pending == {} and free not in third.trimmed
+
+
+def test_at_the_pool_limit_a_pool_with_pending_segments_is_entered_again_and_they_stay_mapped() -> None:
+    """Once a tag has MAX_POOLS pools, a block reuses the pool with pending segments: they are unpended (torch may hand them out) and stay mapped."""
+    from torpor.allocator.torchside.trim import MAX_POOLS
+
+    h = Harness()
+    blocks = [h.blocks.enter("scratch") for _ in range(MAX_POOLS)]
+    frees = [h.segment(b.mempool, live=False) for b in blocks]
+    h.kernel()
+    for b in blocks:
+        h.blocks.leave(b)
+    assert set(h.pending) == set(frees)
+    again = h.blocks.enter("scratch")
+    assert again.mempool in [b.mempool for b in blocks] and again.marked == {}
+    assert h.trims == [] and len(h.pending) == MAX_POOLS - 1
 
 
 def test_a_sleep_trims_every_free_segment_at_once_after_the_devices_synchronized() -> None:

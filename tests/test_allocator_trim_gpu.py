@@ -141,3 +141,90 @@ def test_a_block_of_a_sleeping_tag_is_refused_and_after_the_wake_its_cached_segm
     assert alloc.usage()["scratch"].resident >= 64 * MiB
     del u
     alloc.close()
+
+
+GiB = 1 << 30
+
+
+def _fill_device_leaving(room: int) -> torch.Tensor:
+    """A tensor in torch's own pool that leaves about ``room`` bytes of the device free (what the test may use)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    if free <= room + 256 * MiB:
+        pytest.skip(f"needs {(room + 256 * MiB) / GiB:.2f} GiB free on the device, {free / GiB:.2f} GiB are")
+    return torch.empty(free - room, dtype=torch.uint8, device="cuda")
+
+
+def test_an_allocation_under_pressure_waits_for_the_stream_of_a_freed_segment_and_gets_its_memory() -> None:
+    """A 1 GiB tensor freed in a tag while a kernel on it is queued, then 1.25 GiB in that tag with room for one of them: it succeeds, the queued kernel ran on mapped memory, every byte is right."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    alloc = TaggedAllocator()
+    with alloc.use_memory_pool("warm"):  # contexts, streams and kernels loaded: not this test's subject
+        torch.ones(1, device="cuda").add_(1)
+    filler = _fill_device_leaving(GiB + 640 * MiB)  # 1 GiB fits, 1.25 GiB fits, both (2.25 GiB) do not
+    with alloc.use_memory_pool("scratch"):
+        x = torch.zeros(GiB, dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(2_000_000_000)  # about a second of device time queued ahead of the next kernel
+        x.add_(3)  # a kernel on x, still queued when x is freed
+        total = x.sum(dtype=torch.int64)  # its result, read after the wait: x was mapped when it ran
+        del x
+    with alloc.use_memory_pool("scratch"):
+        y = torch.full((GiB + GiB // 4,), 7, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    assert int(total.item()) == 3 * GiB
+    assert int(y.min().item()) == 7 and int(y.max().item()) == 7 and y.numel() == GiB + GiB // 4
+    assert alloc.pending_errors() == []
+    del y, filler
+    alloc.close()
+
+
+def test_torch_empty_cache_gives_back_a_tags_free_segment_freed_outside_a_block() -> None:
+    """A tensor made in a block and freed after it: torch.cuda.empty_cache() gives its segment back at once (no next block or sleep needed)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    alloc = TaggedAllocator()
+    with alloc.use_memory_pool("warm"):
+        torch.ones(1, device="cuda")
+    start = _used()
+    with alloc.use_memory_pool("scratch"):
+        t = torch.ones(256 * MiB // 4, device="cuda")
+    t.add_(1)  # a kernel queued on it after its block
+    del t  # freed outside any block: its segment is free in an idle pool
+    torch.cuda.empty_cache()  # the call torch users make (torpor's hook trims the idle pools after torch's own)
+    free, total = torch.cuda.mem_get_info()
+    assert total - free - start <= 8 * MiB, f"{(total - free - start) / MiB:.1f} MiB still in use after empty_cache()"
+    assert alloc.usage()["scratch"].resident == 0
+    with alloc.use_memory_pool("scratch"):  # the pool serves a block again: its segment is mapped again
+        again = torch.full((256 * MiB // 4,), 5.0, device="cuda")
+    assert float(again.sum().item()) == 5.0 * (256 * MiB // 4)
+    del again
+    alloc.close()
+
+
+def test_ten_cycles_freed_outside_a_block_are_given_back_by_empty_cache() -> None:
+    """The ten cycles of 2 x 256 MiB (one freed while asleep, one after the wake), then torch.cuda.empty_cache() with no further block: within 64 MiB of the start."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    with alloc.use_memory_pool("weights"):
+        w = torch.randn(1024, 1024, device="cuda")
+    w_host = w.cpu()
+    ctl.sleep(1)
+    ctl.wake()
+    start = _used()
+    for i in range(10):
+        with alloc.use_memory_pool("scratch"):
+            x = torch.full((256 * MiB // 4,), float(i), device="cuda")
+            y = torch.full((256 * MiB // 4,), float(-i), device="cuda")
+        ctl.sleep(1)
+        del x
+        ctl.wake()
+        assert torch.equal(y[:1024].cpu(), torch.full((1024,), float(-i)))
+        del y
+    end = _used()  # torch.cuda.empty_cache() inside, and no block of the tag after the last free
+    assert end - start <= 64 * MiB, f"{(end - start) / MiB:.1f} MiB more in use after 10 cycles and empty_cache()"
+    assert torch.equal(w.cpu(), w_host)
+    alloc.close()

@@ -213,6 +213,19 @@ class TaggedAllocator(Keeping):
         finally:
             self.book.leave_block(tag)
 
+    def empty_cache(self, tags: Sequence[str] | None = None) -> int:
+        """Give back the free cached segments of ``tags`` (None: all) that no open block uses; the bytes.
+
+        What ``torch.cuda.empty_cache()`` does for torch's own pool, for the tags' pools
+        (that call does this too once the torch side exists: :func:`~torpor.allocator.torchside.pools.empty_cache_hook`).
+        Safe with kernels still queued: the devices are synchronized first. Without torch
+        (the simulated device) there is no cache: 0.
+        """
+        pools = self._torch
+        if pools is None:
+            return 0
+        return pools.empty_cache(None if tags is None else list(tags))
+
     def close_doors(self, tags: Sequence[str], cause: str, timeout: float) -> None:
         """Refuse new ``use_memory_pool`` blocks of ``tags`` and wait up to ``timeout`` s for the open ones to end.
 

@@ -13,9 +13,11 @@ may call them at interpreter exit; after ``close`` the library ignores them).
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -32,6 +34,38 @@ from torpor.statemachine.core.policy import CUDAGRAPH
 
 logger = logging.getLogger("torpor.allocator")
 _KEEP_ALIVE: list[object] = []  # torch allocators made on native slots: never collected
+_LIVE: weakref.WeakSet[TorchPools] = weakref.WeakSet()  # what torch.cuda.empty_cache() also empties (empty_cache_hook)
+_HOOK_LOCK = threading.Lock()
+
+
+def empty_cache_hook() -> None:
+    """Make ``torch.cuda.empty_cache()`` also give back the free segments of every live allocator's idle pools.
+
+    Torch's ``emptyCache`` releases its own pool's cached segments and those of pools
+    no longer referenced, never the cached segments of a live ``MemPool`` (torch 2.11:
+    ``release_cached_blocks`` walks ``graph_pools_freeable`` only), so without this the
+    call users make returns nothing of a tag. Installed once per process, the first time
+    a torch side is made; torch's own call runs first, unchanged.
+    """
+    import torch
+
+    with _HOOK_LOCK:
+        original = torch.cuda.memory.empty_cache
+        if getattr(original, "__torpor__", False):
+            return
+
+        @functools.wraps(original)
+        def empty_cache() -> None:
+            original()
+            for pools in list(_LIVE):
+                try:
+                    pools.empty_cache()
+                except Exception:  # torch's own part is done; torpor's is best effort here
+                    logger.exception("torpor: giving back free segments at torch.cuda.empty_cache() failed")
+
+        empty_cache.__torpor__ = True  # type: ignore[attr-defined]
+        torch.cuda.memory.empty_cache = empty_cache
+        torch.cuda.empty_cache = empty_cache
 
 
 def segments(mempool: Any) -> list[dict[str, Any]]:
@@ -151,10 +185,14 @@ class TorchPools:
             enabled=trim_enabled(),
             mark=mark_streams,
             done=streams_done,
+            pend=table.pend,
+            unpend=table.unpend,
         )
         self._local = threading.local()
         self._devices: set[int] = set()
         self._lock = threading.RLock()
+        _LIVE.add(self)
+        empty_cache_hook()
         atexit.register(self.close)  # pools go while the library's context is alive (torch frees into it)
 
     def torch_allocator(self, tag: str) -> Any:
@@ -218,6 +256,22 @@ class TorchPools:
         """
         return self.blocks.trim(tags, settled=settled)
 
+    def empty_cache(self, tags: list[str] | None = None) -> int:
+        """Give back the free segments of the idle pools (of ``tags``, or all), as ``torch.cuda.empty_cache()`` does its own; the bytes.
+
+        Safe while kernels are queued: the devices this side used are synchronized first (as
+        torch's ``cudaFree`` of a cached segment waits for the device). Segments of a pool
+        a block uses now stay (torch may hand them out). Nothing while this thread's stream
+        captures a graph (a synchronize would break the capture).
+        """
+        import torch
+
+        if not self.blocks.counts()[0] or torch.cuda.is_current_stream_capturing():
+            return 0
+        for device in sorted(self._devices):
+            torch.cuda.synchronize(device)
+        return self.blocks.trim(tags, settled=True)
+
     def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
         """Segment address -> its blocks in use, over the pools of ``tag`` that may hold any (None: torch has none)."""
         pools = self.blocks.pools(tag)
@@ -249,6 +303,7 @@ class TorchPools:
         """Drop every tag's MemPool so torch returns their cached segments (teardown)."""
         import torch
 
+        _LIVE.discard(self)
         if self.blocks.counts()[0]:
             torch.cuda.synchronize()
             self.blocks.clear()

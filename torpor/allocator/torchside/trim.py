@@ -60,6 +60,9 @@ ENV = "TORPOR_TRIM_FREE_SEGMENTS"
 
 logger = logging.getLogger("torpor.allocator")
 
+#: The most pools a tag gets while its idle ones hold segments that queued work may still touch (see ``enter``).
+MAX_POOLS = 8
+
 Snapshot = Callable[[Any], list[dict[str, Any]]]
 #: Marks the streams of free segments (device, stream handle); the token says when their queued work is done.
 Mark = Callable[[set[tuple[int, int]]], object]
@@ -115,8 +118,12 @@ class BlockPools:
         *,
         mark: Mark,
         done: Done,
+        pend: Callable[[int, int], bool] | None = None,
+        unpend: Callable[[int], bool] | None = None,
     ) -> None:
         self._new_pool = new_pool
+        self._pend = pend or (lambda _address, _stream: False)
+        self._unpend = unpend or (lambda _address: False)
         self._trim = trim
         self._untrim = untrim
         self._snapshot = snapshot
@@ -134,14 +141,25 @@ class BlockPools:
 
         The caller lets a block in only while its tag is awake (:meth:`TagBook.enter_block`):
         torch hands out any cached block of the pool from here on, so every segment of it
-        must be mapped. A pool whose trimmed segments cannot be mapped again (the device
-        is full) stays idle and the block gets a new pool. The tag's other idle pools are
-        trimmed (what was freed since their blocks ended, once its queued work is done).
+        must be mapped. At a quiet moment the tag's idle pools are looked at first: what was
+        freed in them since is marked (pending: an allocation under pressure may reclaim it,
+        see the module doc). A pool whose marked segments may still be touched by queued
+        work is left idle while the tag has fewer than :data:`MAX_POOLS` pools, so that its
+        memory stays reclaimable; a pool whose trimmed segments cannot be mapped again (the
+        device is full) stays idle too, and the block gets a new pool. The tag's other idle
+        pools are trimmed (what was freed since their blocks ended, once its queued work is done).
         """
         with self._lock:
             pools = self._pools.setdefault(tag, [])
+            quiet = self.enabled and self._quiet(None)
+            seen = {id(e): self._mark_pool(e) for e in pools if not e.open} if quiet else {}
+            busy = {id(e): bool(e.marked) and not all(self._finished_all(e)) for e in pools if not e.open}
+            order = sorted((e for e in pools if not e.open), key=lambda e: (busy[id(e)], len(e.trimmed)))
+            if order and busy[id(order[0])] and len(pools) < MAX_POOLS:
+                order = []  # keep the pending segments reclaimable: a new pool for this block
             chosen = None
-            for entry in sorted((e for e in pools if not e.open), key=lambda e: len(e.trimmed)):
+            for entry in order:
+                self._settle_marks(entry)
                 if self._restore(entry):
                     chosen = entry
                     break
@@ -149,10 +167,26 @@ class BlockPools:
                 chosen = BlockPool(tag, self._new_pool(tag))
                 pools.append(chosen)
             chosen.open = True
-            chosen.marked.clear()  # still mapped: torch may hand them out again, nothing to unmap
-            if self.enabled and self._quiet(chosen):
-                self._trim_locked([tag], settled=False)
+            if quiet:
+                for entry in pools:
+                    if not entry.open and id(entry) in seen:
+                        self._trim_ready(entry, seen[id(entry)], settled=False)
             return chosen
+
+    def _settle_marks(self, entry: BlockPool) -> None:
+        """The pool is about to serve a block: its marked segments are pending no more (those reclaimed meanwhile are trimmed)."""
+        for address in list(entry.marked):
+            self._drop_mark(entry, address)
+
+    def _drop_mark(self, entry: BlockPool, address: int) -> None:
+        entry.marked.pop(address, None)
+        try:
+            reclaimed = self._unpend(address)
+        except Exception:  # the table refused (e.g. closed): nothing was reclaimed
+            logger.debug("unpending a segment at %#x of tag %r failed", address, entry.tag, exc_info=True)
+            return
+        if reclaimed:  # an allocation under pressure trimmed it: map it again before torch may hand it out
+            entry.trimmed.add(address)
 
     def leave(self, entry: BlockPool) -> None:
         """The block of ``entry`` ended (its ``use_mem_pool`` exited): its pool is idle; the tag's idle pools are trimmed."""
@@ -198,15 +232,28 @@ class BlockPools:
         return self.trimmed_bytes - before
 
     def _trim_pool(self, entry: BlockPool, settled: bool) -> None:
+        self._trim_ready(entry, self._mark_pool(entry, settled), settled)
+
+    def _mark_pool(self, entry: BlockPool, settled: bool = False) -> dict[int, dict[str, Any]]:
+        """Read an idle pool's free segments; mark (and pend) those freed since, unless ``settled``; the free ones."""
         segments = ((int(seg["address"]), seg) for seg in self._snapshot(entry.mempool))
         free = {a: seg for a, seg in segments if a not in entry.trimmed and free_segment(seg)}
-        entry.marked = {a: t for a, t in entry.marked.items() if a in free}  # used again or given back: not ours
+        for address in [a for a in entry.marked if a not in free]:  # used again or given back: not ours
+            self._drop_mark(entry, address)
         fresh = [a for a in free if a not in entry.marked]
         if fresh and not settled:  # the work queued on their streams so far may still touch them
             token = self._mark({(int(free[a].get("device", 0)), int(free[a].get("stream", 0))) for a in fresh})
             for address in fresh:
                 entry.marked[address] = token
-        ready = list(free) if settled else self._finished(entry)
+                try:
+                    self._pend(address, int(free[address].get("stream", 0)))
+                except Exception:  # the table refused (e.g. closed): it stays mapped until a boundary trims it
+                    logger.debug("pending a segment at %#x of tag %r failed", address, entry.tag, exc_info=True)
+        return free
+
+    def _trim_ready(self, entry: BlockPool, free: dict[int, dict[str, Any]], settled: bool) -> None:
+        """Trim the free segments no queued work can touch any more (all of them when ``settled``)."""
+        ready = [a for a in free if a not in entry.trimmed] if settled else self._finished(entry)
         for address in ready:
             entry.marked.pop(address, None)
             try:
@@ -216,7 +263,15 @@ class BlockPools:
                 logger.exception("trimming a free segment at %#x of tag %r failed", address, entry.tag)
                 continue
             entry.trimmed.add(address)
-            self.trimmed_bytes += int(free[address].get("total_size", 0))
+            self.trimmed_bytes += int(free.get(address, {}).get("total_size", 0))
+
+    def _finished_all(self, entry: BlockPool) -> list[bool]:
+        """For each marked segment, whether the work queued on its stream when marked has finished."""
+        done: dict[int, bool] = {}
+        for token in entry.marked.values():
+            if id(token) not in done:
+                done[id(token)] = self._done(token)
+        return [done[id(t)] for t in entry.marked.values()]
 
     def _finished(self, entry: BlockPool) -> list[int]:
         """The marked segments whose streams finished the work queued when they were marked (asked once a token)."""
