@@ -1,0 +1,134 @@
+"""An engine process for the keeper tests: a small torch model on the simulated device, a keeper, one sleep, then a wait.
+
+Usage: ``python tests/keeper_engine.py SOCKET ENGINE SEED [--width N] [--source S] [--log PATH]``. It prints one JSON
+line once asleep (its pid, the backup's id, the keeper bytes) and waits to be killed. The helpers build the same
+model in the test process (:func:`tiny_model`) and start a keeper process (:func:`start_keeper`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "tests/tiny-model@1"
+
+
+class Tiny(torch.nn.Module):
+    """Two wide linear layers (4 MiB each at width 1024), a norm, a head, and a non-persistent buffer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.down = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, 96, bias=False)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width), persistent=False)
+
+
+def tiny_model(seed: int, width: int = 1024) -> Tiny:
+    """The model of ``seed``: every value from ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    model = Tiny(width)
+    with torch.no_grad():
+        model.scale.mul_(float(seed % 7 + 1))
+    return model
+
+
+def tensor_bytes(model: torch.nn.Module) -> dict[str, bytes]:
+    """Every parameter's and buffer's bytes, by name."""
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        out[name] = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return out
+
+
+def start_keeper(sock: Path, budget: str = "1G") -> subprocess.Popen[str]:
+    """``torpor keeper serve`` at ``sock`` in its own process, once it answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torpor", "keeper", "serve", "--socket", str(sock), "--budget", budget],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(sock))
+        except OSError:
+            if proc.poll() is not None:
+                msg = f"the keeper exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}"
+                raise RuntimeError(msg) from None
+            time.sleep(0.05)
+            continue
+        finally:
+            probe.close()
+        return proc
+    proc.kill()
+    msg = f"the keeper at {sock} did not answer within 30 s"
+    raise RuntimeError(msg)
+
+
+def start_engine(sock: Path, engine: str, seed: int, *extra: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """This script in its own process; its line once asleep."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__)), str(sock), engine, str(seed), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line:
+        proc.kill()
+        msg = f"the engine exited before it slept: {proc.stderr.read() if proc.stderr else ''}"
+        raise RuntimeError(msg)
+    return proc, json.loads(line)
+
+
+def main() -> None:
+    from torpor import SleepController
+    from torpor.allocator import TaggedAllocator
+    from torpor.allocator.host.offload import HostPolicy
+    from torpor.allocator.native.sim import SimDriver
+    from torpor.keeper import attach, identity_of
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("socket")
+    parser.add_argument("engine")
+    parser.add_argument("seed", type=int)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--source", default=SOURCE)
+    parser.add_argument("--log")
+    args = parser.parse_args()
+
+    model = tiny_model(args.seed, args.width)
+    sim = SimDriver(256 << 20)
+    alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=2 << 20))
+    ctl = SleepController(alloc, log=args.log)
+    backing = attach(alloc, ctl, keeper=args.socket, engine=args.engine)
+    addresses = {}
+    for name, data in tensor_bytes(model).items():
+        addresses[name] = alloc.allocate(len(data), tag="weights")
+        alloc.write(addresses[name], data)
+    kv = alloc.allocate(4 << 20, tag="kv_cache")
+    alloc.write(kv, b"\x07" * (4 << 20))
+    backing.track(identity_of(model, args.source), addresses)
+    ctl.sleep(1)
+    print(json.dumps({"pid": os.getpid(), "backup": backing.backup, **backing.status()}), flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    main()
