@@ -12,12 +12,15 @@ from typing import Any
 
 import pytest
 
-from torpor.errors import LogWriteFailed
+from torpor.errors import LogWriteFailed, TorporError
 from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.core.states import TRANSITIONAL, State
 from torpor.statemachine.log import tail
 from torpor.statemachine.log.eventlog import EventLog
-from torpor.statemachine.log.reader import read_events, segments
+from torpor.statemachine.log.reader import read_events, replay, segments
+from torpor.statemachine.machine.controller import SleepController
 from torpor.statemachine.projection.view import Projection
+from torpor.testing import FakeMemory
 
 
 def test_a_rotation_reads_only_the_first_line_of_the_active_file(
@@ -113,3 +116,121 @@ def test_an_event_that_would_not_read_back_is_refused_and_nothing_is_written(
             log.append(make_event(EventKind.SLEEP_COMPLETED, log.next_seq(), "e", 0, data))
         log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 2}}))
     assert [e.seq for e in read_events(path)] == [1, 2]
+
+
+# -- an exception at every step of an append: the file and the count always agree ---------------------------------
+
+TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024}
+CYCLE: tuple[tuple[str, Any], ...] = (("sleep", 1), ("wake", ["weights"]), ("wake", None), ("sleep", 2), ("wake", None))
+
+
+class Injected(Exception):
+    """Raised by a patched system call of the log's writer."""
+
+
+class _RaiseAt:
+    """``os.write`` or ``os.fsync`` on the log's file that raises at its ``nth`` call: before it, after half a line, or after it."""
+
+    def __init__(self, name: str, when: str, nth: int) -> None:
+        self.name, self.when, self.nth = name, when, nth
+        self.real = getattr(os, name)
+        self.calls = 0
+        self.fd: int | None = None
+
+    def __call__(self, fd: int, *args: Any) -> Any:
+        if fd != self.fd:
+            return self.real(fd, *args)
+        self.calls += 1
+        if self.calls != self.nth:
+            return self.real(fd, *args)
+        if self.when == "before":
+            msg = f"os.{self.name} #{self.nth} raised before it ran"
+            raise Injected(msg)
+        if self.when == "partial":
+            self.real(fd, args[0][: max(1, len(args[0]) // 2)])
+        else:
+            self.real(fd, *args)
+        msg = f"os.{self.name} #{self.nth} raised {self.when} it wrote"
+        raise Injected(msg)
+
+
+def _run_cycle(ctrl: Any) -> int:
+    """Run :data:`CYCLE`, going on past each injected exception; how many were met."""
+    met = 0
+    for name, arg in CYCLE:
+        try:
+            ctrl.sleep(arg) if name == "sleep" else ctrl.wake(arg)
+        except Injected:
+            met += 1
+        except TorporError:  # refused after a rollback left the engine elsewhere than the cycle expects
+            pass
+    return met
+
+
+def _calls_in_a_cycle(name: str, fsync: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    counter = _RaiseAt(name, "never", 0)
+    monkeypatch.setattr(os, name, counter)
+    ctrl = SleepController(FakeMemory(TAGS), EventLog(tmp_path / "dry.jsonl", fsync=fsync))
+    assert ctrl.log is not None
+    counter.fd = ctrl.log._fd
+    _run_cycle(ctrl)
+    monkeypatch.setattr(os, name, counter.real)
+    ctrl.close()
+    return counter.calls
+
+
+@pytest.mark.parametrize(
+    ("call", "when", "fsync"),
+    [
+        ("write", "before", False),
+        ("write", "partial", False),
+        ("write", "after", False),
+        ("fsync", "before", True),
+        ("fsync", "after", True),
+    ],
+)
+def test_an_exception_at_each_write_or_fsync_of_a_cycle_leaves_log_and_controller_in_agreement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, when: str, fsync: bool
+) -> None:
+    """An exception at each os.write (before, after half a line, after it) or os.fsync of a cycle: the log reads with numbers following on, the controller agrees, every later command and a restart work."""
+    cells = _calls_in_a_cycle(call, fsync, tmp_path, monkeypatch)
+    assert cells >= 8, f"a cycle makes only {cells} {call} calls on the log"
+    problems: list[str] = []
+    for nth in range(1, cells + 1):
+        where = f"os.{call} #{nth} ({when})"
+        path = tmp_path / f"cell{nth}" / "e.jsonl"
+        ctrl = SleepController(FakeMemory(TAGS), EventLog(path, fsync=fsync))
+        assert ctrl.log is not None
+        inject = _RaiseAt(call, when, nth)
+        inject.fd = ctrl.log._fd
+        monkeypatch.setattr(os, call, inject)
+        try:
+            met = _run_cycle(ctrl)
+        except (TorporError, ValueError) as exc:
+            problems.append(f"{where}: the cycle broke: {type(exc).__name__}: {exc}")
+            met = 1
+        finally:
+            monkeypatch.setattr(os, call, inject.real)
+        if met != 1:
+            problems.append(f"{where}: the exception was {'swallowed' if not met else 'repeated'}")
+        try:
+            seqs = [e.seq for e in read_events(path)]
+            if seqs != list(range(1, len(seqs) + 1)) or seqs[-1] != ctrl.last_seq:
+                problems.append(
+                    f"{where}: the log holds #{seqs[0]}..#{seqs[-1]}, the controller is at #{ctrl.last_seq}"
+                )
+            if replay(path).to_dict() != ctrl.projection.to_dict():
+                problems.append(f"{where}: the log ({replay(path).state}) and the controller ({ctrl.state}) disagree")
+            if ctrl.state in TRANSITIONAL:
+                problems.append(f"{where}: the controller is left in {ctrl.state.value}")
+            if ctrl.projection.interrupted:
+                ctrl.recover()
+            if ctrl.state is not State.AWAKE:
+                ctrl.wake()
+            ctrl.sleep(1)
+            ctrl.wake()
+            ctrl.close()
+            SleepController(FakeMemory(TAGS), path).close()  # a restarted engine reads it
+        except (TorporError, ValueError) as exc:
+            problems.append(f"{where}: afterwards: {type(exc).__name__}: {exc}")
+    assert not problems, "\n".join(problems[:8])

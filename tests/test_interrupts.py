@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import random
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 
 import pytest
 
+from torpor.errors import TorporError
+from torpor.statemachine.core.states import TRANSITIONAL, State
+from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.interrupts import UNINTERRUPTED
+from torpor.statemachine.log.reader import read_events, replay
+from torpor.statemachine.machine.controller import SleepController
+from torpor.testing import FakeMemory
 
 
 def test_a_sigint_inside_the_block_is_raised_when_it_ends() -> None:
@@ -93,3 +102,92 @@ def test_a_handler_installed_inside_the_block_stays() -> None:
         assert calls == [signal.SIGINT]
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# -- any raising handler (a watchdog, SIGUSR1, SIGHUP) at a random moment of a sleep and a wake ---------------
+
+TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024}
+
+
+class Watchdog(Exception):
+    """What a raising signal handler raises (a step watchdog's timeout)."""
+
+
+#: How many times the handler ran (a round ends once it did, even where a guard logged and dropped the exception).
+_FIRED = [0]
+
+
+def _raise_watchdog(signum: int, frame: FrameType | None) -> None:
+    _FIRED[0] += 1
+    msg = f"signal {signum}: step timed out"
+    raise Watchdog(msg)
+
+
+def _send_later(sig: int, delay: float) -> threading.Timer | None:
+    """Arrange ``sig`` in ``delay`` seconds: SIGALRM from a real interval timer, the others from another thread."""
+    if sig == signal.SIGALRM:
+        signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-6))
+        return None
+    timer = threading.Timer(delay, os.kill, (os.getpid(), sig))
+    timer.start()
+    return timer
+
+
+def _until_signalled(ctrl: SleepController, rng: random.Random, fired: int) -> None:
+    """Sleep and wake until the handler has run again (``fired``: its count before); refusals are passed over."""
+    while _FIRED[0] == fired:
+        try:
+            if ctrl.state is State.AWAKE:
+                ctrl.sleep(rng.choice([1, 2]))
+            else:
+                ctrl.wake(rng.choice([["weights"], None]))
+        except TorporError:
+            pass
+
+
+@pytest.mark.parametrize("fsync", [False, True], ids=["fsync-off", "fsync-on"])
+@pytest.mark.parametrize("sig", [signal.SIGALRM, signal.SIGUSR1, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_raising_handler_of_any_signal_at_random_moments_never_breaks_log_or_controller(
+    tmp_path: Path, sig: signal.Signals, fsync: bool
+) -> None:
+    """300 real signals whose handler raises, at random moments of sleeps and wakes: the log reads, numbers follow on, the controller agrees and every later command works."""
+    rng = random.Random(37 + sig)
+    path = tmp_path / "e.jsonl"
+    previous = signal.signal(sig, _raise_watchdog)
+    ctrl = SleepController(FakeMemory(TAGS), EventLog(path, fsync=fsync, max_bytes=256 << 10))
+    problems: list[str] = []
+    try:
+        for round_ in range(300):
+            timer, fired = None, _FIRED[0]
+            try:  # the signal may come before the timer is stored: it fired, and there is nothing to wait for
+                timer = _send_later(sig, rng.uniform(0.0, 0.004 if fsync else 0.001))
+                _until_signalled(ctrl, rng, fired)
+            except Watchdog:
+                pass
+            except Exception as exc:
+                problems.append(f"round {round_ + 1}: {type(exc).__name__}: {exc}")
+            if timer is not None:
+                timer.join()
+            assert ctrl.log is not None
+            if ctrl.log.last_seq != ctrl.last_seq:
+                problems.append(
+                    f"round {round_ + 1}: the log is at #{ctrl.log.last_seq}, the controller at #{ctrl.last_seq}"
+                )
+            if ctrl.state in TRANSITIONAL:
+                problems.append(f"round {round_ + 1}: the controller is left in {ctrl.state.value}")
+            if problems:
+                break
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(sig, previous)
+    try:
+        seqs = [e.seq for e in read_events(path)]
+        if seqs != list(range(seqs[0], seqs[0] + len(seqs))):
+            problems.append("the log's sequence numbers do not follow on")
+        if replay(path).to_dict() != ctrl.projection.to_dict():
+            problems.append(f"the log ({replay(path).state}) and the controller ({ctrl.state}) disagree")
+        ctrl.close()
+        SleepController(FakeMemory(TAGS), path).close()  # a restarted engine reads it
+    except (TorporError, ValueError) as exc:
+        problems.append(f"after the rounds: {type(exc).__name__}: {exc}")
+    assert not problems, "\n".join(problems[:5])

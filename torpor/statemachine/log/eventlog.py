@@ -110,6 +110,11 @@ class EventLog:
     else's file, never a file that is not a torpor log). A write that fails
     (a full disk) cuts the file back to its last whole line and raises
     :class:`~torpor.errors.LogWriteFailed`; the event is then not recorded.
+    Any other exception on the way (a signal handler's, at any step of
+    :meth:`append`) does the same and is raised as it was: the file and
+    :attr:`last_seq` always agree, so the log reads and the next append
+    follows on (signal handlers are held back around the step besides:
+    :mod:`torpor.statemachine.log.interrupts`).
     """
 
     def __init__(
@@ -186,9 +191,9 @@ class EventLog:
             if event.seq != self.last_seq + 1:
                 msg = f"event #{event.seq} appended after #{self.last_seq}: sequence numbers must follow on"
                 raise ValueError(msg)
+            size = self._size + len(line)  # worked out before the write: after it, nothing but two stores
             self._write(line, event, sync=self.fsync and event.kind in BOUNDARY_KINDS)
-            self.last_seq = event.seq
-            self._size += len(line)
+            self.last_seq, self._size = event.seq, size
 
     def _write(self, line: bytes, event: Event, *, sync: bool) -> None:
         """Write the whole line (a short write is continued) or none of it; the caller holds the lock."""
@@ -210,18 +215,20 @@ class EventLog:
                 written += n
             if sync:
                 os.fsync(fd)
-        except BaseException as exc:
-            if written:
-                self._torn = True
-                self._cut_back(event)
+        except BaseException as exc:  # a full disk, or whatever a signal handler raised: the event is not recorded
+            # Cut back whatever reached the file, even when nothing was counted (an exception right after
+            # ``os.write`` returned, before its count was stored): a line the count lacks repeats a number.
+            self._torn = True
+            self._cut_back(event)
             if isinstance(exc, OSError):
                 raise LogWriteFailed(str(self.path), event.kind.value, event.seq, str(exc)) from exc
             raise
 
     def _cut_back(self, event: Event) -> None:
-        """Cut the file back to its last whole line (after a failed write)."""
+        """Cut the file back to its last whole line (after a failed write); a file already there is left alone."""
         try:
-            os.ftruncate(self._fd, self._size)  # type: ignore[arg-type]
+            if os.fstat(self._fd).st_size != self._size:  # type: ignore[arg-type]
+                os.ftruncate(self._fd, self._size)  # type: ignore[arg-type]
         except OSError as exc:
             reason = f"a failed write could not be cut back ({exc}); nothing more is written until it can"
             raise LogWriteFailed(str(self.path), event.kind.value, event.seq, reason) from exc

@@ -2,24 +2,30 @@
 
 CPython runs a Python-level signal handler in the main thread between two
 instructions, so a Ctrl-C (``signal.default_int_handler`` raises
-``KeyboardInterrupt``) or a SIGTERM handler that raises ``SystemExit`` (vLLM's)
-can land on any instruction: after ``os.write`` put a line in the log but
-before the writer counted it (the next event then repeats its sequence
-number), between the log and the projection, between taking a lock and the
-``try`` that releases it. Inside ``with UNINTERRUPTED:`` such a handler only
-notes the signal; when the outermost block ends, the handlers that were
-replaced are put back and called with what was noted, in arrival order, so the
-interrupt is raised right after the step instead of in the middle of it.
+``KeyboardInterrupt``), a SIGTERM handler that raises ``SystemExit`` (vLLM's),
+a step watchdog's SIGALRM handler (``signal.setitimer``, as timeout helpers
+do) or any other handler that raises (SIGUSR1, SIGHUP, ...) can land on any
+instruction: after ``os.write`` put a line in the log but before the writer
+counted it (the next event then repeats its sequence number), between the log
+and the projection (every later event is then refused as out of sequence),
+between taking a lock and the ``try`` that releases it. Inside
+``with UNINTERRUPTED:`` every Python handler only notes its signal; when the
+outermost block ends, the handlers that were replaced are put back and called
+with what was noted, in arrival order (a signal noted several times is called
+once, as the kernel delivers a pending signal once), so whatever a handler
+raises is raised right after the step instead of in the middle of it.
 
 What it does not change: handlers that are ``SIG_DFL`` or ``SIG_IGN`` (a
 default SIGTERM still ends the process at once; the log's torn-line handling
 covers a crash), threads other than the main one (no Python signal handler
 runs there), and a system call already under way (an interrupted ``fsync``
 or ``write`` is retried, as PEP 475 does whenever a handler returns). A block
-costs two ``signal(2)`` system calls (about 1 µs, measured on a busy 2-core
-machine; made through ``_signal``, the C module, as ``signal``'s wrappers
-cost 3-4 µs more a call); a nested block costs nothing. Keep the blocks short:
-a Ctrl-C waits for the end of one.
+costs two ``signal(2)`` system calls per signal that has a Python handler
+(SIGINT alone, usually: about 1 µs, measured on a busy 2-core machine; made
+through ``_signal``, the C module, as ``signal``'s wrappers cost 3-4 µs more a
+call) and a look at every other signal's handler (about 1.5 µs, no system
+call); a nested block costs nothing. Keep the blocks short: a signal's handler
+waits for the end of one.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-#: The signals whose Python handlers are held back (those that conventionally raise). SIGINT is always
-#: swapped (one call that also returns its handler); SIGTERM only when it has a Python handler.
-HELD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
+#: The signals whose Python handlers are held back: every one a handler can be set for. SIGINT is always
+#: swapped; any other only when it has a Python handler.
+HELD_SIGNALS: tuple[int, ...] = tuple(
+    sorted(int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
+)
 
 
 class _Uninterrupted:
@@ -55,10 +63,14 @@ class _Uninterrupted:
         if self._depth > 1:
             return
         try:
-            previous = _signal.signal(signal.SIGINT, self._note)  # one call: swapped, and what it was
-            self._saved.append((signal.SIGINT, previous))
-            if callable(_signal.getsignal(signal.SIGTERM)):  # rarely a Python handler (vLLM's): swapped only then
-                self._saved.append((signal.SIGTERM, _signal.signal(signal.SIGTERM, self._note)))
+            handlers = list(map(_signal.getsignal, HELD_SIGNALS))  # no system call: read from the interpreter's table
+            for signum, handler in zip(HELD_SIGNALS, handlers, strict=True):
+                # SIGINT always (its default is emulated when noted); any other only with a Python handler
+                # (vLLM's SIGTERM, a watchdog's SIGALRM). Noted before it is swapped: a handler that raises
+                # between the two calls leaves nothing of ours installed.
+                if signum == signal.SIGINT or callable(handler):
+                    self._saved.append((signum, handler))
+                    _signal.signal(signum, self._note)
         except BaseException:  # a signal that came before its handler was replaced: nothing begun, put all back
             self._restore()
             raise
@@ -74,10 +86,18 @@ class _Uninterrupted:
         """Put the replaced handlers back (one installed meanwhile by someone else stays), then run what was noted."""
         self._depth = 0
         saved, self._saved = self._saved, []
-        self._put_back(saved)
+        try:
+            self._put_back(saved)
+        except BaseException:  # a handler put back already raised (a signal in between): it is the first to raise
+            self._pending = []
+            raise
         pending, self._pending = self._pending, []
         handlers = dict(saved)
+        called: set[int] = set()
         for signum, frame in pending:  # the first that raises wins (a second Ctrl-C is the same Ctrl-C)
+            if signum in called:  # pending once, as the kernel keeps a signal (a repeating timer's ticks are one)
+                continue
+            called.add(signum)
             handler = handlers.get(signum)
             if callable(handler):
                 handler(signum, frame)
@@ -85,16 +105,26 @@ class _Uninterrupted:
                 _signal.raise_signal(signum)
 
     def _put_back(self, saved: list[tuple[int, Any]]) -> None:
-        """Restore each handler; a signal that a handler already put back raises for cannot leave another one ours."""
-        if not saved:
-            return
-        (sig, handler), rest = saved[0], saved[1:]
-        try:
-            self._put_back(rest)
-        finally:
-            current = _signal.signal(sig, handler)
-            if current != self._note:  # replaced inside the block: theirs wins
-                _signal.signal(sig, current)
+        """Restore each handler still ours, all of them even when one put back raises; then raise the first that did.
+
+        ``signal.signal`` runs the handlers of signals that arrived before it
+        changes anything, and changes nothing when one raises; and a handler
+        put back may run at the next instruction. So the whole loop is one
+        ``try`` that is gone through again until every handler is put back,
+        each looked up first (``getsignal`` runs no handler): one still ours is
+        put back, one installed inside the block by someone else stays.
+        """
+        raised: BaseException | None = None
+        while True:
+            try:
+                for sig, handler in saved:
+                    if _signal.getsignal(sig) == self._note:
+                        _signal.signal(sig, handler)
+                break
+            except BaseException as exc:
+                raised = raised or exc
+        if raised is not None:
+            raise raised
 
     @property
     def active(self) -> bool:
@@ -102,7 +132,7 @@ class _Uninterrupted:
         return self._depth > 0
 
 
-#: ``with UNINTERRUPTED:`` holds back SIGINT and SIGTERM handlers until the block ends.
+#: ``with UNINTERRUPTED:`` holds back every Python signal handler until the block ends.
 UNINTERRUPTED = _Uninterrupted()
 
 __all__ = ["HELD_SIGNALS", "UNINTERRUPTED"]

@@ -8,8 +8,9 @@ one is refused with ``CommandInFlight``; a closed controller raises
 state accepts a command), and leaves through :meth:`CommandGate._refuse` (a
 ``refused`` event, then the error) or :meth:`CommandGate._repeated` (a
 ``command_repeated`` no-op) when it does nothing. An interrupt
-(``KeyboardInterrupt``, ``SystemExit``) that leaves a command mid-transition
-is reconciled with the memory before it is raised (:meth:`CommandGate._settle`).
+(``KeyboardInterrupt``, ``SystemExit``, or whatever a signal handler raises,
+such as a watchdog's timeout) that leaves a command mid-transition is
+reconciled with the memory before it is raised (:meth:`CommandGate._settle`).
 
 The table is asked twice on the same verdict: at the entry, where an
 interrupted log (``NotRecovered``) is refused before any argument is read
@@ -66,16 +67,24 @@ class CommandGate(ControllerBase):
                 self._refuse(name, self._refusal(verdict))
             try:
                 yield
-            except BaseException as exc:
-                if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: the process lives on
-                    self._settle(name, exc)
+            except BaseException as exc:  # an interrupt, or whatever a signal handler raised: the process lives on
+                self._settle(name, exc)
                 raise
         finally:
-            with UNINTERRUPTED:
-                if locked:
-                    self._in_flight = ""
-                    self._owner = None
-                    self._command_lock.release()
+            held_back: BaseException | None = None
+            while locked:  # a signal handler may raise as the block is entered: the lock is dropped all the same
+                try:
+                    with UNINTERRUPTED:
+                        self._in_flight = ""
+                        self._owner = None
+                        self._command_lock.release()
+                        locked = False
+                except BaseException as exc:
+                    if not locked:  # raised right after the lock was dropped: the usual place
+                        raise
+                    held_back = exc
+            if held_back is not None:
+                raise held_back
 
     def _settle(self, command: str, exc: BaseException) -> None:
         """An interrupt that leaves ``command`` mid-transition (it landed where no rollback catches it): reconcile now.
