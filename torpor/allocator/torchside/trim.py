@@ -19,7 +19,9 @@ internal assert in ``~MemPool`` -> ``emptyCache``), and making a pool per block
 (thousands a second under four allocating threads) crashed it outright
 (SIGSEGV in ``torch.cuda.memory_stats`` in another thread; H200, torch 2.11,
 2026-11-30). So a tag has at most as many pools as it ever had blocks open at
-once; they go at teardown.
+once, or :data:`MAX_POOLS` where its idle pools held segments still pending (a
+block then gets a new pool, so that the pending memory stays reclaimable under
+pressure: csrc/trim.c); they go at teardown.
 
 **On by default** (``TORPOR_TRIM_FREE_SEGMENTS=0`` turns it off; ``BlockPools.enabled``).
 No block of a tag opens while the tag is asleep or going to sleep
