@@ -125,6 +125,16 @@ def test_an_unknown_submodule_is_named(tmp_path: Path) -> None:
     assert "ERR torpor.tms does not provide 'torch_memory_saver.binary_wrapper'" in out
 
 
+def test_the_switch_turns_nccl_graph_registration_off() -> None:
+    """Under the switch NCCL_GRAPH_REGISTER defaults to 0 (TMS #88); an explicit value is kept."""
+    env: dict[str, str] = {}
+    switch.nccl_default(env)
+    assert env == {"NCCL_GRAPH_REGISTER": "0"}
+    kept = {"NCCL_GRAPH_REGISTER": "1"}
+    switch.nccl_default(kept)
+    assert kept == {"NCCL_GRAPH_REGISTER": "1"}
+
+
 def test_activate_reads_the_variable() -> None:
     """activate() installs nothing unless TORPOR_TMS is 1."""
     assert switch.activate({}) is False

@@ -19,12 +19,13 @@ import importlib.machinery
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from types import ModuleType
 
 logger = logging.getLogger("torpor.tms")
 
 ENV = "TORPOR_TMS"
+NCCL_GRAPH_REGISTER = "NCCL_GRAPH_REGISTER"  # torpor.hooks.nccl's, not imported: the .pth stays light
 TMS = "torch_memory_saver"
 
 #: What each TMS module name gives under the switch.
@@ -88,10 +89,22 @@ def install() -> None:
         del sys.modules[name]
 
 
-def activate(environ: dict[str, str] | None = None) -> bool:
+def nccl_default(environ: MutableMapping[str, str]) -> None:
+    """``NCCL_GRAPH_REGISTER=0`` where it is unset: graphs captured through ``cuda_graph()`` live in torpor's pool.
+
+    NCCL reads the variable once, at the first communicator, which an engine
+    builds before its first ``torch_memory_saver`` call, so the switch sets it at
+    start (torpor.hooks.nccl says why registration must be off: TMS #88).
+    """
+    if not environ.get(NCCL_GRAPH_REGISTER, "").strip():
+        environ[NCCL_GRAPH_REGISTER] = "0"
+
+
+def activate(environ: MutableMapping[str, str] | None = None) -> bool:
     """Install the finder when ``TORPOR_TMS=1`` (what the ``.pth`` calls at start); True when it did."""
     env = os.environ if environ is None else environ
     if env.get(ENV, "").strip() != "1":
         return False
+    nccl_default(env)
     install()
     return True

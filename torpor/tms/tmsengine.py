@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torpor.allocator import TaggedAllocator
+from torpor.hooks.nccl import apply_nccl_defaults
+from torpor.hooks.predicate import cudagraph_pool_decision
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.states import State
 from torpor.statemachine.machine.controller import SleepController
@@ -116,6 +118,8 @@ class TmsEngine:
         self._telemetry: list[Any] = []
         self._lock = threading.RLock()
         self._local = threading.local()
+        if getattr(self.allocator.driver, "name", "") == "cuda":  # TMS #88: no NCCL graph registration on the pool
+            apply_nccl_defaults(cudagraph_pool_decision(True, True, "torpor", True, platform="cuda"))
         lib = preloaded() if hook_mode == "preload" else None
         self.preload = PreloadHook(lib, self.allocator.table) if lib is not None else None
         if self.preload is not None and self.settings.init_enable:  # TMS_INIT_ENABLE=1: outside regions too
