@@ -1,0 +1,150 @@
+"""The keeper process: its byte budget, owner-only access (socket permissions and SO_PEERCRED), its status."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from keeper_engine import start_keeper
+
+from torpor.cli import main
+from torpor.keeper import Keeper, KeeperBudgetExceeded, KeeperDenied, KeeperLink, ModelIdentity, TensorSpec
+from torpor.keeper.wire import private_dir
+
+MiB = 1 << 20
+NOBODY = 65534
+
+
+@pytest.fixture
+def keeper(tmp_path: Path) -> Iterator[Keeper]:
+    """A keeper in this process (a thread) with a budget of 8 MiB."""
+    k = Keeper(tmp_path / "k" / "keeper.sock", budget_bytes=8 * MiB).start()
+    yield k
+    k.close()
+
+
+def test_the_budget_refuses_cleanly(keeper: Keeper) -> None:
+    """A region past the budget raises an error naming budget, used and asked; nothing changes and the link goes on."""
+    with KeeperLink(keeper.path) as link:
+        link.hello("e")
+        rid, fd = link.create(4 * MiB)
+        os.close(fd)
+        with pytest.raises(KeeperBudgetExceeded) as info:
+            link.create(6 * MiB)
+        assert (info.value.budget, info.value.used, info.value.asked) == (8 * MiB, 4 * MiB, 6 * MiB)
+        assert "budget is 8388608 bytes, 4194304 are held and 6291456 more were asked" in str(info.value)
+        assert link.status()["used"] == 4 * MiB
+        _, fd = link.create(4 * MiB)  # exactly up to the budget
+        os.close(fd)
+        link.free(rid)
+        assert link.status()["used"] == 4 * MiB
+
+
+def test_regions_of_an_engine_that_ends_without_a_backup_go(keeper: Keeper) -> None:
+    """An engine's connection closing frees every region no published backup needs."""
+    link = KeeperLink(keeper.path)
+    link.hello("e")
+    _, fd = link.create(2 * MiB)
+    os.close(fd)
+    link.close()
+    with KeeperLink(keeper.path) as other:
+        for _ in range(100):
+            if other.status()["used"] == 0:
+                break
+            os.sched_yield()
+        assert other.status()["used"] == 0
+
+
+def test_status_prints_engines_tags_bytes_age_and_model(keeper: Keeper, capsys: pytest.CaptureFixture[str]) -> None:
+    """torpor keeper status names each engine and each backup's tags, bytes, age and model identity."""
+    identity = ModelIdentity.of("org/model@rev", [TensorSpec("w", (512, 1024), "bfloat16", MiB)])
+    with KeeperLink(keeper.path) as link:
+        link.hello("engine-a")
+        rid, fd = link.create(2 * MiB)
+        os.close(fd)
+        manifest = {"identity": identity.to_dict(), "tags": ["weights"], "nbytes": MiB}
+        link.publish({**manifest, "tensors": {"w": {"segments": [[rid, 0, MiB]]}}})
+        assert main(["keeper", "status", "--socket", str(keeper.path)]) == 0
+    out = capsys.readouterr().out
+    assert "engine-a: pid" in out and "alive" in out
+    assert "tags weights, 1048576 bytes, age 0 s, model org/model@rev: 1 tensors, 1048576 bytes" in out
+    assert f"holds {2 * MiB} of {8 * MiB} bytes in 1 regions" in out
+
+
+def test_a_publish_naming_bytes_outside_the_engines_regions_is_refused(keeper: Keeper) -> None:
+    """A manifest may only point into regions this engine was given, within their size."""
+    identity = ModelIdentity.of("m", [TensorSpec("w", (4,), "uint8", 4)])
+    with KeeperLink(keeper.path) as link:
+        link.hello("e")
+        rid, fd = link.create(2 * MiB)
+        os.close(fd)
+        for segments in ([[rid, 2 * MiB - 2, 4]], [[rid + 99, 0, 4]]):
+            with pytest.raises(Exception, match="outside this engine's regions"):
+                link.publish({"identity": identity.to_dict(), "nbytes": 4, "tensors": {"w": {"segments": segments}}})
+
+
+def _as_nobody(sock: Path) -> str:
+    """What a process of uid 65534 gets from the keeper at ``sock`` (a fork that drops to that uid)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: another user from here on
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                state = KeeperLink(sock).status()
+                said = f"served: {sorted(state)}"
+            except KeeperDenied as exc:
+                said = f"denied: {exc}"
+            except Exception as exc:
+                said = f"{type(exc).__name__}: {exc}"
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        said = f.read()
+    os.waitpid(pid, 0)
+    return said
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client under another uid (os.setuid in a child)")
+def test_another_users_process_is_refused() -> None:
+    """A process of another uid gets nothing: refused by the private directory, and by SO_PEERCRED when it is opened."""
+    base = Path(tempfile.mkdtemp(prefix="torpor-keeper-test-", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)  # noqa: S103  # the other user must reach the keeper's own directory to be refused there
+        sock = base / "private" / "keeper.sock"
+        proc = start_keeper(sock)
+        try:
+            assert (os.stat(sock.parent).st_mode & 0o777, os.stat(sock).st_mode & 0o777) == (0o700, 0o600)
+            said = _as_nobody(sock)
+            assert said.startswith("denied:") and "the socket refused it" in said, said
+            os.chmod(sock.parent, 0o755)  # noqa: S103  # as if an operator opened the directory and the socket up
+            os.chmod(sock, 0o666)  # noqa: S103  # so that only SO_PEERCRED stands in the way
+            said = _as_nobody(sock)
+            assert said.startswith("denied:") and "SO_PEERCRED says another user" in said, said
+            assert f"uid {NOBODY} gets nothing" in said
+            with KeeperLink(sock) as link:  # its own user is still served
+                assert link.status()["uid"] == os.getuid()
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory owned by another uid")
+def test_a_socket_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    """The keeper will not put its socket in a directory another user owns (it could be watched or replaced)."""
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, NOBODY, NOBODY)
+    with pytest.raises(PermissionError, match="belongs to uid 65534"):
+        private_dir(d)
