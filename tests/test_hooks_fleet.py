@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 
+from torpor.errors import LogCorrupted
 from torpor.hooks import FleetError, FleetView, fleet, wait_fleet, wait_fleet_async
 from torpor.hooks.fleet import project_rank
 from torpor.statemachine import EventKind, EventLog, SleepController, log_path_for, replay
@@ -289,3 +292,43 @@ def test_wait_fleet_async(tmp_path: Path) -> None:
     assert missed is None
     assert reached is not None and reached.engine("llm").level == 2
     assert ticks >= 3  # the loop kept running while waiting
+
+
+def _corrupt(path: Path, how: str) -> None:
+    """Spoil one line of the log at ``path``: a flipped byte in line 5, garbage for line 2, or line 5 checksummed without a field."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    if how == "flipped byte":
+        line = bytearray(lines[4])
+        at = line.index(b'"kind":"') + 9
+        line[at] ^= 0x01
+        lines[4] = bytes(line)
+    elif how == "garbage line":
+        lines[1] = b"garbage\n"
+    else:  # a checksum-valid line with a field missing
+        raw = json.loads(lines[4])
+        del raw["crc"]
+        required = next(k for k in ("tag", "level", "tags", "usage") if k in raw["data"])
+        del raw["data"][required]
+        body = json.dumps(raw, sort_keys=True, separators=(",", ":"))
+        lines[4] = f'{{"crc":"{zlib.crc32(body.encode()) & 0xFFFFFFFF:08x}",{body[1:]}\n'.encode()
+    path.write_bytes(b"".join(lines))
+
+
+CORRUPTIONS = ["flipped byte", "garbage line", "missing field"]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_a_log_corrupted_past_its_first_line_makes_the_engine_unknown(tmp_path: Path, how: str) -> None:
+    """A bad line after good ones (a flipped byte, garbage, a checksummed line missing a field) is unreadable naming the line, never the state before it."""
+    for c in _ranks(tmp_path, 2):
+        c.sleep(1)
+    path = log_path_for(tmp_path, "llm", 0)
+    _corrupt(path, how)
+    with pytest.raises(LogCorrupted):  # what log show and replay say of it
+        replay(path)
+    view = fleet(tmp_path)
+    engine = view.engine("llm")
+    assert engine.rank(0).state == "unreadable", engine.rank(0)
+    assert engine.state == "unknown"
+    assert f":{2 if how == 'garbage line' else 5}:" in (engine.rank(0).error or "")
+    assert engine.rank(1).state == "asleep_l1"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_hooks_fleet import CORRUPTIONS, _corrupt
 
 from torpor.cli import main
 from torpor.statemachine import EventLog, SleepController, log_path_for
@@ -262,3 +263,21 @@ def test_a_missing_rank_is_named_in_words(tmp_path: Path, capsys: pytest.Capture
     main(["status", str(tmp_path), "--world-size", "2"])
     line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("rank 1"))
     assert "no log for rank 1" in line and "llm.rank1.jsonl" in line and "ENGINE" not in line, line
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_a_log_corrupted_past_its_first_line_is_reported_corrupted_and_exits_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    """status on an asleep engine's log with a bad line after good ones says unreadable naming the line and exits 1, as log show does."""
+    for c in _ranks(tmp_path, 2):
+        c.sleep(1)
+    path = log_path_for(tmp_path, "llm", 0)
+    _corrupt(path, how)
+    assert main(["log", "show", str(path)]) == 1
+    capsys.readouterr()
+    assert main(["status", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("engine llm: unknown"), out
+    assert "unreadable" in out and "corrupted" in out
+    assert "in flight" not in out and "INTERRUPTED" not in out

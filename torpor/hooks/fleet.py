@@ -104,10 +104,13 @@ def project_rank(path: Path) -> Projection:
     When the active file opens with a rotation snapshot only that file is read
     (the snapshot carries the whole projection), so a status query costs the
     same however long the history. A line being written is not an error, and
-    pruned segments are skipped with a warning; a corrupted line raises.
+    pruned segments are skipped with a warning; a corrupted line raises,
+    wherever it is: the events before it are not a state of the rank (they
+    would show a sleep as still suspending), so the rank is unreadable, as
+    ``torpor log show`` and ``replay`` say.
     """
     with rank_follower(path) as follower:
-        return project(follower.read_available())
+        return project(follower.events())  # not read_available(): it hands out the events before a bad line
 
 
 def _rank_view(engine: str, rank: int, path: Path, read: Callable[[Path], Projection]) -> RankView:
