@@ -1,0 +1,138 @@
+"""An engine's keeper backing: backups written straight into keeper memory, published and retracted, and every fallback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from keeper_engine import start_keeper
+
+from torpor import EventKind, SleepController
+from torpor.allocator import TaggedAllocator
+from torpor.allocator.host.offload import HostPolicy
+from torpor.allocator.native.sim import SimDriver
+from torpor.keeper import KeeperBacking, KeeperLink, ModelIdentity, TensorSpec, attach
+from torpor.statemachine.core.events import Event
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def keeper(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    """A keeper process (1 GiB budget) and its socket."""
+    sock = tmp_path / "k" / "keeper.sock"
+    proc = start_keeper(sock)
+    yield sock, proc
+    proc.kill()
+    proc.wait()
+
+
+class Engine:
+    """Tensors on the simulated device, a controller, and a keeper backing tracking them."""
+
+    def __init__(self, sock: Path, engine: str = "e") -> None:
+        self.alloc = TaggedAllocator(SimDriver(512 * MiB), host=HostPolicy(chunk_bytes=2 * MiB))
+        self.ctl = SleepController(self.alloc)
+        self.backing: KeeperBacking = attach(self.alloc, self.ctl, keeper=sock, engine=engine)
+        self.data: dict[str, tuple[int, bytes]] = {}
+        self.rng = random.Random(1)
+
+    def add(self, name: str, nbytes: int) -> None:
+        data = self.rng.randbytes(nbytes)
+        address = self.alloc.allocate(nbytes, tag="weights")
+        self.alloc.write(address, data)
+        self.data[name] = (address, data)
+        specs = [TensorSpec(n, (len(d),), "uint8", len(d)) for n, (_, d) in self.data.items()]
+        self.backing.track(ModelIdentity.of("m", specs), {n: a for n, (a, _) in self.data.items()})
+
+    def check(self) -> None:
+        for name, (address, data) in self.data.items():
+            assert self.alloc.read(address, len(data)) == data, name
+
+
+def test_a_sleep_backs_up_into_keeper_memory_and_a_wake_retracts(keeper: tuple[Path, subprocess.Popen[str]]) -> None:
+    """Every host byte the sleep holds is a keeper region (no copy beside it); the wake retracts the backup."""
+    sock, _ = keeper
+    e = Engine(sock)
+    e.add("a", 3 * MiB + 5)
+    e.add("b", 6 * MiB)
+    e.ctl.sleep(1)
+    assert e.backing.backup is not None and e.backing.fallbacks == 0
+    assert e.backing.kept_bytes == e.alloc.host.held_bytes() > 0
+    with KeeperLink(sock) as link:
+        state = link.status()
+        assert [b["backup"] for b in state["backups"]] == [e.backing.backup]
+        assert state["backups"][0]["tags"] == ["weights"] and state["used"] == e.backing.kept_bytes
+        e.ctl.wake()
+        e.check()
+        assert link.status()["backups"] == []
+        e.ctl.sleep(1)  # the chunks kept after the wake are keeper memory still: published again
+        assert len(link.status()["backups"]) == 1
+    e.ctl.wake()
+    e.check()
+
+
+def test_the_keeper_killed_mid_sleep_leaves_the_engine_correct(
+    keeper: tuple[Path, subprocess.Popen[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGKILL to the keeper as a sleep begins: old regions stay mapped, new backups use the engine's memory; no byte lost."""
+    sock, proc = keeper
+    e = Engine(sock)
+    e.add("a", 4 * MiB)
+    e.ctl.sleep(1)
+    e.ctl.wake()
+    e.add("b", 8 * MiB)  # the next sleep needs more host memory than the keeper's regions hold
+
+    def kill(event: Event) -> None:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    unsubscribe = e.ctl.subscribe(kill, [EventKind.SLEEP_REQUESTED])
+    with caplog.at_level(logging.WARNING, logger="torpor.keeper"):
+        e.ctl.sleep(1)
+    unsubscribe()
+    e.ctl.wake()
+    e.check()
+    assert e.backing.gone is not None and e.backing.fallbacks >= 1 and e.backing.backup is None
+    assert "the keeper is gone" in caplog.text and "the backups already written are intact" in caplog.text
+    for _ in range(2):  # later cycles go on without a keeper
+        e.ctl.sleep(1)
+        e.ctl.wake()
+        e.check()
+
+
+def test_a_keeper_over_budget_leaves_the_backup_in_the_engine(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A sleep the keeper's budget cannot hold completes in the engine's own memory, and says the backup is not kept."""
+    sock = tmp_path / "k" / "keeper.sock"
+    proc = start_keeper(sock, budget="4M")
+    try:
+        e = Engine(sock)
+        e.add("a", 6 * MiB)
+        with caplog.at_level(logging.WARNING, logger="torpor.keeper"):
+            e.ctl.sleep(1)
+        assert e.backing.fallbacks >= 1 and e.backing.backup is None and e.backing.gone is None
+        assert "the keeper's budget is 4194304 bytes, 0 are held and" in caplog.text
+        assert "not kept across a crash" in caplog.text and "backup is not kept by the keeper" in caplog.text
+        e.ctl.wake()
+        e.check()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_no_keeper_changes_nothing_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """attach() to a socket nobody serves leaves the allocator as it was and logs why."""
+    with caplog.at_level(logging.WARNING, logger="torpor.keeper"):
+        e = Engine(tmp_path / "nobody" / "keeper.sock")
+    assert e.backing.gone is not None and "no keeper answers" in e.backing.gone
+    assert e.alloc.host.provider is None and "host backups stay in this process's memory" in caplog.text
+    e.add("a", 3 * MiB)
+    e.ctl.sleep(1)
+    e.ctl.wake()
+    e.check()
