@@ -314,12 +314,12 @@ _TAG_PAYLOADS = (TagBackedUp, TagReleased, TagRestored, TagRolledBack, TagDiscar
 
 
 def multiprocess_registry(path: str | None = None) -> CollectorRegistry:
-    """A registry that merges every process's files in ``path`` (default ``PROMETHEUS_MULTIPROC_DIR``)."""
+    """A registry that merges every process's files in ``path`` (default :func:`directory`: ``PROMETHEUS_MULTIPROC_DIR``, else torpor's)."""
     registry = CollectorRegistry()
-    _mp.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+    _mp.MultiProcessCollector(registry, path=path or directory())  # type: ignore[no-untyped-call]
     return registry
 
 
 def mark_process_dead(pid: int, path: str | None = None) -> None:
-    """Drop a dead worker's live gauges (call from the process that serves ``/metrics``)."""
-    _mp.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+    """Drop a dead worker's live gauges (call from the process that serves ``/metrics``; ``path``: :func:`directory`)."""
+    _mp.mark_process_dead(pid, path or directory())  # type: ignore[no-untyped-call]
