@@ -59,6 +59,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "torpor.telemetry.*",
             "torpor.hooks.*",
             "torpor.tms.*",
+            "torpor.keeper.*",
             "torpor.client",
             "torpor.testing",
         ),

@@ -28,54 +28,15 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.keeper import shmem, wire
 from torpor.keeper.fingerprint import ModelIdentity, mismatch
+from torpor.keeper.holdings import Backup, Engine, Region
 
 __all__ = ["Keeper"]
 
 logger = logging.getLogger("torpor.keeper")
-
-
-@dataclass
-class Region:
-    """One memfd: its id, descriptor, size, the engine that asked for it, and whether that engine still uses it."""
-
-    id: int
-    fd: int
-    nbytes: int
-    engine: str
-    pid: int
-    in_use: bool = True  # its engine's process lives and has not freed it
-
-
-@dataclass
-class Backup:
-    """A published backup: the engine, the pid that wrote it, the identity, the manifest and the regions it needs."""
-
-    id: str
-    engine: str
-    pid: int
-    identity: dict[str, Any]
-    tags: list[str]
-    nbytes: int
-    tensors: dict[str, Any]
-    regions: set[int]
-    published: float = field(default_factory=time.time)
-    adopter: int | None = None  # pid of the process adopting it now
-
-
-@dataclass
-class Engine:
-    """An engine the keeper has heard from: its name, its process and since when, whether it is alive."""
-
-    name: str
-    pid: int
-    since: float = field(default_factory=time.time)
-    alive: bool = True
-    ended: float | None = None
 
 
 class _Refusal(Exception):
