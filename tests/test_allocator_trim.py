@@ -337,3 +337,25 @@ def test_a_free_segment_of_a_sleeping_tag_is_not_counted_as_trimmed_and_goes_aft
     assert h.blocks.trim(["scratch"]) == 0 and h.trims == [] and h.blocks.trimmed_bytes == 0
     h.asleep = False
     assert h.blocks.trim(["scratch"]) == 2 * MiB and h.trims == [free]
+
+
+def test_empty_gives_back_an_idle_pools_free_segment_once_its_queued_work_has_run() -> None:
+    """empty() (torch.cuda.empty_cache()'s part) marks a free segment of an idle pool, waits for its stream and trims it; an open pool's stays."""
+    h = Harness()
+    waited: list[object] = []
+
+    def wait(token: object) -> bool:
+        waited.append(token)
+        h.drain()
+        return True
+
+    h.blocks._wait = wait
+    idle = h.blocks.enter("scratch")
+    h.blocks.leave(idle)
+    h.kernel()  # a kernel on a tensor of the idle pool, then the tensor freed outside any block
+    late = h.segment(idle.mempool, live=False)
+    busy = h.blocks.enter("scratch")  # marks it (its work is queued): the block gets a new pool
+    kept = h.segment(busy.mempool, live=False)
+    assert h.trims == []
+    assert h.blocks.empty(["scratch"]) == 2 * MiB and waited
+    assert h.trims == [late] and kept not in h.trims

@@ -218,7 +218,7 @@ class TaggedAllocator(Keeping):
 
         What ``torch.cuda.empty_cache()`` does for torch's own pool, for the tags' pools
         (that call does this too once the torch side exists: :func:`~torpor.allocator.torchside.pools.empty_cache_hook`).
-        Safe with kernels still queued: the devices are synchronized first. Without torch
+        Safe with kernels still queued: each segment's stream is waited for first. Without torch
         (the simulated device) there is no cache: 0.
         """
         pools = self._torch

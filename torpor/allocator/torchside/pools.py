@@ -104,6 +104,23 @@ def mark_streams(streams: set[tuple[int, int]]) -> object:
     return events
 
 
+def wait_marked(token: object) -> bool:
+    """Block until every event of :func:`mark_streams` has completed; False for None (never marked) or a failed wait.
+
+    In relaxed capture mode: a capture in another thread stays valid (an event wait, not a device synchronize).
+    """
+    if not isinstance(token, list):
+        return False
+    try:
+        with relaxed_capture():
+            for event in token:
+                event.synchronize()
+    except Exception as exc:  # a broken context: the segments stay until a sleep
+        logger.debug("cannot wait for marked free segments: %s", exc)
+        return False
+    return True
+
+
 def streams_done(token: object) -> bool:
     """Whether every event of :func:`mark_streams` has completed (False for None: never trimmed at a boundary)."""
     if not isinstance(token, list):
@@ -187,6 +204,7 @@ class TorchPools:
             done=streams_done,
             pend=table.pend,
             unpend=table.unpend,
+            wait=wait_marked,
         )
         self._local = threading.local()
         self._devices: set[int] = set()
@@ -259,18 +277,16 @@ class TorchPools:
     def empty_cache(self, tags: list[str] | None = None) -> int:
         """Give back the free segments of the idle pools (of ``tags``, or all), as ``torch.cuda.empty_cache()`` does its own; the bytes.
 
-        Safe while kernels are queued: the devices this side used are synchronized first (as
-        torch's ``cudaFree`` of a cached segment waits for the device). Segments of a pool
-        a block uses now stay (torch may hand them out). Nothing while this thread's stream
-        captures a graph (a synchronize would break the capture).
+        Safe while kernels are queued: each segment's stream is waited for first (an event,
+        as torch's ``cudaFree`` of a cached segment waits; no device synchronize, so a
+        capture in another thread stays valid). Segments of a pool a block uses now stay
+        (torch may hand them out). Nothing while this thread's stream captures a graph.
         """
         import torch
 
         if not self.blocks.counts()[0] or torch.cuda.is_current_stream_capturing():
             return 0
-        for device in sorted(self._devices):
-            torch.cuda.synchronize(device)
-        return self.blocks.trim(tags, settled=True)
+        return self.blocks.empty(tags)
 
     def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
         """Segment address -> its blocks in use, over the pools of ``tag`` that may hold any (None: torch has none)."""

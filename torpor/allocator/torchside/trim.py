@@ -122,10 +122,12 @@ class BlockPools:
         done: Done,
         pend: Callable[[int, int], bool] | None = None,
         unpend: Callable[[int], bool] | None = None,
+        wait: Callable[[object], bool] | None = None,
     ) -> None:
         self._new_pool = new_pool
         self._pend = pend or (lambda _address, _stream: False)
         self._unpend = unpend or (lambda _address: False)
+        self._wait = wait or done  # blocks until a mark's work has run; True when it has
         self._trim = trim
         self._untrim = untrim
         self._snapshot = snapshot
@@ -222,6 +224,31 @@ class BlockPools:
         """
         with self._lock:
             return self._trim_locked(tags, settled=settled)
+
+    def empty(self, tags: list[str] | None = None) -> int:
+        """Give back every free segment of idle pools (of ``tags``, or all) once its queued work has run; the bytes.
+
+        ``torch.cuda.empty_cache()``'s part for torpor's pools: each free segment is marked
+        (an event on its stream), the marks are waited for (``wait``), and what they cover is
+        trimmed. A segment whose stream cannot be asked (it captures a graph) stays. Pools a
+        block uses now are not touched (torch may hand their segments out).
+        """
+        with self._lock:
+            if not self.enabled:
+                return 0
+            before = self.trimmed_bytes
+            for tag in list(self._pools) if tags is None else tags:
+                for entry in self._pools.get(tag, []):
+                    if entry.open:
+                        continue
+                    free = self._mark_pool(entry)
+                    waited: set[int] = set()
+                    for token in list(entry.marked.values()):
+                        if id(token) not in waited:
+                            waited.add(id(token))
+                            self._wait(token)
+                    self._trim_ready(entry, free, settled=False)
+            return self.trimmed_bytes - before
 
     def _trim_locked(self, tags: list[str] | None, *, settled: bool) -> int:
         if not self.enabled:
