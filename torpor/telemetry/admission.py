@@ -11,7 +11,10 @@ bounds them:
   its request head (idle keep-alive or stalled: the cheapest to drop). So a
   scrape that sends its request at once always gets in, even while slow readers
   pipeline requests and never read (issue 37). When every connection is busy
-  in a request and none is stalled, the newcomer is answered
+  in a request and none is stalled, up to :data:`RESERVED` (2) more are taken
+  for the handler's ``reserved_paths`` only (the endpoint's ``/metrics``: a
+  scrape still answers; any other request there gets 503 and the connection
+  closes after one answer). Beyond those, the newcomer is answered
   ``503 Service Unavailable`` with ``Retry-After: 1`` and ``Connection: close``
   at once, without a thread, and its socket is drained and closed by the
   server loop a moment later (so the client reads the 503, not a reset);
@@ -40,6 +43,7 @@ import time
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 MAX_REQUEST_LINE = 8192
 MAX_HEAD_BYTES = 16384
@@ -49,6 +53,8 @@ MAX_LINGERING = 256
 LINGER_SECONDS = 1.0
 #: Seconds a connection must have been blocked in one write before a newcomer may take its place.
 STALLED_WRITE = 0.5
+#: Connections beyond ``max_connections`` kept for the handler's ``reserved_paths`` (scrapes), one request each.
+RESERVED = 2
 
 OK, CLOSED, TIMEOUT, LINE_TOO_LONG, HEAD_TOO_LARGE, TOO_MANY_HEADERS = range(6)
 
@@ -109,9 +115,11 @@ def busy_response(reason: str) -> bytes:
 class Admission:
     """The connections of one endpoint: admits, evicts the longest-waiting head reader when full, refuses beyond."""
 
-    def __init__(self, max_connections: int) -> None:
+    def __init__(self, max_connections: int, reserved: int = RESERVED) -> None:
         self.max_connections = max_connections
+        self.reserved = reserved
         self._lock = threading.Lock()
+        self._reserve: set[socket.socket] = set()  # connections admitted beyond the limit, for reserved paths only
         self.active = 0
         self._reading: dict[socket.socket, float] = {}  # connection -> when it started waiting for a head
         self._writing: dict[socket.socket, float] = {}  # connection -> when its current write started
@@ -128,7 +136,11 @@ class Admission:
             if self.active >= self.max_connections:
                 victim = self._victim_locked()
                 if victim is None:
-                    return False
+                    if len(self._reserve) >= self.reserved:
+                        return False
+                    self._reserve.add(sock)
+                    self.active += 1
+                    return True
                 self._reading.pop(victim, None)
                 self._writing.pop(victim, None)
                 self._evicted.add(victim)
@@ -161,6 +173,11 @@ class Admission:
             self._reading.pop(sock, None)
             return sock not in self._evicted
 
+    def in_reserve(self, sock: socket.socket) -> bool:
+        """True when ``sock`` was admitted beyond the limit: it may ask for a reserved path, once."""
+        with self._lock:
+            return sock in self._reserve
+
     def writing(self, sock: socket.socket) -> bool:
         """``sock``'s thread starts a write: blocked in it too long, it may be dropped; False when it was dropped."""
         with self._lock:
@@ -179,6 +196,7 @@ class Admission:
         with self._lock:
             self._reading.pop(sock, None)
             self._writing.pop(sock, None)
+            self._reserve.discard(sock)
             self._evicted.discard(sock)
             self.active -= 1
 
@@ -309,6 +327,8 @@ class BoundedHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     #: Seconds a whole request head may take (the endpoint sets it per server).
     read_timeout = 10.0
+    #: Paths a connection admitted beyond ``max_connections`` may ask for (the endpoint's ``/metrics``).
+    reserved_paths: frozenset[str] = frozenset()
 
     def setup(self) -> None:
         super().setup()
@@ -361,6 +381,12 @@ class BoundedHandler(BaseHTTPRequestHandler):
         self.rfile = io.BytesIO(headers)
         if not self.parse_request():
             return
+        if admission.in_reserve(sock):  # beyond the limit: one answer, and only for a reserved path
+            self.close_connection = True
+            if urlsplit(self.path).path not in self.reserved_paths:
+                reason = f"busy: all {admission.max_connections} connections are in use; retry later"
+                self._error(503, reason, {"Retry-After": "1", "Connection": "close"})
+                return
         method = getattr(self, "do_" + self.command, None)
         if method is None:
             self.send_error(501, f"Unsupported method ({self.command!r})")

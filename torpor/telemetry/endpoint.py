@@ -101,7 +101,8 @@ class _HTTPServer6(_HTTPServer):
 
 class _Handler(BoundedHandler):
     server: _HTTPServer
-    timeout = 10.0  # seconds a write may take (a client that does not read)
+    timeout = 10.0  # seconds a response may take to go out (a client that does not read)
+    reserved_paths = frozenset({"/metrics"})  # a scrape gets in even when every connection is busy
     server_version = "torpor"
     # Headers and body go out in two writes: with Nagle on, a small body waits for the client's delayed ACK (40 ms).
     disable_nagle_algorithm = True
