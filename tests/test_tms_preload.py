@@ -6,6 +6,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,33 @@ def test_raw_cuda_malloc_with_a_cpu_backup_comes_back(tmp_path: Path) -> None:
     engine.resume("raw")
     assert engine.allocator.read(ptr.value, 6912) == b"\xa5" * 6912
     assert lib.cudaFree(ptr) == 0
+
+
+def test_on_ld_preload_the_engine_binds_and_raw_calls_reach_the_table(tmp_path: Path) -> None:
+    """In a process started with the library on LD_PRELOAD, cudaMalloc found by name (ctypes.CDLL(None)) is torpor's."""
+    lib = built(tmp_path)
+    code = (
+        "import ctypes\n"
+        "from torpor.allocator import SimDriver, TaggedAllocator\n"
+        "from torpor.tms import preload\n"
+        "from torpor.tms.tmsengine import TmsEngine\n"
+        "from torpor.tms.tmsenv import TmsSettings\n"
+        f"preload.preload_library = lambda: preload.Path({str(lib)!r})\n"
+        "e = TmsEngine('preload', allocator=TaggedAllocator(SimDriver(64 << 20)), settings=TmsSettings(), telemetry=False)\n"
+        "api = ctypes.CDLL(None)\n"
+        "api.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]\n"
+        "api.cudaFree.argtypes = [ctypes.c_void_p]\n"
+        "p = ctypes.c_void_p()\n"
+        "with e.region('raw', False, False, None):\n"
+        "    rc = api.cudaMalloc(ctypes.byref(p), 6912)\n"
+        "print('BOUND', e.preload is not None, 'RC', rc, 'ALLOCS', e.allocator.usage()['raw'].allocations)\n"
+        "e.pause('raw')\n"
+        "print('FREE', api.cudaFree(p), 'LIVE', e.preload.live())\n"
+    )
+    env = {**os.environ, "LD_PRELOAD": str(lib)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert "BOUND True RC 0 ALLOCS 1" in out.stdout
+    assert "FREE 0 LIVE 0" in out.stdout
