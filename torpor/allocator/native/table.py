@@ -221,7 +221,10 @@ class NativeTable:
         """
         address = check_address(address, "pend")
         err = native.TpErr()
-        return self._check(self.lib.tp_pend(self.ctx, address, ctypes.c_void_p(stream or None), ctypes.byref(err)), err) == 1
+        return (
+            self._check(self.lib.tp_pend(self.ctx, address, ctypes.c_void_p(stream or None), ctypes.byref(err)), err)
+            == 1
+        )
 
     def unpend(self, address: int) -> bool:
         """The segment at ``address`` is pending no more; True when an allocation under pressure trimmed it meanwhile.
