@@ -7,17 +7,20 @@ import os
 import random
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from keeper_engine import start_keeper
+from prometheus_client import CollectorRegistry
 
 from torpor import EventKind, SleepController
 from torpor.allocator import TaggedAllocator
 from torpor.allocator.host.offload import HostPolicy
 from torpor.allocator.native.sim import SimDriver
 from torpor.keeper import KeeperBacking, KeeperLink, ModelIdentity, TensorSpec, attach
+from torpor.keeper.keepermetrics import KeeperCollector
 from torpor.statemachine.core.events import Event
 
 MiB = 1 << 20
@@ -36,8 +39,9 @@ def keeper(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
 class Engine:
     """Tensors on the simulated device, a controller, and a keeper backing tracking them."""
 
-    def __init__(self, sock: Path, engine: str = "e") -> None:
-        self.alloc = TaggedAllocator(SimDriver(512 * MiB), host=HostPolicy(chunk_bytes=2 * MiB))
+    def __init__(self, sock: Path, engine: str = "e", *, reuse_host: bool = False, keep: bool = True) -> None:
+        sim = SimDriver(512 * MiB, reuse_host=reuse_host)
+        self.alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=2 * MiB, keep_after_wake=keep))
         self.ctl = SleepController(self.alloc)
         self.backing: KeeperBacking = attach(self.alloc, self.ctl, keeper=sock, engine=engine)
         self.data: dict[str, tuple[int, bytes]] = {}
@@ -136,3 +140,42 @@ def test_no_keeper_changes_nothing_and_says_so(tmp_path: Path, caplog: pytest.Lo
     e.ctl.sleep(1)
     e.ctl.wake()
     e.check()
+
+
+def test_ranges_given_back_are_cut_out_even_where_addresses_are_reused(
+    keeper: tuple[Path, subprocess.Popen[str]],
+) -> None:
+    """Chunks unpinned after each wake leave the keeper's records at once; reused addresses never confuse a region."""
+    sock, _ = keeper
+    e = Engine(sock, reuse_host=True, keep=False)
+    e.add("a", 5 * MiB)
+    e.add("b", 3 * MiB)
+    with KeeperLink(sock) as link:
+        for i in range(4):
+            e.ctl.sleep(1)
+            assert e.backing.backup is not None and e.backing.kept_bytes == e.alloc.host.held_bytes()
+            e.ctl.wake()
+            e.check()
+            e.alloc.host.wait_unpinned(10)
+            assert e.backing.kept_bytes == e.alloc.host.held_bytes(), i
+            e.add(f"c{i}", MiB)
+        deadline = time.monotonic() + 10
+        while link.status()["used"] != e.backing.kept_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.status()["used"] == e.backing.kept_bytes
+
+
+def test_metrics_count_keeper_bytes(keeper: tuple[Path, subprocess.Popen[str]]) -> None:
+    """KeeperCollector exports the bytes in keeper regions, the backup published, and that the keeper is up."""
+    sock, _ = keeper
+    e = Engine(sock, engine="m")
+    e.add("a", 3 * MiB)
+    registry = CollectorRegistry()
+    registry.register(KeeperCollector(e.backing))
+    e.ctl.sleep(1)
+    assert registry.get_sample_value("torpor_keeper_host_bytes", {"engine": "m"}) == e.backing.kept_bytes > 0
+    assert registry.get_sample_value("torpor_keeper_backup_bytes", {"engine": "m"}) == 3 * MiB
+    assert registry.get_sample_value("torpor_keeper_up", {"engine": "m"}) == 1
+    assert registry.get_sample_value("torpor_keeper_fallbacks_total", {"engine": "m"}) == 0
+    e.ctl.wake()
+    assert registry.get_sample_value("torpor_keeper_backup_bytes", {"engine": "m"}) == 0

@@ -42,14 +42,18 @@ __all__ = ["KeeperBacking", "attach"]
 logger = logging.getLogger("torpor.keeper")
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Mapped:
-    """A keeper region mapped over an arena range: its id, address, size, and the bytes not yet given back."""
+    """A piece of a keeper region mapped over an arena range: the region, the piece's address, size and offset in it.
+
+    A region starts as one piece; each range the arena gives back is cut out at once (the driver
+    unmapped it, and the next reservation may take its address), so pieces never overlap.
+    """
 
     region: int
     host: int
     nbytes: int
-    left: int
+    offset: int = 0
 
 
 class KeeperBacking:
@@ -60,8 +64,9 @@ class KeeperBacking:
         self.link = link
         self.engine = engine
         self._lock = threading.Lock()
-        self._maps: dict[int, _Mapped] = {}
-        self._bases: list[int] = []
+        self._maps: dict[int, _Mapped] = {}  # pieces by address
+        self._bases: list[int] = []  # their addresses, sorted
+        self._region_bytes: dict[int, int] = {}  # region -> bytes of it still mapped under the arena
         self._identity: ModelIdentity | None = None
         self._addresses: dict[str, int] = {}
         self.backup: str | None = None  # the id of the backup published now (None: none, or retracted)
@@ -101,10 +106,14 @@ class KeeperBacking:
         finally:
             os.close(fd)
         with self._lock:
-            self._maps[host] = _Mapped(region, host, nbytes, nbytes)
-            bisect.insort(self._bases, host)
+            self._add_locked(_Mapped(region, host, nbytes))
+            self._region_bytes[region] = nbytes
             self.kept_bytes += nbytes
         return True
+
+    def _add_locked(self, m: _Mapped) -> None:
+        self._maps[m.host] = m
+        bisect.insort(self._bases, m.host)
 
     def forget(self, host: int, nbytes: int) -> None:
         """The arena gave ``[host, host + nbytes)`` back; a region given back whole is freed at the keeper."""
@@ -112,12 +121,18 @@ class KeeperBacking:
             m = self._find_locked(host)
             if m is None:
                 return
-            m.left -= nbytes
-            if m.left > 0:
-                return
             del self._maps[m.host]
             self._bases.remove(m.host)
-            self.kept_bytes -= m.nbytes
+            end, top = min(host + nbytes, m.host + m.nbytes), m.host + m.nbytes
+            if host > m.host:
+                self._add_locked(_Mapped(m.region, m.host, host - m.host, m.offset))
+            if end < top:
+                self._add_locked(_Mapped(m.region, end, top - end, m.offset + end - m.host))
+            self.kept_bytes -= end - host
+            self._region_bytes[m.region] -= end - host
+            if self._region_bytes[m.region] > 0:
+                return
+            del self._region_bytes[m.region]
         self._free(m.region)
 
     def _find_locked(self, host: int) -> _Mapped | None:
@@ -187,7 +202,7 @@ class KeeperBacking:
                     m = self._find_locked(host)
                     if m is None or host + n > m.host + m.nbytes:
                         return f"tensor {spec.name!r} is backed up in this process's own memory, not the keeper's"
-                    segments.append([m.region, host - m.host, n])
+                    segments.append([m.region, m.offset + host - m.host, n])
                 if sum(s[2] for s in segments) != spec.nbytes:
                     return f"tensor {spec.name!r}'s backup holds fewer than its {spec.nbytes} bytes"
                 tags.add(found[0])
@@ -238,7 +253,7 @@ class KeeperBacking:
     def status(self) -> dict[str, Any]:
         """This engine's side: the keeper's socket, bytes in keeper regions, the backup published, fallbacks."""
         with self._lock:
-            regions = len(self._maps)
+            regions = len(self._region_bytes)
         return {
             "keeper": None if self.link is None else str(self.link.path),
             "engine": self.engine,

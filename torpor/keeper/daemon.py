@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -67,6 +68,7 @@ class Keeper:
         self._thread: threading.Thread | None = None
         self._closing = False
         self.started = time.time()
+        _more_descriptors()
 
     # -- running ---------------------------------------------------------------------
 
@@ -371,6 +373,14 @@ class Keeper:
             "backups": backups,
             "adoptions": list(self._adoptions),
         }
+
+
+def _more_descriptors() -> None:
+    """Raise the soft limit on open descriptors to the hard one: each region is one (pinning ahead makes many)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def serve(path: str | os.PathLike[str] | None, budget_bytes: int) -> None:
