@@ -37,15 +37,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         epilog="example: torpor keeper serve --budget 64G &  torpor keeper status",
     )
     actions = p.add_subparsers(dest="action", metavar="ACTION")
-    serve = actions.add_parser("serve", help="run a keeper in the foreground")
+    serve = actions.add_parser(
+        "serve", help="run a keeper in the foreground", epilog="example: torpor keeper serve --budget 64G"
+    )
     serve.add_argument("--socket", help="the socket (default: $TORPOR_KEEPER_SOCKET or a private per-user directory)")
     serve.add_argument("--budget", type=byte_count, default=byte_count("64G"), help="most bytes held (default 64G)")
     serve.set_defaults(func=run_serve)
-    status = actions.add_parser("status", help="engines, backups (tags, bytes, age, model), budget")
+    status = actions.add_parser(
+        "status", help="engines, backups (tags, bytes, age, model), budget", epilog="example: torpor keeper status"
+    )
     status.add_argument("--socket", help="the keeper's socket")
     status.add_argument("--json", action="store_true", help="print the state as JSON")
     status.set_defaults(func=run_status)
-    drop = actions.add_parser("drop", help="drop a dead engine's backup")
+    drop = actions.add_parser("drop", help="drop a dead engine's backup", epilog="example: torpor keeper drop qwen-0")
     drop.add_argument("engine", help="the engine's name")
     drop.add_argument("--socket", help="the keeper's socket")
     drop.set_defaults(func=run_drop)
