@@ -148,3 +148,27 @@ def test_a_socket_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     os.chown(d, NOBODY, NOBODY)
     with pytest.raises(PermissionError, match="belongs to uid 65534"):
         private_dir(d)
+
+
+def test_drop_frees_a_dead_engines_backup_and_refuses_a_live_ones(
+    keeper: Keeper, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torpor keeper drop refuses while the writer lives, then frees the backup and its regions once it is gone."""
+    identity = ModelIdentity.of("m", [TensorSpec("w", (8,), "uint8", 8)])
+    link = KeeperLink(keeper.path)
+    link.hello("x")
+    rid, fd = link.create(2 * MiB)
+    os.close(fd)
+    link.publish({"identity": identity.to_dict(), "nbytes": 8, "tensors": {"w": {"segments": [[rid, 0, 8]]}}})
+    assert main(["keeper", "drop", "x", "--socket", str(keeper.path)]) == 1
+    assert "is alive; it retracts its own backup" in capsys.readouterr().err
+    link.close()
+    with KeeperLink(keeper.path) as other:
+        for _ in range(1000):
+            if not other.status()["engines"][0]["alive"]:
+                break
+            os.sched_yield()
+        assert other.status()["used"] == 2 * MiB  # the dead engine's backup keeps its region
+        assert main(["keeper", "drop", "x", "--socket", str(keeper.path)]) == 0
+        assert "dropped backup x-" in capsys.readouterr().out
+        assert other.status()["used"] == 0
