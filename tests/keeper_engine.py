@@ -111,6 +111,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--source", default=SOURCE)
     parser.add_argument("--log")
+    parser.add_argument(
+        "--split", action="store_true", help="a first cycle, then tensors whose backups span two regions"
+    )
     args = parser.parse_args()
 
     model = tiny_model(args.seed, args.width)
@@ -119,9 +122,22 @@ def main() -> None:
     ctl = SleepController(alloc, log=args.log)
     backing = attach(alloc, ctl, keeper=args.socket, engine=args.engine)
     addresses = {}
+    later: dict[str, bytes] = {}
+    spare = None
     for name, data in tensor_bytes(model).items():
+        if args.split and not name.startswith("up."):
+            later[name] = data  # allocated after a first cycle: their backups start in its region, go on in a new one
+            continue
         addresses[name] = alloc.allocate(len(data), tag="weights")
         alloc.write(addresses[name], data)
+    if args.split:
+        spare = alloc.allocate(2 << 20, tag="weights")
+        ctl.sleep(1)
+        ctl.wake()
+        alloc.free(spare)
+        for name, data in later.items():
+            addresses[name] = alloc.allocate(len(data), tag="weights")
+            alloc.write(addresses[name], data)
     kv = alloc.allocate(4 << 20, tag="kv_cache")
     alloc.write(kv, b"\x07" * (4 << 20))
     backing.track(identity_of(model, args.source), addresses)

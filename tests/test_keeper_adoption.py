@@ -115,3 +115,19 @@ def test_nothing_to_adopt_falls_back_and_says_so(
     assert adopt(model, source=SOURCE, keeper=gone, engine="e", fallback=lambda: loaded.append(2)) is None
     assert loaded == [1, 2]
     assert "holds no backup" in caplog.text and "no keeper answers" in caplog.text
+
+
+def test_tensors_whose_backup_spans_two_regions_read_back_whole(keeper: Path) -> None:
+    """A backup cut across an old region and a new one (a later sleep needed more) still reads back every byte."""
+    proc, _ = start_engine(keeper, "e4", 9, "--split")
+    _kill(proc)
+    model = tiny_model(9)
+    with open_backup(identity_of(model, SOURCE), keeper=keeper, engine="e4") as kept:
+        assert len(kept.regions()) >= 2
+        assert any(len(list(kept.segments(n))) > 1 for n in kept.names), [list(kept.segments(n)) for n in kept.names]
+        for name, data in tensor_bytes(model).items():
+            assert bytes(kept.view(name)) == data, name
+    fresh = tiny_model(1)
+    assert adopt(fresh, source=SOURCE, keeper=keeper, engine="e4") is not None
+    for (name, got), (_, ref) in zip(fresh.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(got, ref), name

@@ -64,8 +64,11 @@ class Adopted:
 class KeptBackup:
     """A backup granted to this process: its regions mapped here, each tensor's bytes by name."""
 
-    def __init__(self, link: KeeperLink, engine: str, reply: dict[str, Any], started: float) -> None:
+    def __init__(
+        self, link: KeeperLink, engine: str, reply: dict[str, Any], started: float, owns_link: bool = False
+    ) -> None:
         self.link = link
+        self._owns_link = owns_link
         self.engine = engine
         self.id = str(reply["backup"])
         self.from_pid = int(reply["pid"])
@@ -131,10 +134,12 @@ class KeptBackup:
         return adopted
 
     def close(self) -> None:
-        """Unmap the regions (after the copies are done)."""
+        """Unmap the regions (after the copies are done); close the connection if :func:`open_backup` made it."""
         for address, nbytes in self._maps.values():
             shmem.unmap(address, nbytes)
         self._maps.clear()
+        if self._owns_link:
+            self.link.close()
 
     def __enter__(self) -> KeptBackup:
         return self
@@ -152,9 +157,15 @@ def open_backup(
 ) -> KeptBackup:
     """Engine ``engine``'s backup, checked against ``identity`` (raises :class:`AdoptionRefused` with the reason)."""
     started = time.perf_counter()
+    owns = link is None
     link = link or KeeperLink(keeper)
-    reply = link.adopt(engine, identity.to_dict())
-    return KeptBackup(link, engine, reply, started)
+    try:
+        reply = link.adopt(engine, identity.to_dict())
+    except BaseException:
+        if owns:
+            link.close()
+        raise
+    return KeptBackup(link, engine, reply, started, owns_link=owns)
 
 
 # -- plain PyTorch -------------------------------------------------------------------------
@@ -247,4 +258,3 @@ def adopt(
             for address in registered:
                 cudart.cudaHostUnregister(address)
         kept.close()
-        kept.link.close()
