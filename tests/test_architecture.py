@@ -95,6 +95,10 @@ LATE_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {
         "a worker's default memory: the allocator (and its native library) is loaded only when vLLM "
         "first asks the facade for memory, not when vLLM loads the plugin."
     ),
+    ("torpor.hooks.vllm.activation", "torpor.keeper.vllmloader"): (
+        "the keeper's load format imports the allocator (its native library); the plugin loads it only "
+        "when $TORPOR_KEEPER_ENGINE asks for it. No cycle: the loader imports the facade, never activation."
+    ),
     ("torpor.hooks.vllm.wiring", "torpor.telemetry"): (
         "telemetry (prometheus_client) is loaded only when PROMETHEUS_MULTIPROC_DIR is set; it is a "
         "subscriber and optional."
