@@ -22,9 +22,11 @@ import os
 from typing import Any
 
 from torpor.allocator.tagged import TaggedAllocator
-from torpor.hooks.vllm.facade import current_controller, worker_rank
+from torpor.hooks.vllm import process
+from torpor.hooks.vllm.facade import get_instance, worker_rank
 from torpor.keeper.adoption import adopt, track_model
 from torpor.keeper.backing import KeeperBacking, attach
+from torpor.statemachine.machine.controller import SleepController
 
 __all__ = ["ENV_ENGINE", "LOAD_FORMAT", "engine_for_rank", "register", "source_of"]
 
@@ -49,9 +51,14 @@ def source_of(model_config: Any) -> str:
     return f"{model_config.model}@{getattr(model_config, 'revision', None) or 'main'}"
 
 
+def _controller() -> SleepController | None:
+    """This worker's torpor controller (made now if vLLM has not asked for it yet); None when torpor is not active."""
+    return get_instance().controller if process.is_active() else None
+
+
 def _keep(model: Any, source: str) -> None:
     """Track the loaded weights with a keeper backing on torpor's allocator (when the torpor backend runs)."""
-    ctl = current_controller()
+    ctl = _controller()
     if ctl is None or not isinstance(ctl.memory, TaggedAllocator):
         logger.warning("the torpor sleep backend is not active here: this engine's backups are not kept")
         return
@@ -81,7 +88,7 @@ def loader_class() -> type:
                 model,
                 source=source_of(model_config),
                 engine=engine_for_rank(),
-                controller=current_controller(),
+                controller=_controller(),
                 fallback=lambda: self.disk.load_weights(model, model_config),
             )
 
