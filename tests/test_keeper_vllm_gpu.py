@@ -1,0 +1,74 @@
+"""GPU, vLLM: an engine asleep with --load-format torpor-keeper is killed -9; its restart serves the kept weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import vllm_gpu_support as support
+from keeper_engine import start_keeper
+
+from torpor.keeper import KeeperLink
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+HERE = Path(__file__).resolve().parent
+
+
+def _run(mode: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "keeper_vllm_engine.py"), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=HERE,
+        env=env,
+        start_new_session=True,  # its own process group: kill -9 reaches the engine core and the workers too
+    )
+
+
+def _line(proc: subprocess.Popen[str]) -> dict[str, object]:
+    out = proc.stdout.readline() if proc.stdout else ""
+    assert out, f"the engine exited with {proc.wait()} before it printed"
+    result: dict[str, object] = json.loads(out)
+    return result
+
+
+def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> None:
+    """Asleep at level 1 after an in-place update, kill -9 of every process, restart: tokens are the updated ones."""
+    model = support.require_vllm_gpu()
+    sock = tmp_path / "k" / "keeper.sock"
+    keeper = start_keeper(sock, budget="32G")
+    env = {
+        **os.environ,
+        support.ENV_MODEL: str(model),
+        "TORPOR_KEEPER_SOCKET": str(sock),
+        "TORPOR_KEEPER_ENGINE": "vllm-keeper-test",
+        "TORPOR_LOG_DIR": str(tmp_path / "logs"),
+        "TORPOR_ENGINE": "vllm-keeper-test",
+        "VLLM_PLUGINS": "torpor",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the weight update is a function sent to the worker
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
+    try:
+        first = _run("first", env)
+        asleep = _line(first)
+        assert asleep["updated"] != asleep["checkpoint"], "negating the final norm changed no token"
+        with KeeperLink(sock) as link:
+            backups = link.status()["backups"]
+        assert [b["engine"] for b in backups] == ["vllm-keeper-test-rank0"], backups
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        again = _run("again", env)
+        restarted = _line(again)
+        again.wait(timeout=300)
+        assert restarted["tokens"] == asleep["updated"], "the restart did not serve the kept (updated) weights"
+        with KeeperLink(sock) as link:
+            adoptions = link.status()["adoptions"]
+        assert adoptions and adoptions[-1]["engine"] == "vllm-keeper-test-rank0", adoptions
+    finally:
+        keeper.kill()
+        keeper.wait()
