@@ -665,3 +665,16 @@ def test_each_command_keeps_the_documented_exit_codes(
     assert set(documented) == {*cases, 130, 141}, documented
     assert "status" in documented[3] and "log replay" in documented[4] and "status" in documented[4]
     capsys.readouterr()
+
+
+@pytest.mark.parametrize(("action", "after"), [("show", "-5"), ("show", "x"), ("follow", "-1")])
+def test_a_negative_after_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str, after: str
+) -> None:
+    """`torpor log show --after -5` was taken: --after is a sequence number >= 0, else a usage error (exit 2)."""
+    path = tmp_path / "e.jsonl"
+    SleepController(FakeMemory({"weights": 1}), log=path).close()
+    with pytest.raises(SystemExit) as exit_:
+        main(["log", action, str(path), "--after", after])
+    assert exit_.value.code == 2
+    assert "is not a sequence number" in capsys.readouterr().err

@@ -312,3 +312,11 @@ def test_the_rl_loop_example_says_in_one_line_when_the_endpoint_refuses_it() -> 
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stderr
     assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "Traceback" not in proc.stderr, err
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0, "5"])
+def test_wait_for_refuses_a_timeout_that_never_passes_before_asking(timeout: object) -> None:
+    """wait_for(timeout=nan) never returned: nan, inf, a negative or a non-number is a ValueError at once, before any request."""
+    client = Client("http://127.0.0.1:9")  # nothing listens: a request would fail otherwise
+    with pytest.raises(ValueError, match=r"timeout=.* is refused: give a finite number of seconds >= 0"):
+        client.wait_for("awake", timeout=timeout)  # type: ignore[arg-type]

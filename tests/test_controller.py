@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import hold_call
@@ -16,12 +19,14 @@ from torpor.errors import (
     InvalidLevel,
     InvalidTransition,
     MemoryOperationFailed,
+    NoTagsNamed,
     NotRecovered,
     PoolBusy,
     UnknownTag,
 )
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.log.eventlog import EventLog
+from torpor.statemachine.log.reader import latest_snapshot
 from torpor.testing import FakeMemory, capture_events
 
 SIZES = {"weights": 2**30, "kv_cache": 2**31, "cudagraph": 2**26, "runtime": 2**20}
@@ -420,3 +425,92 @@ def test_idempotent_wake_of_resident_tags_is_a_recorded_no_op(ctl: SleepControll
     assert [e.kind for e in ctl.events(after=seq)] == [EventKind.COMMAND_REPEATED]
     assert ctl.wake(["kv_cache"], idempotent=True).state is State.AWAKE  # kv_cache was asleep: a real wake
     assert replay(tmp_path / "events.jsonl").to_dict() == ctl.projection.to_dict()
+
+
+@pytest.mark.parametrize("empty_active", [False, True], ids=["active-file", "crash-after-rename"])
+def test_opening_a_long_log_reads_only_from_the_newest_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, empty_active: bool
+) -> None:
+    """A controller opened on a log of many rotated segments reads none of the older ones (the newest snapshot carries the state) and agrees with a full replay."""
+    path = tmp_path / "e.jsonl"
+    first = SleepController(FakeMemory(SIZES), EventLog(path, fsync=False, max_bytes=2_000))
+    for _ in range(30):
+        first.sleep(1)
+        first.wake()
+    first.sleep(2)
+    first.close()
+    older = sorted(tmp_path.glob("e.jsonl.*"))
+    assert len(older) >= 10
+    if empty_active:  # a crash between a rotation's two renames: the newest file is a segment, no active file
+        newest = tmp_path / f"e.jsonl.{latest_snapshot(path):012d}"
+        path.rename(newest)
+    opened: list[str] = []
+    real_open = os.open
+
+    def recording_open(file: str | os.PathLike[str], *args: Any, **kwargs: Any) -> int:
+        opened.append(os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    try:
+        ctrl = SleepController(FakeMemory(SIZES), path)
+    finally:
+        monkeypatch.setattr(os, "open", real_open)
+    read = {Path(name) for name in opened} & set(older)
+    assert not read, f"opening read {len(read)} of {len(older)} older segments"
+    assert ctrl.projection.to_dict() == replay(path).to_dict()  # the whole history gives the same state
+    ctrl.sleep(1)
+    ctrl.wake()
+    ctrl.close()
+    assert replay(path).state is State.AWAKE
+
+
+@pytest.mark.parametrize("state", ["asleep_l1", "partially_awake", "awake"])
+def test_wake_of_an_empty_tag_list_is_refused_naming_the_state(memory: FakeMemory, tmp_path: Path, state: str) -> None:
+    """wake(tags=[]) names no tag: refused (NoTagsNamed, recorded) in every state, nothing restored, never partially_awake with nothing asked for."""
+    ctl = SleepController(memory, log=tmp_path / "e.jsonl", engine="e", rank=0)
+    if state != "awake":
+        ctl.sleep(1)
+    if state == "partially_awake":
+        ctl.wake(["weights"])
+    before = ctl.projection.to_dict()
+    with pytest.raises(NoTagsNamed, match=rf"cannot wake tags=\[\]: it names no tag \(state '{state}' since event #"):
+        ctl.wake([])
+    assert ctl.state.value == state
+    after = ctl.projection.to_dict()
+    assert after["residency"] == before["residency"]
+    assert ctl.events()[-1].kind is EventKind.REFUSED
+    assert replay(tmp_path / "e.jsonl").state.value == state
+
+
+@pytest.mark.parametrize(
+    ("engine", "rank", "error", "needle"),
+    [
+        ("../escaped", 0, ValueError, "path separator"),
+        ("a/b", 0, ValueError, "path separator"),
+        ("..", 0, ValueError, "names no file"),
+        ("", 0, ValueError, "names no file"),
+        (".hidden", 0, ValueError, "starts with '.'"),
+        ("new\nline", 0, ValueError, "control character"),
+        ("llm", -1, ValueError, "rank -1 is refused"),
+        ("llm", "0", TypeError, "rank must be an int"),
+        ("llm", True, TypeError, "rank must be an int"),
+        ("llm", 2**63, ValueError, "rank 9223372036854775808 is refused"),
+        (7, 0, TypeError, "engine must be a str"),
+    ],
+)
+def test_an_engine_or_rank_that_cannot_name_its_log_is_refused_before_any_file_is_made(
+    tmp_path: Path, engine: object, rank: object, error: type[Exception], needle: str
+) -> None:
+    """A log directory with engine '../escaped', '..', '' or a rank of -1 or '0': refused at once naming the value, and no file is created anywhere."""
+    logs = tmp_path / "logs" / "sub"
+    with pytest.raises(error, match=re.escape(needle)):
+        SleepController(FakeMemory(SIZES), log=logs, engine=engine, rank=rank)  # type: ignore[arg-type]
+    assert not any(tmp_path.rglob("*")), sorted(tmp_path.rglob("*"))
+
+
+def test_an_engine_name_that_names_no_file_may_be_any_label(tmp_path: Path) -> None:
+    """Without a log directory the engine name is a label only: quotes, separators and newlines are taken."""
+    ctl = SleepController(FakeMemory(SIZES), engine='odd "name"/with\nbreaks', rank=3)
+    ctl.sleep(1)
+    assert ctl.projection.engine == 'odd "name"/with\nbreaks'

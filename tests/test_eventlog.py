@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -234,3 +235,35 @@ def test_an_exception_at_each_write_or_fsync_of_a_cycle_leaves_log_and_controlle
         except (TorporError, ValueError) as exc:
             problems.append(f"{where}: afterwards: {type(exc).__name__}: {exc}")
     assert not problems, "\n".join(problems[:8])
+
+
+@pytest.mark.parametrize(
+    ("limits", "needle"),
+    [
+        ({"keep": -1}, "keep=-1 is refused"),
+        ({"keep": 1.5}, "keep=1.5 is refused"),
+        ({"max_bytes": 0}, "max_bytes=0 is refused"),
+        ({"max_bytes": -4096}, "max_bytes=-4096 is refused"),
+        ({"max_bytes": 100}, "max_bytes=100 is refused"),
+        ({"max_line": 0}, "max_line=0 is refused"),
+    ],
+)
+def test_limits_that_would_prune_everything_or_rotate_every_event_are_refused(
+    tmp_path: Path, limits: dict[str, Any], needle: str
+) -> None:
+    """EventLog(keep=-1) (it pruned every segment) and max_bytes=0 (it rotated after every event) are a ValueError before any file is made."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        EventLog(tmp_path / "logs" / "e.jsonl", fsync=False, **limits)
+    assert not any(tmp_path.iterdir())
+
+
+def test_keep_zero_keeps_only_the_active_file(tmp_path: Path) -> None:
+    """keep=0 is taken: every rotated segment is pruned, the active file reads from its snapshot."""
+    path = tmp_path / "e.jsonl"
+    ctrl = SleepController(FakeMemory(TAGS), EventLog(path, fsync=False, max_bytes=2_000, keep=0))
+    for _ in range(10):
+        ctrl.sleep(1)
+        ctrl.wake()
+    assert segments(path) == [path]
+    assert replay(path).to_dict() == ctrl.projection.to_dict()
+    ctrl.close()

@@ -14,7 +14,7 @@ import pytest
 
 from torpor.errors import LogCorrupted
 from torpor.hooks import FleetError, FleetView, fleet, wait_fleet, wait_fleet_async
-from torpor.hooks.fleet import project_rank
+from torpor.hooks.fleet import MAX_WORLD_SIZE, project_rank
 from torpor.statemachine import EventKind, EventLog, SleepController, log_path_for, replay
 from torpor.statemachine.log.reader import read_events_file
 from torpor.testing import FakeMemory
@@ -332,3 +332,12 @@ def test_a_log_corrupted_past_its_first_line_makes_the_engine_unknown(tmp_path: 
     assert engine.state == "unknown"
     assert f":{2 if how == 'garbage line' else 5}:" in (engine.rank(0).error or "")
     assert engine.rank(1).state == "asleep_l1"
+
+
+@pytest.mark.parametrize("world_size", [0, -5, 4097, 20_000, 2.0, True])
+def test_a_world_size_no_engine_has_is_refused(tmp_path: Path, world_size: object) -> None:
+    """fleet(world_size=0 or -5) was taken, 20000 took seconds: a world size is an int from 1 to MAX_WORLD_SIZE."""
+    _ranks(tmp_path, 2)
+    with pytest.raises(FleetError, match=r"world_size=.* is refused"):
+        fleet(tmp_path, world_size=world_size)  # type: ignore[arg-type]
+    assert len(fleet(tmp_path, world_size=MAX_WORLD_SIZE).engine("llm").ranks) == MAX_WORLD_SIZE

@@ -281,3 +281,15 @@ def test_a_log_corrupted_past_its_first_line_is_reported_corrupted_and_exits_one
     assert out.startswith("engine llm: unknown"), out
     assert "unreadable" in out and "corrupted" in out
     assert "in flight" not in out and "INTERRUPTED" not in out
+
+
+@pytest.mark.parametrize("world_size", ["0", "-5", "20000", "two"])
+def test_a_world_size_no_engine_has_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], world_size: str
+) -> None:
+    """--world-size -5 and 0 were taken and 20000 took 7 s: outside 1..4096 it is a usage error (exit 2) naming the range."""
+    _ranks(tmp_path, 1)
+    with pytest.raises(SystemExit) as exit_:
+        main(["status", str(tmp_path), "--world-size", world_size])
+    assert exit_.value.code == 2
+    assert "not a number of ranks from 1 to 4096" in capsys.readouterr().err

@@ -147,8 +147,12 @@ class Client:
         It long-polls the rank's events and reads the state again after each
         one, so it returns within a request's time of the transition and
         costs nothing while nothing happens. Raises
-        :class:`~torpor.errors.StateTimeout` after ``timeout`` seconds.
+        :class:`~torpor.errors.StateTimeout` after ``timeout`` seconds (finite,
+        >= 0: ``nan``, ``inf`` or a negative number is a ``ValueError`` at once).
         """
+        if type(timeout) not in (int, float) or not 0 <= timeout < math.inf:  # nan passed every comparison
+            msg = f"timeout={timeout!r} is refused: give a finite number of seconds >= 0 (nothing was asked of {self.url})"
+            raise ValueError(msg)
         want = state.value if isinstance(state, State) else str(state)
         if want not in ("asleep", CLOSED) and want not in {s.value for s in State}:
             msg = f"unknown state {want!r}; states: asleep, {', '.join(s.value for s in State)}, {CLOSED}"

@@ -63,6 +63,22 @@ class UnknownTag(TorporError, ValueError):
         super().__init__(msg)
 
 
+class NoTagsNamed(TorporError, ValueError):
+    """A command given an empty list of tags: ``None`` means every tag, ``[]`` none, which is no command."""
+
+    def __init__(self, command: str, state: str, since: int, asleep: Iterable[str]) -> None:
+        self.command = command
+        self.state = state
+        self.since = since
+        self.asleep = tuple(sorted(asleep))
+        held = f"; asleep: {', '.join(self.asleep)}" if self.asleep else ""
+        msg = (
+            f"cannot {command} tags=[]: it names no tag (state {state!r} since event #{since}{held}); "
+            f"name the tags to {command}, or pass None for all"
+        )
+        super().__init__(msg)
+
+
 class InvalidLevel(TorporError, ValueError):
     """A sleep level other than 1 or 2."""
 

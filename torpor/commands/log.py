@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         epilog="example: torpor log show /tmp/torpor-demo --kind sleep_completed --kind wake_completed",
     )
     _add_path(show)
-    show.add_argument("--after", type=int, default=0, metavar="SEQ", help="only events after this sequence number")
+    show.add_argument("--after", type=sequence, default=0, metavar="SEQ", help="only events after this sequence number")
     show.add_argument(
         "--kind", action="append", choices=[k.value for k in EventKind], metavar="KIND", help="only this kind (repeat)"
     )
@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     _add_path(follow)
     follow.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="old events to print first (10)")
-    follow.add_argument("--after", type=int, metavar="SEQ", help="start after this sequence number (overrides -n)")
+    follow.add_argument("--after", type=sequence, metavar="SEQ", help="start after this sequence number (overrides -n)")
     follow.add_argument(
         "--timeout", type=seconds, metavar="SECONDS", help="stop after this long with no new event (default: never)"
     )
@@ -83,6 +83,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_path(rep)
     rep.add_argument("--json", action="store_true", help="print the projection as JSON")
     rep.set_defaults(func=run_replay)
+
+
+def sequence(text: str) -> int:
+    """``--after SEQ``: a sequence number, an int >= 0 (0: from the first event; ``-5`` was taken)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 2**63 - 1:
+        msg = f"{text!r} is not a sequence number (an int >= 0; 0 means from the first event)"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def _add_path(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import sys
 from torpor.commands import seconds
 from torpor.commands.writer import writer_running
 from torpor.demo.report import fmt_bytes
-from torpor.hooks.fleet import EngineView, FleetView, RankView, fleet, wait_fleet
+from torpor.hooks.fleet import MAX_WORLD_SIZE, EngineView, FleetView, RankView, fleet, wait_fleet
 from torpor.statemachine.core.states import TRANSITIONAL
 
 #: The states a rank's log can end in only inside a command (or when its writer died in one).
@@ -46,13 +46,30 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("directory", metavar="DIR", help="the directory the ranks' SleepControllers log into")
     p.add_argument("--engine", help="only this engine")
-    p.add_argument("--world-size", type=int, metavar="N", help="ranks the engine has (missing logs count as lagging)")
+    p.add_argument(
+        "--world-size",
+        type=world_size,
+        metavar="N",
+        help=f"ranks the engine has, 1..{MAX_WORLD_SIZE} (missing logs count as lagging)",
+    )
     p.add_argument("--json", action="store_true", help="print the view as JSON")
     p.add_argument(
         "--wait", choices=WAIT_STATES, metavar="STATE", help=f"block until in STATE ({', '.join(WAIT_STATES)})"
     )
     p.add_argument("--timeout", type=seconds, metavar="SECONDS", help="seconds --wait waits at most (default: forever)")
     p.set_defaults(func=run)
+
+
+def world_size(text: str) -> int:
+    """``--world-size N``: an int from 1 to :data:`~torpor.hooks.fleet.MAX_WORLD_SIZE` (``0``, ``-5`` were taken)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_WORLD_SIZE:
+        msg = f"{text!r} is not a number of ranks from 1 to {MAX_WORLD_SIZE}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def _tags(engine: EngineView, rank: int) -> str:

@@ -39,11 +39,13 @@ from torpor.statemachine.projection.view import Projection, project
 
 __all__ = [
     "ENGINE_STATES",
+    "MAX_WORLD_SIZE",
     "EngineView",
     "FleetError",
     "FleetView",
     "GroupView",
     "RankView",
+    "check_world_size",
     "fleet",
     "group_view",
     "merge",
@@ -53,6 +55,23 @@ __all__ = [
     "wait_fleet",
     "wait_fleet_async",
 ]
+
+#: The most ranks one engine is taken to have (``world_size``): far above any tensor/pipeline/expert-parallel
+#: engine, and a view of that many ranks is still built and printed in well under a second.
+MAX_WORLD_SIZE = 4096
+
+
+def check_world_size(world_size: object) -> None:
+    """Refuse a ``world_size`` that is no int in 1..:data:`MAX_WORLD_SIZE` (``0`` and ``-5`` were taken; 20000 took 7 s)."""
+    if world_size is None:
+        return
+    if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE:
+        msg = (
+            f"world_size={world_size!r} is refused: the number of ranks the engine has, an int from 1 to "
+            f"{MAX_WORLD_SIZE} (or None: as many as the logs in the directory)"
+        )
+        raise FleetError(msg)
+
 
 _LOG_NAME = re.compile(r"^(?P<engine>.+)\.rank(?P<rank>\d+)\.jsonl(?:\.\d+)?$")
 
@@ -154,6 +173,7 @@ def fleet(
     gives a rank log's projection (:func:`project_rank`, or a reader that keeps
     a tail per rank and reads only what was appended, as the vLLM route does).
     """
+    check_world_size(world_size)
     root = Path(directory)
     logs = rank_logs(root)
     if engine is not None:

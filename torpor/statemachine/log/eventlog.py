@@ -24,9 +24,10 @@ from torpor.statemachine.log.reader import (
     DEFAULT_MAX_LINE,
     decode_line,
     encode_line,
-    read_events,
+    read_current,
     segments,
 )
+from torpor.statemachine.log.tail import rotated
 
 logger = logging.getLogger("torpor.statemachine.log")
 
@@ -85,6 +86,32 @@ def _inspect(fd: int, name: str, max_line: int) -> tuple[int, int]:
     return last, end
 
 
+#: The smallest ``max_bytes``: below it nearly every event would start a new file (``0`` rotated after each).
+MIN_MAX_BYTES = 256
+#: The smallest ``max_line``: a line shorter cannot hold an event.
+MIN_MAX_LINE = 128
+_MAX_INT = 2**63 - 1
+
+
+def _check_limits(max_bytes: object, max_line: object, keep: object) -> None:
+    """Refuse a rotation size, line limit or segment count that would rotate after every event or prune everything."""
+    if type(max_bytes) is not int or not MIN_MAX_BYTES <= max_bytes <= _MAX_INT:
+        msg = (
+            f"max_bytes={max_bytes!r} is refused: the active file is rotated once it passes max_bytes, an int of "
+            f"at least {MIN_MAX_BYTES} (default {DEFAULT_MAX_BYTES}); a smaller one rotates after nearly every event"
+        )
+        raise ValueError(msg)
+    if type(max_line) is not int or not MIN_MAX_LINE <= max_line <= _MAX_INT:
+        msg = f"max_line={max_line!r} is refused: the longest line, an int of at least {MIN_MAX_LINE} (default {DEFAULT_MAX_LINE})"
+        raise ValueError(msg)
+    if keep is not None and (type(keep) is not int or keep < 0):
+        msg = (
+            f"keep={keep!r} is refused: how many rotated segments stay on disk, an int >= 0 (0 keeps none, "
+            "only the active file), or None to keep all"
+        )
+        raise ValueError(msg)
+
+
 #: Every writer open in this process: a forked child lets go of their files (:func:`_forget_in_child`).
 _OPEN: weakref.WeakSet[EventLog] = weakref.WeakSet()
 
@@ -102,8 +129,10 @@ class EventLog:
     """Append-only, checksummed JSON Lines event log for one engine rank, with one writer.
 
     ``fsync`` makes boundary events (those that begin or end a transition)
-    durable; ``max_bytes`` rotates the active file; ``keep`` bounds how many
-    rotated segments stay on disk (None keeps all). Opening takes the log's
+    durable; ``max_bytes`` (at least 256) rotates the active file; ``keep``
+    bounds how many rotated segments stay on disk (None keeps all; a negative
+    count, or a ``max_bytes`` that would rotate after nearly every event, is a
+    ``ValueError`` before anything is made). Opening takes the log's
     writer lock (``.NAME.lock``) for the life of this object: a second writer is
     refused with :class:`~torpor.errors.LogLocked`. The file is opened as
     :mod:`torpor.statemachine.log.files` describes (no links followed, nobody
@@ -126,6 +155,7 @@ class EventLog:
         max_line: int = DEFAULT_MAX_LINE,
         keep: int | None = None,
     ) -> None:
+        _check_limits(max_bytes, max_line, keep)  # before the directory or a file is made
         self.path = Path(path)
         self.fsync = fsync
         self.max_bytes = max_bytes
@@ -150,9 +180,11 @@ class EventLog:
             self.last_seq, valid = _inspect(fd, str(self.path), self.max_line)
             if valid < os.fstat(fd).st_size:
                 os.ftruncate(fd, valid)
-            if not self.last_seq and segments(self.path)[:-1]:
-                # No event in the active file: a crash right after a rotation renamed it.
-                *_, last = read_events(self.path, self.max_line)
+            older = rotated(self.path)
+            if not self.last_seq and older:
+                # No event in the active file: a crash right after a rotation renamed it. The newest
+                # segment's last event is the last one (read from its snapshot on, not the whole history).
+                *_, last = read_current(self.path, self.max_line)
                 self.last_seq = last.seq
         except BaseException:
             os.close(fd)

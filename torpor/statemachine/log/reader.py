@@ -22,9 +22,10 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from torpor.statemachine.core.events import Event
+from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.codec import DEFAULT_MAX_LINE, decode_line, decode_lines, encode_line
-from torpor.statemachine.log.tail import read_file, read_log, segments
+from torpor.statemachine.log.framing import open_regular
+from torpor.statemachine.log.tail import Tail, read_file, read_log, rotated, segments
 from torpor.statemachine.projection.view import Projection, project
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -37,6 +38,44 @@ def read_events(path: str | os.PathLike[str], max_line: int = DEFAULT_MAX_LINE) 
     (except at the start of a segment that opens with a snapshot).
     """
     return read_log(path, decode_lines, max_line)
+
+
+def latest_snapshot(path: str | os.PathLike[str], max_line: int = DEFAULT_MAX_LINE) -> int:
+    """The sequence number of the snapshot that opens the log's newest file (0: none, read from the start).
+
+    Each rotation starts the new active file with a ``snapshot`` of the whole
+    projection, so a reader that only needs the state now reads from there;
+    only the first line of the active file (or, when it holds no event yet, of
+    the newest segment) is read. A first line that is no snapshot means no
+    rotation: the log is read from its start.
+    """
+    active = Path(path)
+    for file in (active, *(segment for _, segment in reversed(rotated(active)))):
+        try:
+            fd = open_regular(file)
+        except FileNotFoundError:
+            continue
+        try:
+            first = os.pread(fd, max_line + 1, 0)
+        finally:
+            os.close(fd)
+        end = first.find(b"\n")
+        if end < 0:  # empty, or its first line not finished: the events are in the file before it
+            continue
+        event = decode_line(first[:end], str(file), 1, max_line)
+        return event.seq if event.kind is EventKind.SNAPSHOT else 0
+    return 0
+
+
+def read_current(path: str | os.PathLike[str], max_line: int = DEFAULT_MAX_LINE) -> Iterator[Event]:
+    """The events a projection of the log's state now needs: from :func:`latest_snapshot` on, read strictly.
+
+    What a restarted controller reads: the cost is the newest file's, however
+    long the history (``read_events``/``replay`` read it all). The projection
+    is the same: the snapshot carries it whole.
+    """
+    after = latest_snapshot(path, max_line)
+    return Tail(path, decode_lines, after=max(after - 1, 0), max_line=max_line, strict=True).events()
 
 
 def read_events_file(file: Path, max_line: int = DEFAULT_MAX_LINE) -> Iterator[Event]:
@@ -57,6 +96,8 @@ __all__ = [
     "decode_line",
     "decode_lines",
     "encode_line",
+    "latest_snapshot",
+    "read_current",
     "read_events",
     "read_events_file",
     "replay",

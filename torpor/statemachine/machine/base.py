@@ -27,7 +27,7 @@ from torpor.statemachine.core.states import State
 from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.fanout import Fanout
 from torpor.statemachine.log.interrupts import UNINTERRUPTED
-from torpor.statemachine.log.reader import read_events
+from torpor.statemachine.log.reader import read_current
 from torpor.statemachine.machine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
 from torpor.statemachine.machine.hostmem import apply_host_policy
 from torpor.statemachine.projection.view import Projection, project
@@ -53,6 +53,53 @@ def _names_a_directory(path: Path, given: str) -> bool:
     if path.is_dir() or given.endswith(("/", "\\")):
         return True
     return not path.exists() and not path.suffix
+
+
+#: The longest engine name: its log file ``.ENGINE.rankN.jsonl.lock`` must fit a 255-byte file name.
+MAX_ENGINE_NAME = 200
+#: The largest rank a log can record (a JSON integer every reader takes: 2**63-1).
+MAX_RANK = 2**63 - 1
+
+
+def check_identity(engine: object, rank: object, *, names_file: bool) -> None:
+    """Refuse a rank that is no integer 0..2**63-1 and, when it names the log file, an engine name that is no plain file name.
+
+    With a log directory the engine and rank name the file
+    (``ENGINE.rankN.jsonl``) inside it, so ``"../escaped"`` would write
+    outside it and ``"."`` or ``""`` name no file of its own; ``rank=-1`` or
+    ``"0"`` were refused only when the first event was written, after the
+    files were created. Checked before anything is made. (A name that names
+    no file, with ``log=None`` or a log file given, may hold any character: it
+    is a label.)
+    """
+    if type(engine) is not str:
+        msg = f"engine must be a str naming the engine, got {type(engine).__name__} {engine!r}; nothing was created"
+        raise TypeError(msg)
+    if type(rank) is not int:  # not True, not "0", not 0.0
+        msg = f"rank must be an int, got {type(rank).__name__} {rank!r}; nothing was created"
+        raise TypeError(msg)
+    if not 0 <= rank <= MAX_RANK:
+        msg = f"rank {rank} is refused: a rank is 0..2**63-1 (rank 0 is the first); nothing was created"
+        raise ValueError(msg)
+    if not names_file:
+        return
+    problem = ""
+    if not engine or engine in (".", ".."):
+        problem = "it names no file of its own"
+    elif "/" in engine or "\\" in engine:
+        problem = "it holds a path separator, so its log would be written outside the log directory"
+    elif engine.startswith("."):
+        problem = "it starts with '.', which the log's hidden lock and rotation files use"
+    elif not engine.isprintable():
+        problem = "it holds a control character"
+    elif len(engine.encode("utf-8", "surrogatepass")) > MAX_ENGINE_NAME:
+        problem = f"it is longer than {MAX_ENGINE_NAME} bytes"
+    if problem:
+        msg = (
+            f"engine name {_clip(repr(engine), 80)} is refused: {problem}; it names the log file ENGINE.rankN.jsonl, "
+            "so give a plain file name such as 'llm0'; nothing was created"
+        )
+        raise ValueError(msg)
 
 
 def log_path_for(directory: str | Path, engine: str, rank: int) -> Path:
@@ -82,6 +129,8 @@ class ControllerBase:
         group: object | None = None,
         group_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
+        names_file = isinstance(log, str | Path) and _names_a_directory(Path(log), str(log))
+        check_identity(engine, rank, names_file=names_file)  # before anything is made: a file, the host policy
         self.memory = memory
         self.policy = policy or DEFAULT_POLICY
         self.host_policy = self.policy.host_policy()
@@ -107,8 +156,8 @@ class ControllerBase:
         self._keep_events = keep_events
         self.projection = Projection(engine=engine, rank=rank)
         self._seq = 0
-        if self.log is not None and self.log.last_seq:
-            self.projection = project(read_events(self.log.path))
+        if self.log is not None and self.log.last_seq:  # from the newest snapshot: a restart costs one file's read
+            self.projection = project(read_current(self.log.path, self.log.max_line))
             self._seq = self.log.last_seq
         if not self.projection.interrupted:
             self._emit(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from torpor.errors import LogWriteFailed, TorporError
+from torpor.errors import LogWriteFailed, NoTagsNamed, TorporError
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.states import State
 from torpor.statemachine.machine.base import _tag_list, logger
@@ -28,12 +28,20 @@ class Waking(CommandGate):
     def wake(self, tags: Sequence[str] | str | None = None, *, idempotent: bool = False) -> Projection:
         """Wake ``tags`` (None: all); every non-deferrable tag is restored by any wake.
 
+        An empty list names no tag and is refused (``NoTagsNamed``, recorded as
+        ``refused``) in every state: it is most often a filter upstream that came
+        out empty, and waking only the tags every wake restores would leave the
+        engine ``partially_awake`` with nothing it asked for.
+
         ``idempotent``: a wake that would restore nothing (every tag asked for,
         and every tag any wake restores, is resident) is a no-op recorded as
         ``command_repeated`` instead of a refusal; unknown tags are still refused.
         """
         with self._command("wake", tags=tags):
             wanted = None if tags is None else _tag_list(tags)
+            if wanted == []:  # no tag at all: an empty filter upstream, never "wake nothing" (None wakes all)
+                asleep = self.projection.asleep_tags()
+                self._refuse("wake", NoTagsNamed("wake", self.state.value, self.projection.since, asleep))
             if idempotent and self.state in (State.AWAKE, State.PARTIALLY_AWAKE):
                 if wanted is not None:
                     self._check_tags("wake", wanted)
