@@ -99,6 +99,11 @@ LATE_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {
         "the keeper's load format imports the allocator (its native library); the plugin loads it only "
         "when $TORPOR_KEEPER_ENGINE asks for it. No cycle: the loader imports the facade, never activation."
     ),
+    ("torpor.hooks.vllm.activation", "torpor.telemetry.multiprocess"): (
+        "the metrics directory for vLLM's workers (vLLM 0.33 names none with one API server): telemetry "
+        "(prometheus_client) is optional, so activation loads it only when it makes or withdraws that "
+        "directory, and a failure to load it leaves sleep and wake unaffected."
+    ),
     ("torpor.hooks.vllm.wiring", "torpor.telemetry"): (
         "telemetry (prometheus_client) is loaded only when PROMETHEUS_MULTIPROC_DIR is set; it is a "
         "subscriber and optional."
