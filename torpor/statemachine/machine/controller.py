@@ -55,7 +55,12 @@ class SleepController(Sleeping, Discarding, GraphPool, Lifecycle, Tracking):
     an :class:`EventLog`, a file path (an existing file, or a new path with a
     suffix such as ``.jsonl``), a directory (an existing one, a path ending in
     ``/``, or a new path without a suffix; the file is ``ENGINE.rankN.jsonl``
-    inside it) or None (events kept in memory only).
+    inside it) or None (events kept in memory only). ``rank`` is an int
+    0..2**63-1 and, with a directory, ``engine`` a plain file name (no
+    separator, not ``..``): both are checked before any file is made
+    (:func:`~torpor.statemachine.machine.base.check_identity`). Opening an
+    existing log reads it from the snapshot that opens its newest file, not
+    its whole history.
 
     ``group`` (a ``torch.distributed`` process group of any backend, whose
     rendezvous store carries the votes, or any
