@@ -64,19 +64,13 @@ class UnknownTag(TorporError, ValueError):
 
 
 class NoTagsNamed(TorporError, ValueError):
-    """A command given an empty list of tags: ``None`` means every tag, ``[]`` none, which is no command."""
+    """``tags=[]`` names no tag (``None`` names every tag): refused, naming the state and the asleep tags."""
 
-    def __init__(self, command: str, state: str, since: int, asleep: Iterable[str]) -> None:
-        self.command = command
-        self.state = state
-        self.since = since
-        self.asleep = tuple(sorted(asleep))
-        held = f"; asleep: {', '.join(self.asleep)}" if self.asleep else ""
-        msg = (
-            f"cannot {command} tags=[]: it names no tag (state {state!r} since event #{since}{held}); "
-            f"name the tags to {command}, or pass None for all"
-        )
-        super().__init__(msg)
+    def __init__(self, command: str, state: str, since: int, asleep: Sequence[str]) -> None:
+        self.command, self.state, self.since, self.asleep = command, state, since, tuple(asleep)
+        held = f"; asleep: {', '.join(asleep)}" if asleep else ""
+        msg = f"cannot {command} tags=[]: it names no tag (state {state!r} since event #{since}{held}); "
+        super().__init__(f"{msg}name the tags to {command}, or pass None for all")
 
 
 class InvalidLevel(TorporError, ValueError):
@@ -91,10 +85,7 @@ class MemoryOperationFailed(TorporError, RuntimeError):
     """A memory operation failed: ``operation`` (the step), ``tag``, ``call`` (the driver call, when known)."""
 
     def __init__(self, operation: str, tag: str | None, reason: str, call: str | None = None) -> None:
-        self.operation = operation
-        self.tag = tag
-        self.call = call
-        self.reason = reason
+        self.operation, self.tag, self.call, self.reason = operation, tag, call, reason
         where = f" of tag {tag!r}" if tag else ""
         via = f" ({call})" if call else ""
         super().__init__(f"{operation}{where} failed{via}: {reason}")
@@ -108,9 +99,7 @@ class LogCorrupted(TorporError, ValueError):
     """An event log line that is not a valid event (not the torn last line)."""
 
     def __init__(self, path: str, line: int, reason: str) -> None:
-        self.path = path
-        self.line = line
-        self.reason = reason
+        self.path, self.line, self.reason = path, line, reason
         super().__init__(f"{path}:{line}: corrupted event log line: {reason}")
 
 
@@ -118,10 +107,7 @@ class UnknownSchemaVersion(TorporError, ValueError):
     """An event written by a schema this torpor does not read."""
 
     def __init__(self, path: str, line: int, version: object, supported: int) -> None:
-        self.path = path
-        self.line = line
-        self.version = version
-        self.supported = supported
+        self.path, self.line, self.version, self.supported = path, line, version, supported
         super().__init__(
             f"{path}:{line}: event schema version {version!r} is not supported "
             f"(this torpor reads version {supported}); upgrade torpor to read this log"
@@ -132,9 +118,7 @@ class EventTooLarge(TorporError, ValueError):
     """An event whose encoded form exceeds the log's line limit."""
 
     def __init__(self, kind: str, size: int, limit: int) -> None:
-        self.kind = kind
-        self.size = size
-        self.limit = limit
+        self.kind, self.size, self.limit = kind, size, limit
         super().__init__(f"event {kind!r} encodes to {size} bytes, over the {limit}-byte line limit")
 
 
