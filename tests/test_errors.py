@@ -32,12 +32,22 @@ def _exception_names() -> set[str]:
     return builtin | {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
 
 
+#: The one errors module of each optional integration package (loaded only by its users), and why it is not
+#: torpor/errors.py: each class there derives from TorporError.
+INTEGRATION_ERRORS = {
+    "tms/tmserrors.py": "torch_memory_saver's API: errors its users' except clauses catch, imported with torpor.tms only",
+    "keeper/refusals.py": "the keeper process and its wire protocol, imported with torpor.keeper only",
+}
+
+
 def test_every_error_class_lives_in_torpor_errors() -> None:
-    """No module but torpor/errors.py defines an exception class (file:line of each that does)."""
+    """No module but torpor/errors.py (and one errors module per optional integration) defines an exception class."""
     exceptions = _exception_names()
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path == PACKAGE / "errors.py":
+            continue
+        if path.relative_to(PACKAGE).as_posix() in INTEGRATION_ERRORS:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
@@ -45,6 +55,20 @@ def test_every_error_class_lives_in_torpor_errors() -> None:
                 if bases & exceptions:
                     offenders.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: {node.name}")
     assert not offenders, "error classes outside torpor/errors.py:\n" + "\n".join(offenders)
+
+
+def test_every_error_of_an_integration_is_a_torpor_error() -> None:
+    """Each exception class of an integration's errors module derives from TorporError (one except clause catches all)."""
+    import importlib
+
+    from torpor.errors import TorporError
+
+    for rel in INTEGRATION_ERRORS:
+        module = importlib.import_module("torpor." + rel.removesuffix(".py").replace("/", "."))
+        classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
+        assert classes, rel
+        strays = [c.__name__ for c in classes if issubclass(c, BaseException) and not issubclass(c, TorporError)]
+        assert not strays, f"{rel}: {strays} are no TorporError"
 
 
 def test_old_error_paths_still_work() -> None:

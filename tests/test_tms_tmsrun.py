@@ -20,16 +20,18 @@ def test_prepare_sets_the_switch_and_the_boot_path() -> None:
 
 
 def test_usage_without_a_program() -> None:
-    """No program (or -m/-c without its argument) prints the usage and exits 2."""
+    """No program (or -m without its module, or -c: torpor evaluates no code string) prints the usage and exits 2."""
     assert tmsrun.main([]) == 2
     assert tmsrun.main(["-m"]) == 2
+    assert tmsrun.main(["-c", "print(1)"]) == 2
 
 
 def test_runs_code_and_modules(tmp_path: Path) -> None:
-    """-c CODE and -m MODULE run with the switch on, argv as python gives it."""
-    code = "import sys, torch_memory_saver as t; print('RAN', t.__name__, sys.argv[1:])"
+    """A SCRIPT and -m MODULE run with the switch on, argv as python gives it."""
+    script = tmp_path / "probe_script.py"
+    script.write_text("import sys, torch_memory_saver as t; print('RAN', t.__name__, sys.argv[1:])\n")
     out = subprocess.run(
-        [sys.executable, "-m", "torpor.tms.tmsrun", "-c", code, "x"],
+        [sys.executable, "-m", "torpor.tms.tmsrun", str(script), "x"],
         capture_output=True,
         text=True,
         timeout=120,

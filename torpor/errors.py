@@ -314,13 +314,13 @@ class AllocatorArgumentError(AllocatorError, ValueError):
 
 
 class TagNotAwake(AllocatorError):
-    """A ``use_memory_pool`` block of a tag asleep or going to sleep (``state``; ``cause``: the sleep), refused at its start."""
+    """A block (or raw ``operation``, ``detail`` what) into a tag asleep or going to sleep (``state``; ``cause``: the sleep)."""
 
-    def __init__(self, tag: str, state: str, cause: str) -> None:
-        self.state = state
-        self.cause = cause
-        by = f" ({cause})" if cause else ""
-        super().__init__("use_memory_pool", tag, f"tag {tag!r} is {state}{by}; wake it before allocating in it")
+    def __init__(self, tag: str, state: str, cause: str, operation: str = "use_memory_pool", detail: str = "") -> None:
+        self.state, self.cause = state, cause
+        by, what = f" ({cause})" if cause else "", f"{detail}: " if detail else ""
+        then = "before allocating in it" if operation == "use_memory_pool" else "first"
+        super().__init__(operation, tag, f"{what}tag {tag!r} is {state}{by}; wake it {then}")
 
 
 class BlocksOpen(AllocatorError):

@@ -13,22 +13,6 @@ from torpor.errors import (  # noqa: F401 (re-exported: the old import path)
 )
 
 
-class TagNotAwakeFor(TagNotAwake):
-    """A raw call (``operation``: allocate, write) into a tag asleep or going to sleep; names the state and the sleep.
-
-    The same refusal as a ``use_memory_pool`` block of such a tag (:class:`~torpor.errors.TagNotAwake`), for the
-    raw API; ``detail`` says what was asked (an address, a size).
-    """
-
-    def __init__(self, operation: str, tag: str, state: str, cause: str, detail: str = "") -> None:
-        self.state = state
-        self.cause = cause
-        by = f" ({cause})" if cause else ""
-        what = f"{detail}: " if detail else ""
-        reason = f"{what}tag {tag!r} is {state}{by}; wake it first"
-        AllocatorError.__init__(self, operation, tag, reason)
-
-
 def wrap(operation: str, tag: str | None, exc: BaseException, outcome: str = "") -> AllocatorError:
     """Turn a driver error (or any exception) into the allocator error for ``operation`` on ``tag``.
 
@@ -43,4 +27,4 @@ def wrap(operation: str, tag: str | None, exc: BaseException, outcome: str = "")
     return AllocatorError(operation, tag, reason, call=call)
 
 
-__all__ = ["AllocatorError", "AllocatorOutOfMemory", "DriverError", "DriverOutOfMemory", "TagNotAwakeFor", "wrap"]
+__all__ = ["AllocatorError", "AllocatorOutOfMemory", "DriverError", "DriverOutOfMemory", "TagNotAwake", "wrap"]

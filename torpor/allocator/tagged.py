@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
-from torpor.allocator.errors import AllocatorError, DriverError, TagNotAwakeFor
+from torpor.allocator.errors import AllocatorError, DriverError, TagNotAwake
 from torpor.allocator.host.offload import HostArena, HostPolicy
 from torpor.allocator.host.staging import Stager
 from torpor.allocator.keep.keeping import Keeping
@@ -133,7 +133,7 @@ class TaggedAllocator(Keeping):
             asleep = self.book.not_awake(tag)
             if asleep is None:
                 raise
-            raise TagNotAwakeFor("allocate", tag, *asleep, f"{nbytes} bytes") from exc
+            raise TagNotAwake(tag, *asleep, operation="allocate", detail=f"{nbytes} bytes") from exc
         if tag not in self.host.policy.prepin_exclude:
             self.grow_host()
         return address
@@ -165,7 +165,7 @@ class TaggedAllocator(Keeping):
     def write(self, address: int, data: bytes) -> None:
         """Write bytes at a device address (through the driver; tests and demos).
 
-        At an address of a tag asleep or going to sleep: :class:`TagNotAwakeFor` naming the tag, its state and the
+        At an address of a tag asleep or going to sleep: :class:`~torpor.errors.TagNotAwake` naming the tag, its state and the
         sleep (the driver's own error is its cause).
         """
         try:
@@ -175,7 +175,7 @@ class TaggedAllocator(Keeping):
             asleep = self.book.not_awake(tag) if tag is not None else None
             if tag is None or asleep is None:
                 raise
-            raise TagNotAwakeFor("write", tag, *asleep, f"{len(data)} bytes at {address:#x}") from exc
+            raise TagNotAwake(tag, *asleep, operation="write", detail=f"{len(data)} bytes at {address:#x}") from exc
 
     def grow_host(self) -> None:
         """Raise the pin-ahead target to the tagged bytes (tags outside the policy's ``prepin_exclude``)."""

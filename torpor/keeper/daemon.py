@@ -34,18 +34,11 @@ from typing import Any
 from torpor.keeper import shmem, wire
 from torpor.keeper.fingerprint import ModelIdentity, mismatch
 from torpor.keeper.holdings import Backup, Engine, Region
+from torpor.keeper.refusals import RequestRefused
 
 __all__ = ["Keeper"]
 
 logger = logging.getLogger("torpor.keeper")
-
-
-class _Refusal(Exception):
-    """A request refused: the error's kind and its fields go back to the client."""
-
-    def __init__(self, kind: str, message: str, **data: Any) -> None:
-        super().__init__(message)
-        self.reply = {"error": kind, "message": message, **data}
 
 
 class Keeper:
@@ -149,7 +142,7 @@ class Keeper:
             while True:
                 try:
                     request, fds = wire.receive(conn)
-                except (wire.WireClosed, ConnectionError):
+                except ConnectionError:  # WireClosed is one
                     return
                 for fd in fds:  # nobody hands the keeper descriptors
                     os.close(fd)
@@ -174,7 +167,7 @@ class Keeper:
             with self._lock:
                 result: tuple[dict[str, Any], list[int]] = handler(session, request)
             return result
-        except _Refusal as refusal:
+        except RequestRefused as refusal:
             return refusal.reply, []
         except (KeyError, TypeError, ValueError) as exc:
             return {"error": "usage", "message": f"a malformed {op!r} request: {exc!r}"}, []
@@ -182,7 +175,7 @@ class Keeper:
     def _engine_of(self, session: dict[str, Any]) -> str:
         name = session["engine"]
         if name is None:
-            raise _Refusal("usage", "say hello (the engine's name) first")
+            raise RequestRefused("usage", "say hello (the engine's name) first")
         return str(name)
 
     # -- operations (under the lock) ----------------------------------------------------
@@ -191,7 +184,7 @@ class Keeper:
         name = str(request["engine"])
         held = self._engines.get(name)
         if held is not None and held.alive and held.pid != session["pid"]:
-            raise _Refusal("busy", f"engine {name!r} is held by pid {held.pid}, which is alive", pid=held.pid)
+            raise RequestRefused("busy", f"engine {name!r} is held by pid {held.pid}, which is alive", pid=held.pid)
         self._engines[name] = Engine(name, session["pid"])
         session["engine"] = name
         return {"keeper_pid": os.getpid(), "budget": self.budget, "used": self._used()}, []
@@ -200,11 +193,11 @@ class Keeper:
         engine = self._engine_of(session)
         nbytes = int(request["nbytes"])
         if nbytes <= 0:
-            raise _Refusal("usage", f"a region needs a positive size, not {nbytes}")
+            raise RequestRefused("usage", f"a region needs a positive size, not {nbytes}")
         used = self._used()
         if used + nbytes > self.budget:
             message = f"the keeper's budget is {self.budget} bytes, {used} are held and {nbytes} more were asked"
-            raise _Refusal("budget", message, budget=self.budget, used=used, asked=nbytes)
+            raise RequestRefused("budget", message, budget=self.budget, used=used, asked=nbytes)
         rid = next(self._ids)
         fd = shmem.create_region(f"torpor-keeper-{engine}-{rid}", nbytes)
         self._regions[rid] = Region(rid, fd, nbytes, engine, session["pid"])
@@ -214,7 +207,7 @@ class Keeper:
         engine = self._engine_of(session)
         region = self._regions.get(int(request["region"]))
         if region is None or region.engine != engine or region.pid != session["pid"]:
-            raise _Refusal("usage", f"engine {engine!r} holds no region {request['region']}")
+            raise RequestRefused("usage", f"engine {engine!r} holds no region {request['region']}")
         region.in_use = False
         self._collect()
         return {}, []
@@ -228,7 +221,7 @@ class Keeper:
                 region = self._regions.get(int(rid))
                 mine = region is not None and region.engine == engine and region.pid == session["pid"]
                 if region is None or not mine or not 0 <= offset <= offset + n <= region.nbytes:
-                    raise _Refusal("usage", f"tensor {name!r} names bytes outside this engine's regions")
+                    raise RequestRefused("usage", f"tensor {name!r} names bytes outside this engine's regions")
                 needed.add(int(rid))
         identity = ModelIdentity.from_dict(request["identity"])
         backup = Backup(
@@ -260,19 +253,19 @@ class Keeper:
         engine = str(request["engine"])
         backup = self._backups.get(engine)
         if backup is None:
-            raise _Refusal(
+            raise RequestRefused(
                 "refused", "the keeper holds no backup of it (none published, retracted by a wake, or dropped)"
             )
         owner = self._engines.get(engine)
         if backup.pid == session["pid"]:
-            raise _Refusal("refused", "it is this process's own backup (wake instead)")
+            raise RequestRefused("refused", "it is this process's own backup (wake instead)")
         if owner is not None and owner.alive and owner.pid == backup.pid:
-            raise _Refusal("refused", f"pid {backup.pid}, which wrote it, is alive")
+            raise RequestRefused("refused", f"pid {backup.pid}, which wrote it, is alive")
         if backup.adopter is not None and backup.adopter != session["pid"]:
-            raise _Refusal("refused", f"pid {backup.adopter} is adopting it")
+            raise RequestRefused("refused", f"pid {backup.adopter} is adopting it")
         reason = mismatch(ModelIdentity.from_dict(backup.identity), ModelIdentity.from_dict(request["identity"]))
         if reason is not None:
-            raise _Refusal("refused", f"the model does not match: {reason}")
+            raise RequestRefused("refused", f"the model does not match: {reason}")
         backup.adopter = session["pid"]
         session["grant"] = backup.id
         sizes = {str(r): self._regions[r].nbytes for r in backup.regions}
@@ -282,14 +275,14 @@ class Keeper:
     def _granted(self, session: dict[str, Any]) -> Backup:
         backup = next((b for b in self._backups.values() if b.id == session["grant"]), None)
         if backup is None:
-            raise _Refusal("refused", "this connection adopts no backup (adopt first)")
+            raise RequestRefused("refused", "this connection adopts no backup (adopt first)")
         return backup
 
     def _op_map(self, session: dict[str, Any], request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         backup = self._granted(session)
         rid = int(request["region"])
         if rid not in backup.regions:
-            raise _Refusal("refused", f"region {rid} is not part of backup {backup.id}")
+            raise RequestRefused("refused", f"region {rid} is not part of backup {backup.id}")
         return {"region": rid, "nbytes": self._regions[rid].nbytes}, [os.dup(self._regions[rid].fd)]
 
     def _op_adopted(self, session: dict[str, Any], request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -309,9 +302,11 @@ class Keeper:
         backup = self._backups.get(engine)
         owner = self._engines.get(engine)
         if backup is None:
-            raise _Refusal("refused", f"the keeper holds no backup of engine {engine!r}")
+            raise RequestRefused("refused", f"the keeper holds no backup of engine {engine!r}")
         if owner is not None and owner.alive and owner.pid == backup.pid:
-            raise _Refusal("refused", f"engine {engine!r} (pid {backup.pid}) is alive; it retracts its own backup")
+            raise RequestRefused(
+                "refused", f"engine {engine!r} (pid {backup.pid}) is alive; it retracts its own backup"
+            )
         del self._backups[engine]
         self._collect()
         return {"dropped": backup.id, "bytes": backup.nbytes}, []

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torpor.errors import TorporError
 
-__all__ = ["AdoptionRefused", "KeeperBudgetExceeded", "KeeperDenied", "KeeperError", "KeeperUnavailable"]
+__all__ = [
+    "AdoptionRefused",
+    "KeeperBudgetExceeded",
+    "KeeperDenied",
+    "KeeperError",
+    "KeeperUnavailable",
+    "RequestRefused",
+    "WireClosed",
+]
 
 
 class KeeperError(TorporError, RuntimeError):
@@ -55,3 +65,15 @@ class AdoptionRefused(KeeperError):
         self.reason = reason
         msg = f"cannot adopt engine {engine!r}'s backup: {reason}"
         super().__init__(msg)
+
+
+class WireClosed(KeeperError, ConnectionError):
+    """The other end closed the connection (between messages or inside one)."""
+
+
+class RequestRefused(KeeperError):
+    """The keeper refused a request: the error's ``kind`` and its fields go back to the client as ``reply``."""
+
+    def __init__(self, kind: str, message: str, **data: Any) -> None:
+        super().__init__(message)
+        self.reply = {"error": kind, "message": message, **data}

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from torpor.keeper.refusals import WireClosed
+
 __all__ = ["MAX_FDS", "MAX_MESSAGE", "SOCKET_ENV", "peer", "private_dir", "receive", "send", "socket_path"]
 
 #: The environment variable that names the keeper's socket.
@@ -33,10 +35,6 @@ MAX_MESSAGE = 64 << 20
 
 _HEADER = struct.Struct(">I")
 _CRED = struct.Struct("3i")
-
-
-class WireClosed(ConnectionError):
-    """The other end closed the connection (between messages or inside one)."""
 
 
 def socket_path(path: str | os.PathLike[str] | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""``python -m torpor.tms.tmsrun SCRIPT|-m MODULE|-c CODE [ARGS]``: run a program with the switch on, children too.
+"""``python -m torpor.tms.tmsrun SCRIPT|-m MODULE [ARGS]``: run a program with the switch on, children too.
 
 For where the ``torpor-tms.pth`` is not installed (a source checkout on
 ``PYTHONPATH``, an editable install whose ``.pth`` was not written): sets
@@ -17,7 +17,7 @@ from pathlib import Path
 from torpor.tms.switch import ENV, install
 
 BOOT = Path(__file__).resolve().parent / "boot"
-USAGE = "usage: python -m torpor.tms.tmsrun SCRIPT [ARGS] | -m MODULE [ARGS] | -c CODE [ARGS]"
+USAGE = "usage: python -m torpor.tms.tmsrun SCRIPT [ARGS] | -m MODULE [ARGS]"
 
 
 def prepare(environ: dict[str, str] | None = None) -> None:
@@ -31,7 +31,7 @@ def prepare(environ: dict[str, str] | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the program in ``argv`` (default ``sys.argv[1:]``) with the switch on; its exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or (args[0] in ("-m", "-c") and len(args) < 2):
+    if not args or args[0] in ("-h", "--help") or (args[0] == "-m" and len(args) < 2) or args[0] == "-c":
         print(USAGE, file=sys.stderr)  # noqa: T201 -- a command line's usage
         return 2
     prepare()
@@ -39,9 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    elif args[0] == "-c":
-        sys.argv = ["-c", *args[2:]]
-        exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 -- python -c, as asked
     else:
         sys.argv = args
         sys.path.insert(0, str(Path(args[0]).resolve().parent))
