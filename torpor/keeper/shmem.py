@@ -12,27 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import functools
 import mmap
 import os
+
+from torpor.allocator.native.libc import libc as _libc
 
 __all__ = ["create_region", "map_anywhere", "map_over", "unmap"]
 
 _MAP_FIXED = 0x10
 _MADV_HUGEPAGE = 14
 _MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.restype = ctypes.c_int
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
 
 
 def create_region(name: str, nbytes: int) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import mmap
 import os
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 
 from torpor.allocator.errors import DriverError, DriverOutOfMemory
 from torpor.allocator.native.driver import Driver
+from torpor.allocator.native.libc import libc as _libc
 from torpor.extras import require
 
 _OOM_CODES = frozenset({2})  # CUDA_ERROR_OUT_OF_MEMORY
@@ -36,20 +36,6 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without writ
 _HUGE = 2 << 20
 _PAGE = mmap.PAGESIZE
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)  # calls through it release the GIL
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.restype = ctypes.c_int
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.memset.restype = ctypes.c_void_p
-    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-    return libc
 
 
 def transparent_huge_pages() -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import functools
 import itertools
 import mmap
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 from torpor.allocator.errors import DriverError, DriverOutOfMemory
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
+from torpor.allocator.native.libc import libc as _libc
 
 MiB = 1 << 20
 _PAGE = mmap.PAGESIZE
@@ -33,16 +33,6 @@ _MAP_FRESH = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x100000  # MAP_FIXED_NOREP
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _HOST_BASE = 0x2000_0000_0000  # simulated pinned host memory lives here, at ever higher addresses
 _HOST_END = 0x3000_0000_0000
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
 
 
 _NATIVE_CALLS = 8  # granularity .. release run in the library; the host and copy calls here
