@@ -393,7 +393,7 @@ static int alloc_locked(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *
   }
   int k = alloc_lower(c, addr);
   memmove(&c->a[k + 1], &c->a[k], (size_t)(c->na - k) * sizeof *c->a);
-  c->a[k] = (tp_alloc){addr, size, nbytes, tag, dev, 0};
+  c->a[k] = (tp_alloc){addr, size, nbytes, tag, dev, 0, 0, 0, 0, NULL};
   c->na++;
   *out = addr;
   return 0;
