@@ -15,7 +15,7 @@ import pytest
 from torpor.errors import LogCorrupted
 from torpor.hooks import FleetError, FleetView, fleet, wait_fleet, wait_fleet_async
 from torpor.hooks.fleet import MAX_WORLD_SIZE, project_rank
-from torpor.statemachine import EventKind, EventLog, SleepController, log_path_for, replay
+from torpor.statemachine import EventKind, EventLog, SleepController, log_path_for, read_events, replay
 from torpor.statemachine.log.reader import read_events_file
 from torpor.testing import FakeMemory
 
@@ -341,3 +341,15 @@ def test_a_world_size_no_engine_has_is_refused(tmp_path: Path, world_size: objec
     with pytest.raises(FleetError, match=r"world_size=.* is refused"):
         fleet(tmp_path, world_size=world_size)  # type: ignore[arg-type]
     assert len(fleet(tmp_path, world_size=MAX_WORLD_SIZE).engine("llm").ranks) == MAX_WORLD_SIZE
+
+
+def test_a_closed_rank_is_dated_from_its_closed_event_in_the_engine_line(tmp_path: Path) -> None:
+    """fleet(): a rank whose engine closed reads "closed since #N HH:MM:SS" with N and the time of the closed event."""
+    ctl = SleepController(FakeMemory({"weights": 1 << 20}), log=tmp_path, engine="llm", rank=0)
+    ctl.sleep(1)
+    slept = ctl.last_seq
+    ctl.close()
+    closed = next(e for e in read_events(tmp_path / "llm.rank0.jsonl") if e.kind is EventKind.CLOSED)
+    rank = fleet(tmp_path).engine("llm").rank(0)
+    assert (rank.state, rank.since, rank.since_wall) == ("closed", closed.seq, closed.wall)
+    assert closed.seq > slept and f"closed since #{closed.seq} " in rank.describe()

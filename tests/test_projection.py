@@ -74,7 +74,7 @@ def test_every_kind_has_a_step_and_no_state_kinds_change_nothing_else() -> None:
     ctl = SleepController(FakeMemory(SIZES))
     ctl.sleep(1)
     before = ctl.projection.to_dict()
-    last_event_fields = ("last_seq", "last_kind", "engine", "rank", "pid", "last_step")
+    last_event_fields = ("last_seq", "last_kind", "last_wall", "engine", "rank", "pid", "last_step")
     for kind in sorted(_NO_STATE):
         proj = Projection.from_dict(before)
         proj.apply(make_event(kind, before["last_seq"] + 1, "x", 7, {"tag": "weights", "bytes": 1, "state": "awake"}))

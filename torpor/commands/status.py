@@ -137,9 +137,8 @@ def render(view: FleetView) -> str:
                 expected = f"{engine.engine}.rank{r.rank}.jsonl"
                 lines.append(f"  rank {r.rank:<3} {r.state:<16} no log for rank {r.rank} in the directory ({expected})")
             else:
-                since = r.last_seq if r.state == "closed" else r.since  # closed: since its closed event (issue 37)
-                lines.append(
-                    f"  rank {r.rank:<3} {r.state:<16} since #{since:<6} {where:<10} {_tags(engine, r.rank)}".rstrip()
+                lines.append(  # a closed rank's since is its closed event (fleet)
+                    f"  rank {r.rank:<3} {r.state:<16} since #{r.since:<6} {where:<10} {_tags(engine, r.rank)}".rstrip()
                 )
                 memory = memory_line(r)
                 if memory:

@@ -139,14 +139,14 @@ def _rank_view(engine: str, rank: int, path: Path, read: Callable[[Path], Projec
         return RankView(engine, rank, path, "unreadable", error=str(exc))
     if proj.last_seq == 0:
         return RankView(engine, rank, path, "unreadable", error="the log holds no complete event yet")
-    state = "closed" if proj.last_kind == "closed" else proj.state.value
+    closed = proj.last_kind == "closed"
     return RankView(
         engine=engine,
         rank=rank,
         path=path,
-        state=state,
-        since=proj.since,
-        since_wall=proj.since_wall,
+        state="closed" if closed else proj.state.value,
+        since=proj.last_seq if closed else proj.since,  # closed: since its closed event, not the state before
+        since_wall=proj.last_wall if closed else proj.since_wall,
         last_seq=proj.last_seq,
         pid=proj.pid,
         level=proj.level,

@@ -44,6 +44,7 @@ class ProjectionData:
     since_wall: float = 0.0
     last_seq: int = 0
     last_kind: str = ""
+    last_wall: float = 0.0  # the last event's wall time (a closed rank is dated from it)
     engine: str = ""
     rank: int = 0
     pid: int = 0
@@ -105,6 +106,7 @@ class ProjectionData:
             "since_wall": self.since_wall,
             "last_seq": self.last_seq,
             "last_kind": self.last_kind,
+            "last_wall": self.last_wall,
             "engine": self.engine,
             "rank": self.rank,
             "pid": self.pid,
@@ -139,6 +141,7 @@ class ProjectionData:
             since_wall=float(raw.get("since_wall", 0.0)),
             last_seq=int(raw["last_seq"]),
             last_kind=str(raw.get("last_kind", "")),
+            last_wall=float(raw.get("last_wall", 0.0)),
             engine=str(raw.get("engine", "")),
             rank=int(raw.get("rank", 0)),
             pid=int(raw.get("pid", 0)),

@@ -44,7 +44,7 @@ from torpor.statemachine.projection.data import MAX_GRAPH_SITES, ProjectionData,
 
 def _snapshot(p: ProjectionData, event: Event, d: Snapshot) -> None:
     snap = type(p).from_dict(thaw(d.projection))
-    snap.last_seq, snap.last_kind = event.seq, event.kind.value
+    snap.last_seq, snap.last_kind, snap.last_wall = event.seq, event.kind.value, event.wall
     p.__dict__.update(snap.__dict__)
 
 

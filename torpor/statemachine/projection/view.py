@@ -29,6 +29,7 @@ class Projection(ProjectionData):
         kind = event.kind
         self.last_seq = event.seq
         self.last_kind = kind  # a StrEnum: equal to its value
+        self.last_wall = event.wall
         self.engine = event.engine
         self.rank = event.rank
         self.pid = event.pid
