@@ -51,7 +51,7 @@ def _controller(tmp_path: Path, memory: FakeMemory | None = None) -> tuple[Sleep
 def _world(ctrl: SleepController, mem: FakeMemory) -> dict[str, Any]:
     """Everything a refused command must leave as it was (refusal bookkeeping aside)."""
     proj = ctrl.projection.to_dict()
-    for key in ("last_seq", "last_kind", "last_step", "refusals"):
+    for key in ("last_seq", "last_kind", "last_wall", "last_step", "refusals"):
         proj.pop(key)
     contents = {tag: mem.content(tag) for tag in TAGS}
     backups = {tag: mem._tags[tag].backup for tag in TAGS}

@@ -141,7 +141,8 @@ class ProjectionData:
             since_wall=float(raw.get("since_wall", 0.0)),
             last_seq=int(raw["last_seq"]),
             last_kind=str(raw.get("last_kind", "")),
-            last_wall=float(raw.get("last_wall", 0.0)),
+            # a snapshot's own wall time replaces it (fold); a value no reader can show is not fatal here
+            last_wall=float(raw["last_wall"]) if type(raw.get("last_wall")) in (int, float) else 0.0,
             engine=str(raw.get("engine", "")),
             rank=int(raw.get("rank", 0)),
             pid=int(raw.get("pid", 0)),
