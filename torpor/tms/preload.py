@@ -46,7 +46,7 @@ def prepended(current: str, lib: str) -> str:
 
 @contextmanager
 def configure_subprocess() -> Iterator[None]:
-    """Configure environment variables for subprocesses. Only needed for hook_mode=preload."""
+    """Within the block, processes started get torpor's preload library on ``LD_PRELOAD`` (hook_mode "preload" needs it)."""
     lib = preload_library()
     if lib is None:
         logger.warning(

@@ -131,8 +131,9 @@ class TorchMemorySaver:
 
     @property
     def memory_margin_bytes(self) -> int:
-        """Write-only, as in TMS."""
-        raise NotImplementedError("Only setter is supported")
+        """Write-only, as in TMS: reading it raises, with TMS's own words in the message for callers that match them."""
+        msg = "memory_margin_bytes can be set, not read (TMS: Only setter is supported)"
+        raise NotImplementedError(msg)
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int) -> None:
@@ -180,7 +181,7 @@ class TorchMemorySaver:
         return flat.view(x.dtype).view(x.shape)
 
     def set_disk_backup_dir(self, path: str) -> None:
-        """Set the directory for disk backup files (created if needed)."""
+        """Where a disk-backed region's backup goes (made when missing); torpor keeps it in pinned host memory (docs/tms.md)."""
         impl = self._ensure_initialized()
         os.makedirs(path, exist_ok=True)
         impl.disk_backup_dir = path
@@ -191,7 +192,8 @@ class TorchMemorySaver:
         if cpu_backup_backend is None:
             return
         if not enable_cpu_backup:
-            raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+            msg = f"cpu_backup_backend={cpu_backup_backend!r} requires enable_cpu_backup=True (a region without it keeps no copy)"
+            raise ValueError(msg)
         if cpu_backup_backend not in ("mmap", "pinned"):
             msg = f"cpu_backup_backend must be 'mmap' or 'pinned', not {cpu_backup_backend!r}"
             raise ValueError(msg)
