@@ -14,6 +14,7 @@ from torpor import EventKind, SleepController, State
 from torpor.allocator import TaggedAllocator
 from torpor.allocator.keep.modules import ModuleTracker, NotReloaded
 from torpor.bench import realmodel as rm
+from torpor.bench.checksums import module_checksums
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -243,18 +244,6 @@ def test_compiled_reduce_overhead_model_is_whole_after_level_1_and_level_2() -> 
         assert torch.equal(run(), ref), f"compiled model differs after level {level}"
 
 
-def tensor_checksums(model: Any) -> dict[str, tuple[int, int]]:
-    """Two int64 sums (plain, position-weighted) over the 32-bit words of every parameter and buffer, by name."""
-    out: dict[str, tuple[int, int]] = {}
-    with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            flat = t.detach().contiguous().view(-1).view(torch.uint8)
-            w = (flat.view(torch.int32) if flat.numel() % 4 == 0 else flat).to(torch.int64)
-            pos = torch.arange(w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
-            out[name] = (int(w.sum()), int((w * pos).sum()))
-    return out
-
-
 #: A Qwen3-8B layer shape, 12 layers, untied: 2.6 B parameters, 4.9 GiB of bf16 weights.
 LARGE = {
     "hidden_size": 4096,
@@ -288,7 +277,7 @@ def test_first_cold_sleep_of_a_fresh_allocator_keeps_every_tensor_of_a_large_mod
     assert weight_bytes > 4 * (1 << 30), weight_bytes
     with torch.no_grad():
         logits = rm.forward(model, ids).clone()
-    sums = tensor_checksums(model)
+    sums = module_checksums(model)
     host = {n: t.detach().cpu().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
     torch.cuda.synchronize()
     seconds = time.perf_counter()
@@ -297,7 +286,7 @@ def test_first_cold_sleep_of_a_fresh_allocator_keeps_every_tensor_of_a_large_mod
     use_the_gpu_meanwhile()  # the freed memory written with 0x5A: a lost byte cannot come back by luck
     ctl.wake()
     assert ctl.state is State.AWAKE
-    after = tensor_checksums(model)
+    after = module_checksums(model)
     changed = sorted(n for n in sums if after[n] != sums[n])
     unequal = sorted(
         n for n, t in [*model.named_parameters(), *model.named_buffers()] if not torch.equal(t.cpu(), host[n])

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torpor.bench.checksums import module_checksums
 from torpor.statemachine import read_events
 from torpor.statemachine.core.events import EventKind
 
@@ -70,27 +71,14 @@ def install_timers(wrapper: Any) -> str:
 
 
 def model_checksums(wrapper: Any) -> dict[str, str]:
-    """In the worker: a checksum of every parameter and buffer of the model on the device, by name.
-
-    Two int64 sums over the tensor's 32-bit words (or bytes, when its size is not a multiple of 4):
-    the plain sum and a position-weighted one, so a changed, lost or moved word changes one of them.
-    Computed on the device (a few GB/s of host copies would take longer than the cycle).
-    """
-    import torch
-
+    """In the worker: ``dtype:shape:sum:weighted`` of every parameter and buffer of the model, by name (torpor.bench.checksums)."""
     worker = getattr(wrapper, "worker", wrapper)
     model = worker.model_runner.model
-    out: dict[str, str] = {}
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    with torch.no_grad():
-        for name, t in named:
-            flat = t.detach().contiguous().view(-1).view(torch.uint8)
-            words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
-            w = words.to(torch.int64)
-            pos = torch.arange(w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
-            out[name] = f"{t.dtype}:{tuple(t.shape)}:{int(w.sum()):x}:{int((w * pos).sum()):x}"
-            del w, pos
-    return out
+    tensors = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+    return {
+        name: f"{tensors[name].dtype}:{tuple(tensors[name].shape)}:{plain:x}:{weighted:x}"
+        for name, (plain, weighted) in module_checksums(model).items()
+    }
 
 
 def take_times(wrapper: Any) -> list[tuple[str, float]]:
