@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import threading
@@ -153,3 +154,31 @@ def off_table_moves(events: list[Event]) -> list[str]:
         if dest is not proj.state:
             wrong.append(f"#{event.seq} {event.kind.value}: {before} -> {proj.state}, the table says {dest}")
     return wrong
+
+
+def count_log_calls(
+    name: str,
+    counter: Any,
+    cycle: Any,
+    tags: dict[str, int],
+    fsync: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> int:
+    """How many ``os.<name>`` calls on the log's file one ``cycle(ctrl)`` makes (a dry run with ``counter`` patched in).
+
+    ``counter`` wraps ``os.<name>``: it has ``fd`` (set here to the log's descriptor), ``real`` and ``calls``.
+    """
+    from torpor.statemachine import EventLog, SleepController
+    from torpor.testing import FakeMemory
+
+    monkeypatch.setattr(os, name, counter)
+    ctrl = SleepController(FakeMemory(tags), EventLog(tmp_path / "dry.jsonl", fsync=fsync))
+    if ctrl.log is None:
+        msg = "the dry run's controller has no log"
+        raise RuntimeError(msg)
+    counter.fd = ctrl.log._fd
+    cycle(ctrl)
+    monkeypatch.setattr(os, name, counter.real)
+    ctrl.close()
+    return int(counter.calls)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import support
 
 from torpor.errors import LogWriteFailed, TorporError
 from torpor.statemachine.core.events import EventKind, make_event
@@ -168,18 +169,6 @@ def _run_cycle(ctrl: Any) -> int:
     return met
 
 
-def _calls_in_a_cycle(name: str, fsync: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
-    counter = _RaiseAt(name, "never", 0)
-    monkeypatch.setattr(os, name, counter)
-    ctrl = SleepController(FakeMemory(TAGS), EventLog(tmp_path / "dry.jsonl", fsync=fsync))
-    assert ctrl.log is not None
-    counter.fd = ctrl.log._fd
-    _run_cycle(ctrl)
-    monkeypatch.setattr(os, name, counter.real)
-    ctrl.close()
-    return counter.calls
-
-
 @pytest.mark.parametrize(
     ("call", "when", "fsync"),
     [
@@ -194,7 +183,7 @@ def test_an_exception_at_each_write_or_fsync_of_a_cycle_leaves_log_and_controlle
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, when: str, fsync: bool
 ) -> None:
     """An exception at each os.write (before, after half a line, after it) or os.fsync of a cycle: the log reads with numbers following on, the controller agrees, every later command and a restart work."""
-    cells = _calls_in_a_cycle(call, fsync, tmp_path, monkeypatch)
+    cells = support.count_log_calls(call, _RaiseAt(call, "never", 0), _run_cycle, TAGS, fsync, tmp_path, monkeypatch)
     assert cells >= 8, f"a cycle makes only {cells} {call} calls on the log"
     problems: list[str] = []
     for nth in range(1, cells + 1):

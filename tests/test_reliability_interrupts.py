@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import support
 from support import hold_call
 from test_reliability_faults import (
     Case,
@@ -346,25 +347,12 @@ def _check_after_interrupt(ctrl: SleepController, path: Path, where: str) -> lis
     return problems
 
 
-def _count_calls(name: str, fsync: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
-    """How many ``os.<name>`` calls on the log's file one cycle makes (a dry run)."""
-    counter = _SigintAfter(name, 0)
-    monkeypatch.setattr(os, name, counter)
-    ctrl = SleepController(FakeMemory(TAGS), EventLog(tmp_path / "dry.jsonl", fsync=fsync))
-    assert ctrl.log is not None
-    counter.fd = ctrl.log._fd
-    _cycle(ctrl)
-    monkeypatch.setattr(os, name, counter.real)
-    ctrl.close()
-    return counter.calls
-
-
 @pytest.mark.parametrize(("call", "fsync"), [("write", False), ("write", True), ("fsync", True)])
 def test_a_sigint_right_after_each_log_write_keeps_log_and_controller_consistent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], call: str, fsync: bool
 ) -> None:
     """A real SIGINT after each os.write (or fsync) of a cycle: no repeated number, the log reads (restart, log replay, status), the controller agrees and is not left mid-transition."""
-    cells = _count_calls(call, fsync, tmp_path, monkeypatch)
+    cells = support.count_log_calls(call, _SigintAfter(call, 0), _cycle, TAGS, fsync, tmp_path, monkeypatch)
     assert cells >= 8, f"a cycle makes only {cells} {call} calls on the log"
     problems: list[str] = []
     for nth in range(1, cells + 1):
