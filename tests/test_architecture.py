@@ -62,6 +62,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "torpor.keeper.*",
             "torpor.client",
             "torpor.testing",
+            "torpor.testrig",
         ),
     ),
     (
