@@ -16,6 +16,7 @@ from torpor.allocator.keep.keeping import merged
 from torpor.allocator.keep.ranges import KeptRange
 from torpor.statemachine import replay
 from torpor.telemetry import attach
+from torpor.testing import sim_rig
 
 G = 64 * 1024
 
@@ -35,10 +36,9 @@ class Ranges:
 
 
 def make(log: Path | None = None) -> tuple[SimDriver, TaggedAllocator, SleepController]:
-    """A small simulated device, an allocator and a controller (log in ``log`` when given)."""
-    sim = SimDriver(64 << 20, granularity=G)
-    alloc = TaggedAllocator(sim, host=HostPolicy(prepin=False, chunk_bytes=1 << 20, threads=2), slab_bytes=0)
-    return sim, alloc, SleepController(alloc, log=log, engine="e")
+    """torpor.testrig's rig (64 MiB of 64 KiB granules), no slabs, and a controller (log in ``log`` when given)."""
+    rig = sim_rig(64 << 20, granularity=G, host=HostPolicy(prepin=False, chunk_bytes=1 << 20, threads=2), slab_bytes=0)
+    return rig.driver, rig.allocator, rig.control(log=log, engine="e")
 
 
 def weights(alloc: TaggedAllocator) -> tuple[int, bytes, int, bytes]:
