@@ -15,6 +15,7 @@ import pytest
 
 from torpor.allocator import AllocatorError, AllocatorOutOfMemory, SimDriver, TaggedAllocator
 from torpor.allocator.native import library as native
+from torpor.testing import sim_rig
 
 G = 64 * 1024
 MiB = 1 << 20
@@ -24,9 +25,9 @@ FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, c
 
 
 def make(capacity: int = 256 * MiB, slab_bytes: int = 8 * G) -> tuple[SimDriver, TaggedAllocator]:
-    """A simulated device with 64 KiB granules and an allocator on it."""
-    sim = SimDriver(capacity, granularity=G)
-    return sim, TaggedAllocator(sim, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=slab_bytes)
+    """torpor.testrig's rig: a simulated device with 64 KiB granules and an allocator on it."""
+    rig = sim_rig(capacity, granularity=G, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=slab_bytes)
+    return rig.driver, rig.allocator
 
 
 def slot(alloc: TaggedAllocator, tag: str) -> tuple[object, object]:
