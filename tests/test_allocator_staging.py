@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 import time
 
@@ -13,14 +12,14 @@ import pytest
 from torpor import HostMemoryPolicy, Policy, SleepController, State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import TorporError
+from torpor.testing import fill, intact, sim_rig
 
 G = 64 * 1024
 MiB = 1 << 20
 
 
 def make(sim: SimDriver | None = None, **policy: object) -> tuple[SimDriver, TaggedAllocator, SleepController]:
-    """A simulated device; host chunks of 8 granules; a ring of 4 one-granule slots copied out by 3 threads."""
-    sim = sim or SimDriver(64 * MiB, granularity=G)
+    """torpor.testrig's rig (or on ``sim``); host chunks of 8 granules; a ring of 4 one-granule slots copied out by 3 threads."""
     settings: dict[str, object] = {
         "chunk_bytes": 8 * G,
         "threads": 2,
@@ -29,23 +28,8 @@ def make(sim: SimDriver | None = None, **policy: object) -> tuple[SimDriver, Tag
         "stage_threads": 3,
         **policy,
     }
-    alloc = TaggedAllocator(sim, host=HostPolicy(**settings), slab_bytes=0)  # type: ignore[arg-type]
-    return sim, alloc, SleepController(alloc)
-
-
-def fill(alloc: TaggedAllocator, tag: str, sizes: list[int]) -> dict[int, bytes]:
-    """Allocate and write random bytes; return address -> bytes."""
-    out = {}
-    for n in sizes:
-        a = alloc.allocate(n, tag)
-        out[a] = os.urandom(n)
-        alloc.write(a, out[a])
-    return out
-
-
-def intact(alloc: TaggedAllocator, data: dict[int, bytes]) -> bool:
-    """Every allocation still holds its bytes."""
-    return all(alloc.read(a, len(b)) == b for a, b in data.items())
+    rig = sim_rig(64 * MiB, granularity=G, driver=sim, host=HostPolicy(**settings), slab_bytes=0)  # type: ignore[arg-type]
+    return rig.driver, rig.allocator, rig.control()
 
 
 def stage_threads() -> list[threading.Thread]:
