@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -12,34 +11,21 @@ from torpor.allocator import AllocatorError, HostPolicy, SimDriver, TaggedAlloca
 from torpor.errors import MemoryOperationFailed, OutOfMemory, PoolBusy, TorporError, UnknownTag
 from torpor.statemachine.core.policy import DEFAULT_POLICY
 from torpor.statemachine.core.protocol import GraphPoolMemory, Memory, TagUsage
+from torpor.testing import fill, intact, sim_rig
 
 G = 64 * 1024
 MiB = 1 << 20
 
 
 def make(capacity: int = 64 * MiB, **kw: object) -> tuple[SimDriver, TaggedAllocator]:
-    """A small simulated device and an allocator batching in 256 KiB."""
-    sim = SimDriver(capacity, granularity=G, devices=int(kw.pop("devices", 1)))  # type: ignore[call-overload]
+    """torpor.testrig's rig: a small simulated device and an allocator batching in 256 KiB."""
+    devices = int(kw.pop("devices", 1))  # type: ignore[call-overload]
     slab = int(kw.pop("slab_bytes", 8 * G))  # type: ignore[call-overload]
     policy = HostPolicy(prepin=True, chunk_bytes=MiB, threads=2, prepin_exclude=DEFAULT_POLICY.never_backed_up())
-    alloc = TaggedAllocator(sim, host=policy, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=slab)
-    return sim, alloc
-
-
-def fill(alloc: TaggedAllocator, tag: str, sizes: list[int]) -> dict[int, bytes]:
-    """Allocate and write random bytes; return address -> bytes."""
-    out = {}
-    for n in sizes:
-        a = alloc.allocate(n, tag)
-        data = os.urandom(alloc.size_of(a))
-        alloc.write(a, data)
-        out[a] = data
-    return out
-
-
-def intact(alloc: TaggedAllocator, data: dict[int, bytes]) -> bool:
-    """Every allocation still holds its bytes."""
-    return all(alloc.read(a, len(b)) == b for a, b in data.items())
+    rig = sim_rig(
+        capacity, granularity=G, devices=devices, host=policy, group_bytes=4 * G, piece_bytes=2 * G, slab_bytes=slab
+    )
+    return rig.driver, rig.allocator
 
 
 def test_meets_the_memory_protocols() -> None:
