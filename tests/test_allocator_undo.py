@@ -9,34 +9,20 @@ import pytest
 
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import AllocatorError
+from torpor.testing import fill, intact, sim_rig
 
 KiB = 1 << 10
 G = 16 * KiB
 
 
 @pytest.fixture
-def rig() -> Iterator[tuple[TaggedAllocator, SimDriver, list[tuple[int, bytes]]]]:
-    """An allocator whose tag ``runtime`` has three allocations (three copy batches), each with random bytes."""
-    driver = SimDriver(capacity=8 << 20, granularity=G, reuse_host=True)
-    allocator = TaggedAllocator(
-        driver=driver, host=HostPolicy(prepin=True, chunk_bytes=128 * KiB, threads=1), group_bytes=G
-    )
-    rng = random.Random(7)
-    blocks = []
-    for n in (4 * G, 2 * G, 3 * G):
-        address = allocator.allocate(n, "runtime")
-        data = rng.randbytes(n)
-        driver.write(address, data)
-        blocks.append((address, data))
-    allocator.wait_host_ready(30)
-    try:
-        yield allocator, driver, blocks
-    finally:
-        allocator.close()
-
-
-def _intact(driver: SimDriver, blocks: list[tuple[int, bytes]]) -> bool:
-    return all(driver.read(address, len(data)) == data for address, data in blocks)
+def rig() -> Iterator[tuple[TaggedAllocator, SimDriver, dict[int, bytes]]]:
+    """torpor.testrig's rig: an allocator whose tag ``runtime`` has three allocations (three copy batches), each with random bytes."""
+    policy = HostPolicy(prepin=True, chunk_bytes=128 * KiB, threads=1)
+    with sim_rig(8 << 20, granularity=G, reuse_host=True, host=policy, group_bytes=G) as made:
+        blocks = fill(made.allocator, "runtime", [4 * G, 2 * G, 3 * G], rng=random.Random(7))
+        made.allocator.wait_host_ready(30)
+        yield made.allocator, made.driver, blocks
 
 
 def test_a_release_whose_map_back_fails_releases_the_tag_and_keeps_every_byte(rig) -> None:  # type: ignore[no-untyped-def]
@@ -52,7 +38,7 @@ def test_a_release_whose_map_back_fails_releases_the_tag_and_keeps_every_byte(ri
     usage = allocator.usage()["runtime"]
     assert (usage.resident, usage.host) == (0, 9 * G)
     allocator.restore(["runtime"])
-    assert _intact(driver, blocks)
+    assert intact(allocator, blocks)
     allocator.drop_backup(["runtime"])
     allocator.free(allocator.allocate(4096, "runtime"))  # the tag takes allocations again
 
@@ -67,7 +53,7 @@ def test_a_release_whose_copy_and_map_back_fail_copies_the_stale_batch_again(rig
         allocator.release(["runtime"])
     assert allocator.usage()["runtime"].resident == 0
     allocator.restore(["runtime"])
-    assert _intact(driver, blocks)
+    assert intact(allocator, blocks)
 
 
 def test_a_release_that_can_be_neither_undone_nor_completed_is_partly_released_then_healed(rig) -> None:  # type: ignore[no-untyped-def]
@@ -87,7 +73,7 @@ def test_a_release_that_can_be_neither_undone_nor_completed_is_partly_released_t
         allocator.drop_backup(["runtime"])
     allocator.restore(["runtime"])
     assert allocator.usage()["runtime"].resident == 9 * G
-    assert _intact(driver, blocks)
+    assert intact(allocator, blocks)
     allocator.drop_backup(["runtime"])
     allocator.free(allocator.allocate(4096, "runtime"))
 
@@ -102,4 +88,4 @@ def test_a_map_back_that_fails_half_way_copies_the_backup_into_what_it_mapped_wh
     with pytest.raises(AllocatorError, match="partly released"):
         allocator.release(["runtime"])
     allocator.restore(["runtime"])
-    assert _intact(driver, blocks)
+    assert intact(allocator, blocks)
