@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from torpor.statemachine.core.policy import Action, AfterWake, HostMemoryPolicy,
 from torpor.statemachine.log.reader import read_events, replay
 from torpor.statemachine.machine.hostmem import budget_refusal, device_report
 from torpor.statemachine.projection.view import Projection
-from torpor.testing import FakeMemory
+from torpor.testing import FakeMemory, fill, sim_rig
 
 G = 64 * 1024
 MiB = 1 << 20
@@ -23,27 +22,18 @@ OVERHEAD = 3 * MiB
 
 
 def rig(host: HostMemoryPolicy, tmp_path: Path | None = None) -> tuple[SimDriver, TaggedAllocator, SleepController]:
-    """A simulated device with a 3 MiB 'context', an allocator pinning in 256 KiB chunks, and a controller."""
-    sim = SimDriver(64 * MiB, granularity=G, overhead=OVERHEAD)
-    alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=4 * G, threads=2), slab_bytes=0)
+    """torpor.testrig's rig: a device with a 3 MiB 'context', an allocator pinning in 256 KiB chunks, and a controller."""
+    made = sim_rig(
+        64 * MiB, granularity=G, overhead=OVERHEAD, host=HostPolicy(chunk_bytes=4 * G, threads=2), slab_bytes=0
+    )
     log = tmp_path / "events.jsonl" if tmp_path is not None else None
-    return sim, alloc, SleepController(alloc, log=log, policy=Policy(host=host))
-
-
-def fill(alloc: TaggedAllocator, tag: str, count: int, size: int = 4 * G) -> dict[int, bytes]:
-    """Allocate ``count`` x ``size`` under ``tag`` with random bytes; return address -> bytes."""
-    out = {}
-    for _ in range(count):
-        a = alloc.allocate(size, tag)
-        out[a] = os.urandom(size)
-        alloc.write(a, out[a])
-    return out
+    return made.driver, made.allocator, made.control(log=log, policy=Policy(host=host))
 
 
 def test_default_pins_nothing_until_the_first_sleep_and_keeps_it_after_wake() -> None:
     """At-sleep + keep: no pinned bytes while awake before the first sleep, the backup's bytes after it, kept after wake."""
     _, alloc, ctl = rig(HostMemoryPolicy())
-    data = fill(alloc, "weights", 4)
+    data = fill(alloc, "weights", [4 * G] * 4)
     assert alloc.wait_host_ready(5) and alloc.pinned_bytes() == 0
     ctl.sleep(1)
     assert ctl.projection.pinned_bytes == alloc.pinned_bytes() == 16 * G
@@ -55,7 +45,7 @@ def test_default_pins_nothing_until_the_first_sleep_and_keeps_it_after_wake() ->
 def test_ahead_pins_before_the_first_sleep() -> None:
     """Pin-ahead: the controller turns pinning ahead on, and tagged memory is pinned before any sleep."""
     sim, alloc, _ = rig(HostMemoryPolicy(pin=PinWhen.AHEAD))
-    fill(alloc, "weights", 4)
+    fill(alloc, "weights", [4 * G] * 4)
     assert alloc.wait_host_ready(10)
     assert alloc.pinned_bytes() == 16 * G == sim.host_used
 
@@ -63,7 +53,7 @@ def test_ahead_pins_before_the_first_sleep() -> None:
 def test_release_gives_host_memory_back_after_wake() -> None:
     """Release after wake: the wake's event says what it gives back, and nothing stays pinned once that is done."""
     sim, alloc, ctl = rig(HostMemoryPolicy(after_wake=AfterWake.RELEASE))
-    data = fill(alloc, "weights", 4)
+    data = fill(alloc, "weights", [4 * G] * 4)
     for _ in range(2):
         ctl.sleep(1)
         assert alloc.pinned_bytes() == 16 * G
@@ -78,7 +68,7 @@ def test_release_gives_host_memory_back_after_wake() -> None:
 def test_over_budget_sleep_is_refused_before_anything_is_touched(tmp_path: Path) -> None:
     """A sleep whose backups pass the budget raises HostBudgetExceeded naming bytes and budget; nothing is copied or released."""
     sim, alloc, ctl = rig(HostMemoryPolicy(budget_bytes=8 * G), tmp_path)
-    data = fill(alloc, "weights", 4)
+    data = fill(alloc, "weights", [4 * G] * 4)
     calls = len(sim.calls)
     with pytest.raises(HostBudgetExceeded, match=r"need 1048576 bytes .* host budget is 524288 bytes") as err:
         ctl.sleep(1)
@@ -96,12 +86,12 @@ def test_over_budget_sleep_is_refused_before_anything_is_touched(tmp_path: Path)
 def test_budget_counts_backups_of_tags_still_asleep() -> None:
     """Partially awake, a second sleep's budget includes the backup of the tag left asleep, and the error names it."""
     _, alloc, ctl = rig(HostMemoryPolicy(budget_bytes=20 * G))
-    fill(alloc, "weights", 4)
-    fill(alloc, "runtime", 1)
+    fill(alloc, "weights", [4 * G] * 4)
+    fill(alloc, "runtime", [4 * G])
     ctl.sleep(1)
     ctl.wake(["runtime"])  # weights stay asleep on the host
     assert ctl.state is State.PARTIALLY_AWAKE
-    fill(alloc, "runtime", 1)
+    fill(alloc, "runtime", [4 * G])
     with pytest.raises(HostBudgetExceeded, match="backups already hold 1048576") as err:
         ctl.sleep(1)
     assert "backup of weights (asleep): 1048576 bytes" in err.value.holders
@@ -111,8 +101,8 @@ def test_budget_counts_backups_of_tags_still_asleep() -> None:
 def test_level_two_fits_a_budget_level_one_does_not() -> None:
     """Level 2 discards weights, so it needs only the small tags' backups and fits where level 1 was refused."""
     _, alloc, ctl = rig(HostMemoryPolicy(budget_bytes=4 * G))
-    fill(alloc, "weights", 4)
-    fill(alloc, "runtime", 1)
+    fill(alloc, "weights", [4 * G] * 4)
+    fill(alloc, "runtime", [4 * G])
     with pytest.raises(HostBudgetExceeded):
         ctl.sleep(1)
     ctl.sleep(2)
@@ -122,8 +112,8 @@ def test_level_two_fits_a_budget_level_one_does_not() -> None:
 def test_sleep_records_what_stays_on_the_device() -> None:
     """sleep_completed carries device memory in use while asleep, split into torpor's tags and the rest."""
     _, alloc, ctl = rig(HostMemoryPolicy())
-    fill(alloc, "weights", 4)
-    fill(alloc, "kv_cache", 2)
+    fill(alloc, "weights", [4 * G] * 4)
+    fill(alloc, "kv_cache", [4 * G] * 2)
     ctl.sleep(1)
     done = [e for e in ctl.events() if e.kind is EventKind.SLEEP_COMPLETED][-1]
     assert done.data["device"] == {"total": 64 * MiB, "in_use": OVERHEAD, "tagged": 0, "untagged": OVERHEAD}
@@ -134,7 +124,7 @@ def test_sleep_records_what_stays_on_the_device() -> None:
 def test_workspace_is_discarded_by_default() -> None:
     """The workspace tag is discarded at level 1 (not copied to the host) and comes back mapped, fresh."""
     _, alloc, ctl = rig(HostMemoryPolicy())
-    fill(alloc, "workspace", 2)
+    fill(alloc, "workspace", [4 * G] * 2)
     ctl.sleep(1)
     released = [e for e in ctl.events() if e.kind is EventKind.TAG_RELEASED]
     assert [(e.data["tag"], e.data["action"]) for e in released] == [("workspace", "discard")]
@@ -301,7 +291,7 @@ def test_sleep_on_the_gpu_reports_the_untagged_memory_that_stays() -> None:
 def test_release_mode_unpins_after_an_aborted_sleep_and_a_discard() -> None:
     """In release mode, host memory pinned for a sleep that aborted, or for backups a discard dropped, is given back."""
     sim, alloc, ctl = rig(HostMemoryPolicy(after_wake=AfterWake.RELEASE))
-    fill(alloc, "weights", 4)
+    fill(alloc, "weights", [4 * G] * 4)
     sim.fail("unmap")  # phase 2 fails: the sleep rolls back after the backup was made
     with pytest.raises(Exception, match="unmap"):
         ctl.sleep(1)
@@ -331,7 +321,7 @@ def test_a_failed_pin_never_lets_two_backups_share_host_memory() -> None:
     alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=4 * G, threads=1, staged=False), slab_bytes=0)
     sim.alloc = alloc
     ctl = SleepController(alloc)
-    data = {**fill(alloc, "cudagraph", 1), **fill(alloc, "weights", 1)}  # two tags: two takes in one backup
+    data = {**fill(alloc, "cudagraph", [4 * G]), **fill(alloc, "weights", [4 * G])}  # two tags: two takes in one backup
     sim.fail("host_alloc")  # the first tag's chunk; the second tag's reservation comes after it failed
     failed = None
     try:
@@ -351,9 +341,9 @@ def test_pinning_ahead_leaves_out_the_tags_the_policy_never_backs_up() -> None:
     assert HostPolicy().prepin_exclude == frozenset()
     _, alloc, _ = rig(HostMemoryPolicy(pin=PinWhen.AHEAD))
     assert alloc.host.policy.prepin_exclude == {"kv_cache", "workspace"}
-    fill(alloc, "weights", 2)
-    fill(alloc, "kv_cache", 4)
-    fill(alloc, "workspace", 1)
+    fill(alloc, "weights", [4 * G] * 2)
+    fill(alloc, "kv_cache", [4 * G] * 4)
+    fill(alloc, "workspace", [4 * G])
     assert alloc.wait_host_ready(10)
     assert alloc.pinned_bytes() == 8 * G
 
@@ -364,6 +354,6 @@ def test_a_policy_that_offloads_kv_cache_pins_ahead_for_it() -> None:
     alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=4 * G, threads=2), slab_bytes=0)
     levels = {1: {"kv_cache": Action.OFFLOAD}, 2: {"kv_cache": Action.DISCARD}}
     SleepController(alloc, policy=Policy(levels=levels, host=HostMemoryPolicy(pin=PinWhen.AHEAD)))
-    fill(alloc, "kv_cache", 2)
+    fill(alloc, "kv_cache", [4 * G] * 2)
     assert alloc.wait_host_ready(10)
     assert alloc.pinned_bytes() == 8 * G
