@@ -135,18 +135,24 @@ class SimRig:
     def __init__(
         self, seed: int = 0, *, prepin: bool = True, host_capacity: int = 64 * MiB, group_bytes: int = 64 * MiB
     ) -> None:
-        from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
+        from torpor.allocator import HostPolicy
         from torpor.statemachine.core.policy import DEFAULT_POLICY
+        from torpor.testing import sim_rig
 
-        # host addresses given back are reused, as mmap after munmap may (a failed pin must not mix backups)
-        self.driver = SimDriver(
-            capacity=64 * MiB, host_capacity=host_capacity, granularity=SIM_GRANULARITY, reuse_host=True
-        )
         # the tags the default policy never backs up are not pinned ahead (the controller passes the same)
         policy = HostPolicy(
             prepin=prepin, chunk_bytes=SIM_CHUNK, threads=1, prepin_exclude=DEFAULT_POLICY.never_backed_up()
         )
-        self.allocator = TaggedAllocator(driver=self.driver, host=policy, group_bytes=group_bytes)
+        # host addresses given back are reused, as mmap after munmap may (a failed pin must not mix backups)
+        made = sim_rig(
+            64 * MiB,
+            host_capacity=host_capacity,
+            granularity=SIM_GRANULARITY,
+            reuse_host=True,
+            host=policy,
+            group_bytes=group_bytes,
+        )
+        self.driver, self.allocator = made.driver, made.allocator
         self.memory = self.allocator
         self.rng = random.Random(seed)
         self.blocks: dict[str, list[tuple[int, int]]] = {}
