@@ -114,11 +114,14 @@ class SimSide:
     CHAOS_CALLS = ("map", "create", "set_access", "copy_d2h", "copy_h2d", "host_alloc", "record", "wait", "unmap")
 
     def __init__(self) -> None:
-        from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
+        from torpor.allocator import HostPolicy
+        from torpor.testing import sim_rig
 
         kib = 1 << 10
-        self.driver = SimDriver(capacity=64 << 20, host_capacity=64 << 20, granularity=16 * kib)
-        self.alloc = TaggedAllocator(driver=self.driver, host=HostPolicy(chunk_bytes=128 * kib, threads=1))
+        made = sim_rig(
+            64 << 20, host_capacity=64 << 20, granularity=16 * kib, host=HostPolicy(chunk_bytes=128 * kib, threads=1)
+        )
+        self.driver, self.alloc = made.driver, made.allocator
         self.memory: Any = self.alloc
         sizes = {"weights": 96 * kib, "kv_cache": 128 * kib, "runtime": 32 * kib, "workspace": 16 * kib}
         self.blocks = {tag: (self.alloc.allocate(n, tag), n) for tag, n in sizes.items()}
