@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from typing import Any
 
 import pytest
 import vllm_gpu_support as support
+from support import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]  # an engine start with torch.compile takes a minute or more
 
@@ -103,13 +103,6 @@ class Server:
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @contextmanager
 def serve(tmp_path: Path, engine: str, *extra: str, metrics_dir: bool = True) -> Iterator[Server]:
     """``vllm serve`` with torpor, up and healthy; stopped (its process group) afterwards, its log tail on failure.
@@ -118,7 +111,7 @@ def serve(tmp_path: Path, engine: str, *extra: str, metrics_dir: bool = True) ->
     ``PROMETHEUS_MULTIPROC_DIR`` nor ``TORPOR_METRICS_DIR``), as a new user would.
     """
     model = support.require_vllm_gpu()
-    port = _free_port()
+    port = free_port()
     log_dir = tmp_path / "logs"
     prom = tmp_path / "prom"
     prom.mkdir()
