@@ -24,7 +24,7 @@ def engine(log: str | None = None, settings: TmsSettings | None = None) -> TmsEn
     return TmsEngine("torch", allocator=alloc, log=log, settings=settings or TmsSettings(), telemetry=False)
 
 
-def fill(e: TmsEngine) -> dict[str, int]:
+def one_in_each_tag(e: TmsEngine) -> dict[str, int]:
     """kv_cache (no backup), weights (pinned backup), cuda_graph (no backup): one 2 MiB allocation each."""
     out = {}
     for tag, cpu in (("kv_cache", False), ("weights", True), ("cuda_graph", False)):
@@ -37,7 +37,7 @@ def fill(e: TmsEngine) -> dict[str, int]:
 def test_each_tag_pauses_alone_in_sglangs_order() -> None:
     """kv_cache, weights, cuda_graph paused one by one, resumed in reverse: weights kept, the others discarded."""
     e = engine()
-    addr = fill(e)
+    addr = one_in_each_tag(e)
     for tag in ("kv_cache", "weights", "cuda_graph"):
         e.pause(tag)
         assert e.allocator.usage()[tag].resident == 0
@@ -52,7 +52,7 @@ def test_each_tag_pauses_alone_in_sglangs_order() -> None:
 def test_the_policy_follows_the_regions_settings() -> None:
     """A region with a CPU (or disk) backup is offloaded, one without is discarded: the plan the sleep records."""
     e = engine()
-    fill(e)
+    one_in_each_tag(e)
     e.pause(None)
     plans = {t: ev.data["plan"] for t, c in e.controllers.items() for ev in c.events() if ev.kind == "sleep_requested"}
     assert plans == {
@@ -66,7 +66,7 @@ def test_the_policy_follows_the_regions_settings() -> None:
 def test_double_pause_names_the_tag_and_its_state() -> None:
     """Pausing a paused tag raises TagStateError (TMS exits), naming the tag and its state."""
     e = engine()
-    fill(e)
+    one_in_each_tag(e)
     e.pause("kv_cache")
     with pytest.raises(TagStateError, match=r"'kv_cache' is 'asleep_l1'") as info:
         e.pause("kv_cache")
@@ -77,7 +77,7 @@ def test_double_pause_names_the_tag_and_its_state() -> None:
 def test_resume_of_an_awake_tag_is_refused() -> None:
     """Resuming a tag that is not paused raises TagStateError naming it."""
     e = engine()
-    fill(e)
+    one_in_each_tag(e)
     with pytest.raises(TagStateError, match=r"'weights' is 'awake'"):
         e.resume("weights")
 
@@ -85,7 +85,7 @@ def test_resume_of_an_awake_tag_is_refused() -> None:
 def test_pause_all_checks_every_tag_first() -> None:
     """pause(None) with one tag paused refuses and leaves every other tag awake."""
     e = engine()
-    fill(e)
+    one_in_each_tag(e)
     e.pause("weights")
     with pytest.raises(TagStateError, match="'weights'"):
         e.pause(None)
@@ -98,7 +98,7 @@ def test_pause_all_checks_every_tag_first() -> None:
 def test_pause_all_and_resume_all() -> None:
     """pause(None) and resume(None) (and the empty tag, as TMS reads it) cover every tag."""
     e = engine()
-    fill(e)
+    one_in_each_tag(e)
     e.pause("")
     assert all(u.resident == 0 for u in e.allocator.usage().values())
     e.resume(None)
@@ -108,7 +108,7 @@ def test_pause_all_and_resume_all() -> None:
 def test_a_failed_pause_wakes_what_it_paused(monkeypatch: pytest.MonkeyPatch) -> None:
     """When one tag's sleep fails, the tags paused before it in the same call are resumed, then the error raised."""
     e = engine()
-    fill(e)
+    one_in_each_tag(e)
 
     def boom(level: int = 1, *, idempotent: bool = False) -> object:
         raise RuntimeError("injected")
@@ -167,7 +167,7 @@ def test_disable_needs_an_active_region() -> None:
 def test_allocating_in_a_paused_region_is_refused() -> None:
     """A region of a paused tag cannot start (torpor's TagNotAwake), instead of handing out unmapped memory."""
     e = engine()
-    fill(e)
+    one_in_each_tag(e)
     e.pause("kv_cache")
     with pytest.raises(TorporError, match="kv_cache"), e.region("kv_cache", False, False, None):
         pass
@@ -176,7 +176,7 @@ def test_allocating_in_a_paused_region_is_refused() -> None:
 def test_each_tag_logs_its_own_transitions(tmp_path: Path) -> None:
     """With a log directory every TMS tag writes ENGINE.TAG.rankN.jsonl holding its pause and resume."""
     e = engine(log=str(tmp_path))
-    fill(e)
+    one_in_each_tag(e)
     e.pause("kv_cache")
     e.resume("kv_cache")
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "tms.kv_cache.rank0.jsonl").read_text().splitlines()]
@@ -206,7 +206,7 @@ def test_cuda_graph_pool_belongs_to_one_tag() -> None:
 def test_a_pause_inside_its_own_region_is_refused() -> None:
     """Pausing a tag from inside one of its regions is refused with nothing touched (the region is open)."""
     e = engine()
-    fill(e)
+    one_in_each_tag(e)
     with e.region("kv_cache", False, False, None), pytest.raises(TorporError, match="kv_cache"):
         e.pause("kv_cache")
     assert e.controllers["kv_cache"].state is State.AWAKE
@@ -219,7 +219,7 @@ def test_each_tag_is_an_engine_in_the_metrics() -> None:
     alloc = TaggedAllocator(SimDriver(64 * MiB))
     e = TmsEngine("torch", allocator=alloc, settings=TmsSettings(), telemetry=True)
     try:
-        fill(e)
+        one_in_each_tag(e)
         e.pause("weights")
         text = prometheus.generate_latest(prometheus.REGISTRY).decode()
         assert 'torpor_state{state="asleep_l1",torpor_engine="tms.weights",torpor_rank="0"} 1.0' in text

@@ -106,7 +106,7 @@ def torpor_model_config(tmp: Path) -> Any:
     return config
 
 
-def fill(memory: TaggedAllocator, address: int, size: int, seed: int) -> bytes:
+def write_pattern(memory: TaggedAllocator, address: int, size: int, seed: int) -> bytes:
     """Write a recognisable pattern; return it."""
     data = bytes((seed + i) % 251 for i in range(size))
     memory.write(address, data)
@@ -130,7 +130,7 @@ def test_full_lifecycle_through_vllm_interfaces(engine: Any) -> None:
     for seed, tag in enumerate(("weights", "kv_cache", "runtime")):
         with vllm_allocator.use_memory_pool(tag=tag):
             address = memory.allocate(size)
-        content[tag] = (address, fill(memory, address, size, seed))
+        content[tag] = (address, write_pattern(memory, address, size, seed))
     assert vllm_allocator.get_current_usage() == 3 * size
 
     model_config = torpor_model_config(engine.tmp)
@@ -142,7 +142,7 @@ def test_full_lifecycle_through_vllm_interfaces(engine: Any) -> None:
         assert pool is not None
         assert pynccl_allocator._graph_pool_id == pool
         graph_address = memory.allocate(2 * MiB)
-    content["cudagraph"] = (graph_address, fill(memory, graph_address, 2 * MiB, 7))
+    content["cudagraph"] = (graph_address, write_pattern(memory, graph_address, 2 * MiB, 7))
 
     backend = SleepModeBackendFactory.create_backend(model_config)
     assert isinstance(backend, SleepModeBackend)
@@ -292,7 +292,7 @@ def test_vllm_worker_sleep_wake_and_discard(engine: Any, monkeypatch: pytest.Mon
         weights = memory.allocate(8 * MiB)
     with worker._maybe_get_memory_pool_context(tag="kv_cache"):
         memory.allocate(16 * MiB)
-    data = fill(memory, weights, 8 * MiB, 3)
+    data = write_pattern(memory, weights, 8 * MiB, 3)
     from torpor.hooks.vllm.backend import TorporSleepBackend
 
     assert isinstance(worker.sleep_mode_backend, TorporSleepBackend)
