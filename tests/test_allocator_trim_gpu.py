@@ -206,7 +206,7 @@ def test_torch_empty_cache_gives_back_a_tags_free_segment_freed_outside_a_block(
 
 
 def test_ten_cycles_freed_outside_a_block_are_given_back_by_empty_cache() -> None:
-    """The ten cycles of 2 x 256 MiB (one freed while asleep, one after the wake), then torch.cuda.empty_cache() with no further block: within 64 MiB of the start."""
+    """Ten cycles of 2 x 256 MiB (one freed while asleep, one after the wake), each followed by torch.cuda.empty_cache() and no further block, add at most 64 MiB in use."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     alloc = TaggedAllocator()
@@ -216,8 +216,8 @@ def test_ten_cycles_freed_outside_a_block_are_given_back_by_empty_cache() -> Non
     w_host = w.cpu()
     ctl.sleep(1)
     ctl.wake()
-    start = _used()
-    for i in range(10):
+    used = []
+    for i in range(11):  # cycle 0 loads the kernels it launches (lazy module loading takes device memory)
         with alloc.use_memory_pool("scratch"):
             x = torch.full((256 * MiB // 4,), float(i), device="cuda")
             y = torch.full((256 * MiB // 4,), float(-i), device="cuda")
@@ -226,7 +226,11 @@ def test_ten_cycles_freed_outside_a_block_are_given_back_by_empty_cache() -> Non
         ctl.wake()
         assert torch.equal(y[:1024].cpu(), torch.full((1024,), float(-i)))
         del y
-    end = _used()  # torch.cuda.empty_cache() inside, and no block of the tag after the last free
-    assert end - start <= 64 * MiB, f"{(end - start) / MiB:.1f} MiB more in use after 10 cycles and empty_cache()"
+        used.append(_used())  # torch.cuda.empty_cache() inside, and no block of the tag after the last free
+    grown = [round((u - used[0]) / MiB, 1) for u in used]
+    print(f"MiB in use after each cycle, against the first: {grown}; scratch {alloc.usage()['scratch']}")
+    assert used[-1] - used[0] <= 64 * MiB, (
+        f"{grown[-1]} MiB more in use after 10 more cycles and empty_cache(): {grown}"
+    )
     assert torch.equal(w.cpu(), w_host)
     alloc.close()
