@@ -1,10 +1,11 @@
-"""The real-model row of ``torpor bench``: a Qwen3-1.7B-shaped transformers model, its graph and a KV block, on three systems.
+"""The real-model row of ``torpor bench``: a Qwen3-1.7B-shaped transformers model, its graph and a KV block, on four systems.
 
 The model is built offline from a config (random bf16 weights, fixed seed; no
 download), a full 1 x 256 forward is captured as a CUDA graph and a 2 GiB
 block stands for the KV cache. torpor puts the weights in the ``weights`` tag,
 the graph in its graph pool (offloaded with it) and the block in ``kv_cache``
-(discarded at level 1); torch_memory_saver gets the weights in a region with
+(discarded at level 1); torch_memory_saver, and torpor through its
+torch_memory_saver API (:mod:`torpor.tms`), get the weights in a region with
 CPU backup and the block in one without; the vLLM-style loop gets one
 allocation per weight tensor (copied) and one for the block (dropped). Only
 torpor offloads the graph's memory: the others capture into torch's own pool,
@@ -57,6 +58,8 @@ MOE: dict[str, Any] = {
 }
 SEQ = 256
 KV_BYTES = 2 * GiB
+#: The torch_memory_saver APIs whose write-once ``hook_mode`` this process has set.
+_CONFIGURED: set[str] = set()
 WORKLOAD = "real model: Qwen3-1.7B shape (bf16) + 1x256 graph + 2 GiB KV"
 
 
@@ -250,19 +253,33 @@ def run_baseline_model(cycles: int) -> Result:
     return _finish(res)
 
 
-def run_tms_model(cycles: int) -> Result:
-    """torch_memory_saver (hook_mode torch): the weights in a region with CPU backup, the KV block in one without."""
+def run_tms_model(cycles: int, system: str = "torch_memory_saver") -> Result:
+    """A torch_memory_saver API (hook_mode torch): the weights in a region with CPU backup, the KV block in one without.
+
+    ``system``: ``"torch_memory_saver"`` (the package itself) or ``"torpor.tms"`` (torpor's
+    implementation of the same API, :mod:`torpor.tms`): the same calls in the same order.
+    """
     import torch
 
-    res = Result("torch_memory_saver", WORKLOAD, 0, 0)
+    res = Result(system, WORKLOAD, 0, 0)
     try:
-        from torch_memory_saver import torch_memory_saver as tms
+        tms: Any
+        if system == "torpor.tms":
+            from torpor.tms import torch_memory_saver as ours
 
-        if not getattr(run_tms_raw, "configured", False):
-            tms.hook_mode = "torch"  # settable once per process (shared with run_tms_raw)
-            run_tms_raw.configured = True  # type: ignore[attr-defined]
+            tms = ours
+            if system not in _CONFIGURED:
+                tms.hook_mode = "torch"  # settable once per process
+        else:
+            from torch_memory_saver import torch_memory_saver as theirs
+
+            tms = theirs
+            if not getattr(run_tms_raw, "configured", False):
+                tms.hook_mode = "torch"  # settable once per process (the singleton is shared with run_tms_raw)
+                run_tms_raw.configured = True  # type: ignore[attr-defined]
+        _CONFIGURED.add(system)
     except Exception as exc:  # not installed: reported, not fatal
-        res.note = f"not importable ({type(exc).__name__})"
+        res.note = f"not importable ({type(exc).__name__}: {exc})"
         res.exact = False
         return res
     t0 = time.perf_counter()
@@ -292,12 +309,14 @@ def run_tms_model(cycles: int) -> Result:
         res.wakes.append(time.perf_counter() - t)
         res.exact = res.exact and replay_equal(graph, out, ref)
     del model, kv, ids, graph, out, ref
+    gc.collect()
+    torch.cuda.empty_cache()
     return _finish(res)
 
 
 def run_real_model(cycles: int = 4, tms: bool = True) -> list[Result]:
-    """The real-model row on torpor, the vLLM-style loop and (when importable) torch_memory_saver, in that order."""
-    out = [run_torpor_model(cycles), run_baseline_model(cycles)]
+    """The real-model row on torpor, the vLLM-style loop, torpor.tms and (when importable) torch_memory_saver, in that order."""
+    out = [run_torpor_model(cycles), run_baseline_model(cycles), run_tms_model(cycles, "torpor.tms")]
     if tms:
         out.append(run_tms_model(min(cycles, 3)))
     return out
