@@ -17,7 +17,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
-SOURCES = ["err.c", "driver_cuda.c", "driver_sim.c", "table.c", "sleep.c", "trim.c"]
+SOURCES = ["err.c", "hostpages.c", "driver_cuda.c", "driver_sim.c", "sim_host.c", "drv.c", "table.c", "sleep.c", "trim.c"]
 CSRC = os.path.join("torpor", "allocator", "native", "csrc")
 
 
@@ -64,7 +64,7 @@ class BuildPyWithPth(build_py):
 native = Extension(
     "torpor.allocator.native.libtorpor_alloc",
     sources=[os.path.join(CSRC, s) for s in SOURCES],
-    depends=[os.path.join(CSRC, h) for h in ("tp.h", "table.h")],
+    depends=[os.path.join(CSRC, h) for h in ("tp.h", "table.h", "sim.h")],
     extra_compile_args=["-std=gnu11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
     libraries=["dl", "pthread"],
 )

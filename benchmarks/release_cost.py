@@ -5,7 +5,7 @@ A vLLM engine's level-1 sleep spends most of its time giving back the KV cache (
 allocation per layer, nothing copied). This times, on the same layout, written once with zeros:
 
 * ``raw``: ``cuMemUnmap`` + ``cuMemRelease`` per allocation, as vLLM's ``cumem`` backend does
-  (through torpor's CudaDriver, which calls cuda-bindings);
+  (through cuda-bindings, benchmarks/vmm.py);
 * ``raw-rdma``: the same with ``gpuDirectRDMACapable`` set on the allocation, as ``cumem`` sets it
   where the device supports it;
 * ``torpor``: a level-1 ``SleepController.sleep`` of a ``kv_cache`` tag holding the same
@@ -21,9 +21,11 @@ import json
 import time
 from typing import Any
 
+from vmm import Vmm
+
 from torpor import SleepController
 from torpor.allocator import TaggedAllocator
-from torpor.allocator.native.cuda_driver import CudaDriver, _cu
+from torpor.allocator.native.cuda_driver import _cu
 from torpor.statemachine.core.payloads import TagReleased
 
 GiB = 1 << 30
@@ -39,17 +41,17 @@ def _zero(address: int, nbytes: int) -> None:
         raise RuntimeError(f"cuCtxSynchronize: {rc}")
 
 
-def _raw(drv: CudaDriver, layer: int, layers: int, rdma: bool) -> dict[str, Any]:
+def _raw(drv: Vmm, layer: int, layers: int, rdma: bool) -> dict[str, Any]:
     cu = _cu()
-    prop = drv._prop(0)
-    if rdma:
-        prop.allocFlags.gpuDirectRDMACapable = 1
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = 0
+    prop.allocFlags.gpuDirectRDMACapable = int(rdma)
     base = drv.reserve(layer * layers, 0)
     handles = []
     for i in range(layers):
-        err, h = cu.cuMemCreate(layer, prop, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cuMemCreate: {err}")
+        h = drv.create(layer, 0, prop)
         drv.map(base + i * layer, layer, h)
         drv.set_access(base + i * layer, layer, 0)
         handles.append(h)
@@ -101,7 +103,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    drv = CudaDriver()
+    drv = Vmm()
     gran = drv.granularity(0)
     layer = int(a.kv_gib * GiB / a.layers) // gran * gran
     for r in range(a.rounds):

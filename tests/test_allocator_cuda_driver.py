@@ -1,4 +1,4 @@
-"""Tests of CudaDriver's host-memory helpers that run without a GPU (the driver calls themselves are GPU-tested)."""
+"""Tests of CudaDriver's host pages (csrc/hostpages.c) and of the view without a GPU (its driver calls are GPU-tested)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 from torpor.allocator import DriverError
 from torpor.allocator.native.cuda_driver import (
     CudaDriver,
+    fault_host_pages,
     free_host_pages,
+    host_page_methods,
     populate_host_pages,
     reserve_host_pages,
     transparent_huge_pages,
@@ -49,32 +51,43 @@ def test_freeing_pages_that_are_not_a_mapping_raises() -> None:
 
 
 def test_a_new_driver_touches_no_cuda() -> None:
-    """Constructing CudaDriver makes no CUDA call (import and construction work without a GPU)."""
+    """Constructing CudaDriver makes no CUDA call and opens nothing (import and construction work without a GPU)."""
     drv = CudaDriver()
-    assert drv._ctx == {} and drv._host_sizes == {}
+    assert drv._driver is None and drv.lib is None and not drv._ready
 
 
-def test_fresh_pages_are_faulted_by_writing_when_the_host_has_room(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_view_makes_no_vmm_call() -> None:
+    """CudaDriver has no reserve/create/map/... of its own: the native table makes them."""
+    for call in ("reserve", "unreserve", "create", "map", "set_access", "unmap", "release"):
+        assert not hasattr(CudaDriver, call) and not hasattr(CudaDriver, "_" + call), call
+
+
+def test_fresh_pages_are_faulted_by_writing_when_the_host_has_room() -> None:
     """With room, fault_host_pages writes zeros (fast) and never populates."""
-    from torpor.allocator.native import cuda_driver
-    from torpor.allocator.native.headroom import Headroom
-
-    populated: list[int] = []
-    monkeypatch.setattr(cuda_driver, "populate_host_pages", lambda a, n: populated.append(n))
     address = reserve_host_pages(4 * MiB)
-    cuda_driver.fault_host_pages(address, 4 * MiB, Headroom(margin=0).claim)
-    assert populated == [] and ctypes.string_at(address + 4 * MiB - 2, 2) == b"\0\0"
+    ctypes.memset(address, 7, 1)
+    assert fault_host_pages(address, 4 * MiB, write=True) == "written"
+    assert ctypes.string_at(address, 2) == b"\0\0" and ctypes.string_at(address + 4 * MiB - 2, 2) == b"\0\0"
     free_host_pages(address, 4 * MiB)
 
 
-def test_fresh_pages_are_populated_when_the_host_has_no_clear_room(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without clear room, fault_host_pages populates (a clean ENOMEM) instead of writing (the OOM killer)."""
-    from torpor.allocator.native import cuda_driver
-    from torpor.allocator.native.headroom import Headroom
-
-    populated: list[int] = []
-    monkeypatch.setattr(cuda_driver, "populate_host_pages", lambda a, n: populated.append(n))
+def test_fresh_pages_are_populated_when_the_host_has_no_clear_room() -> None:
+    """Without clear room, fault_host_pages populates (a clean ENOMEM), leaving what a page holds as it is."""
     address = reserve_host_pages(4 * MiB)
-    cuda_driver.fault_host_pages(address, 4 * MiB, Headroom(margin=1 << 60).claim)
-    assert populated == [4 * MiB]
+    ctypes.memset(address, 7, 1)
+    how = fault_host_pages(address, 4 * MiB, write=False)
+    assert how in {"populated", "zero-filled"}  # zero-filled: a kernel before 5.14 (no MADV_POPULATE_WRITE)
+    assert ctypes.string_at(address, 1) == (b"\x07" if how == "populated" else b"\0")
     free_host_pages(address, 4 * MiB)
+
+
+def test_populating_turned_off_fills_with_zeros_and_turns_back_on() -> None:
+    """host_page_methods(populate=False) is a kernel before 5.14: pages are zero-filled; the old methods come back."""
+    was = host_page_methods(huge_pages=False, populate=False)
+    try:
+        address = reserve_host_pages(2 * MiB)
+        assert fault_host_pages(address, 2 * MiB, write=False) == "zero-filled"
+        free_host_pages(address, 2 * MiB)
+    finally:
+        assert host_page_methods(*was) == (False, False)
+    assert host_page_methods() == was

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from simvmm import SimVmm
 
 from torpor import SleepController, State
 from torpor.allocator import AllocatorError, HostPolicy, SimDriver, TaggedAllocator
@@ -311,11 +312,11 @@ def test_wake_out_of_memory_through_the_controller() -> None:
     data = fill(alloc, "weights", [G] * 8)
     ctl = SleepController(alloc)
     ctl.sleep(1)
-    hog = sim.create(12 * G, 0)  # another process took the memory
+    hog = SimVmm(sim).create(12 * G, 0)  # another process took the memory
     with pytest.raises(OutOfMemory):
         ctl.wake()
     assert ctl.state is State.ASLEEP_L1 and sim.used == 12 * G
-    sim.release(hog)
+    SimVmm(sim).release(hog)
     ctl.wake()
     assert intact(alloc, data)
 

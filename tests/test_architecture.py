@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,6 +431,89 @@ def test_no_module_is_over_the_line_limit() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]
     assert not over, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(over)
+
+
+#: The CUDA VMM calls: made in one layer only, the native library's CUDA driver (csrc/driver_cuda.c).
+VMM_CALLS = (
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+    "cuMemRelease",
+)
+CSRC = PACKAGE / "allocator" / "native" / "csrc"
+
+#: Python modules under torpor/ that make VMM calls through cuda-bindings, with the reason.
+VMM_EXCEPTIONS: dict[str, str] = {
+    "torpor.bench.systems": (
+        "the benchmark's vLLM-style baseline: vLLM's CuMemAllocator approach, written in Python on purpose "
+        "as the system torpor is compared with, not torpor's allocator"
+    ),
+    "torpor.bench.realmodel": "the real-model benchmark's vLLM-style baseline (torpor.bench.systems's, for a discarded tag)",
+}
+
+
+def vmm_names(path: Path) -> list[str]:
+    """Where a Python module names a VMM call in code (a name, an attribute, a string that is one): ``file:line name``."""
+    tree = ast.parse(path.read_text(), str(path))
+    where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    found = []
+    for node in ast.walk(tree):
+        name = (
+            node.id
+            if isinstance(node, ast.Name)
+            else node.attr
+            if isinstance(node, ast.Attribute)
+            else node.value
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            else None
+        )
+        if name is not None and name.removesuffix("_v2") in VMM_CALLS:
+            found.append(f"{where}:{getattr(node, 'lineno', 0)} {name}")
+    return found
+
+
+def _c_code(path: Path) -> str:
+    """A C source without its comments."""
+    text = path.read_text()
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("/*", i):
+            i = text.find("*/", i + 2) + 2 if text.find("*/", i + 2) >= 0 else len(text)
+        elif text.startswith("//", i):
+            i = text.find("\n", i) if text.find("\n", i) >= 0 else len(text)
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def test_the_vmm_driver_calls_are_made_in_one_layer() -> None:
+    """cuMemCreate, cuMemMap, ... are called in the C CUDA driver only: no other C source, no torpor Python module."""
+    code = {p.name: _c_code(p) for p in sorted(CSRC.glob("*.[ch]"))}
+    missing = [c for c in VMM_CALLS if not re.search(rf"\b{c}\b", code["driver_cuda.c"])]
+    assert not missing, f"csrc/driver_cuda.c makes no {missing}: where did the VMM calls go?"
+    elsewhere = [f"csrc/{n}: {c}" for n, t in code.items() if n != "driver_cuda.c" for c in VMM_CALLS if c in t]
+    assert not elsewhere, "VMM calls outside the CUDA driver table:\n" + "\n".join(elsewhere)
+    named = {name: vmm_names(path) for name, path in modules().items()}
+    python = [hit for name, hits in named.items() if name not in VMM_EXCEPTIONS for hit in hits]
+    assert not python, "Python modules under torpor/ that make VMM calls (the native library does):\n" + "\n".join(
+        python
+    )
+    stale = sorted(name for name in VMM_EXCEPTIONS if not named.get(name))
+    assert not stale, f"VMM_EXCEPTIONS lists modules that make no VMM call any more: {stale}"
+
+
+def test_the_vmm_check_catches_a_python_vmm_call(tmp_path: Path) -> None:
+    """A module calling cuda-bindings' cuMemMap (or naming it as a string) is found with its file and line."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        '"""Maps with cuMemMap (prose is fine)."""\n\n'
+        'def f(cu):\n    cu.cuMemMap(0, 0, 0, 0, 0)\n    return getattr(cu, "cuMemRelease")\n'
+    )
+    assert vmm_names(source) == ["probe.py:4 cuMemMap", "probe.py:5 cuMemRelease"]
 
 
 def test_imports_go_down_the_layers() -> None:

@@ -206,27 +206,30 @@ def _gpu_weights(alloc: TaggedAllocator, mib: int) -> tuple[object, object]:
 
 
 @pytest.mark.gpu
-def test_cold_first_sleep_on_the_gpu_is_bit_exact_with_and_without_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cold_first_sleep_on_the_gpu_is_bit_exact_with_and_without_huge_pages() -> None:
     """A first sleep with nothing pinned (staged, pinned after) wakes bit-exact; also with no huge pages nor MADV_POPULATE_WRITE."""
     import torch
 
-    from torpor.allocator.native import cuda_driver
+    from torpor.allocator.native.cuda_driver import host_page_methods
 
-    for fallback in (False, True):
-        if fallback:  # as on a kernel without THP and before 5.14: 4 KiB pages, faulted in by writing zeros
-            monkeypatch.setattr(cuda_driver, "_MADV_HUGEPAGE", 0)
-            monkeypatch.setattr(cuda_driver, "_populate_works", [False])
-        alloc = TaggedAllocator()
-        ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy()))
-        ts, refs = _gpu_weights(alloc, 1024)
-        torch.cuda.synchronize()
-        assert alloc.pinned_bytes() == 0
-        ctl.sleep(1)
-        assert alloc.pinned_bytes() >= sum(t.numel() for t in ts)
-        ctl.wake()
-        assert all(bool(torch.equal(t, r)) for t, r in zip(ts, refs, strict=True)), f"fallback={fallback}"
-        del ts, refs
-        alloc.close()
+    methods = host_page_methods()
+    try:
+        for fallback in (False, True):
+            if fallback:  # as on a kernel without THP and before 5.14: 4 KiB pages, faulted in by writing zeros
+                host_page_methods(huge_pages=False, populate=False)
+            alloc = TaggedAllocator()
+            ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy()))
+            ts, refs = _gpu_weights(alloc, 1024)
+            torch.cuda.synchronize()
+            assert alloc.pinned_bytes() == 0
+            ctl.sleep(1)
+            assert alloc.pinned_bytes() >= sum(t.numel() for t in ts)
+            ctl.wake()
+            assert all(bool(torch.equal(t, r)) for t, r in zip(ts, refs, strict=True)), f"fallback={fallback}"
+            del ts, refs
+            alloc.close()
+    finally:
+        host_page_methods(*methods)
 
 
 @pytest.mark.gpu

@@ -31,17 +31,22 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+def _ok(call: str, result: tuple[object, ...]) -> None:
+    if int(result[0]) != 0:  # type: ignore[call-overload]
+        raise RuntimeError(f"{call}: {result[0]}")
+
+
 def _register(drv: CudaDriver, host: int, n: int) -> None:
     from cuda.bindings import driver as cu
 
     drv.prepare_thread()
-    drv._check("cuMemHostRegister", cu.cuMemHostRegister(host, n, cu.CU_MEMHOSTREGISTER_PORTABLE))
+    _ok("cuMemHostRegister", cu.cuMemHostRegister(host, n, cu.CU_MEMHOSTREGISTER_PORTABLE))
 
 
 def _unregister(drv: CudaDriver, host: int) -> None:
     from cuda.bindings import driver as cu
 
-    drv._check("cuMemHostUnregister", cu.cuMemHostUnregister(host))
+    _ok("cuMemHostUnregister", cu.cuMemHostUnregister(host))
 
 
 def stages(drv: CudaDriver, total: int, chunk: int, threads: int) -> str:

@@ -12,8 +12,8 @@ the main thread's ring copies (``stage_copy``, which block while every slot is i
 ``stage_finish``, and the background registrations (``host_register``) after the release.
 
 Prints the sleep's wall time against the copy floor, then a timeline: per pinning
-thread its first call (context, capture mode), each chunk's page faulting and
-registration, and the main thread's waits for pinned chunks and its copies; then
+thread its first call (context, capture mode), each chunk's pin (``host_alloc``: page
+faulting and registration, one call into the native library), and the main thread's waits for pinned chunks and its copies; then
 cProfile's top entries for the main thread.
 """
 
@@ -57,14 +57,10 @@ def _timed(name: str, fn: Any) -> Any:
 
 
 def instrument() -> None:
-    """Wrap page faulting, registration, thread setup, the waits, the copies and the staging steps."""
-    cu = cuda_driver._cu()
-    drv = cuda_driver.CudaDriver
+    """Wrap the pins, registrations, thread setup, the waits, the copies and the staging steps."""
+    drv = cuda_driver.CudaDriver  # a pin (fault in + register) is one library call now: host_alloc
     wrapped: list[tuple[object, str, str]] = [
-        (cuda_driver, "populate_host_pages", "populate"),
-        (cuda_driver, "fault_host_pages", "fault"),
-        (cu, "cuMemHostRegister", "register"),
-        *((drv, n, n) for n in ("prepare_thread", "copy_d2h", "host_copy", "host_register", "wait")),
+        *((drv, n, n) for n in ("prepare_thread", "host_alloc", "copy_d2h", "host_copy", "host_register", "wait")),
         *((HostArena, n, n) for n in ("wait_pinned", "wait_readable", "take", "end_staging")),
         (Stager, "copy", "stage_copy"),
         (Stager, "finish", "stage_finish"),

@@ -3,7 +3,7 @@
 Run on a CUDA machine: ``python benchmarks/probes/probe_release_overlap.py [--kv-gib 40] [--copy-mb 412] [--rounds 3]``.
 A level-1 sleep of a vLLM engine copies its weights and graphs to the host (about 412 MB) and
 releases its KV cache (tens of GB, nothing copied). torpor waits for the copies before it
-releases anything; this measures, with torpor's CudaDriver and nothing else, the two orders:
+releases anything; this measures, with torpor's CudaDriver and the bare VMM calls of benchmarks/vmm.py, the two orders:
 
 * ``after``: enqueue the copies, wait for them, then unmap + release the cache (torpor today);
 * ``during``: enqueue the copies, unmap + release the cache, then wait for the copies.
@@ -19,9 +19,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import sys
 import time
+from pathlib import Path
 
-from torpor.allocator.native.cuda_driver import CudaDriver, _cu
+from torpor.allocator.native.cuda_driver import _cu
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its VMM helper
+from vmm import VmmDriver
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -31,7 +36,7 @@ def _check(rc: object, call: str) -> None:
         raise RuntimeError(f"{call}: {rc}")
 
 
-def _mapped(drv: CudaDriver, nbytes: int, count: int) -> tuple[int, list[tuple[int, object]]]:
+def _mapped(drv: VmmDriver, nbytes: int, count: int) -> tuple[int, list[tuple[int, object]]]:
     base = drv.reserve(nbytes * count, 0)
     out = []
     for i in range(count):
@@ -42,7 +47,7 @@ def _mapped(drv: CudaDriver, nbytes: int, count: int) -> tuple[int, list[tuple[i
     return base, out
 
 
-def _round(drv: CudaDriver, order: str, layer: int, layers: int, copy: int, host: int) -> dict[str, object]:
+def _round(drv: VmmDriver, order: str, layer: int, layers: int, copy: int, host: int) -> dict[str, object]:
     cu = _cu()
     src_base, src = _mapped(drv, copy, 1)
     kv_base, kv = _mapped(drv, layer, layers)
@@ -79,7 +84,7 @@ def main() -> None:
     ap.add_argument("--copy-mb", type=int, default=412)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    drv = CudaDriver()
+    drv = VmmDriver()
     gran = drv.granularity(0)
     layer = int(a.kv_gib * GiB / a.layers) // gran * gran
     copy = (a.copy_mb * MiB + gran - 1) // gran * gran

@@ -1,15 +1,19 @@
 """GPU probe for the first sleep over many small mappings: does cuMemUnmap take a span of several mappings, and what does each unmap strategy cost?
 
 Run on a CUDA machine: ``python benchmarks/probes/probe_unmap.py``. Uses torpor's
-CudaDriver (the allocator's own driver calls). Prints one line per finding.
+VmmDriver (the allocator's own driver calls). Prints one line per finding.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 from torpor.allocator.errors import DriverError
-from torpor.allocator.native.cuda_driver import CudaDriver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its VMM helper
+from vmm import VmmDriver
 
 MiB = 1 << 20
 SEG = 2 * MiB
@@ -17,7 +21,7 @@ COUNT = 2048
 BATCH = 32  # 64 MiB per batch, the allocator's default group size
 
 
-def _map_all(drv: CudaDriver, base: int, count: int, release_now: bool) -> list[object]:
+def _map_all(drv: VmmDriver, base: int, count: int, release_now: bool) -> list[object]:
     handles: list[object] = []
     for i in range(count):
         h = drv.create(SEG, 0)
@@ -30,7 +34,7 @@ def _map_all(drv: CudaDriver, base: int, count: int, release_now: bool) -> list[
     return handles
 
 
-def semantics(drv: CudaDriver, base: int) -> None:
+def semantics(drv: VmmDriver, base: int) -> None:
     """What cuMemUnmap accepts: a span of whole mappings, a span with a hole, half a mapping."""
     free0 = drv.mem_info(0)[0]
     _map_all(drv, base, 8, release_now=True)
@@ -76,7 +80,7 @@ def semantics(drv: CudaDriver, base: int) -> None:
     print(f"free after semantics checks: {(drv.mem_info(0)[0] - free0) >> 20} MiB difference (0 expected)")
 
 
-def first_sleep(drv: CudaDriver, base: int, host: int, mode: str) -> float:
+def first_sleep(drv: VmmDriver, base: int, host: int, mode: str) -> float:
     """Copy 2048 x 2 MiB to pinned host per batch and unmap each batch after its copy; return seconds."""
     handles = _map_all(drv, base, COUNT, release_now=mode != "keep")
     drv.synchronize(0)
@@ -103,7 +107,7 @@ def main() -> None:
     import torch
 
     torch.zeros(1, device="cuda")
-    drv = CudaDriver()
+    drv = VmmDriver()
     drv.ensure_context(0)
     total = COUNT * SEG
     base = drv.reserve(total, 0)

@@ -1,12 +1,16 @@
-"""The driver interface under the allocator: the few VMM, host-memory and copy calls it makes.
+"""The driver under the allocator, as Python sees it: a view over the native library's driver table.
 
-Two implementations: :class:`~torpor.allocator.native.cuda_driver.CudaDriver` (the CUDA
-driver through ``cuda-bindings``) and :class:`~torpor.allocator.native.sim.SimDriver`
-(host memory with fault injection, for machines without a GPU). Every call goes
-through one choke point, :meth:`Driver.invoke`, so a simulated driver can record
-and fail any of them; the names of all calls are in :attr:`Driver.CALLS`.
-Addresses, host pointers, streams and events are plain Python objects the driver
-hands out; the allocator never looks inside them.
+The native library (csrc/) holds one driver table per driver: the CUDA driver opened with ``dlopen``
+(csrc/driver_cuda.c) or a simulated device (csrc/driver_sim.c, csrc/sim_host.c). The allocation table
+makes the VMM calls (reserve, create, map, set access, unmap, release) there; this view makes the
+rest (host memory, copies, events, synchronize, mem info) through the same table with ctypes, which
+lets go of the GIL around each call. Nothing raises across the C boundary: each call returns a code,
+and the view builds the :class:`~torpor.errors.DriverError` (the call, the reason, the driver's code)
+and raises it. Two views: :class:`~torpor.allocator.native.cuda_driver.CudaDriver` and
+:class:`~torpor.allocator.native.sim.SimDriver`. Every call of the view goes through one choke point,
+:meth:`Driver.invoke`, so a simulated driver can record and fail any of them; the names of all driver
+calls (the table's and the view's) are in :attr:`Driver.CALLS`. Host pointers and events are plain
+integers the driver hands out; the allocator never looks inside them.
 """
 
 from __future__ import annotations
@@ -15,7 +19,15 @@ import ctypes
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from torpor.allocator.errors import DriverError, DriverOutOfMemory
+from torpor.allocator.native import library as native
 from torpor.allocator.native.headroom import host_headroom
+
+
+def driver_error(err: native.TpErr, call: str) -> DriverError:
+    """The error for a driver call the library reported failed (out of memory: DriverOutOfMemory)."""
+    cls = DriverOutOfMemory if err.oom else DriverError
+    return cls(err.call.decode() or call, err.msg.decode(errors="replace") or "failed", err.code)
 
 
 class Driver(ABC):
@@ -43,47 +55,39 @@ class Driver(ABC):
         "host_copy",
         "host_register",
     )
-    """Every driver call by name, in the order a sleep/wake cycle meets them."""
+    """Every driver call by name, in the order of the library's call ids (csrc/tp.h).
+
+    The table makes the VMM calls (``reserve`` to ``release``) and ``granularity`` in C; this view
+    has a method for ``granularity`` and for each call from ``host_reserve`` on (:attr:`VIEW_CALLS`).
+    """
+
+    VIEW_CALLS: ClassVar[tuple[str, ...]] = ("granularity", *CALLS[8:])
+    """The calls this view makes (each a public method and an ``_``-prefixed implementation)."""
 
     name: ClassVar[str] = "driver"
+    lib: Any
+    """The native library (set by :meth:`_table`; a test may put a proxy of it here)."""
 
     def invoke(self, call: str, *args: Any) -> Any:
-        """The one choke point: run driver call ``call`` (a name in :attr:`CALLS`) with ``args``."""
+        """The one choke point: run driver call ``call`` (a name in :attr:`VIEW_CALLS`) with ``args``."""
         return getattr(self, "_" + call)(*args)
+
+    @abstractmethod
+    def _table(self) -> int:
+        """The library's driver table (a ``tp_driver *``), opened on first use; sets :attr:`lib`."""
+
+    def _c(self, call: str, fn: str, *args: Any) -> None:
+        """Library call ``fn`` on the driver table with ``args``; its failure raised as the DriverError of ``call``."""
+        table = self._table()
+        err = native.TpErr()
+        if getattr(self.lib, fn)(table, *args, ctypes.byref(err)) != 0:
+            raise driver_error(err, call)
 
     # -- the public calls (each goes through invoke) ------------------------------
 
     def granularity(self, device: int) -> int:
         """Mapping granularity in bytes on ``device`` (sizes and addresses are multiples of it)."""
         return int(self.invoke("granularity", device))
-
-    def reserve(self, nbytes: int, device: int) -> int:
-        """Reserve ``nbytes`` of virtual address space; return its start."""
-        return int(self.invoke("reserve", nbytes, device))
-
-    def unreserve(self, address: int, nbytes: int) -> None:
-        """Free an address reservation made by :meth:`reserve`."""
-        self.invoke("unreserve", address, nbytes)
-
-    def create(self, nbytes: int, device: int) -> object:
-        """Create ``nbytes`` of physical memory on ``device``; return its handle."""
-        return self.invoke("create", nbytes, device)
-
-    def map(self, address: int, nbytes: int, handle: object) -> None:
-        """Map a whole physical handle at ``address`` (inside a reservation; CUDA maps no sub-range of a handle)."""
-        self.invoke("map", address, nbytes, handle)
-
-    def set_access(self, address: int, nbytes: int, device: int) -> None:
-        """Make a mapped range readable and writable from ``device``."""
-        self.invoke("set_access", address, nbytes, device)
-
-    def unmap(self, address: int, nbytes: int) -> None:
-        """Unmap a range mapped by :meth:`map` (the handle stays alive)."""
-        self.invoke("unmap", address, nbytes)
-
-    def release(self, handle: object) -> None:
-        """Release a physical handle (its memory goes once it is unmapped everywhere)."""
-        self.invoke("release", handle)
 
     def host_reserve(self, nbytes: int) -> int:
         """Reserve ``nbytes`` of host address space (nothing faulted in or pinned); return its start.
@@ -124,7 +128,7 @@ class Driver(ABC):
         return self.invoke("record", device)
 
     def wait(self, event: object) -> None:
-        """Block until ``event`` completed (raises the copy's error if one failed)."""
+        """Block until ``event`` completed (raises the copy's error if one failed); the event is spent."""
         self.invoke("wait", event)
 
     def synchronize(self, device: int) -> None:
@@ -144,77 +148,77 @@ class Driver(ABC):
         """Copy ``nbytes`` of host memory from pinned ``src`` to reserved ``dst`` (pinned or not); any thread."""
         self.invoke("host_copy", dst, src, nbytes)
 
-    # -- what implementations provide -----------------------------------------------
+    # -- the implementations: one library call each -------------------------------------
 
-    @abstractmethod
-    def _granularity(self, device: int) -> int: ...
+    def _granularity(self, device: int) -> int:
+        out = ctypes.c_uint64()
+        self._c("granularity", "tp_drv_granularity", device, ctypes.byref(out))
+        return int(out.value)
 
-    @abstractmethod
-    def _reserve(self, nbytes: int, device: int) -> int: ...
+    def _host_reserve(self, nbytes: int) -> int:
+        out = ctypes.c_uint64()
+        self._c("host_reserve", "tp_drv_host_reserve", nbytes, ctypes.byref(out))
+        return int(out.value)
 
-    @abstractmethod
-    def _unreserve(self, address: int, nbytes: int) -> None: ...
+    def _host_alloc(self, nbytes: int, host: int | None) -> int:
+        return self._pin(nbytes, host, write=False)
 
-    @abstractmethod
-    def _create(self, nbytes: int, device: int) -> object: ...
+    def _pin(self, nbytes: int, host: int | None, *, write: bool) -> int:
+        """Pin (``write``: fault fresh pages in by writing zeros, the host has room for them)."""
+        out = ctypes.c_uint64()
+        self._c("host_alloc", "tp_drv_host_alloc", nbytes, host or 0, int(write), ctypes.byref(out))
+        return int(out.value)
 
-    @abstractmethod
-    def _map(self, address: int, nbytes: int, handle: object) -> None: ...
+    def _host_free(self, host: int) -> None:
+        self._c("host_free", "tp_drv_host_free", host)
 
-    @abstractmethod
-    def _set_access(self, address: int, nbytes: int, device: int) -> None: ...
+    def _host_unreserve(self, host: int, nbytes: int) -> None:
+        self._c("host_unreserve", "tp_drv_host_unreserve", host, nbytes)
 
-    @abstractmethod
-    def _unmap(self, address: int, nbytes: int) -> None: ...
+    def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
+        self._c("copy_d2h", "tp_drv_copy_d2h", host, address, nbytes, device)
 
-    @abstractmethod
-    def _release(self, handle: object) -> None: ...
+    def _copy_h2d(self, address: int, host: int, nbytes: int, device: int) -> None:
+        self._c("copy_h2d", "tp_drv_copy_h2d", address, host, nbytes, device)
 
-    @abstractmethod
-    def _host_reserve(self, nbytes: int) -> int: ...
+    def _record(self, device: int) -> object:
+        out = ctypes.c_uint64()
+        self._c("record", "tp_drv_record", device, ctypes.byref(out))
+        return int(out.value)
 
-    @abstractmethod
-    def _host_alloc(self, nbytes: int, host: int | None) -> int: ...
+    def _wait(self, event: object) -> None:
+        self._c("wait", "tp_drv_wait", int(event))  # type: ignore[call-overload]
 
-    @abstractmethod
-    def _host_free(self, host: int) -> None: ...
+    def _synchronize(self, device: int) -> None:
+        self._c("synchronize", "tp_drv_synchronize", device)
 
-    @abstractmethod
-    def _host_unreserve(self, host: int, nbytes: int) -> None: ...
+    def _mem_info(self, device: int) -> tuple[int, int]:
+        free, total = ctypes.c_int64(), ctypes.c_int64()
+        self._c("mem_info", "tp_drv_mem_info", device, ctypes.byref(free), ctypes.byref(total))
+        return int(free.value), int(total.value)
 
-    @abstractmethod
-    def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None: ...
-
-    @abstractmethod
-    def _copy_h2d(self, address: int, host: int, nbytes: int, device: int) -> None: ...
-
-    @abstractmethod
-    def _record(self, device: int) -> object: ...
-
-    @abstractmethod
-    def _wait(self, event: object) -> None: ...
-
-    @abstractmethod
-    def _synchronize(self, device: int) -> None: ...
-
-    @abstractmethod
-    def _mem_info(self, device: int) -> tuple[int, int]: ...
-
-    @abstractmethod
-    def _host_register(self, host: int, nbytes: int) -> None: ...
+    def _host_register(self, host: int, nbytes: int) -> None:
+        self._c("host_register", "tp_drv_host_register", host, nbytes)
 
     def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
-        ctypes.memmove(dst, src, nbytes)  # ctypes lets go of the GIL: threads copy at once
+        self._c("host_copy", "tp_drv_host_copy", dst, src, nbytes)
 
-    # -- optional -----------------------------------------------------------------
+    # -- not driver calls (not in CALLS) ----------------------------------------------------
 
     def ensure_context(self, device: int) -> None:
         """Make a context for ``device`` current in this thread when none is (no-op off CUDA)."""
-        return None
+        self._c("ensure_context", "tp_drv_ensure_context", device)
 
     def prepare_device(self, device: int) -> None:
-        """Make what sleeps on ``device`` will use (context, copy stream) now, while awake (no-op off CUDA)."""
-        return None
+        """Make what sleeps on ``device`` will use (context, copy stream) now, while awake (no-op off CUDA).
+
+        A stream holds a little device memory: one made during a sleep would stay on the device while it is asleep.
+        """
+        self._c("prepare_device", "tp_drv_prepare_device", device)
+
+    def prepare_thread(self) -> None:
+        """Set up a helper thread (pinning): a context, and no interference with graph captures elsewhere."""
+        self._c("prepare_thread", "tp_drv_prepare_thread")
 
     def host_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more host pages can be faulted in by writing with room to spare (then counted as taken).
@@ -225,16 +229,12 @@ class Driver(ABC):
         """
         return host_headroom.claim(nbytes)
 
-    def prepare_thread(self) -> None:
-        """Set up a helper thread (pinning): a context, and no interference with graph captures elsewhere."""
-        return None
-
     def read(self, address: int, nbytes: int) -> bytes:
-        """Read device bytes (tests, demos); drivers without cheap access may refuse."""
-        msg = f"{type(self).__name__} cannot read device memory directly"
-        raise NotImplementedError(msg)
+        """Read device bytes into a fresh buffer (tests, demos: the slow, synchronous path)."""
+        buf = ctypes.create_string_buffer(max(nbytes, 1))
+        self._c("read", "tp_drv_read", address, buf, nbytes)
+        return buf.raw[:nbytes]
 
     def write(self, address: int, data: bytes) -> None:
-        """Write device bytes (tests, demos); drivers without cheap access may refuse."""
-        msg = f"{type(self).__name__} cannot write device memory directly"
-        raise NotImplementedError(msg)
+        """Write device bytes (tests, demos: the slow, synchronous path)."""
+        self._c("write", "tp_drv_write", address, data, len(data))

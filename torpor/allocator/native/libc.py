@@ -1,7 +1,7 @@
 """The C library's memory calls through ctypes (mmap, munmap, madvise, memset), typed once for every Python caller.
 
-The simulated driver, the Python CUDA driver's host pages and the keeper's shared regions all map and
-unmap host memory; each used to declare the same ctypes signatures. Calls through it release the GIL.
+The keeper's shared regions map and unmap host memory with them (the drivers' host memory is the
+native library's own, csrc/hostpages.c and csrc/sim_host.c). Calls through it release the GIL.
 """
 
 from __future__ import annotations

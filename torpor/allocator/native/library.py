@@ -1,4 +1,4 @@
-"""The native allocation table: ``libtorpor_alloc.so`` (plain C, no Python, no torch) loaded with ctypes.
+"""The native allocation table and driver: ``libtorpor_alloc.so`` (plain C, no Python, no torch) loaded with ctypes.
 
 The library owns every allocation, mapping, address arena and slab of a
 :class:`~torpor.allocator.TaggedAllocator` under its own mutex, and gives torch
@@ -6,8 +6,10 @@ one malloc/free pair per (context, tag) slot, so torch's allocation calls run
 without the GIL. Python reads and changes the table only through the calls
 below; each takes the library's mutex for its own duration and calls nothing
 but the driver (never Python, never torch). ctypes drops the GIL around every
-call. Loading is lazy: importing this module touches no library, so ``import
-torpor`` works where the library was not built.
+call. The ``tp_drv_*`` calls are the driver table's host-memory, copy and event
+calls, for the Python view (:mod:`torpor.allocator.native.driver`). Loading is
+lazy: importing this module touches no library, so ``import torpor`` works where
+the library was not built.
 """
 
 from __future__ import annotations
@@ -83,14 +85,32 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "tp_sim_used": (_u64, [_p, _int]),
     "tp_sim_mappings": (_int, [_p, _U, _U, _int]),
     "tp_sim_accessible": (_u64, [_p, _u64, _u64]),
-    "tp_sim_reserve": (_int, [_p, _int, _u64, _U, _E]),
-    "tp_sim_unreserve": (_int, [_p, _u64, _u64, _E]),
-    "tp_sim_create": (_int, [_p, _int, _u64, _U, _E]),
-    "tp_sim_map": (_int, [_p, _u64, _u64, _u64, _E]),
-    "tp_sim_set_access": (_int, [_p, _u64, _u64, _int, _E]),
-    "tp_sim_unmap": (_int, [_p, _u64, _u64, _E]),
-    "tp_sim_release": (_int, [_p, _u64, _E]),
-    "tp_sim_granularity": (_int, [_p, _int, _U, _E]),
+    "tp_sim_host_config": (None, [_p, _u64, _u64, _int]),
+    "tp_sim_host_usage": (None, [_p, _U, _U]),
+    "tp_drv_cuda": (_p, [_E]),
+    "tp_drv_sim": (_p, [_p]),
+    "tp_drv_granularity": (_int, [_p, _int, _U, _E]),
+    "tp_drv_ensure_context": (_int, [_p, _int, _E]),
+    "tp_drv_prepare_device": (_int, [_p, _int, _E]),
+    "tp_drv_prepare_thread": (_int, [_p, _E]),
+    "tp_drv_host_reserve": (_int, [_p, _u64, _U, _E]),
+    "tp_drv_host_alloc": (_int, [_p, _u64, _u64, _int, _U, _E]),
+    "tp_drv_host_register": (_int, [_p, _u64, _u64, _E]),
+    "tp_drv_host_free": (_int, [_p, _u64, _E]),
+    "tp_drv_host_unreserve": (_int, [_p, _u64, _u64, _E]),
+    "tp_drv_host_copy": (_int, [_p, _u64, _u64, _u64, _E]),
+    "tp_drv_copy_d2h": (_int, [_p, _u64, _u64, _u64, _int, _E]),
+    "tp_drv_copy_h2d": (_int, [_p, _u64, _u64, _u64, _int, _E]),
+    "tp_drv_record": (_int, [_p, _int, _U, _E]),
+    "tp_drv_wait": (_int, [_p, _u64, _E]),
+    "tp_drv_synchronize": (_int, [_p, _int, _E]),
+    "tp_drv_mem_info": (_int, [_p, _int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), _E]),
+    "tp_drv_read": (_int, [_p, _u64, _p, _u64, _E]),
+    "tp_drv_write": (_int, [_p, _u64, ctypes.c_char_p, _u64, _E]),
+    "tp_host_pages_methods": (None, [_int, _int, ctypes.POINTER(_int), ctypes.POINTER(_int)]),
+    "tp_host_pages_reserve": (_int, [_u64, _U, _E]),
+    "tp_host_pages_fault": (_int, [_u64, _u64, _int, ctypes.POINTER(_int), _E]),
+    "tp_host_pages_free": (_int, [_u64, _u64, _E]),
 }
 _loaded: dict[str, ctypes.CDLL] = {}
 _load_lock = threading.Lock()

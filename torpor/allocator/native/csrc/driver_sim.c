@@ -8,7 +8,8 @@
  * API where the allocator depends on them: a mapping needs a reservation and a
  * live handle and takes the handle whole, an unmap takes a whole mapping.
  * Every call (also the host and copy calls the Python side makes, through
- * tp_sim_hit) is logged and can be failed (tp_sim_fail).
+ * tp_sim_hit) is logged and can be failed (tp_sim_fail). Host memory, copies
+ * and events are in sim_host.c.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -18,48 +19,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "tp.h"
-
-typedef struct {
-  int dev, fd, mapped, released;
-  uint32_t gen;
-  uint64_t size;
-} sim_handle;
-typedef struct {
-  uint64_t start, size, handle;
-  int accessible;
-} sim_map;
-typedef struct {
-  uint64_t start, size;
-  int dev;
-} sim_res;
-typedef struct {
-  int skip, times, oom;
-  char reason[128];
-} sim_fault;
-
-struct tp_sim {
-  pthread_mutex_t mu;
-  int ndev;
-  uint64_t capacity, gran;
-  uint64_t used[TP_MAX_DEVICES];
-  sim_handle *h;
-  int nh, caph;
-  sim_map *m;
-  int nm, capm;
-  sim_res *r;
-  int nr, capr;
-  sim_fault faults[TP_NCALLS][16];
-  int nfaults[TP_NCALLS];
-  unsigned char *log;
-  size_t nlog, caplog;
-};
+#include "sim.h"
 
 static const char *call_names[TP_NCALLS] = {"granularity", "reserve", "unreserve", "create",
                                             "map",         "set_access", "unmap",   "release",
                                             [TP_WAIT] = "wait"};
 
-static void *grow(void *p, int *cap, int need, size_t each) {
+void *sim_grow(void *p, int *cap, int need, size_t each) {
   if (need <= *cap) return p;
   int n = *cap ? *cap * 2 : 16;
   while (n < need) n *= 2;
@@ -75,11 +41,28 @@ TP_EXPORT tp_sim *tp_sim_new(int ndev, uint64_t capacity, uint64_t granularity) 
   tp_sim *s = calloc(1, sizeof *s);
   if (!s) return NULL;
   pthread_mutex_init(&s->mu, NULL);
+  pthread_mutex_init(&s->hmu, NULL);
   s->ndev = ndev;
   s->capacity = capacity;
   s->gran = granularity;
+  s->host_capacity = 4 * capacity;
+  s->host_next = 0x200000000000ull; /* simulated pinned host memory lives here, at ever higher addresses */
+  s->next_event = 1;
+  tp_sim_driver(s, &s->table);
   return s;
 }
+
+/* The host side of the simulated device: pinned bytes it takes, device bytes in use outside any handle (a CUDA
+ * context, libraries), and whether host address space given back is reused (as munmap then mmap may do). */
+TP_EXPORT void tp_sim_host_config(tp_sim *s, uint64_t host_capacity, uint64_t overhead, int reuse_host) {
+  pthread_mutex_lock(&s->hmu);
+  s->host_capacity = host_capacity;
+  s->overhead = overhead;
+  s->reuse_host = reuse_host;
+  pthread_mutex_unlock(&s->hmu);
+}
+
+tp_driver *tp_sim_table(tp_sim *s) { return &s->table; }
 
 /* Teardown after the allocator closed: close the memory of every handle still open (a release failed on purpose
  * leaves its handle, as a real driver would keep the memory); the number closed. The simulator takes no handle
@@ -276,7 +259,7 @@ static int sim_reserve(void *self, int dev, uint64_t n, uint64_t align, uint64_t
   if (n == 0 || n % s->gran) SIM_FAIL(1, "%llu bytes is not a positive multiple of the granularity", (unsigned long long)n);
   void *p = mmap(NULL, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) SIM_FAIL(2, "reserving %llu bytes of address space: %s", (unsigned long long)n, strerror(errno));
-  sim_res *r = grow(s->r, &s->capr, s->nr + 1, sizeof *r);
+  sim_res *r = sim_grow(s->r, &s->capr, s->nr + 1, sizeof *r);
   if (!r) {
     munmap(p, n);
     SIM_FAIL(2, "out of host memory");
@@ -336,7 +319,7 @@ static int sim_create(void *self, int dev, uint64_t n, uint64_t *handle, tp_err 
       break;
     }
   if (slot < 0) {
-    sim_handle *h = grow(s->h, &s->caph, s->nh + 1, sizeof *h);
+    sim_handle *h = sim_grow(s->h, &s->caph, s->nh + 1, sizeof *h);
     if (!h) SIM_FAIL(2, "out of host memory");
     s->h = h;
     slot = s->nh++;
@@ -374,7 +357,7 @@ static int sim_map_(void *self, uint64_t addr, uint64_t n, uint64_t handle, tp_e
   int i = first_after(s, addr);
   if ((i > 0 && s->m[i - 1].start + s->m[i - 1].size > addr) || (i < s->nm && s->m[i].start < addr + n))
     SIM_FAIL(1, "%#llx+%llu overlaps a mapping", (unsigned long long)addr, (unsigned long long)n);
-  sim_map *m = grow(s->m, &s->capm, s->nm + 1, sizeof *m);
+  sim_map *m = sim_grow(s->m, &s->capm, s->nm + 1, sizeof *m);
   if (!m) SIM_FAIL(2, "out of host memory");
   s->m = m;
   void *p = mmap((void *)(uintptr_t)addr, n, PROT_NONE, MAP_SHARED | MAP_FIXED, h->fd, 0);
@@ -462,9 +445,11 @@ void tp_sim_driver(tp_sim *sim, tp_driver *out) {
   out->ensure_context = sim_ensure;
   out->wait_stream = sim_wait_stream;
   out->capturing = sim_capturing;
+  sim_host_calls(sim, out);
 }
 
-/* The simulated VMM calls, for the Python SimDriver's own methods (each returns 0, or -1 with *e set). */
+/* The simulated VMM calls, for tests of the simulator's VMM rules (tests/simvmm.py; each returns 0, or -1 with *e
+ * set). The allocator's Python side makes no VMM call: the table does. */
 TP_EXPORT int tp_sim_reserve(tp_sim *s, int dev, uint64_t n, uint64_t *out, tp_err *e) { return sim_reserve(s, dev, n, 0, out, e); }
 TP_EXPORT int tp_sim_unreserve(tp_sim *s, uint64_t a, uint64_t n, tp_err *e) { return sim_unreserve(s, a, n, e); }
 TP_EXPORT int tp_sim_create(tp_sim *s, int dev, uint64_t n, uint64_t *h, tp_err *e) { return sim_create(s, dev, n, h, e); }

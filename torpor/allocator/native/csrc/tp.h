@@ -4,7 +4,10 @@
  * mappings, per (device, tag) address arenas and slabs, and each tag's state,
  * all under the context's own mutex. Its VMM calls go through a driver table
  * (tp_driver): the CUDA driver opened with dlopen (driver_cuda.c), or a
- * simulated device on host memory with fault injection (driver_sim.c).
+ * simulated device on host memory with fault injection (driver_sim.c,
+ * sim_host.c). The same table also holds the host-memory, copy and event
+ * calls the allocator's Python side makes (drv.c exports them): CUDA is
+ * opened once, here.
  * Lock order: torch's allocator mutex -> tp_ctx.mu -> the driver's own locks.
  * Nothing here calls into Python or into torch. See docs/allocator.md.
  */
@@ -27,8 +30,8 @@ enum { TP_ACTIVE = 0, TP_FROZEN = 1, TP_RELEASED = 2 };
 enum {
   TP_GRANULARITY, TP_RESERVE, TP_UNRESERVE, TP_CREATE, TP_MAP, TP_SET_ACCESS, TP_UNMAP, TP_RELEASE,
   TP_HOST_RESERVE, TP_HOST_ALLOC, TP_HOST_FREE, TP_HOST_UNRESERVE, TP_COPY_D2H, TP_COPY_H2D, TP_RECORD, TP_WAIT,
-  TP_SYNCHRONIZE, TP_MEM_INFO,
-  TP_NCALLS = 32 /* room for calls the Python side adds; the first eight and TP_WAIT (a stream) run in the library */
+  TP_SYNCHRONIZE, TP_MEM_INFO, TP_HOST_COPY, TP_HOST_REGISTER,
+  TP_NCALLS = 32 /* room for more; the table makes the first eight (and TP_WAIT on a stream), the Python view the rest */
 };
 
 /* One failure: what failed, the driver's code (2: out of memory), and why. */
@@ -56,6 +59,29 @@ typedef struct {
   int (*wait_stream)(void *self, int dev, void *stream, tp_err *e);
   /* *out = 1 while `stream` captures a graph (it cannot be waited for then). */
   int (*capturing)(void *self, int dev, void *stream, int *out, tp_err *e);
+
+  /* What the allocator's Python side calls (torpor/allocator/native/driver.py, through drv.c); the table never
+   * does. Copies are enqueued on the device's own copy stream and are done when an event recorded after them
+   * is waited for (a failed copy is reported by that wait). A host address of 0 to host_alloc: fresh memory;
+   * `write`: fault fresh pages in by writing zeros (the host has room), else by populating. The simulated
+   * device neither logs nor fails these: its Python view does both first (tp_sim_hit), so a Ctrl-C between
+   * the two lands before the call has any effect, as between two Python calls. */
+  int (*prepare_device)(void *self, int dev, tp_err *e);
+  int (*prepare_thread)(void *self, tp_err *e);
+  int (*host_reserve)(void *self, uint64_t n, uint64_t *out, tp_err *e);
+  int (*host_alloc)(void *self, uint64_t n, uint64_t host, int write, uint64_t *out, tp_err *e);
+  int (*host_register)(void *self, uint64_t host, uint64_t n, tp_err *e);
+  int (*host_free)(void *self, uint64_t host, tp_err *e);
+  int (*host_unreserve)(void *self, uint64_t host, uint64_t n, tp_err *e);
+  int (*host_copy)(void *self, uint64_t dst, uint64_t src, uint64_t n, tp_err *e);
+  int (*copy_d2h)(void *self, uint64_t host, uint64_t addr, uint64_t n, int dev, tp_err *e);
+  int (*copy_h2d)(void *self, uint64_t addr, uint64_t host, uint64_t n, int dev, tp_err *e);
+  int (*record)(void *self, int dev, uint64_t *event, tp_err *e);
+  int (*wait_event)(void *self, uint64_t event, tp_err *e);
+  int (*synchronize)(void *self, int dev, tp_err *e);
+  int (*mem_info)(void *self, int dev, int64_t *free, int64_t *total, tp_err *e);
+  int (*read)(void *self, uint64_t addr, void *buf, uint64_t n, tp_err *e);
+  int (*write)(void *self, uint64_t addr, const void *buf, uint64_t n, tp_err *e);
 } tp_driver;
 
 typedef struct tp_sim tp_sim;
@@ -68,5 +94,16 @@ void tp_set_err(tp_err *e, int code, const char *call, const char *fmt, ...)
 /* driver_cuda.c / driver_sim.c */
 int tp_cuda_driver(tp_driver *out, tp_err *e);
 void tp_sim_driver(tp_sim *sim, tp_driver *out);
+/* The driver table of the CUDA driver (opened once), or of a simulated device (driver_sim.c). */
+tp_driver *tp_cuda_table(tp_err *e);
+tp_driver *tp_sim_table(tp_sim *sim);
+
+/* hostpages.c: anonymous host memory for backups, 2 MiB aligned with huge pages advised. */
+uint64_t tp_round_pages(uint64_t n);
+int tp_host_pages_reserve(uint64_t n, uint64_t *out, tp_err *e);
+/* Fault never-written pages in: by writing zeros (`write`), else MADV_POPULATE_WRITE (zeros on kernels before 5.14);
+ * *how (may be NULL): 1 written, 2 populated, 3 written as populating is missing. */
+int tp_host_pages_fault(uint64_t addr, uint64_t n, int write, int *how, tp_err *e);
+int tp_host_pages_free(uint64_t addr, uint64_t n, tp_err *e);
 
 #endif
