@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +96,81 @@ def test_populating_turned_off_fills_with_zeros_and_turns_back_on() -> None:
     finally:
         assert host_page_methods(*was) == (False, False)
     assert host_page_methods() == was
+
+
+FAKE_CUDA = Path(__file__).with_name("fakecuda.c")
+STAND_IN_RUN = """
+import ctypes, threading
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_log.restype = ctypes.c_char_p
+from torpor.allocator import CudaDriver, DriverError
+MiB = 1 << 20
+d = CudaDriver()
+d.prepare_device(0)
+host = d.host_alloc(3 * MiB + 5)
+device = ctypes.create_string_buffer(b"torpor" * 1000)  # device memory is host memory here
+d.copy_d2h(host, ctypes.addressof(device), 6000, 0)
+d.wait(d.record(0))
+assert ctypes.string_at(host, 6000) == b"torpor" * 1000
+ctypes.memmove(host, b"X" * 6, 6)
+d.copy_h2d(ctypes.addressof(device), host, 6, 0)
+fake.fake_fail(b"cuEventSynchronize", 700)
+try:
+    d.wait(d.record(0))
+except DriverError as exc:
+    print("wait failed:", exc.call, exc.code, exc.reason)
+assert device.raw[:12] == b"XXXXXXtorpor"
+assert d.mem_info(0) == (100, 200)
+d.synchronize(0)
+t = threading.Thread(target=d.prepare_thread)
+t.start(); t.join()
+d.host_free(host)
+print(fake.fake_log().decode(), end="")
+"""
+
+
+def stand_in_log(tmp_path: Path) -> list[str]:
+    """The lines of STAND_IN_RUN: the library's CUDA table driven against tests/fakecuda.c as libcuda.so.1."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in libcuda")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"), str(FAKE_CUDA)], check=True)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-c", STAND_IN_RUN], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.splitlines()
+
+
+def test_the_cuda_table_copies_on_one_stream_and_spends_each_event(tmp_path: Path) -> None:
+    """Against a stand-in libcuda: one non-blocking copy stream made in the primary context, every copy on it, events without timing destroyed by their wait, a failed wait raised with CUDA's error."""
+    lines = stand_in_log(tmp_path)
+    creates = [line for line in lines if line.startswith("cuStreamCreate")]
+    assert len(creates) == 1 and creates[0].endswith("flags=1") and "ctx=0x1000" in creates[0], lines
+    streams = {line.rsplit("stream=", 1)[1] for line in lines if "stream=" in line}
+    assert len(streams) == 1, lines  # both copies and every event record on the one copy stream
+    assert sum(line.startswith("cuMemcpy") and "Async" in line for line in lines) == 2
+    made = [line for line in lines if line.startswith("cuEventCreate")]
+    assert len(made) == 2 and all(line.endswith("flags=2") for line in made)
+    assert sum(line.startswith("cuEventDestroy") for line in lines) == 2  # the failed wait's event too
+    (failed,) = [line for line in lines if line.startswith("wait failed:")]
+    assert (
+        failed
+        == "wait failed: cuEventSynchronize 700 CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered"
+    )
+
+
+def test_the_cuda_table_pins_portable_and_sets_up_helper_threads(tmp_path: Path) -> None:
+    """Against a stand-in libcuda: pages registered portable and whole, unregistered at host_free; a helper thread gets the primary context and relaxed capture mode; synchronize and mem_info leave the context as they found it."""
+    lines = stand_in_log(tmp_path)
+    (register,) = [line for line in lines if line.startswith("cuMemHostRegister")]
+    assert register.endswith(f"n={-(-(3 * MiB + 5) // 4096) * 4096} flags=1 aligned=1"), register
+    assert sum(line.startswith("cuMemHostUnregister") for line in lines) == 1
+    assert [line for line in lines if line.startswith("cuDevicePrimaryCtxRetain")] == [
+        "cuDevicePrimaryCtxRetain ctx=(nil) dev=0"
+    ]  # retained once for the process
+    exchange = [line for line in lines if line.startswith("cuThreadExchangeStreamCaptureMode")]
+    assert exchange == ["cuThreadExchangeStreamCaptureMode ctx=0x1000 mode=2"], lines
+    sync = lines.index(next(line for line in lines if line.startswith("cuCtxSynchronize")))
+    assert lines[sync].startswith("cuCtxSynchronize ctx=0x1000")

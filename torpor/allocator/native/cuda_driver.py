@@ -116,9 +116,15 @@ class CudaDriver(Driver):
         self.lib: Any = None
 
     def _table(self) -> int:
-        """The CUDA driver table, opened (dlopen, cuInit) on the first call."""
+        """The CUDA driver table, opened (dlopen, cuInit) on the first call.
+
+        The GPU path needs the ``cuda`` extra (torch and cuda-bindings: the torch side queries
+        capture state with it), so a first call without it raises MissingExtra naming it, as before
+        the driver's calls moved into the library.
+        """
         table = self._driver
         if table is None:
+            _cu()
             with self._lock:
                 if self._driver is None:
                     lib = native.lib()

@@ -237,4 +237,5 @@ class Driver(ABC):
 
     def write(self, address: int, data: bytes) -> None:
         """Write device bytes (tests, demos: the slow, synchronous path)."""
-        self._c("write", "tp_drv_write", address, data, len(data))
+        payload = data if isinstance(data, bytes) else bytes(data)
+        self._c("write", "tp_drv_write", address, payload, len(payload))
