@@ -36,6 +36,7 @@ class Harness:
         self.marks: list[set[tuple[int, int]]] = []
         self.pending: dict[int, int] = {}  # address -> stream, as the native table keeps them (tp_pend)
         self.reclaimed: set[int] = set()  # trimmed by an allocation under pressure while pending
+        self.device_free = 1 << 50  # free device bytes the pools see
         self.blocks = BlockPools(
             self.new_pool,
             self.trim,
@@ -45,6 +46,7 @@ class Harness:
             done=self.done,
             pend=self.pend,
             unpend=self.unpend,
+            free_bytes=lambda device: self.device_free,
         )
 
     def pend(self, address: int, stream: int) -> bool:
@@ -170,6 +172,24 @@ def test_a_reused_pool_gets_its_trimmed_segments_back_before_its_block_starts() 
     for _ in range(100):
         h.blocks.leave(h.blocks.enter("scratch"))
     assert h.made == 1 and h.blocks.counts() == (1, 0)
+
+
+def test_under_pressure_a_block_gets_a_new_pool_and_the_trimmed_segments_stay_free() -> None:
+    """Mapping an idle pool's trimmed segments back would take more than half the free memory: a new pool serves the block, nothing is untrimmed."""
+    h = Harness()
+    block = h.blocks.enter("scratch")
+    seg = h.segment(block.mempool, live=False)
+    h.blocks.leave(block)
+    assert h.trims == [seg]
+    h.device_free = 3 * MiB  # the 2 MiB segment would leave 1 MiB
+    pressed = h.blocks.enter("scratch")
+    assert pressed.mempool is not block.mempool and h.untrims == []
+    h.blocks.leave(pressed)
+    h.device_free = 64 * MiB  # room again: idle pools serve the next blocks (no third pool), as without pressure
+    first, second = h.blocks.enter("scratch"), h.blocks.enter("scratch")
+    assert h.made == 2 and h.untrims == [seg]  # the trimmed segment is mapped back once its pool serves a block
+    h.blocks.leave(first)
+    h.blocks.leave(second)
 
 
 def test_a_segment_freed_after_its_block_goes_at_the_next_block_end_or_before_a_sleep() -> None:

@@ -121,6 +121,13 @@ def wait_marked(token: object) -> bool:
     return True
 
 
+def device_free(device: int) -> int:
+    """The device's free memory in bytes, as the driver reports it (``cudaMemGetInfo``; no stream work)."""
+    import torch
+
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
 def streams_done(token: object) -> bool:
     """Whether every event of :func:`mark_streams` has completed (False for None: never trimmed at a boundary)."""
     if not isinstance(token, list):
@@ -205,6 +212,7 @@ class TorchPools:
             pend=table.pend,
             unpend=table.unpend,
             wait=wait_marked,
+            free_bytes=device_free,
         )
         self._local = threading.local()
         self._devices: set[int] = set()

@@ -74,7 +74,7 @@ Done = Callable[[object], bool]
 class BlockPool:
     """One torch pool of a tag: whether a block uses it now, and the segments of it trimmed."""
 
-    __slots__ = ("marked", "mempool", "open", "tag", "trimmed")
+    __slots__ = ("marked", "mempool", "open", "sizes", "tag", "trimmed")
 
     def __init__(self, tag: str, mempool: Any) -> None:
         self.tag = tag
@@ -82,6 +82,7 @@ class BlockPool:
         self.open = True
         self.trimmed: set[int] = set()
         self.marked: dict[int, object] = {}  # free segment -> the token of the work queued on its stream when found
+        self.sizes: dict[int, tuple[int, int]] = {}  # free segment seen -> (device, bytes): what mapping it back takes
 
 
 def trim_enabled() -> bool:
@@ -123,11 +124,13 @@ class BlockPools:
         pend: Callable[[int, int], bool] | None = None,
         unpend: Callable[[int], bool] | None = None,
         wait: Callable[[object], bool] | None = None,
+        free_bytes: Callable[[int], int] | None = None,
     ) -> None:
         self._new_pool = new_pool
         self._pend = pend or (lambda _address, _stream: False)
         self._unpend = unpend or (lambda _address: False)
         self._wait = wait or done  # blocks until a mark's work has run; True when it has
+        self._free_bytes = free_bytes  # device -> free device bytes (None: never under pressure)
         self._trim = trim
         self._untrim = untrim
         self._snapshot = snapshot
@@ -150,7 +153,8 @@ class BlockPools:
         see the module doc). A pool whose marked segments may still be touched by queued
         work is left idle while the tag has fewer than :data:`MAX_POOLS` pools, so that its
         memory stays reclaimable; a pool whose trimmed segments cannot be mapped again (the
-        device is full) stays idle too, and the block gets a new pool. The tag's other idle
+        device is full), or could only by taking more than half of the free memory
+        (:meth:`_pressed`), stays idle too, and the block gets a new pool. The tag's other idle
         pools are trimmed (what was freed since their blocks ended, once its queued work is done).
         """
         with self._lock:
@@ -161,6 +165,8 @@ class BlockPools:
             order = sorted((e for e in pools if not e.open), key=lambda e: (busy[id(e)], len(e.trimmed)))
             if order and busy[id(order[0])] and len(pools) < MAX_POOLS:
                 order = []  # keep the pending segments reclaimable: a new pool for this block
+            if order and len(pools) < MAX_POOLS and self._pressed(order[0]):
+                order = []  # under pressure: the trimmed memory stays free for this block's new pool
             chosen = None
             for entry in order:
                 self._settle_marks(entry)
@@ -176,6 +182,27 @@ class BlockPools:
                     if not entry.open and id(entry) in seen:
                         self._trim_ready(entry, seen[id(entry)], settled=False)
             return chosen
+
+    def _pressed(self, entry: BlockPool) -> bool:
+        """Whether mapping the pool's trimmed segments back would leave less free on a device than it maps.
+
+        Torch's own pool, out of memory, frees its cached segments and retries: memory a
+        tag's free segments held serves the next allocation. An idle pool entered again
+        maps its trimmed segments back first (torch may hand them out), which under
+        pressure takes the room a new allocation of the block needs; so then the block
+        gets a new pool and the trimmed memory stays free (issue 38's 1 GiB + 1.25 GiB).
+        """
+        if self._free_bytes is None or not entry.trimmed:
+            return False
+        need: dict[int, int] = {}
+        for address in entry.trimmed:
+            device, size = entry.sizes.get(address, (0, 0))
+            need[device] = need.get(device, 0) + size
+        try:
+            return any(self._free_bytes(device) - size < size for device, size in need.items() if size)
+        except Exception as exc:  # the device cannot be asked: enter the pool as without pressure
+            logger.debug("cannot read the free device memory: %s", exc)
+            return False
 
     def _settle_marks(self, entry: BlockPool) -> None:
         """The pool is about to serve a block: its marked segments are pending no more (those reclaimed meanwhile are trimmed)."""
@@ -212,6 +239,7 @@ class BlockPools:
                 logger.debug("an idle pool of tag %r is not reused: %s", entry.tag, exc)
                 return False
             entry.trimmed.discard(address)
+            entry.sizes.pop(address, None)
         return True
 
     # -- trimming ----------------------------------------------------------------------
@@ -267,6 +295,10 @@ class BlockPools:
         """Read an idle pool's free segments; mark (and pend) those freed since, unless ``settled``; the free ones."""
         segments = ((int(seg["address"]), seg) for seg in self._snapshot(entry.mempool))
         free = {a: seg for a, seg in segments if a not in entry.trimmed and free_segment(seg)}
+        for address, seg in free.items():
+            entry.sizes[address] = (int(seg.get("device", 0)), int(seg.get("total_size", 0)))
+        for address in [a for a in entry.sizes if a not in free and a not in entry.trimmed and a not in entry.marked]:
+            del entry.sizes[address]  # used again or given back: its size is no longer this pool's to map
         for address in [a for a in entry.marked if a not in free]:  # used again or given back: not ours
             self._drop_mark(entry, address)
         fresh = [a for a in free if a not in entry.marked]
