@@ -22,7 +22,7 @@ vllm = pytest.importorskip("vllm")
 
 import test_vllm_backend  # noqa: E402
 from support import model_less_worker  # noqa: E402
-from test_vllm_backend import fill, torpor_model_config  # noqa: E402
+from test_vllm_backend import torpor_model_config, write_pattern  # noqa: E402
 
 from torpor.allocator import SimDriver, TaggedAllocator  # noqa: E402
 from torpor.errors import OutOfMemory  # noqa: E402
@@ -75,7 +75,7 @@ def ranks(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Rank]]:
             for seed, (tag, size) in enumerate((("weights", 8 * MiB), ("kv_cache", 16 * MiB), ("runtime", 2 * MiB))):
                 with allocator.use_memory_pool(tag):
                     address = allocator.memory.allocate(size)
-                content[tag] = (address, fill(allocator.memory, address, size, seed + 10 * rank))
+                content[tag] = (address, write_pattern(allocator.memory, address, size, seed + 10 * rank))
             out.append(Rank(driver=driver, allocator=allocator, worker=worker, content=content, current=current))
         facade.configure(engine.allocator)
         yield out
