@@ -618,50 +618,192 @@ def test_the_contract_counts_type_checking_and_importlib_edges(tmp_path: Path) -
     assert layer_of(dynamic.target) > layer_of(dynamic.module)
 
 
-def tower_state() -> tuple[set[str], dict[str, set[str]]]:
-    """The attributes ControllerBase.__init__ sets, and those each other class of the controller's tower assigns."""
-    machine = PACKAGE / "statemachine" / "machine"
-    classes: dict[str, ast.ClassDef] = {}
-    for path in sorted(machine.glob("*.py")):
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ClassDef):
-                classes[node.name] = node
+MACHINE = PACKAGE / "statemachine" / "machine"
 
-    def in_tower(name: str) -> bool:
-        node = classes.get(name)
-        if node is None:
-            return False
-        return name == "ControllerBase" or any(isinstance(b, ast.Name) and in_tower(b.id) for b in node.bases)
+#: Assignments in torpor.statemachine.machine to an attribute of an object other than ``self``, with the reason.
+FOREIGN_STATE_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("torpor.statemachine.machine.controller", "group"): (
+        "the vLLM backend joins a group after the controller is made (controller.group = ...): the controller's "
+        "group setter hands the member to the context, which owns it"
+    ),
+}
 
-    def assigned(node: ast.AST) -> set[str]:
-        found = set()
-        for sub in ast.walk(node):
-            targets = (
-                sub.targets
-                if isinstance(sub, ast.Assign)
-                else [sub.target]
-                if isinstance(sub, ast.AnnAssign | ast.AugAssign)
-                else []
-            )
-            for t in targets:
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
-                    found.add(t.attr)
-        return found
-
-    init = next(f for f in classes["ControllerBase"].body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
-    others = {name: assigned(node) for name, node in classes.items() if in_tower(name) and name != "ControllerBase"}
-    return assigned(init), others
+#: Modules that record outside facts through the public ``SleepController.record(kind, **data)``, with the reason.
+PUBLIC_RECORD_CALLERS: dict[str, str] = {
+    "torpor.hooks._record": "a hook's decision, through the public record() API (hook_decision)",
+    "torpor.hooks.vllm.wiring": "the vLLM wiring's hook decisions, through the public record() API",
+    "torpor.tms.tmsengine": "torch_memory_saver's hook decision, through the public record() API",
+    "torpor.keeper.adoption": "a keeper's backup adopted, through the public record() API (backup_adopted)",
+}
 
 
-def test_the_controllers_state_is_set_in_one_place() -> None:
-    """Every attribute the controller's mixins assign is one ControllerBase.__init__ sets (docs/architecture.md lists them)."""
-    base, others = tower_state()
-    assert {"memory", "projection", "_in_flight", "_seq"} <= base
-    new = {name: sorted(attrs - base) for name, attrs in others.items() if attrs - base}
-    assert not new, f"controller state set outside ControllerBase.__init__: {new}"
+def _classes(path: Path) -> dict[str, ast.ClassDef]:
+    return {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+
+
+def torpor_bases(path: Path, cls: str) -> list[str]:
+    """The base classes of ``cls`` in ``path`` that are torpor's (defined there or imported from a torpor module)."""
+    tree = ast.parse(path.read_text())
+    torpor_names = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torpor")
+        for alias in node.names
+    } | {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    node = _classes(path)[cls]
+    return [ast.unparse(b) for b in node.bases if ast.unparse(b).split(".")[0] in torpor_names]
+
+
+def test_sleep_controller_has_at_most_one_torpor_base_class() -> None:
+    """SleepController is one class composed of parts it owns: at most one torpor base class (by source and by import)."""
+    bases = torpor_bases(MACHINE / "controller.py", "SleepController")
+    assert len(bases) <= 1, f"SleepController inherits {bases}: compose parts instead"
+    from torpor.statemachine.machine.controller import SleepController
+
+    inherited = [k.__qualname__ for k in SleepController.__mro__[1:] if k.__module__.startswith("torpor")]
+    assert len(inherited) <= 1, f"SleepController's MRO holds torpor classes {inherited}"
+
+
+def test_the_base_class_check_counts_torpor_bases(tmp_path: Path) -> None:
+    """torpor_bases names a base imported from torpor or defined beside it, not object or a stdlib class."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "import threading\nfrom torpor.statemachine.machine.gate import Gate\n\n"
+        "class Local: ...\n\nclass C(Gate, Local, threading.Thread, object): ...\n"
+    )
+    assert torpor_bases(source, "C") == ["Gate", "Local"]
+
+
+def foreign_state(path: Path, module: str) -> list[str]:
+    """Assignments to a part's attribute from outside it (``self._gate.x = ``, ``ctx.x = ``, ``ctx.gate.x = ``): ``file:line attr``.
+
+    A plain record a step owns (``progress.phase = ``) is its own; a part is reached through ``self.<part>`` or the context.
+    """
+    where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign | ast.AugAssign)
+            else []
+        )
+        for t in targets:
+            if not isinstance(t, ast.Attribute) or (module, t.attr) in FOREIGN_STATE_EXCEPTIONS:
+                continue
+            if isinstance(t.value, ast.Attribute) or (isinstance(t.value, ast.Name) and t.value.id == "ctx"):
+                found.append(f"{where}:{node.lineno} {ast.unparse(t)}")
+    return found
+
+
+def test_each_part_of_the_controller_changes_only_its_own_state() -> None:
+    """No module of the machine assigns another object's attribute: each part changes its state through its methods."""
+    offenders = [
+        line
+        for name, path in sorted(modules().items())
+        if name.startswith("torpor.statemachine.machine.")
+        for line in foreign_state(path, name)
+    ]
+    assert not offenders, "state of another part assigned:\n" + "\n".join(offenders)
+
+
+def test_the_foreign_state_check_catches_a_part_assigning_anothers(tmp_path: Path) -> None:
+    """``ctx.gate.log_failure = ...``, ``self._gate.owner = ...`` and ``ctx.group = ...`` are named; ``self.x``, ``progress.phase`` not."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "def f(ctx, self, progress):\n    self.x = 1\n    ctx.gate.log_failure = 'x'\n    self._gate.owner = 2\n"
+        "    progress.phase = 'release'\n    ctx.group = None\n"
+    )
+    assert foreign_state(source, "probe") == [
+        "probe.py:3 ctx.gate.log_failure",
+        "probe.py:4 self._gate.owner",
+        "probe.py:6 ctx.group",
+    ]
+
+
+def init_state(path: Path, cls: str) -> set[str]:
+    """The attributes ``cls.__init__`` sets on ``self`` (a dataclass: its fields)."""
+    node = _classes(path)[cls]
+    fields = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    if init is None:
+        return fields
+    return fields | {
+        t.attr
+        for sub in ast.walk(init)
+        for t in (
+            sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(sub, ast.AnnAssign) else []
+        )
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+
+
+#: The controller and the parts it owns: (module, class); docs/architecture.md's parts table lists their state.
+CONTROLLER_PARTS = (
+    ("controller", "SleepController"),
+    ("recorder", "Recorder"),
+    ("gate", "Gate"),
+    ("context", "Context"),
+    ("hostmem", "HostSide"),
+    ("group", "GroupMember"),
+)
+
+
+def test_the_controllers_parts_and_their_state_are_documented() -> None:
+    """Every attribute the controller and each part it owns set in __init__ is in docs/architecture.md's parts table."""
     documented = DOC.read_text()
-    missing = sorted(a for a in base if f"`{a}`" not in documented)
-    assert not missing, f"docs/architecture.md's controller state table lacks {missing}"
+    missing = sorted(
+        f"{cls}.{a}"
+        for module, cls in CONTROLLER_PARTS
+        for a in init_state(MACHINE / f"{module}.py", cls)
+        if f"`{a}`" not in documented
+    )
+    assert not missing, f"docs/architecture.md's table of the controller's parts lacks {missing}"
+    assert {"_recorder", "_gate", "_ctx"} <= init_state(MACHINE / "controller.py", "SleepController")
+
+
+def untyped_events(path: Path, module: str) -> list[str]:
+    """Events built from keyword arguments: ``_emit(...)``, ``make_event(...)``, ``record(EventKind.X, ...)``: ``file:line``."""
+    where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        kind_first = bool(node.args) and ast.unparse(node.args[0]).startswith("EventKind.")
+        if name in ("_emit", "make_event") or (
+            name == "record" and (kind_first or node.keywords) and module not in PUBLIC_RECORD_CALLERS
+        ):
+            found.append(f"{where}:{node.lineno} {ast.unparse(node.func)}(...)")
+    return found
+
+
+def test_events_are_built_typed_where_produced() -> None:
+    """No producer under torpor/ builds an event from keyword arguments: each builds its kind's payload class."""
+    offenders = [
+        line
+        for name, path in sorted(modules().items())
+        if name != "torpor.statemachine.core.events"
+        for line in untyped_events(path, name)
+    ]
+    assert not offenders, "events built from keyword arguments (build the payload class):\n" + "\n".join(offenders)
+
+
+def test_every_public_record_caller_is_still_one() -> None:
+    """Each module of PUBLIC_RECORD_CALLERS still calls record(EventKind.X, ...)."""
+    stale = [m for m in PUBLIC_RECORD_CALLERS if not untyped_events(modules()[m], "a producer")]
+    assert not stale, f"PUBLIC_RECORD_CALLERS lists modules that no longer call record(EventKind...): {stale}"
+
+
+def test_the_typed_event_check_catches_keyword_events(tmp_path: Path) -> None:
+    """``self._emit(EventKind.X, a=1)`` and ``note.record(kind, a=1)`` are named; ``ctx.record(TagReleased(...))`` is not."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "def f(self, note, ctx):\n    self._emit(EventKind.CLOSED, state='x')\n    note.record(kind, a=1)\n"
+        "    ctx.record(TagReleased(tag='w', bytes=1))\n    driver.record(device)\n"
+    )
+    assert untyped_events(source, "probe") == ["probe.py:2 self._emit(...)", "probe.py:3 note.record(...)"]
 
 
 def test_docs_architecture_has_the_layer_table() -> None:

@@ -11,8 +11,9 @@ from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import TorporError
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.policy import Action, AfterWake, HostMemoryPolicy, PinWhen, Policy
+from torpor.statemachine.core.protocol import Abilities
 from torpor.statemachine.log.reader import read_events, replay
-from torpor.statemachine.machine.hostmem import budget_refusal, device_report
+from torpor.statemachine.machine.hostmem import HostSide, budget_refusal
 from torpor.statemachine.projection.view import Projection
 from torpor.testing import FakeMemory, fill, sim_rig
 
@@ -180,7 +181,7 @@ def test_memory_without_host_backups_or_reporting_is_left_alone() -> None:
     memory = FakeMemory({"weights": 1 << 20})
     ctl = SleepController(memory, policy=Policy(host=HostMemoryPolicy(budget_bytes=2 << 20)))
     ctl.sleep(1)
-    assert device_report(memory) is None
+    assert HostSide(Abilities.of(memory), HostMemoryPolicy()).device_report() is None
     done = [e for e in ctl.events() if e.kind is EventKind.SLEEP_COMPLETED][-1]
     assert done.data["device"] is None
 

@@ -70,7 +70,7 @@ def test_discard_failed_before_any_change_is_a_refusal() -> None:
     seq = ctl.last_seq
     error = TorporError("the backup of weights cannot be dropped")
     with pytest.raises(TorporError, match="cannot be dropped"):
-        discard_failed(ctl, 0.0, error, changed=False, went=[])
+        discard_failed(ctl._ctx, 0.0, error, changed=False, went=[])
     assert _after(ctl, seq) == ["refused"]
     assert ctl.events()[-1].data["reason"] == str(error)
 
@@ -81,7 +81,7 @@ def test_discard_failed_part_way_ends_partly_done() -> None:
     seq = ctl.last_seq
     error = TorporError("release of runtime failed")
     with pytest.raises(TorporError, match="release of runtime failed"):
-        discard_failed(ctl, 0.0, error, changed=True, went=["kv_cache"], note=" (after dropping x)")
+        discard_failed(ctl._ctx, 0.0, error, changed=True, went=["kv_cache"], note=" (after dropping x)")
     (event,) = ctl.events(after=seq)
     assert event.kind is EventKind.DISCARD_COMPLETED
     assert list(event.data["tags"]) == ["kv_cache"]

@@ -12,7 +12,7 @@ from support import off_table_moves
 from torpor import SleepController
 from torpor.errors import InvalidTransition, NotRecovered, PoolBusy, TorporError
 from torpor.statemachine.core import states
-from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.core.events import EventKind, SleepRequested, make_event
 from torpor.statemachine.core.states import (
     COMMANDS,
     GUARD,
@@ -174,7 +174,7 @@ def test_a_recovery_follows_the_table(tmp_path: Path) -> None:
     """A log left in suspending, then recover(), moves only along the table."""
     log = EventLog(tmp_path / "e.jsonl", fsync=False)
     ctl = SleepController(FakeMemory({"weights": 4096}), log=log)
-    ctl._emit(EventKind.SLEEP_REQUESTED, level=1, plan={"weights": "offload"}, usage={"weights": 4096})
+    ctl._recorder.record(SleepRequested(level=1, plan={"weights": "offload"}, usage={"weights": 4096}))
     ctl.recover()
     assert ctl.state is State.AWAKE
     assert off_table_moves(ctl.events()) == []

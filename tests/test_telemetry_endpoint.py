@@ -214,7 +214,7 @@ def test_close_stops_serving_and_detaches(controller: SleepController) -> None:
     srv = serve(controller, 0)
     url = srv.url
     srv.close()
-    assert len(controller._subscribers) == 0
+    assert len(controller._recorder.subscribers) == 0
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url + "/state", timeout=2)  # noqa: S310
 

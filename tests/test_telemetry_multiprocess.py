@@ -157,6 +157,6 @@ def test_one_process_writes_each_rank_once() -> None:
     handle = attach(first, otel=False, multiprocess=True)
     with pytest.raises(DuplicateRank, match="multiprocess directory"):
         attach(second, otel=False, multiprocess=True)
-    assert len(second._subscribers) == 0
+    assert len(second._recorder.subscribers) == 0
     handle.detach()
     attach(second, otel=False, multiprocess=True).detach()

@@ -9,8 +9,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from support import samples, value
 
-from torpor import EventKind, SleepController, State
+from torpor import SleepController, State
 from torpor.errors import InvalidTransition, MemoryOperationFailed
+from torpor.statemachine.core.events import SleepRequested
 from torpor.telemetry import METRICS, attach
 from torpor.testing import FakeMemory
 
@@ -262,7 +263,7 @@ def test_a_source_needs_only_projection_events_and_subscribe() -> None:
 def test_an_interrupted_log_shows_the_transitional_state(tmp_path: Path) -> None:
     """A controller reopened on a log that ends mid-sleep exposes 'suspending' until it recovers."""
     controller = SleepController(FakeMemory(TAGS), log=tmp_path, engine="crash", fsync=False)
-    controller._emit(EventKind.SLEEP_REQUESTED, level=1, plan={}, usage={})  # what a crash mid-sleep leaves
+    controller._recorder.record(SleepRequested(level=1, plan={}, usage={}))  # what a crash mid-sleep leaves
     controller.log.close()  # type: ignore[union-attr]
     reopened = SleepController(FakeMemory(TAGS), log=tmp_path, engine="crash", fsync=False)
     registry = CollectorRegistry()
@@ -310,7 +311,7 @@ def test_a_second_controller_with_the_same_rank_is_refused() -> None:
     handle = attach(first, registry=registry, otel=False)
     with pytest.raises(DuplicateRank, match="engine 'dup' rank 0"):
         attach(second, registry=registry, otel=False)
-    assert len(second._subscribers) == 0
+    assert len(second._recorder.subscribers) == 0
     first.sleep(1)
     assert value(samples(registry), "torpor_state", torpor_engine="dup", torpor_rank="0", state="asleep_l1") == 1
     handle.detach()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from torpor.errors import MemoryOperationFailed, PoolBusy
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.core.policy import CUDAGRAPH
-from torpor.statemachine.core.protocol import TagUsage, Transfer
+from torpor.statemachine.core.protocol import Capability, TagUsage, Transfer
 from torpor.statemachine.machine.controller import SleepController
 from torpor.testrig import CAPACITY, GRANULE, SimRig, fill, intact, sim_rig  # noqa: F401 (the simulated-device rig, re-exported)
 
@@ -37,7 +37,13 @@ class FakeMemory:
     ``tags`` maps tag -> bytes. ``failures`` is an iterable of
     ``(operation, tag)`` pairs (operation: backup, release, restore,
     drop_backup, capture, release_pool); each fails once when first reached.
+    Beyond the memory protocol it owns a graph pool (its one capability).
     """
+
+    @classmethod
+    def capabilities(cls) -> frozenset[Capability]:
+        """What this memory can do beyond the protocol: the cudagraph pool (capture, release_cudagraph_pool)."""
+        return frozenset({Capability.GRAPH_POOL})
 
     def __init__(self, tags: Mapping[str, int], failures: Iterable[tuple[str, str]] = ()) -> None:
         self._tags = {tag: _Tag(size) for tag, size in tags.items()}

@@ -8,6 +8,8 @@ annotated fields are the kind's schema. Read a payload by its typed attributes
 ``match`` on the class); it is also a read-only mapping of the fields present,
 which is the log's JSON form. Adding a field to a kind is one line in its
 class (with a default, so old logs still read) plus the code that reads it.
+A producer builds the payload by its fields' names (``TagReleased(tag=..., bytes=...)``, checked
+by mypy) and :func:`stamp` makes it an event.
 The kinds, the payload classes and their base are re-exported here.
 """
 
@@ -179,6 +181,11 @@ def make_event(kind: EventKind, seq: int, engine: str, rank: int, data: Mapping[
     return Event(kind, seq, time.time(), time.monotonic(), os.getpid(), engine, rank, data)
 
 
+def stamp(payload: Payload, seq: int, engine: str, rank: int) -> Event:
+    """A typed payload (``TagReleased(tag=..., bytes=...)``) as a new event of its kind, stamped as :func:`make_event` does."""
+    return Event(KIND_NAMED[payload.kind], seq, time.time(), time.monotonic(), os.getpid(), engine, rank, payload)
+
+
 __all__ = [
     "BOUNDARY_KINDS",
     "KIND_NAMED",
@@ -219,5 +226,6 @@ __all__ = [
     "WakeRequested",
     "freeze",
     "make_event",
+    "stamp",
     "thaw",
 ]

@@ -30,7 +30,7 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, NoReturn, get_origin
+from typing import Any, ClassVar, NoReturn, dataclass_transform, get_origin
 
 #: The default of a field that must be present.
 REQUIRED: Any = object()
@@ -84,8 +84,14 @@ def thaw(value: Any) -> Any:
 _DICT_NAMES = frozenset(dir(dict))
 
 
+@dataclass_transform(kw_only_default=True)  # a kind's class is built with its fields by name, checked by mypy
 class Payload(dict[str, Any]):
-    """A kind's payload: its declared fields as attributes; a read-only mapping of the fields present."""
+    """A kind's payload: its declared fields as attributes; a read-only mapping of the fields present.
+
+    A producer builds one by its fields' names (``TagReleased(tag="weights", bytes=n)``): the type
+    checker sees each name and type, and a missing required field. At run time that is ``dict``'s own
+    constructor, so only the fields given are present; ``Payload(mapping)`` (the readers' form) copies a mapping.
+    """
 
     __slots__ = ()
     kind: ClassVar[str]

@@ -19,36 +19,54 @@ the rollback itself cannot be recorded the controller stays in the transitional
 state and refuses with ``NotRecovered`` until :meth:`SleepController.recover`,
 which takes each tag's residency from the memory as it is.
 
-The controller is assembled from modules of one job each:
+:class:`SleepController` holds the commands; it is composed of parts it owns,
+each with its own state and module:
 
-- :mod:`~torpor.statemachine.machine.base`: construction, the event recorder
-  (``_emit``), the reading API;
-- :mod:`~torpor.statemachine.machine.gate`: one command at a time, the guard (the
-  table's verdict, and the error it names), refusals and idempotent no-ops;
-- :mod:`~torpor.statemachine.machine.sleeping`, :mod:`~torpor.statemachine.machine.waking`,
-  :mod:`~torpor.statemachine.machine.discarding`, :mod:`~torpor.statemachine.machine.graphs`:
-  the memory commands;
-- :mod:`~torpor.statemachine.machine.rollback`: every compensating step (from the
-  progress a sleep or wake records as it goes) and the events it records;
-- :mod:`~torpor.statemachine.machine.group`: the ``@collective`` glue for process groups;
-- :mod:`~torpor.statemachine.machine.hostmem`: the host-memory policy's side;
-- :mod:`~torpor.statemachine.machine.lifecycle`: ``observe``, ``record``, ``recover``, ``close``;
-- :mod:`~torpor.statemachine.machine.tracking`: ``track`` (a module kept whole across a discard of its tag).
+- :class:`~torpor.statemachine.machine.recorder.Recorder`: events from typed
+  payloads, the log, the projection, the subscribers;
+- :class:`~torpor.statemachine.machine.gate.Gate`: one command at a time, the
+  guard (the table's verdict, and the error it names), refusals and idempotent no-ops;
+- :class:`~torpor.statemachine.machine.hostmem.HostSide`: the host-memory policy's side;
+- :class:`~torpor.statemachine.machine.group.GroupMember`: the votes of a process group;
+- the steps, functions of one :class:`~torpor.statemachine.machine.context.Context`:
+  :mod:`~torpor.statemachine.machine.sleeping`, :mod:`~torpor.statemachine.machine.waking`,
+  :mod:`~torpor.statemachine.machine.discarding`, :mod:`~torpor.statemachine.machine.graphs`,
+  :mod:`~torpor.statemachine.machine.tracking`, :mod:`~torpor.statemachine.machine.recovery`
+  and :mod:`~torpor.statemachine.machine.rollback` (every compensating step).
+
+The memory's capabilities are asked once, here, when the controller is made
+(:meth:`~torpor.statemachine.core.protocol.Abilities.of`).
 """
 
 from __future__ import annotations
 
-from torpor.statemachine.machine.base import GiB, Subscriber, _clip, _tag_list, log_path_for
-from torpor.statemachine.machine.discarding import Discarding
-from torpor.statemachine.machine.graphs import GraphPool
-from torpor.statemachine.machine.lifecycle import Lifecycle
-from torpor.statemachine.machine.sleeping import Sleeping
-from torpor.statemachine.machine.tracking import Tracking
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torpor.statemachine.core.events import PAYLOADS, Event, EventKind, Opened, UsageObserved
+from torpor.statemachine.core.policy import DEFAULT_POLICY, WEIGHTS, Policy
+from torpor.statemachine.core.protocol import Abilities, Memory
+from torpor.statemachine.core.states import State
+from torpor.statemachine.log.eventlog import EventLog
+from torpor.statemachine.machine import discarding, graphs, recovery, sleeping, tracking, waking
+from torpor.statemachine.machine.context import Context, _tag_list
+from torpor.statemachine.machine.gate import Gate
+from torpor.statemachine.machine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
+from torpor.statemachine.machine.hostmem import HostSide
+from torpor.statemachine.machine.identity import _clip, check_identity, log_path_for, names_a_directory, open_log
+from torpor.statemachine.machine.recorder import Recorder, Subscriber
+from torpor.statemachine.machine.sleeping import GiB
+from torpor.statemachine.projection.view import Projection
 
 __all__ = ["GiB", "SleepController", "Subscriber", "_clip", "_tag_list", "log_path_for"]
 
+#: The kinds :meth:`SleepController.record` takes from outside: facts no command of the controller records.
+OUTSIDE_FACTS = (EventKind.HOOK_DECISION, EventKind.USAGE_OBSERVED, EventKind.BACKUP_ADOPTED)
 
-class SleepController(Sleeping, Discarding, GraphPool, Lifecycle, Tracking):
+
+class SleepController:
     """Guards, plans and records every memory command of one engine rank.
 
     ``memory`` meets :class:`~torpor.statemachine.core.protocol.Memory`; ``log`` is
@@ -58,7 +76,7 @@ class SleepController(Sleeping, Discarding, GraphPool, Lifecycle, Tracking):
     inside it) or None (events kept in memory only). ``rank`` is an int
     0..2**63-1 and, with a directory, ``engine`` a plain file name (no
     separator, not ``..``): both are checked before any file is made
-    (:func:`~torpor.statemachine.machine.base.check_identity`). Opening an
+    (:func:`~torpor.statemachine.machine.identity.check_identity`). Opening an
     existing log reads it from the snapshot that opens its newest file, not
     its whole history.
 
@@ -69,3 +87,218 @@ class SleepController(Sleeping, Discarding, GraphPool, Lifecycle, Tracking):
     else every rank rolls back and raises ``GroupFailed``; a rank silent for
     ``group_timeout`` seconds counts as failed (docs/groups.md).
     """
+
+    def __init__(
+        self,
+        memory: Memory,
+        log: EventLog | str | Path | None = None,
+        policy: Policy | None = None,
+        engine: str = "default",
+        rank: int = 0,
+        *,
+        fsync: bool = True,
+        keep_events: int = 10_000,
+        group: object | None = None,
+        group_timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        names_file = isinstance(log, str | Path) and names_a_directory(Path(log), str(log))
+        check_identity(engine, rank, names_file=names_file)  # before anything is made: a file, the host policy
+        abilities = Abilities.of(memory)  # the one place the memory's capabilities are asked
+        self.memory = memory
+        self.policy = policy or DEFAULT_POLICY
+        self.host_policy = self.policy.host_policy()
+        host = HostSide(abilities, self.host_policy)
+        host.apply(self.policy.never_backed_up())
+        self.engine = engine
+        self.rank = rank
+        member = None if group is None else GroupMember(as_agreement(group), group_timeout)
+        self.log: EventLog | None = open_log(log, engine, rank, fsync=fsync)
+        self._recorder = Recorder(engine, rank, self.log, keep_events)
+        self._gate = Gate(self._recorder)
+        self._ctx = Context(memory, abilities, self.policy, host, self._recorder, self._gate, member)
+        if not self._recorder.projection.interrupted:
+            self._recorder.record(
+                Opened(
+                    usage=self._ctx.resident_usage(),
+                    allocations=self._ctx.allocation_counts(),
+                    memory=type(memory).__name__,
+                    previous_state=self.projection.state.value if self._recorder.seq else None,
+                    host=self.host_policy.to_dict(),
+                )
+            )
+
+    @contextmanager
+    def _command(self, name: str, **args: Any) -> Iterator[None]:
+        """Run the block as command ``name`` through the gate; an interrupt mid-transition is reconciled before it is raised."""
+        with self._gate.command(name, **args):
+            try:
+                yield
+            except BaseException as exc:  # an interrupt, or whatever a signal handler raised: the process lives on
+                recovery.settle(self._ctx, name, exc)
+                raise
+
+    # -- the memory commands ----------------------------------------------------
+
+    def sleep(self, level: int = 1, *, idempotent: bool = False) -> Projection:
+        """Put the engine to sleep at ``level`` (1 or 2); return the resulting projection.
+
+        ``idempotent``: a sleep while already asleep at ``level`` or deeper is a
+        no-op recorded as ``command_repeated`` instead of a refusal (what an
+        orchestrator that retries on every rank needs; the vLLM backend sets it).
+        """
+
+        def run() -> Projection:
+            with self._command("sleep", level=level):
+                return sleeping.sleep(self._ctx, level, idempotent)
+
+        return self._ctx.collectively("sleep", run)
+
+    def wake(self, tags: Sequence[str] | str | None = None, *, idempotent: bool = False) -> Projection:
+        """Wake ``tags`` (None: all); every non-deferrable tag is restored by any wake.
+
+        An empty list names no tag and is refused (``NoTagsNamed``, recorded as
+        ``refused``) in every state: it is most often a filter upstream that came
+        out empty, and waking only the tags every wake restores would leave the
+        engine ``partially_awake`` with nothing it asked for.
+
+        ``idempotent``: a wake that would restore nothing (every tag asked for,
+        and every tag any wake restores, is resident) is a no-op recorded as
+        ``command_repeated`` instead of a refusal; unknown tags are still refused.
+        """
+
+        def run() -> Projection:
+            with self._command("wake", tags=tags):
+                return waking.wake(self._ctx, tags, idempotent)
+
+        return self._ctx.collectively("wake", run)
+
+    def discard(self, tags: Sequence[str] | str) -> Projection:
+        """Discard ``tags``; the next wake that restores them maps fresh memory.
+
+        An asleep tag loses its host backup. A resident deferrable tag (``weights``,
+        ``kv_cache``) is released without a backup, as vLLM's
+        ``release_kv_cache_memory()`` asks, and an awake engine becomes
+        ``partially_awake``. ``cudagraph`` is never discarded, and a resident tag
+        that every wake restores cannot be discarded either.
+        """
+
+        def run() -> Projection:
+            with self._command("discard", tags=tags):
+                return discarding.discard(self._ctx, tags)
+
+        return self._ctx.collectively("discard", run)
+
+    @contextmanager
+    def capture(self, site: str) -> Iterator[object]:
+        """Capture one graph into the cudagraph pool; yields what ``torch.cuda.graph(pool=...)`` takes."""
+        with self._command("capture", site=site), graphs.capture(self._ctx, site) as pool:
+            yield pool
+
+    def release_cudagraph_pool(self) -> int:
+        """Drop the graph pool once nothing references it; return the bytes it held."""
+        with self._command("release_pool"):
+            return graphs.release_pool(self._ctx)
+
+    def track(self, module: object, tag: str = WEIGHTS, *, check: bool = True) -> object:
+        """Keep ``module``'s state that no ``state_dict`` reload restores across each discard of ``tag``.
+
+        ``module``: a ``torch.nn.Module`` whose parameters live in ``tag``
+        (built inside ``use_memory_pool(tag)``), or any keep source of the
+        memory's. Returns the memory's tracker; for a module its
+        ``check_reloaded()`` raises ``NotReloaded`` naming each parameter or
+        persistent buffer the reload left unwritten after a wake without a
+        backup (``check``: the wake fills them with 0xFF first), and
+        ``untrack()`` stops keeping it. Refused (``TrackRefused``) when the
+        memory cannot keep ranges or the policy never discards ``tag``.
+        """
+        return tracking.track(self._ctx, module, tag, check=check)
+
+    # -- the lifecycle ------------------------------------------------------------
+
+    def observe(self) -> Projection:
+        """Record the memory's current per-tag bytes (a ``usage_observed`` event)."""
+        with self._recorder.lock:
+            self._recorder.record(
+                UsageObserved(usage=self._ctx.resident_usage(), allocations=self._ctx.allocation_counts())
+            )
+            return self.projection
+
+    def record(self, kind: EventKind, **data: Any) -> Event:
+        """Record an outside fact (hook decisions, a keeper's backup adopted); returns the event."""
+        if kind not in OUTSIDE_FACTS:
+            msg = (
+                "only hook_decision, usage_observed and backup_adopted facts can be recorded from outside, "
+                f"not {kind.value!r}"
+            )
+            raise ValueError(msg)
+        return self._recorder.record(PAYLOADS[kind](data))
+
+    def recover(self) -> Projection:
+        """Accept that an interrupted transition left memory unknown; start clean from the memory as it is.
+
+        Each tag's residency is taken from the memory: a tag with nothing
+        resident and bytes on the host (or discarded) is asleep, so the
+        controller ends ``awake`` when everything is resident and
+        ``partially_awake`` otherwise (a wake then restores the rest).
+        """
+        with self._command("recover"):
+            self._gate.guard("recover")
+            return recovery.reconcile(self._ctx)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return bool(self._recorder.closed_at)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Record the end of this controller's life and close the log; later commands raise ``ControllerClosed``.
+
+        A command in flight in another thread is waited for (up to ``timeout``
+        seconds, None: as long as it takes; past it ``CommandInFlight`` is
+        raised and nothing is closed). Called from inside a command (a
+        subscriber) it raises ``CommandInFlight`` at once. Closing twice does nothing.
+        """
+        with self._gate.exclusive("close", timeout):
+            self._recorder.close()
+
+    # -- reading --------------------------------------------------------------
+
+    @property
+    def projection(self) -> Projection:
+        """The fold of every event so far: the state and each tag's residency (the recorder's)."""
+        return self._recorder.projection
+
+    @property
+    def state(self) -> State:
+        """The current state (a projection of the events)."""
+        return self._recorder.projection.state
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the last event recorded."""
+        return self._recorder.seq
+
+    @property
+    def group(self) -> GroupMember | None:
+        """This rank's membership in a group (sleep, wake and discard are collective), or None."""
+        return self._ctx.group
+
+    @group.setter
+    def group(self, member: GroupMember | None) -> None:
+        self._ctx.group = member  # the vLLM backend joins a group after the controller is made
+
+    def events(self, after: int = 0) -> list[Event]:
+        """Recent events (up to ``keep_events``) with a sequence number above ``after``."""
+        return self._recorder.events(after)
+
+    def subscribe(self, callback: Subscriber, kinds: Iterable[EventKind | str] | None = None) -> Callable[[], None]:
+        """Call ``callback(event)`` after each event (of ``kinds``); return an unsubscribe function."""
+        return self._recorder.subscribe(callback, kinds)
+
+    def wait_for(self, state: State | str, timeout: float | None = None) -> bool:
+        """Block until the controller is in ``state``; False on timeout."""
+        return self._recorder.wait_for(state, timeout)
+
+    async def wait_for_async(self, state: State | str, timeout: float | None = None) -> bool:
+        """Asyncio variant of :meth:`wait_for`; never blocks the event loop."""
+        return await self._recorder.wait_for_async(state, timeout)

@@ -1,32 +1,32 @@
 """The command gate: one command at a time, the transition guard, refusals recorded with a reason, idempotent no-ops.
 
 Every command of :class:`~torpor.statemachine.machine.controller.SleepController`
-enters through :meth:`CommandGate._command` (serialized, never queued: a second
-one is refused with ``CommandInFlight``; a closed controller raises
-``ControllerClosed``), is checked against the transition table
-(:func:`~torpor.statemachine.core.states.decide`, and nothing else decides whether a
-state accepts a command), and leaves through :meth:`CommandGate._refuse` (a
-``refused`` event, then the error) or :meth:`CommandGate._repeated` (a
-``command_repeated`` no-op) when it does nothing. An interrupt
-(``KeyboardInterrupt``, ``SystemExit``, or whatever a signal handler raises,
-such as a watchdog's timeout) that leaves a command mid-transition is
-reconciled with the memory before it is raised (:meth:`CommandGate._settle`).
+enters through :meth:`Gate.command` (serialized, never queued: a second one is
+refused with ``CommandInFlight``; a closed controller raises
+``ControllerClosed``; see docs/architecture.md "Invariant: one command at a
+time"), is checked against the transition table
+(:func:`~torpor.statemachine.core.states.decide`, and nothing else decides
+whether a state accepts a command), and leaves through :meth:`Gate.refuse` (a
+``refused`` event, then the error) or :meth:`Gate.repeated` (a
+``command_repeated`` no-op) when it does nothing.
 
 The table is asked twice on the same verdict: at the entry, where an
 interrupted log (``NotRecovered``) is refused before any argument is read
-(the memory is unknown), and in :meth:`CommandGate._guard`, which each command
-calls once its arguments are checked and its idempotent no-op ruled out; it
-raises the verdict's refusal (``InvalidTransition``, or ``PoolBusy`` for a pool
-asleep with the engine) built by :meth:`CommandGate._refusal`.
+(the memory is unknown), and in :meth:`Gate.guard`, which each command calls
+once its arguments are checked and its idempotent no-op ruled out; it raises
+the verdict's refusal (``InvalidTransition``, or ``PoolBusy`` for a pool asleep
+with the engine) built by :meth:`Gate.refusal`. The gate also holds why the
+controller needs ``recover()`` (:attr:`Gate.log_failure`): set by a rollback
+whose events could not be written, cleared by the reconciliation.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 from torpor.errors import (
     CommandInFlight,
@@ -36,48 +36,59 @@ from torpor.errors import (
     NotRecovered,
     PoolBusy,
     TorporError,
-    UnknownTag,
 )
-from torpor.statemachine.core.events import EventKind
-from torpor.statemachine.core.states import TRANSITIONAL, Verdict, decide
+from torpor.statemachine.core.events import CommandRepeated, Refused
+from torpor.statemachine.core.states import Verdict, decide
 from torpor.statemachine.log.interrupts import UNINTERRUPTED
-from torpor.statemachine.machine.base import ControllerBase, _clip, logger
+from torpor.statemachine.machine.identity import _clip
+from torpor.statemachine.machine.recorder import Recorder, logger
 from torpor.statemachine.projection.view import Projection
 
+#: How long :meth:`Gate.exclusive` waits for the command lock at a time (a Ctrl-C meanwhile is raised between two waits).
+_WAIT_SLICE = 0.1
 
-class CommandGate(ControllerBase):
-    """The entry and the refusals every command goes through."""
+
+class Gate:
+    """The entry and the refusals every command goes through; its state: the lock, the command in flight, its thread."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self._recorder = recorder
+        self._lock = threading.Lock()
+        self.in_flight = ""  # the command in flight, with its arguments
+        self.owner: int | None = None  # the thread running the command in flight
+        self.log_failure = ""  # why a rollback could not be recorded (then only recover() is accepted)
+
+    def _closed(self, command: str) -> ControllerClosed:
+        rec = self._recorder
+        return ControllerClosed(command, rec.engine, rec.rank, rec.closed_at)
 
     @contextmanager
-    def _command(self, name: str, **args: Any) -> Iterator[None]:
-        if self._closed_at:
-            raise ControllerClosed(name, self.engine, self.rank, self._closed_at)
+    def command(self, name: str, **args: Any) -> Iterator[None]:
+        """Run the block as command ``name``: alone (else ``CommandInFlight``), refused once closed or not recovered."""
+        if self._recorder.closed_at:
+            raise self._closed(name)
         locked = False
         try:
             with UNINTERRUPTED:  # no Ctrl-C between taking the lock and the ``finally`` that drops it
-                locked = self._command_lock.acquire(blocking=False)
+                locked = self._lock.acquire(blocking=False)
             if not locked:
-                self._refuse(name, CommandInFlight(name, self._in_flight, self.state.value))
-            if self._closed_at:  # closed while this command waited for nothing: close() held the lock
-                raise ControllerClosed(name, self.engine, self.rank, self._closed_at)
-            self._owner = threading.get_ident()
-            self._in_flight = f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
-            verdict = decide(self.state, name)
+                self.refuse(name, CommandInFlight(name, self.in_flight, self._state()))
+            if self._recorder.closed_at:  # closed while this command waited for nothing: close() held the lock
+                raise self._closed(name)
+            self.owner = threading.get_ident()
+            self.in_flight = f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+            verdict = decide(self._recorder.projection.state, name)
             if verdict.error is NotRecovered:  # before any argument is read: the memory is unknown
-                self._refuse(name, self._refusal(verdict))
-            try:
-                yield
-            except BaseException as exc:  # an interrupt, or whatever a signal handler raised: the process lives on
-                self._settle(name, exc)
-                raise
+                self.refuse(name, self.refusal(verdict))
+            yield
         finally:
             held_back: BaseException | None = None
             while locked:  # a signal handler may raise as the block is entered: the lock is dropped all the same
                 try:
                     with UNINTERRUPTED:
-                        self._in_flight = ""
-                        self._owner = None
-                        self._command_lock.release()
+                        self.in_flight = ""
+                        self.owner = None
+                        self._lock.release()
                         locked = False
                 except BaseException as exc:
                     if not locked:  # raised right after the lock was dropped: the usual place
@@ -86,106 +97,83 @@ class CommandGate(ControllerBase):
             if held_back is not None:
                 raise held_back
 
-    def _settle(self, command: str, exc: BaseException) -> None:
-        """An interrupt that leaves ``command`` mid-transition (it landed where no rollback catches it): reconcile now.
+    @contextmanager
+    def exclusive(self, name: str, timeout: float | None) -> Iterator[None]:
+        """Hold the command lock for ``name`` (``close``), waiting for a command in flight up to ``timeout`` s.
 
-        The process is alive, so the memory is known: the controller takes
-        each tag's residency from it, as :meth:`_reconcile` (``recover()``)
-        does, instead of waiting in a transitional state for a ``recover()``.
-        Not when the log could not record something (``NotRecovered`` names
-        it then) or the memory cannot say: then ``recover()`` stays the way out.
+        Past ``timeout`` (None: as long as it takes), or called from inside a
+        command (a subscriber), ``CommandInFlight`` is raised and nothing is done.
         """
-        if self.state not in TRANSITIONAL or self._log_failure or self._closed_at:
-            return
+        if self.owner == threading.get_ident():
+            raise CommandInFlight(name, self.in_flight, self._state())
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
+        locked = False
         try:
-            with UNINTERRUPTED:
-                logger.warning(
-                    "torpor: %s interrupted (%s) in %s at %s; reconciling with the memory as recover() does",
-                    command,
-                    type(exc).__name__,
-                    self.state.value,
-                    self.projection.last_step,
-                )
-                self._reconcile()
-        except Exception:
-            logger.exception("torpor: reconciling after an interrupted %s failed; recover() is needed", command)
+            while not locked:  # waited for in slices, so that a Ctrl-C meanwhile is raised within one
+                left = _WAIT_SLICE if deadline is None else min(_WAIT_SLICE, max(deadline - time.monotonic(), 0))
+                with UNINTERRUPTED:  # no Ctrl-C between taking the lock and the ``finally`` that drops it
+                    locked = self._lock.acquire(timeout=left)
+                if not locked and deadline is not None and time.monotonic() >= deadline:
+                    raise CommandInFlight(name, self.in_flight, self._state())
+            yield
+        finally:
+            if locked:
+                self._lock.release()
 
-    def _reconcile(self) -> Projection:
-        """Take each tag's residency from the memory and record it (``recovered``); the body of ``recover()``.
+    def _state(self) -> str:
+        return self._recorder.projection.state.value
 
-        A tag with nothing resident and bytes on the host (or discarded) is
-        asleep, so the controller ends ``awake`` when everything is resident
-        and ``partially_awake`` otherwise (a wake then restores the rest).
-        """
-        usage = self.memory.usage()
-        released = {
-            tag: {"host": u.host, "discarded": u.discarded}
-            for tag, u in usage.items()
-            if not u.resident and (u.host or u.discarded)
-        }
-        self._emit(
-            EventKind.RECOVERED,
-            usage={tag: u.resident for tag, u in usage.items()},
-            released=released,
-            interrupted_state=self.state.value,
-            interrupted_step=self.projection.last_step,
-        )
-        self._log_failure = ""
-        return self.projection
+    def needs_recover(self, why: str) -> None:
+        """Refuse every command but ``recover()`` from now on (``NotRecovered`` naming ``why``)."""
+        self.log_failure = why
 
-    def _repeated(self, command: str, args: dict[str, Any], reason: str) -> Projection:
+    def recovered(self) -> None:
+        """The memory was reconciled with the log: commands are accepted again."""
+        self.log_failure = ""
+
+    def repeated(self, command: str, args: dict[str, Any], reason: str) -> Projection:
         """Record a retried command whose effect already holds; nothing else changes."""
-        self._emit(EventKind.COMMAND_REPEATED, command=command, args=args, state=self.state.value, reason=reason)
+        self._recorder.record(CommandRepeated(command=command, args=args, state=self._state(), reason=reason))
         logger.info("torpor: %s(%s) is a no-op: %s", command, args, reason)
-        return self.projection
+        return self._recorder.projection
 
-    def _guard(self, command: str) -> None:
+    def guard(self, command: str) -> None:
         """Refuse ``command`` unless the transition table accepts it in the current state."""
-        verdict = decide(self.state, command)
+        verdict = decide(self._recorder.projection.state, command)
         if verdict.error is not None:
-            self._refuse(command, self._refusal(verdict))
+            self.refuse(command, self.refusal(verdict))
 
-    def _refusal(self, verdict: Verdict) -> TorporError:
+    def refusal(self, verdict: Verdict) -> TorporError:
         """The error of a refused verdict, naming the command, the state, since when, and what holds it there."""
-        state, since = verdict.state.value, self.projection.since
+        projection = self._recorder.projection
+        state, since = verdict.state.value, projection.since
         if verdict.error is NotRecovered:
-            return NotRecovered(state, self.projection.last_seq, self.projection.last_step, cause=self._log_failure)
+            return NotRecovered(state, projection.last_seq, projection.last_step, cause=self.log_failure)
         if verdict.error is PoolBusy:
-            graphs = self.projection.graph_count
+            graphs = projection.graph_count
             held = f"; {graphs} graph(s) captured into it" if graphs else ""
             msg = (
                 f"{verdict.reason} (state {state!r} since event #{since}{held}): "
                 "freeing it would unmap a second time; wake first"
             )
             return PoolBusy(msg)
-        wall = (
-            time.strftime("%H:%M:%S", time.localtime(self.projection.since_wall)) if self.projection.since_wall else ""
-        )
+        wall = time.strftime("%H:%M:%S", time.localtime(projection.since_wall)) if projection.since_wall else ""
         return InvalidTransition(verdict.command, state, since, verdict.allowed, verdict.reason, since_wall=wall)
 
-    def _refuse(self, command: str, error: TorporError) -> None:
+    def refuse(self, command: str, error: TorporError) -> NoReturn:
+        """Record the refusal of ``command`` (a ``refused`` event naming the error and its holders), then raise ``error``."""
         # Bounded so that a refusal of oversized input (a huge tag name) is still logged, not EventTooLarge.
         holders = [_clip(str(h), 128) for h in list(getattr(error, "holders", ()))[:16]]
         try:
-            self._emit(
-                EventKind.REFUSED,
-                command=command,
-                reason=_clip(str(error), 2048),
-                error=type(error).__name__,
-                holders=holders,
-                state=self.state.value,
+            self._recorder.record(
+                Refused(
+                    command=command,
+                    reason=_clip(str(error), 2048),
+                    error=type(error).__name__,
+                    holders=tuple(holders),
+                    state=self._state(),
+                )
             )
         except LogWriteFailed:  # the refusal is what the caller must see; the log says why it lacks it
             logger.exception("torpor: recording the refusal of %s failed", command)
         raise error
-
-    def _check_tags(self, command: str, tags: Sequence[str]) -> None:
-        known = set(self.projection.residency) | set(self.memory.usage())
-        unknown = [t for t in tags if t not in known]
-        if unknown:
-            self._refuse(command, UnknownTag(unknown, known))
-
-    def _group_hold(self, undo: Callable[[TorporError], None] | None) -> None:
-        """With a group: the local part is prepared; vote, and ``undo`` it (then raise) when a rank failed."""
-        if self.group is not None:
-            self.group.hold(self, undo)

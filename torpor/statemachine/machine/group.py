@@ -26,7 +26,6 @@ and :func:`as_agreement` asks the adapters it was given.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import threading
@@ -34,10 +33,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, runtime_checkable
+from typing import NoReturn, Protocol, TypeVar, runtime_checkable
 
 from torpor.errors import CommandInFlight, GroupFailed, TorporError
-from torpor.statemachine.core.events import Event, EventKind
+from torpor.statemachine.core.events import Event, GroupAgreed
+from torpor.statemachine.core.fields import Payload
 from torpor.statemachine.core.states import State
 
 #: Seconds a rank waits for the others' votes before it counts them as failed.
@@ -49,26 +49,24 @@ VOTE_BYTES = 2048
 #: What an :class:`Agreement` returns for a rank whose vote it does not know (never a commit: see :func:`decide`).
 UNHEARD = b""
 
-P = ParamSpec("P")
 R = TypeVar("R")
 
 
 class Participant(Protocol):
-    """What a group needs of the controller it runs commands for (``SleepController`` meets it)."""
-
-    group: GroupMember | None
+    """What a group needs of the controller it runs commands for (the controller's ``Context`` meets it)."""
 
     @property
     def state(self) -> State:
         """The controller's current state."""
         ...
 
-    def _refuse(self, command: str, error: TorporError) -> None: ...
+    def refuse(self, command: str, error: TorporError) -> NoReturn:
+        """Record the refusal of ``command`` and raise ``error``."""
+        ...
 
-    def _emit(self, kind: EventKind, **data: Any) -> Event: ...
-
-
-C = TypeVar("C", bound=Participant)
+    def record(self, payload: Payload) -> Event:
+        """Record one event."""
+        ...
 
 
 def check_timeout(value: object, what: str = "group timeout") -> float:
@@ -243,13 +241,11 @@ class GroupMember:
         self._txn: _Txn | None = None
         self.last: Outcome | None = None
 
-    def run(
-        self, ctl: Participant, command: str, method: Callable[..., R], args: tuple[Any, ...], kw: dict[str, Any]
-    ) -> R:
-        """Run ``method`` as the group's next command: vote, and commit or compensate with every rank."""
-        if not self._lock.acquire(blocking=False):
+    def run(self, ctl: Participant, command: str, call: Callable[[], R]) -> R:
+        """Run ``call()`` (the whole command) as the group's next command: vote, and commit or compensate with every rank."""
+        if not self._lock.acquire(blocking=False):  # see docs/architecture.md "Invariant: one command at a time"
             running = self._txn.command if self._txn else "a group command"
-            ctl._refuse(command, CommandInFlight(command, f"{running} (collective)", ctl.state.value))
+            ctl.refuse(command, CommandInFlight(command, f"{running} (collective)", ctl.state.value))
         try:
             try:
                 self.round = self.agreement.begin(self.timeout)
@@ -259,7 +255,7 @@ class GroupMember:
                 outcome = self._vote(ctl, txn, ok=False, reason=f"could not start the round ({txn.lost})")
                 raise outcome.error() from exc
             try:
-                result = method(ctl, *args, **kw)
+                result = call()
             except BaseException as exc:
                 if txn.voted:  # GroupFailed after compensating, or a failure after the group committed
                     raise
@@ -309,16 +305,17 @@ class GroupMember:
         self.round = txn.round = _round_of(raw, a.rank, txn.round)  # a void round is retried by the agreement
         outcome = Outcome(a.name, txn.command, txn.round, a.size, failed, time.perf_counter() - start)
         self.last = outcome
-        ctl._emit(
-            EventKind.GROUP_AGREED,
-            group=outcome.group,
-            command=outcome.command,
-            round=outcome.round,
-            size=outcome.size,
-            result="commit" if outcome.ok else "rollback",
-            failed={str(r): why[:512] for r, why in failed.items()},
-            voted=ok,
-            seconds=outcome.seconds,
+        ctl.record(
+            GroupAgreed(
+                group=outcome.group,
+                command=outcome.command,
+                round=outcome.round,
+                size=outcome.size,
+                result="commit" if outcome.ok else "rollback",
+                failed={str(r): why[:512] for r, why in failed.items()},
+                voted=ok,
+                seconds=outcome.seconds,
+            )
         )
         return outcome
 
@@ -329,21 +326,3 @@ def _round_of(raw: list[bytes | None], rank: int, asked: int) -> int:
         return Vote.decode(raw[rank] or b"").round
     except (ValueError, KeyError, TypeError, IndexError):
         return asked
-
-
-def collective(
-    command: str,
-) -> Callable[[Callable[Concatenate[C, P], R]], Callable[Concatenate[C, P], R]]:
-    """Decorate a controller command: with a group it runs collectively, without one it runs as written."""
-
-    def wrap(method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[C, P], R]:
-        def run(self: C, /, *args: P.args, **kw: P.kwargs) -> R:
-            member = self.group
-            if member is None:
-                return method(self, *args, **kw)
-            return member.run(self, command, method, args, kw)
-
-        functools.update_wrapper(run, method)
-        return run
-
-    return wrap

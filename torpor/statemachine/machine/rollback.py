@@ -25,23 +25,34 @@ compensation here undoes exactly that, newest first, and records it:
 Each ends by raising the first error again. Every event a sleep's or a wake's
 rollback writes goes through one :class:`Compensation`, which stops recording at
 the first event that cannot be written: the log then ends mid-transition and
-``recover()`` reconciles it with the memory.
+``recover()`` reconciles it with the memory. See docs/architecture.md
+"Invariant: a failed command is undone newest first".
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from torpor.errors import LogWriteFailed, MemoryOperationFailed, TorporError
-from torpor.statemachine.core.events import EventKind
+from torpor.statemachine.core.events import (
+    DiscardCompleted,
+    SleepAborted,
+    SleepCompleted,
+    TagReleased,
+    TagRestored,
+    TagRolledBack,
+    WakeFailed,
+)
+from torpor.statemachine.core.fields import Payload
 from torpor.statemachine.core.policy import Action
 from torpor.statemachine.core.protocol import Transfer
-from torpor.statemachine.machine.base import ControllerBase, logger
-from torpor.statemachine.machine.gate import CommandGate
-from torpor.statemachine.machine.hostmem import pinned_bytes, release_unused_host
+from torpor.statemachine.machine.context import Context
+
+logger = logging.getLogger("torpor")
 
 
 @dataclass
@@ -76,11 +87,11 @@ class WakeProgress:
 class Compensation:
     """The events of one rollback, recorded in order until one cannot be."""
 
-    def __init__(self, ctl: ControllerBase) -> None:
-        self._ctl = ctl
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
         self.ok = True
 
-    def record(self, kind: EventKind, **data: Any) -> None:
+    def record(self, payload: Payload) -> None:
         """Record a rollback step unless an earlier one could not be (then :attr:`ok` is False).
 
         Once one rollback event is missing, later ones would make the log say
@@ -90,70 +101,69 @@ class Compensation:
         if not self.ok:
             return
         try:
-            self._ctl._emit(kind, **data)
+            self._ctx.record(payload)
         except LogWriteFailed as exc:
             self.ok = False
-            self._ctl._log_failure = f"the rollback could not be recorded ({exc}); memory was rolled back"
+            self._ctx.gate.needs_recover(f"the rollback could not be recorded ({exc}); memory was rolled back")
             logger.exception("torpor: recording a rollback failed; the controller needs recover()")
 
 
-def abort_sleep(ctl: ControllerBase, done: SleepProgress, exc: BaseException) -> NoReturn:
+def abort_sleep(ctx: Context, done: SleepProgress, exc: BaseException) -> NoReturn:
     """Undo a sleep that failed: map back what was released, drop backups, stay awake; raise ``exc``."""
-    note = Compensation(ctl)
+    note = Compensation(ctx)
     rollback_error: BaseException | None = None
-    _released_anyway(ctl, done, note)
+    _released_anyway(ctx, done, note)
     # A discarded tag had no backup: rolling it back maps fresh memory, its content is gone. Say so.
     lost = done.lost()
     for released in reversed(done.released):
         try:
-            back = ctl.memory.restore([released.tag])[released.tag]
+            back = ctx.memory.restore([released.tag])[released.tag]
         except BaseException as again:  # the first error is raised below
             rollback_error = again
             break
         note.record(
-            EventKind.TAG_RESTORED,
-            tag=released.tag,
-            bytes=back.bytes,
-            source="rollback",
-            seconds=back.seconds,
-            lost=released.tag in lost,
+            TagRestored(
+                tag=released.tag, bytes=back.bytes, source="rollback", seconds=back.seconds, lost=released.tag in lost
+            )
         )
     if rollback_error is not None:
         # Could not undo: what is released stays released; the sleep completes as far as it got.
         note.record(
-            EventKind.SLEEP_COMPLETED,
-            level=done.level,
-            seconds=time.perf_counter() - done.start,
-            freed=0,
-            offloaded=0,
-            discarded=0,
-            pinned=pinned_bytes(ctl.memory),
-            incomplete=str(rollback_error),
+            SleepCompleted(
+                level=done.level,
+                seconds=time.perf_counter() - done.start,
+                freed=0,
+                offloaded=0,
+                discarded=0,
+                pinned=ctx.host.pinned(),
+                incomplete=str(rollback_error),
+            )
         )
         if not isinstance(exc, Exception):  # an interrupt stays an interrupt
             raise exc
         raise MemoryOperationFailed(
             "sleep rollback", None, f"{exc}; rolling back failed too: {rollback_error}"
         ) from exc
-    _check_resident(ctl, done, exc)
+    _check_resident(ctx, done, exc)
     interrupt: BaseException | None = None
     if done.backed_up:  # backup() cleans up its own failure
         try:
-            ctl.memory.drop_backup(done.backed_up)
+            ctx.memory.drop_backup(done.backed_up)
         except Exception:
             logger.exception("dropping backups after an aborted sleep failed")
         except BaseException as again:  # an interrupt while dropping: the backups leak, the abort goes on
             interrupt = again
-    release_unused_host(ctl.memory, ctl.host_policy)
+    ctx.host.release_unused()
     lost_txt = f"; content of {', '.join(lost)} may be lost (discarded, or partly, before the failure)" if lost else ""
     note.record(
-        EventKind.SLEEP_ABORTED,
-        level=done.level,
-        reason=f"{done.phase} failed: {exc}{lost_txt}",
-        error=type(exc).__name__,
-        seconds=time.perf_counter() - done.start,
-        usage=ctl._resident_usage(),
-        lost=lost,
+        SleepAborted(
+            level=done.level,
+            reason=f"{done.phase} failed: {exc}{lost_txt}",
+            error=type(exc).__name__,
+            seconds=time.perf_counter() - done.start,
+            usage=ctx.resident_usage(),
+            lost=tuple(lost),
+        )
     )
     if done.released:
         logger.warning("Rolled back %d released tag(s) after a failed sleep%s", len(done.released), lost_txt)
@@ -162,35 +172,35 @@ def abort_sleep(ctl: ControllerBase, done: SleepProgress, exc: BaseException) ->
     raise exc
 
 
-def not_resident(ctl: ControllerBase, tag: str) -> int:
+def not_resident(ctx: Context, tag: str) -> int:
     """The bytes of ``tag`` the memory holds released (on the host or discarded); 0 when it is resident or empty."""
-    usage = ctl.memory.usage().get(tag)
+    usage = ctx.memory.usage().get(tag)
     if usage is None or usage.resident:
         return 0
     return usage.host or usage.discarded
 
 
-def _released_anyway(ctl: ControllerBase, done: SleepProgress, note: Compensation) -> None:
+def _released_anyway(ctx: Context, done: SleepProgress, note: Compensation) -> None:
     """The tag whose release failed is released after all (its undo failed too): record it, so the rollback restores it."""
     tag = done.failed
     if tag is None:
         return
-    nbytes = not_resident(ctl, tag)
+    nbytes = not_resident(ctx, tag)
     if not nbytes:
         return
     action = done.plan[tag].value
-    note.record(EventKind.TAG_RELEASED, tag=tag, bytes=nbytes, action=action, seconds=0.0)
+    note.record(TagReleased(tag=tag, bytes=nbytes, action=action, seconds=0.0))
     done.released.append(Transfer(tag, nbytes, 0.0, done.plan[tag] is Action.OFFLOAD))
     done.failed = None
 
 
-def _check_resident(ctl: ControllerBase, done: SleepProgress, exc: BaseException) -> None:
+def _check_resident(ctx: Context, done: SleepProgress, exc: BaseException) -> None:
     """Before ``sleep_aborted`` says the engine is awake: every planned tag is resident, or the controller needs recover()."""
-    away = [t for t in done.plan if not_resident(ctl, t)]
+    away = [t for t in done.plan if not_resident(ctx, t)]
     if not away:
         return
     why = f"the rollback of a failed sleep left {', '.join(away)} not resident ({exc})"
-    ctl._log_failure = f"{why}; recover() takes each tag's residency from the memory"
+    ctx.gate.needs_recover(f"{why}; recover() takes each tag's residency from the memory")
     logger.error("torpor: %s; the controller needs recover()", why)
     if not isinstance(exc, Exception):
         raise exc
@@ -198,34 +208,35 @@ def _check_resident(ctl: ControllerBase, done: SleepProgress, exc: BaseException
     raise MemoryOperationFailed("sleep rollback", None, msg) from exc
 
 
-def fail_wake(ctl: ControllerBase, done: WakeProgress, exc: BaseException) -> NoReturn:
+def fail_wake(ctx: Context, done: WakeProgress, exc: BaseException) -> NoReturn:
     """Undo a wake that failed: release again what it mapped (backups are still there), back to asleep; raise ``exc``."""
-    note = Compensation(ctl)
+    note = Compensation(ctx)
     if done.restored:
         logger.warning("Rolling back %d mapped tag(s)", len(done.restored))
     for tag, transfer, source in reversed(done.restored):
         action = "offload" if source == "host" else "discard"
         try:
-            ctl.memory.release([tag])
+            ctx.memory.release([tag])
         except BaseException:  # the first error is raised below
-            usage = ctl.memory.usage().get(tag)
+            usage = ctx.memory.usage().get(tag)
             if usage is None or usage.resident or not (usage.host or usage.discarded):
                 logger.exception("rolling back tag %r after a failed wake failed; it stays resident", tag)
                 continue
             logger.exception("rolling back tag %r after a failed wake failed; the memory released it all the same", tag)
-        note.record(EventKind.TAG_ROLLED_BACK, tag=tag, bytes=transfer.bytes, action=action)
+        note.record(TagRolledBack(tag=tag, bytes=transfer.bytes, action=action))
     note.record(
-        EventKind.WAKE_FAILED,
-        tags=done.tags,
-        reason=str(exc),
-        error=type(exc).__name__,
-        seconds=time.perf_counter() - done.start,
+        WakeFailed(
+            tags=None if done.tags is None else tuple(done.tags),
+            reason=str(exc),
+            error=type(exc).__name__,
+            seconds=time.perf_counter() - done.start,
+        )
     )
     raise exc
 
 
 def discard_failed(
-    ctl: CommandGate, start: float, exc: TorporError, *, changed: bool, went: list[str], note: str = ""
+    ctx: Context, start: float, exc: TorporError, *, changed: bool, went: list[str], note: str = ""
 ) -> NoReturn:
     """End a discard that failed: a refusal when nothing ``changed`` yet, else partly done; raise ``exc``.
 
@@ -233,13 +244,11 @@ def discard_failed(
     lists the tags that ``went`` (and says why it stopped, with ``note`` added).
     """
     if not changed:
-        ctl._refuse("discard", exc)
-    ctl._emit(
-        EventKind.DISCARD_COMPLETED,
-        tags=went,
-        error=type(exc).__name__,
-        reason=f"{exc}{note}",
-        seconds=time.perf_counter() - start,
+        ctx.refuse("discard", exc)
+    ctx.record(
+        DiscardCompleted(
+            tags=tuple(went), error=type(exc).__name__, reason=f"{exc}{note}", seconds=time.perf_counter() - start
+        )
     )
     raise exc
 
