@@ -152,7 +152,27 @@ def model_run(label: str, kv_gib: int = 56, pause: float = 0.0) -> None:
     torch.cuda.empty_cache()
 
 
+def after_release(gib: int = 56) -> None:
+    """The link right after torch's own allocator gives ``gib`` GiB back (cudaFree): no torpor involved."""
+    host = torch.ones(512 * MiB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+    quiet = copy_rate(dev, host)
+    big = [torch.zeros(GiB, dtype=torch.uint8, device="cuda") for _ in range(gib)]
+    torch.cuda.synchronize()
+    del big
+    t0 = time.perf_counter()
+    torch.cuda.empty_cache()  # cudaFree of every cached segment
+    freed = time.perf_counter() - t0
+    samples = []
+    while time.perf_counter() - t0 < 3.0:
+        samples.append((round(time.perf_counter() - t0, 2), round(copy_rate(dev, host, repeats=1), 1)))
+    print(f"torch cudaFree of {gib} GiB took {freed:.3f} s; H2D before {quiet:.1f} GB/s; after (s, GB/s): {samples}")
+
+
 def main() -> None:
+    if "--release" in sys.argv:
+        after_release()
+        return
     if "--quick" not in sys.argv:
         raw_rates()
         original = cycle.SleepWake._remap
