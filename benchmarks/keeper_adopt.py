@@ -1,0 +1,230 @@
+"""Benchmark (issue 41): an engine killed asleep, its weights resident again: adopted from the keeper, or loaded from disk.
+
+Run on a GPU machine: ``python benchmarks/keeper_adopt.py [--layers 36] [--dir DIR]``.
+One process after another, each timed from the moment the driver spawns it:
+
+1. ``torpor keeper serve`` with a 20 GiB budget;
+2. the engine: a Qwen3-8B-shaped transformers model (36 layers, hidden 4096, vocab 32000, bf16, random
+   weights, seed 0; 14.4 GB) built in tag ``weights``, its state written to a local safetensors file
+   (the checkpoint a cold start loads), tracked by the keeper, level-1 asleep; then ``kill -9``;
+3. the adopter: the same model built again (seed 99, so other values), ``torpor.keeper.adopt`` copies
+   the engine's backup in; weights resident when it returns (synchronized);
+4. the cold starts: the same model built again, ``model.load_state_dict(safetensors.torch.load_file(...))``,
+   once with the file in the page cache and once after ``posix_fadvise(DONTNEED)`` evicted it (the
+   local disk read, as a restart on a host whose page cache lost the checkpoint).
+
+Every path checks the weights against the engine's checksums (:mod:`torpor.bench.checksums`). The
+floor is the weights' bytes over the host link's pinned bandwidth, measured in the adopter's process.
+Prints one JSON line per process and a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SOURCE = "Qwen3-8B shape, random bf16 seed 0 (benchmarks/keeper_adopt.py)"
+ENGINE = "keeper-bench"
+
+
+def _config(layers: int) -> Any:
+    from torpor.bench import realmodel as rm
+
+    return rm.config(
+        "dense",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    )
+
+
+def _sums(model: Any) -> dict[str, list[int]]:
+    from torpor.bench.checksums import module_checksums
+
+    return {k: list(v) for k, v in module_checksums(model).items()}
+
+
+def _say(**data: Any) -> None:
+    print(json.dumps(data), flush=True)
+
+
+def engine(sock: str, path: str, layers: int) -> None:
+    """Build, write the checkpoint, sleep with the keeper, then wait to be killed."""
+    import torch
+    from safetensors.torch import save_file
+
+    from torpor import SleepController
+    from torpor.allocator import TaggedAllocator
+    from torpor.bench import realmodel as rm
+    from torpor.keeper import attach, track_model
+
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    backing = attach(alloc, ctl, keeper=sock, engine=ENGINE)
+    with alloc.use_memory_pool("weights"):
+        model = rm.build(_config(layers), seed=0)
+    track_model(backing, model, SOURCE)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, path)
+    sums = _sums(model)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ctl.sleep(1)
+    slept = time.perf_counter() - t0
+    nbytes = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    _say(role="engine", pid=os.getpid(), bytes=nbytes, sleep_s=slept, sums=sums, **backing.status())
+    time.sleep(3600)
+
+
+def adopter(sock: str, layers: int) -> None:
+    """Build the model afresh and adopt the dead engine's backup; times inside the process."""
+    t_main = time.time()
+    import torch
+
+    from torpor.bench import realmodel as rm
+    from torpor.bench.device import measure_floor
+    from torpor.keeper import adopt
+
+    t_import = time.time()
+    model = rm.build(_config(layers), seed=99)
+    torch.cuda.synchronize()
+    t_built = time.time()
+    adopted = adopt(model, source=SOURCE, keeper=sock, engine=ENGINE)
+    torch.cuda.synchronize()
+    t_resident = time.time()
+    _, h2d = measure_floor()
+    _say(
+        role="adopt",
+        main=t_main,
+        imported=t_import,
+        built=t_built,
+        resident=t_resident,
+        adopted=str(adopted),
+        h2d=h2d,
+        sums=_sums(model),
+    )
+
+
+def cold(path: str, layers: int, evict: bool) -> None:
+    """Build the model afresh and load the checkpoint from local disk (``evict``: out of the page cache first)."""
+    t_main = time.time()
+    if evict:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    import torch
+    from safetensors.torch import load_file
+
+    from torpor.bench import realmodel as rm
+
+    t_import = time.time()
+    model = rm.build(_config(layers), seed=99)
+    torch.cuda.synchronize()
+    t_built = time.time()
+    model.load_state_dict(load_file(path))
+    torch.cuda.synchronize()
+    t_resident = time.time()
+    _say(
+        role="cold, evicted" if evict else "cold, page cache",
+        main=t_main,
+        imported=t_import,
+        built=t_built,
+        resident=t_resident,
+        sums=_sums(model),
+    )
+
+
+def _child(args: list[str]) -> dict[str, Any]:
+    spawned = time.time()
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False, timeout=900)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode or not lines:
+        msg = f"{args[0]} failed ({done.returncode}): {done.stderr[-2000:]}"
+        raise RuntimeError(msg)
+    out: dict[str, Any] = json.loads(lines[-1])
+    out["spawned"] = spawned
+    return out
+
+
+def drive(layers: int, workdir: Path) -> None:
+    """The whole benchmark (see the module doc)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    sock, ckpt = str(workdir / "keeper.sock"), str(workdir / "model.safetensors")
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "torpor", "keeper", "serve", "--socket", sock, "--budget", "20G"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        eng = subprocess.Popen(
+            [sys.executable, __file__, "engine", sock, ckpt, str(layers)], stdout=subprocess.PIPE, text=True
+        )
+        line = eng.stdout.readline() if eng.stdout else ""
+        if not line:
+            msg = f"the engine exited ({eng.wait()}) before it slept"
+            raise RuntimeError(msg)
+        asleep = json.loads(line)
+        os.kill(eng.pid, signal.SIGKILL)
+        eng.wait()
+        rows = [_child(["adopt", sock, str(layers)])]
+        rows += [_child(["cold", ckpt, str(layers), flag]) for flag in ("warm", "evict")]
+    finally:
+        keeper.kill()
+        keeper.wait()
+    nbytes = asleep["bytes"]
+    floor = nbytes / rows[0]["h2d"]
+    print(
+        f"weights {nbytes / 1e9:.2f} GB; engine's level-1 sleep into the keeper {asleep['sleep_s']:.3f} s; "
+        f"floor {floor:.3f} s ({rows[0]['h2d'] / 1e9:.1f} GB/s)"
+    )
+    print("| path | process start to weights resident | of which import | build | weights in | in / floor | exact |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        weights_in = r["resident"] - r["built"]
+        exact = "yes" if r["sums"] == asleep["sums"] else "NO"
+        print(
+            f"| {r['role']} | {r['resident'] - r['spawned']:.2f} s | {r['imported'] - r['spawned']:.2f} s | "
+            f"{r['built'] - r['imported']:.2f} s | {weights_in:.3f} s | {weights_in / floor:.2f}x | {exact} |"
+        )
+    if "adopted" in rows[0]:
+        print(f"adopted: {rows[0]['adopted']}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("engine", "adopt", "cold"):
+        role, rest = sys.argv[1], sys.argv[2:]
+        if role == "engine":
+            engine(rest[0], rest[1], int(rest[2]))
+        elif role == "adopt":
+            adopter(rest[0], int(rest[1]))
+        else:
+            cold(rest[0], int(rest[1]), rest[2] == "evict")
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=36, help="decoder layers (36: the 8B shape)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="socket and checkpoint (default: a new private temp dir)"
+    )
+    args = parser.parse_args()
+    drive(args.layers, args.dir or Path(tempfile.mkdtemp(prefix="torpor-keeper-bench-")))
+
+
+if __name__ == "__main__":
+    main()
