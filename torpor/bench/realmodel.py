@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from torpor import tms as torpor_tms  # a lazy package: its saver is made on first use
 from torpor.allocator.tagged import TaggedAllocator
 from torpor.bench.device import free_device, measure_floor, run_record, tensor_at
 from torpor.bench.report import row_line
@@ -265,9 +266,7 @@ def run_tms_model(cycles: int, system: str = "torch_memory_saver") -> Result:
     try:
         tms: Any
         if system == "torpor.tms":
-            from torpor.tms import torch_memory_saver as ours
-
-            tms = ours
+            tms = torpor_tms.torch_memory_saver
             if system not in _CONFIGURED:
                 tms.hook_mode = "torch"  # settable once per process
         else:
