@@ -69,7 +69,15 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "entry points",
         "the package facade, the CLI and its commands, the demo and the benchmark harness",
-        ("torpor", "torpor.__main__", "torpor.cli", "torpor.commands.*", "torpor.demo.*", "torpor.bench.*"),
+        (
+            "torpor",
+            "torpor.__main__",
+            "torpor.cli",
+            "torpor.commands.*",
+            "torpor.demo.*",
+            "torpor.bench.*",
+            "torpor.textout",
+        ),
     ),
 )
 

@@ -313,41 +313,6 @@ def test_a_host_that_is_no_address_here_says_so(tmp_path: Path, capsys: pytest.C
     assert len(err) == 1 and f"--host {host}" in err[0] and "--port" not in err[0], err
 
 
-def test_progress_rewrites_one_line_on_a_terminal_only() -> None:
-    """On a TTY the progress line is rewritten in place and cleared; on a pipe nothing is written."""
-    import io
-
-    from torpor.demo.report import Progress
-
-    class Tty(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    tty = Tty()
-    bar = Progress(tty, total=4)
-    bar.step("sleep level 1")
-    bar.advance()
-    bar.step("wake")
-    bar.clear()
-    text = tty.getvalue()
-    assert text.count("\r") == 4 and "\n" not in text  # two steps, then the clear (\r, blanks, \r)
-    assert "0/4 sleep level 1" in text and "1/4 wake" in text and text.endswith("\r")
-    pipe = io.StringIO()
-    Progress(pipe, total=4).step("sleep level 1")
-    assert pipe.getvalue() == ""
-
-
-@pytest.mark.parametrize(
-    ("nbytes", "text"),
-    [(0, "0 B"), (1023, "1023 B"), (1536, "1.50 KiB"), (912 << 20, "912.00 MiB"), (3 << 30, "3.00 GiB")],
-)
-def test_fmt_bytes(nbytes: int, text: str) -> None:
-    """Byte counts print in binary units with two decimals."""
-    from torpor.demo.report import fmt_bytes
-
-    assert fmt_bytes(nbytes) == text
-
-
 def test_auto_falls_back_to_sim_when_cuda_cannot_be_used(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -11,11 +11,11 @@ from typing import Any
 
 from torpor.commands import log_file, no_events, seconds
 from torpor.commands.writer import writer_running
-from torpor.demo.report import fmt_bytes, fmt_seconds, table
 from torpor.statemachine import Event, EventKind, Projection, read_events
 from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.projection.view import project
 from torpor.telemetry.replay import wall_problem
+from torpor.textout import fmt_bytes, fmt_seconds, table
 
 #: What a directory holding several logs asks of the user (the log commands take no --engine or --rank).
 _PICK_ONE = "name one of them"

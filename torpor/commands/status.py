@@ -8,9 +8,9 @@ import sys
 
 from torpor.commands import seconds
 from torpor.commands.writer import writer_running
-from torpor.demo.report import fmt_bytes
 from torpor.hooks.fleet import MAX_WORLD_SIZE, EngineView, FleetView, RankView, fleet, wait_fleet
 from torpor.statemachine.core.states import TRANSITIONAL
+from torpor.textout import fmt_bytes
 
 #: The states a rank's log can end in only inside a command (or when its writer died in one).
 _MID_COMMAND = frozenset(s.value for s in TRANSITIONAL)

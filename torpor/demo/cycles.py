@@ -6,11 +6,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torpor.demo.report import fmt_bytes, fmt_rate, fmt_seconds, table
 from torpor.demo.workload import DEMO_TAGS, Check, Workload
 from torpor.errors import InvalidTransition
 from torpor.statemachine import Event, SleepController
 from torpor.statemachine.core.events import SleepCompleted, TagReleased, TagRestored, WakeCompleted
+from torpor.textout import fmt_bytes, fmt_rate, fmt_seconds, table
 
 
 @dataclass(frozen=True)

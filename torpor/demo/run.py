@@ -18,7 +18,6 @@ from typing import Any, TextIO
 
 from torpor.demo.cycles import CYCLE_KINDS, render, run_cycle
 from torpor.demo.gpu import GpuWorkload
-from torpor.demo.report import Progress, fmt_bytes
 from torpor.demo.sim import SimWorkload
 from torpor.demo.workload import Workload
 from torpor.errors import DemoError, MissingExtra, PoolBusy, TorporError
@@ -27,6 +26,7 @@ from torpor.statemachine import SleepController, log_path_for
 from torpor.telemetry.dashboard import render_dashboard
 from torpor.telemetry.endpoint import serve
 from torpor.telemetry.plot import plot
+from torpor.textout import Progress, fmt_bytes
 
 DEVICES = ("auto", "cuda", "sim")
 GRAFANA_CURL = (

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
-from torpor.demo.report import fmt_bytes
 from torpor.demo.workload import BATCH_SIZES, Check
 from torpor.statemachine import Memory, SleepController
+from torpor.textout import fmt_bytes
 
 MiB = 1 << 20
 #: The simulated sizes are the GPU demo's divided by this.

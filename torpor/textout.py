@@ -1,4 +1,4 @@
-"""Text output of the demo and of ``torpor log``: byte sizes, tables and the progress line."""
+"""Text output of the CLI and the demo: byte sizes, seconds, rates, tables and the progress line."""
 
 from __future__ import annotations
 
