@@ -672,6 +672,63 @@ def test_sleep_controller_has_at_most_one_torpor_base_class() -> None:
     assert len(inherited) <= 1, f"SleepController's MRO holds torpor classes {inherited}"
 
 
+ALLOCATOR = PACKAGE / "allocator"
+
+
+def test_tagged_allocator_has_at_most_one_torpor_base_class() -> None:
+    """TaggedAllocator is one class composed of parts it owns: at most one torpor base class (by source and by import)."""
+    bases = torpor_bases(ALLOCATOR / "tagged.py", "TaggedAllocator")
+    assert len(bases) <= 1, f"TaggedAllocator inherits {bases}: compose parts instead"
+    from torpor.allocator.tagged import TaggedAllocator
+
+    inherited = [k.__qualname__ for k in TaggedAllocator.__mro__[1:] if k.__module__.startswith("torpor")]
+    assert len(inherited) <= 1, f"TaggedAllocator's MRO holds torpor classes {inherited}"
+
+
+def stubs(path: Path) -> list[str]:
+    """Methods whose body raises ``NotImplementedError`` (a "provided by" stub of a mixin): ``file:line name``."""
+    where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    return [
+        f"{where}:{node.lineno} {node.name}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef)
+        for stmt in node.body
+        if isinstance(stmt, ast.Raise) and stmt.exc is not None and "NotImplementedError" in ast.unparse(stmt.exc)
+    ]
+
+
+def test_the_allocator_has_no_provided_by_stubs() -> None:
+    """No method under torpor/allocator raises NotImplementedError for another class to provide: parts are handed in."""
+    offenders = [
+        line for name, path in sorted(modules().items()) if name.startswith("torpor.allocator") for line in stubs(path)
+    ]
+    assert not offenders, "stubs that a mixin's partner provides:\n" + "\n".join(offenders)
+
+
+def test_the_stub_check_catches_a_provided_by_stub(tmp_path: Path) -> None:
+    """``def f(self): raise NotImplementedError`` is named with its file and line; a raise of another error is not."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "class A:\n    def f(self):  # provided by B\n        raise NotImplementedError\n\n"
+        "    def g(self):\n        raise ValueError('no')\n"
+    )
+    assert stubs(source) == ["probe.py:2 f"]
+
+
+def _flat(text: str) -> str:
+    """Source text with comment marks and line breaks gone (a note's name may wrap in a docstring or a comment)."""
+    return " ".join(line.strip().lstrip("#").strip() for line in text.splitlines())
+
+
+def test_every_named_invariant_is_referenced_from_the_code() -> None:
+    """Each "### Invariant: <name>" of docs/architecture.md is named ("Invariant: <name>") by a module under torpor/."""
+    names = re.findall(r"^### Invariant: (.+)$", DOC.read_text(), flags=re.MULTILINE)
+    assert names, "docs/architecture.md names no invariants"
+    code = " ".join(_flat(path.read_text()) for path in modules().values())
+    unreferenced = [n for n in names if f"Invariant: {n}" not in code]
+    assert not unreferenced, f"invariants no code refers to by name: {unreferenced}"
+
+
 def test_the_base_class_check_counts_torpor_bases(tmp_path: Path) -> None:
     """torpor_bases names a base imported from torpor or defined beside it, not object or a stdlib class."""
     source = tmp_path / "probe.py"

@@ -1,47 +1,39 @@
 """TaggedAllocator: device memory in tags whose physical memory sleep releases and wake maps back at the same addresses.
 
-Mechanism only: the controller decides which tags are backed up or discarded;
-this class does what it is told, all or nothing per call (backup, restore) or
-per tag (release), and rolls back its own mappings when a step fails. It meets
-``torpor.statemachine.core.protocol.GraphPoolMemory`` and runs unchanged on
-:class:`~torpor.allocator.native.cuda_driver.CudaDriver` and
-:class:`~torpor.allocator.native.sim.SimDriver`.
-
-The allocation table (allocations, mappings, address arenas, slabs, each tag's
-state) lives in the native library (:mod:`torpor.allocator.native.table`), which also
-serves torch's malloc and free without the GIL. This class orchestrates sleep
-and wake over it (:mod:`torpor.allocator.sleepwake.cycle`): the copies and pinned
-host memory are Python's (the driver's copy stream), the mappings the library's.
-
-The class is a facade over parts that each do one job: :class:`TagBook`
-(each tag's record and this thread's tag), :class:`GraphPoolState` (the graph
-pool's generations and capture observers), :class:`TorchBinding` (torch's
-memory pools, made on first use on CUDA) and :class:`HostArena` (pinned host
-memory); :class:`SleepWake` is the memory protocol over them.
+Mechanism only: the controller decides which tags are backed up or discarded; this class does
+what it is told, all or nothing per call (backup, restore) or per tag (release), and rolls back
+its own mappings when a step fails. It meets ``GraphPoolMemory`` on the CUDA and simulated drivers.
+The allocation table lives in the native library (:mod:`torpor.allocator.native.table`), which
+also serves torch's malloc and free without the GIL. The class has no base class: it holds the
+public methods and owns its parts: :class:`TagBook` (each tag's record, the lock, this thread's
+tag), :class:`HostArena` and :class:`Stager` (pinned host memory), :class:`GraphPoolState`,
+:class:`TorchBinding` (torch's pools, made on first use on CUDA), :class:`SleepWake` (the
+sleep/wake cycle) and :class:`KeepBook` (ranges kept across a discard, around the cycle's release).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from torpor.allocator.errors import AllocatorError, DriverError, TagNotAwake
 from torpor.allocator.host.offload import HostArena, HostPolicy
 from torpor.allocator.host.staging import Stager
-from torpor.allocator.keep.keeping import Keeping
+from torpor.allocator.keep.keeping import KeepBook
+from torpor.allocator.keep.ranges import KeepSource
 from torpor.allocator.native.cuda_driver import CudaDriver
 from torpor.allocator.native.driver import Driver
 from torpor.allocator.native.table import NativeTable
-from torpor.allocator.sleepwake.cycle import TagState
-from torpor.allocator.sleepwake.tagbook import TagBook
+from torpor.allocator.sleepwake.cycle import SleepWake
+from torpor.allocator.sleepwake.tagbook import TagBook, TagState
 from torpor.allocator.torchside.binding import TorchBinding
 from torpor.allocator.torchside.graphpool import CaptureHandle, CaptureObserver, PoolId
 from torpor.allocator.torchside.graphstate import GraphPoolState
 from torpor.allocator.torchside.pools import TorchPools
 from torpor.statemachine.core.policy import CUDAGRAPH, DEFAULT_TAG
-from torpor.statemachine.core.protocol import DeviceMemory, TagUsage
+from torpor.statemachine.core.protocol import DeviceMemory, TagUsage, Transfer
 
 logger = logging.getLogger("torpor.allocator")
 MiB = 1 << 20
@@ -63,17 +55,15 @@ class SlabStats:
         return self._table.stats(tag)[0]
 
 
-class TaggedAllocator(Keeping):
+class TaggedAllocator:
     """Tagged device memory with sleep (backup, release) and wake (restore) per tag; see the module docstring.
 
-    ``driver``: None means :class:`~torpor.allocator.native.cuda_driver.CudaDriver`.
-    ``host``: the pinned-host policy. ``group_bytes``: bytes per pipelined
-    copy group. ``piece_bytes``: the largest single mapping a wake makes for
-    a tag with a backup (a discarded tag's allocations are mapped whole).
-    ``slab_bytes``: the largest slab shared by one-granule allocations (at most
-    64 granules; 0 maps each allocation on its own). ``capture_observers``:
-    called with the pool id whenever a capture into this allocator's graph
-    pool starts (more with :meth:`on_capture`).
+    ``driver``: None means :class:`~torpor.allocator.native.cuda_driver.CudaDriver`. ``host``: the
+    pinned-host policy. ``group_bytes``: bytes per pipelined copy group. ``piece_bytes``: the largest
+    single mapping a wake makes for a tag with a backup (a discarded tag's allocations are mapped whole).
+    ``slab_bytes``: the largest slab shared by one-granule allocations (at most 64 granules; 0 maps each
+    allocation on its own). ``capture_observers``: called with the pool id whenever a capture into this
+    allocator's graph pool starts (more with :meth:`on_capture`).
     """
 
     def __init__(
@@ -100,9 +90,10 @@ class TaggedAllocator(Keeping):
         self.book = TagBook(self.table)
         self.graphs = GraphPoolState(self.book, capture_observers)
         self.torch_binding = TorchBinding(self)
-        self._lock = self.book.lock  # what SleepWake works under: the book's lock and records, not copies
-        self._tags = self.book.records
         self._granularity = functools.cache(self.table.granularity)
+        parts = (driver, self.table, self.host, self.stager, self.book, self.torch_binding, self._granularity)
+        self.sleepwake = SleepWake(*parts, group_bytes=group_bytes, piece_bytes=piece_bytes)
+        self.keeping = KeepBook(driver, self.table, self.book)
         self.closed = False
 
     # -- the raw path -------------------------------------------------------------------
@@ -145,10 +136,10 @@ class TaggedAllocator(Keeping):
         library's free returns it at the next wake or dropped backup).
         """
         self.table.free(address)
-        with self._lock:
-            for record in self._tags.values():
+        with self.book.lock:
+            for record in self.book.records.values():
                 if record.pieces:
-                    self._forget(record, {address})
+                    self.sleepwake.forget(record, {address})
 
     def size_of(self, address: int) -> int:
         """Mapped size of the allocation at ``address``."""
@@ -216,10 +207,9 @@ class TaggedAllocator(Keeping):
     def empty_cache(self, tags: Sequence[str] | None = None) -> int:
         """Give back the free cached segments of ``tags`` (None: all) that no open block uses; the bytes.
 
-        What ``torch.cuda.empty_cache()`` does for torch's own pool, for the tags' pools
-        (that call does this too once the torch side exists: :func:`~torpor.allocator.torchside.pools.empty_cache_hook`).
-        Safe with kernels still queued: each segment's stream is waited for first. Without torch
-        (the simulated device) there is no cache: 0.
+        What ``torch.cuda.empty_cache()`` does for torch's own pool, for the tags' pools (that call does this
+        too once the torch side exists: ``empty_cache_hook``). Safe with kernels still queued: each segment's
+        stream is waited for first (Invariant: stream-ordered trim). Without torch there is no cache: 0.
         """
         pools = self._torch
         if pools is None:
@@ -229,9 +219,9 @@ class TaggedAllocator(Keeping):
     def close_doors(self, tags: Sequence[str], cause: str, timeout: float) -> None:
         """Refuse new ``use_memory_pool`` blocks of ``tags`` and wait up to ``timeout`` s for the open ones to end.
 
-        :class:`~torpor.errors.BlocksOpen` names the blocks still open (in another
-        thread past the wait, or in this one); nothing is touched then. ``cause``
-        names the sleep in later refusals. The controller calls this before a sleep.
+        :class:`~torpor.errors.BlocksOpen` names the blocks still open (in another thread past the wait, or in
+        this one); nothing is touched then. ``cause`` names the sleep in later refusals. The controller calls
+        this before a sleep takes the book's lock (Invariant: the allocator's lock order).
         """
         self.book.close_doors(tags, cause, timeout)
 
@@ -284,7 +274,56 @@ class TaggedAllocator(Keeping):
         """Drop the graph pool once nothing references it; return the bytes it held; the next capture starts afresh."""
         return self.graphs.release(lambda pool: self._torch_pools().drop(pool), self.free)
 
-    # -- the memory protocol (sleep and wake: SleepWake) -------------------------------------
+    # -- the memory protocol: the sleep/wake cycle, keeping around its release and restore --------
+
+    def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
+        return self.sleepwake.backup(tags)
+
+    def release(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Release each tag's physical memory, per tag all or nothing; a tag without a backup keeps its sourced ranges."""
+        with self.book.lock:
+            saved = self.keeping.save(tags)
+            try:
+                out = self.sleepwake.release(tags)
+            except BaseException:
+                self.keeping.unsave(saved)
+                raise
+            return self.keeping.counted(out, saved)
+
+    def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
+        """Map each tag back at its addresses and copy its backup (or kept ranges) in; all or nothing, backups kept."""
+        with self.book.lock:
+            fresh = self.keeping.to_load(tags)
+            out = self.sleepwake.restore(tags)
+            self.keeping.load(fresh, tags, self.sleepwake.release)  # a failed copy releases the tags again
+            return self.keeping.counted(out, fresh)
+
+    def drop_backup(self, tags: Sequence[str]) -> None:
+        """Mark the tags' backups stale (their host extents and kept copies go); a frozen tag takes allocations again."""
+        with self.book.lock:
+            self.sleepwake.drop_backup(tags)
+            self.keeping.dropped(tags)
+
+    def keep(self, tag: str, source: KeepSource) -> Callable[[], None]:
+        """Keep ``source``'s ranges of ``tag`` whenever ``tag`` is released without a backup; returns its remover."""
+        return self.keeping.keep(tag, source)
+
+    def track(self, module: object, tag: str = "weights", *, check: bool = True) -> KeepSource:
+        """Keep what no ``state_dict`` reload restores of ``module`` (a torch module, or any :class:`KeepSource`).
+
+        Returns the source: for a module a ``ModuleTracker``, whose ``check_reloaded()`` names each
+        parameter the reload left unwritten (``check``) and whose ``untrack()`` stops keeping it.
+        """
+        return self.keeping.track(module, tag, check=check)
+
+    def kept_bytes(self, tag: str | None = None) -> int:
+        """Host bytes kept now for released tags (of ``tag``, or of all)."""
+        return self.keeping.kept_bytes(tag)
+
+    def kept_names(self, tag: str) -> list[str]:
+        """What the kept copy of ``tag`` holds (the sources' names), empty when nothing is kept."""
+        return self.keeping.kept_names(tag)
 
     def usage(self) -> dict[str, TagUsage]:
         """Bytes per tag: resident, on the host, or discarded, and the number of allocations."""
@@ -332,10 +371,10 @@ class TaggedAllocator(Keeping):
 
     def close(self) -> None:
         """Teardown: unmap what is mapped, free reservations and pinned memory (also while asleep)."""
-        self._close_kept()  # kept copies of discarded tags (torpor.allocator.keep.keeping)
-        with self._lock:
-            for record in self._tags.values():
-                self._settle(record)
+        self.keeping.close()  # kept copies of discarded tags
+        with self.book.lock:
+            for record in self.book.records.values():
+                self.sleepwake.settle(record)
             if self.torch_binding.current is not None:
                 self.graphs.detach()
                 self.torch_binding.close()  # torch frees its cached segments through the native free
@@ -348,18 +387,6 @@ class TaggedAllocator(Keeping):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
-        return self.torch_binding.live_ranges(tag)
-
-    def _trim_free(self, tags: Sequence[str], synced: bool) -> None:
-        pools = self._torch
-        if pools is None:
-            return
-        if not synced:  # the devices first: a kernel queued before a free may still touch a free segment (trim.py)
-            for device in {d for t in tags for _, _, d in self.table.allocations(t)}:
-                self.driver.synchronize(device)
-        pools.trim(list(tags), settled=True)
-
     def _on_cuda(self) -> bool:
         return getattr(self.driver, "name", "") == "cuda"
 
@@ -370,13 +397,3 @@ class TaggedAllocator(Keeping):
     def _torch(self) -> TorchPools | None:
         """The torch pools, None before the first use on CUDA."""
         return self.torch_binding.current
-
-
-def capture_context(allocator: TaggedAllocator, site: str) -> AbstractContextManager[CaptureHandle]:
-    """Same as ``allocator.capture_into_pool(site)`` (a function form for integrations)."""
-    return allocator.capture_into_pool(site)
-
-
-def usage_total(usage: Mapping[str, TagUsage]) -> int:
-    """Resident + host + discarded bytes over all tags."""
-    return sum(u.resident + u.host + u.discarded for u in usage.values())

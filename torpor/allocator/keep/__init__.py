@@ -2,7 +2,8 @@
 
 It owns :mod:`.ranges` (what a keep source names), :mod:`.modules`
 (``ModuleTracker``: what no ``state_dict`` reload restores) and :mod:`.keeping`
-(the ``Keeping`` part of ``TaggedAllocator``). It imports the native, host and
-sleep-and-wake layers below it; never the torch pools or ``TaggedAllocator``, nor
-the controller, hooks or telemetry.
+(``KeepBook``: the part of ``TaggedAllocator`` called around the sleep/wake
+cycle's release and restore). It imports the native, host and sleep-and-wake
+layers below it; never the torch pools or ``TaggedAllocator``, nor the
+controller, hooks or telemetry.
 """

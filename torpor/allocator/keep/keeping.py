@@ -5,21 +5,22 @@ A level-2 sleep discards ``weights`` and the engine reloads its parameters (a
 non-persistent buffers such as rotary ``inv_freq``, tensors held as plain
 attributes) lives at addresses inside that same tag. A *keep source* names
 those ranges (:mod:`torpor.allocator.keep.modules` finds them for a torch module);
-:class:`Keeping` copies them to pinned host memory when the tag is released
+:class:`KeepBook` copies them to pinned host memory when the tag is released
 without a backup, and back into the fresh mapping when the tag is restored
 without one, before the wake returns. Mechanism only: which tags are
 discarded, and when, is the controller's plan; which ranges, the source's.
 A tag released with a backup (level 1) needs nothing kept: the backup holds
 every byte.
 
-It changes nothing for a tag without a source: its release and restore are
-:class:`~torpor.allocator.sleepwake.cycle.SleepWake`'s, untouched.
+:class:`KeepBook` is a part ``TaggedAllocator`` owns: its release calls
+:meth:`KeepBook.save` before the sleep/wake cycle's release (and
+:meth:`KeepBook.unsave` when that fails), its restore :meth:`KeepBook.load`
+after the cycle's restore. It changes nothing for a tag without a source.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -29,7 +30,7 @@ from torpor.allocator.keep.ranges import KeepSource, KeptRange
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
 from torpor.allocator.native.table import NativeTable
-from torpor.allocator.sleepwake.cycle import SleepWake, TagState
+from torpor.allocator.sleepwake.tagbook import TagBook
 from torpor.statemachine.core.protocol import Transfer
 
 logger = logging.getLogger("torpor.allocator")
@@ -43,14 +44,6 @@ class Kept:
     nbytes: int = 0
     ranges: list[tuple[int, int, int, int]] = field(default_factory=list)  # (address, nbytes, device, host offset)
     names: list[str] = field(default_factory=list)
-
-
-@dataclass
-class KeepBook:
-    """Sources per tag and the copies kept now."""
-
-    sources: dict[str, list[KeepSource]] = field(default_factory=dict)
-    kept: dict[str, Kept] = field(default_factory=dict)
 
 
 def merged(
@@ -75,43 +68,37 @@ def merged(
     return [(lo, hi - lo, d) for lo, hi, d in out], names
 
 
-class Keeping(SleepWake):
-    """Release and restore that keep each tag's sourced ranges across a discard (mixed into TaggedAllocator)."""
+class KeepBook:
+    """The keep sources per tag and the copies kept now, over one driver, table and tag book (its records).
 
-    driver: Driver
-    table: NativeTable
-    _lock: threading.RLock
-    _tags: dict[str, TagState]
+    It works under the book's lock, as the sleep/wake cycle does (Invariant: the allocator's lock order).
+    """
 
-    @property
-    def _keep(self) -> KeepBook:
-        book = self.__dict__.get("_keep_book")
-        if book is None:
-            book = self.__dict__["_keep_book"] = KeepBook()
-        return book
+    def __init__(self, driver: Driver, table: NativeTable, book: TagBook) -> None:
+        self.driver = driver
+        self.table = table
+        self.book = book
+        self.sources: dict[str, list[KeepSource]] = {}
+        self.kept: dict[str, Kept] = {}
+        self._lock = book.lock
+        self._tags = book.records
 
     def keep(self, tag: str, source: KeepSource) -> Callable[[], None]:
         """Keep ``source``'s ranges of ``tag`` whenever ``tag`` is released without a backup; returns its remover."""
         with self._lock:
-            self.tag_state(tag)
-            self._keep.sources.setdefault(tag, []).append(source)
+            self.book.state(tag)
+            self.sources.setdefault(tag, []).append(source)
 
         def remove() -> None:
             with self._lock:
-                listed = self._keep.sources.get(tag, [])
+                listed = self.sources.get(tag, [])
                 if source in listed:
                     listed.remove(source)
 
         return remove
 
-    def track(self, module: object, tag: str = "weights", *, check: bool = True) -> KeepSource:
-        """Keep what no ``state_dict`` reload restores of ``module`` (a torch module, or any :class:`KeepSource`).
-
-        Returns the source: for a module a
-        :class:`~torpor.allocator.keep.modules.ModuleTracker`, whose ``check_reloaded()``
-        names each parameter the reload left unwritten (``check``) and whose
-        ``untrack()`` stops keeping it.
-        """
+    def track(self, module: object, tag: str, *, check: bool) -> KeepSource:
+        """Keep what no ``state_dict`` reload restores of ``module`` (a torch module, or any :class:`KeepSource`)."""
         if isinstance(module, KeepSource):
             source: KeepSource = module
         else:
@@ -121,24 +108,24 @@ class Keeping(SleepWake):
             source.untrack = remove
         return source
 
-    def tag_state(self, tag: str) -> TagState:  # provided by TaggedAllocator
-        raise NotImplementedError
-
     def kept_bytes(self, tag: str | None = None) -> int:
         """Host bytes kept now for released tags (of ``tag``, or of all)."""
         with self._lock:
-            return sum(k.nbytes for t, k in self._keep.kept.items() if tag is None or t == tag)
+            return sum(k.nbytes for t, k in self.kept.items() if tag is None or t == tag)
 
     def kept_names(self, tag: str) -> list[str]:
         """What the kept copy of ``tag`` holds (the sources' names), empty when nothing is kept."""
         with self._lock:
-            kept = self._keep.kept.get(tag)
+            kept = self.kept.get(tag)
             return list(kept.names) if kept is not None else []
 
-    # -- the memory protocol, wrapped ------------------------------------------------------------
+    # -- around the cycle's release, restore and drop_backup ---------------------------------------
 
-    def release(self, tags: Sequence[str]) -> dict[str, Transfer]:
-        """:meth:`SleepWake.release`; a tag released without a backup first has its sourced ranges copied out."""
+    def save(self, tags: Sequence[str]) -> list[str]:
+        """Before a release: copy out the sourced ranges of each tag released without a backup; the tags kept.
+
+        A failure frees what this call kept (every tag is still resident) and raises.
+        """
         with self._lock:
             saved: list[str] = []
             try:
@@ -147,32 +134,47 @@ class Keeping(SleepWake):
                         self._free_kept(tag)  # an older copy never comes back in place of this one
                         if self._save(tag):
                             saved.append(tag)
-                out = super().release(tags)
             except BaseException:
-                for tag in saved:  # a tag left resident keeps nothing
-                    if self.table.usage(tag)[0] != native.RELEASED:
-                        self._free_kept(tag)
+                self.unsave(saved)
                 raise
-            return {t: replace(x, kept=self._keep.kept[t].nbytes) if t in saved else x for t, x in out.items()}
+            return saved
 
-    def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
-        """:meth:`SleepWake.restore`; a tag restored without a backup then gets its kept ranges copied back."""
+    def unsave(self, saved: Sequence[str]) -> None:
+        """The release of ``saved`` failed: a tag left resident keeps nothing."""
         with self._lock:
-            fresh = [
+            for tag in saved:
+                if self.table.usage(tag)[0] != native.RELEASED:
+                    self._free_kept(tag)
+
+    def counted(self, out: dict[str, Transfer], tags: Sequence[str]) -> dict[str, Transfer]:
+        """``out`` with the kept bytes of ``tags`` in their transfers (``Transfer.kept``)."""
+        return {t: replace(x, kept=self.kept[t].nbytes) if t in tags else x for t, x in out.items()}
+
+    def to_load(self, tags: Sequence[str]) -> list[str]:
+        """Before a restore: the tags it maps fresh (released without a backup) whose kept ranges go back after it."""
+        with self._lock:
+            return [
                 t
                 for t in tags
-                if t in self._keep.kept
+                if t in self.kept
                 and t in self._tags
                 and not self._tags[t].backed_up
                 and self.table.usage(t)[0] == native.RELEASED
             ]
-            out = super().restore(tags)
+
+    def load(self, fresh: Sequence[str], tags: Sequence[str], release: Callable[[Sequence[str]], object]) -> None:
+        """After the restore of ``tags``: copy the kept ranges of ``fresh`` back, then call their sources' hooks.
+
+        All or nothing: when a copy fails, ``release(tags)`` (the cycle's) releases the tags the restore
+        mapped again, the copies stay, and the error says the kept ranges were not copied back.
+        """
+        with self._lock:
             try:
                 for tag in fresh:
                     self._load(tag)
-            except BaseException as exc:  # all or nothing: the tags this restore mapped go again (the copies stay)
+            except BaseException as exc:
                 try:
-                    SleepWake.release(self, tags)
+                    release(tags)
                 except Exception:
                     logger.exception("releasing %s again after copying kept ranges back failed", ", ".join(tags))
                 if not isinstance(exc, Exception):
@@ -182,29 +184,27 @@ class Keeping(SleepWake):
                 ) from exc
             for tag in fresh:
                 self._fresh_hooks(tag)
-            return {t: replace(x, kept=self._keep.kept[t].nbytes) if t in fresh else x for t, x in out.items()}
 
-    def drop_backup(self, tags: Sequence[str]) -> None:
-        """:meth:`SleepWake.drop_backup`; the kept copies of the tags go too (after a wake, or before a sleep)."""
+    def dropped(self, tags: Sequence[str]) -> None:
+        """After drop_backup: the kept copies of the tags go too (after a wake, or before a sleep)."""
         with self._lock:
-            super().drop_backup(tags)
             for tag in tags:  # a released tag's copy stays until the wake that uses it
                 if tag not in self._tags or self.table.usage(tag)[0] != native.RELEASED:
                     self._free_kept(tag)
 
-    def _close_kept(self) -> None:
+    def close(self) -> None:
         """Free every kept copy and forget the sources (the allocator's teardown, before the driver goes)."""
         with self._lock:
-            for tag in list(self._keep.kept):
+            for tag in list(self.kept):
                 self._free_kept(tag)
-            self._keep.sources.clear()
+            self.sources.clear()
 
     # -- internals ----------------------------------------------------------------------------
 
     def _discarding(self, tag: str) -> bool:
         record = self._tags.get(tag)
         return (
-            bool(self._keep.sources.get(tag))
+            bool(self.sources.get(tag))
             and record is not None
             and not record.backed_up
             and self.table.usage(tag)[0] != native.RELEASED
@@ -213,7 +213,7 @@ class Keeping(SleepWake):
     def _save(self, tag: str) -> bool:
         """Copy the tag's sourced ranges to fresh pinned host memory; False when none lies in the tag."""
         wanted: list[KeptRange] = []
-        for source in self._keep.sources.get(tag, []):
+        for source in self.sources.get(tag, []):
             wanted.extend(source.ranges())
         ranges, names = merged(wanted, self.table.allocations(tag))
         total = sum(n for _, n, _ in ranges)
@@ -240,12 +240,12 @@ class Keeping(SleepWake):
                 raise
             raise wrap("release", tag, exc, "tracked ranges not kept; tag left resident") from exc
         kept.names = names
-        self._keep.kept[tag] = kept
+        self.kept[tag] = kept
         return True
 
     def _load(self, tag: str) -> None:
         """Copy the kept ranges back into the tag's fresh mapping (ranges whose allocation was freed are skipped)."""
-        kept = self._keep.kept[tag]
+        kept = self.kept[tag]
         live = self.table.allocations(tag)
         devices = set()
         for address, n, device, offset in kept.ranges:
@@ -261,14 +261,14 @@ class Keeping(SleepWake):
         def inside(address: int, nbytes: int) -> bool:
             return any(a <= address and address + nbytes <= a + n for a, n, _ in live)
 
-        for source in list(self._keep.sources.get(tag, [])):
+        for source in list(self.sources.get(tag, [])):
             try:
                 source.fresh(inside)
             except Exception:  # a source's hook never breaks the wake
                 logger.exception("a keep source's fresh() hook failed for tag %r", tag)
 
     def _free_kept(self, tag: str) -> None:
-        kept = self._keep.kept.pop(tag, None)
+        kept = self.kept.pop(tag, None)
         if kept is not None and kept.host:
             self._free_host(kept.host)
 

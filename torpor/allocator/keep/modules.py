@@ -11,7 +11,7 @@ module holds in device memory, each storage once:
   in a list, tuple or dict (caches such as ``cos_cached``), unless they share
   storage with something the reload writes.
 
-:class:`~torpor.allocator.keep.keeping.Keeping` asks for these ranges at each discard
+:class:`~torpor.allocator.keep.keeping.KeepBook` asks for these ranges at each discard
 and keeps them on the host. After a wake without a backup it calls
 :meth:`ModuleTracker.fresh`, which (with ``check``) fills every reloadable
 tensor inside the tag with 0xFF bytes (NaN in floating point) so that one the

@@ -1,25 +1,28 @@
 """Sleep and wake over the native table: backup copies, release (unmap) pipelined with them, restore, rollback.
 
-Sleep: :meth:`SleepWake.backup` freezes each tag in the library (new
-allocations are refused, frees keep their mappings), enqueues the copies of
-each batch of adjacent allocations on the driver's copy stream and records an
-event per batch; :meth:`SleepWake.release` asks the library to unmap each batch
-as soon as its copy is done, so unmapping overlaps the copies still in flight.
-Wake maps span after span (one handle per span of adjacent allocations) and
-enqueues each span's copy at once, then waits once. Python holds its own lock
-across these steps but never while torch's allocator could need it: the
-library's calls take only the library's mutex (docs/allocator.md, lock order).
-What a failed release does to put its tag back (or release it honestly when
-that fails too) is :mod:`torpor.allocator.sleepwake.undo`.
+:class:`SleepWake` is a part ``TaggedAllocator`` owns, made with the driver,
+the table, the host arena, the stager, the tag book and the torch side
+(:class:`TorchSide`) it works on. Sleep: :meth:`SleepWake.backup` freezes each
+tag in the library (new allocations are refused, frees keep their mappings:
+Invariant: freeze before copy), enqueues the copies of each batch of adjacent
+allocations on the driver's copy stream and records an event per batch;
+:meth:`SleepWake.release` asks the library to unmap each batch as soon as its
+copy is done (Invariant: an unmap waits for its copy), so unmapping overlaps
+the copies still in flight. Wake maps span after span (one handle per span of
+adjacent allocations) and enqueues each span's copy at once, then waits once.
+Python holds the book's lock across these steps but never while torch's
+allocator could need it (Invariant: the allocator's lock order). What a failed
+release does to put its tag back (or release it honestly when that fails too)
+is :mod:`torpor.allocator.sleepwake.undo`'s functions. The invariants are named
+in docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from torpor.allocator.errors import AllocatorError, wrap
 from torpor.allocator.host.offload import Extent, HostArena
@@ -38,48 +41,73 @@ from torpor.allocator.sleepwake.plan import (
     pieces,
     spans,
 )
-from torpor.allocator.sleepwake.undo import ReleaseUndo, Span, TagState
+from torpor.allocator.sleepwake.tagbook import Span, TagBook, TagState
+from torpor.allocator.sleepwake.undo import heal, thaw_quietly, undo_release
 from torpor.errors import UnknownTag
 from torpor.statemachine.core.protocol import Transfer
 
 logger = logging.getLogger("torpor.allocator")
 
 
-__all__ = ["SleepWake", "TagState"]
+__all__ = ["SleepWake", "TagState", "TorchSide"]
 
 
-class SleepWake(ReleaseUndo):
-    """The memory protocol's backup, release, restore and drop_backup (mixed into TaggedAllocator)."""
+class TorchSide(Protocol):
+    """What the cycle needs of the torch side (``TorchBinding`` meets it; off CUDA it has no pools and does nothing)."""
 
-    driver: Driver
-    table: NativeTable
-    host: HostArena
-    stager: Stager
-    group_bytes: int
-    piece_bytes: int
-    _lock: threading.RLock
-    _tags: dict[str, TagState]
-
-    def granularity(self, device: int | None = None) -> int:  # provided by TaggedAllocator
-        raise NotImplementedError
-
-    def _live_blocks(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
+    def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
         """Allocation address -> the ranges of it in use, where torch says (None: every byte is live)."""
-        return None
+        ...
 
-    def _trim_free(self, tags: Sequence[str], synced: bool) -> None:
+    def trim_free(self, tags: Sequence[str], synced: bool) -> None:
         """Before a sleep: free segments of torch pools no open block uses go back (neither copied nor mapped on wake).
 
-        ``synced``: the caller synchronized the tags' devices just before (else the hook does).
+        ``synced``: the caller synchronized the tags' devices just before (else it does: Invariant: stream-ordered trim).
         """
+        ...
+
+
+class SleepWake:
+    """The memory protocol's backup, release, restore and drop_backup over one table, host arena and stager.
+
+    It works under the book's lock (:attr:`TagBook.lock`) on the book's records;
+    ``torch`` is the torch side (:class:`TorchSide`), ``granularity(device)`` the
+    table's (cached by the allocator), ``group_bytes`` the bytes per pipelined copy
+    group and ``piece_bytes`` the largest mapping a wake makes for a tag with a backup.
+    """
+
+    def __init__(
+        self,
+        driver: Driver,
+        table: NativeTable,
+        host: HostArena,
+        stager: Stager,
+        book: TagBook,
+        torch: TorchSide,
+        granularity: Callable[[int], int],
+        *,
+        group_bytes: int,
+        piece_bytes: int,
+    ) -> None:
+        self.driver = driver
+        self.table = table
+        self.host = host
+        self.stager = stager
+        self.book = book
+        self.torch = torch
+        self.granularity = granularity
+        self.group_bytes = group_bytes
+        self.piece_bytes = piece_bytes
+        self._lock = book.lock
+        self._tags = book.records
 
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
         with self._lock:
             self._check_known(tags)
-            self._refuse_partial("backup", list(tags), self._tags)
+            _refuse_partial("backup", list(tags), self._tags)
             start = time.perf_counter()
-            self._trim_free(tags, synced=False)
+            self.torch.trim_free(tags, synced=False)
             for tag in tags:
                 if self.table.usage(tag)[0] == native.RELEASED:
                     msg = f"tag {tag!r} is released; nothing resident to back up"
@@ -87,7 +115,7 @@ class SleepWake(ReleaseUndo):
             frozen: list[str] = []
             taken: list[TagState] = []
             try:
-                for tag in tags:
+                for tag in tags:  # Invariant: freeze before copy
                     self.table.freeze(tag)
                     frozen.append(tag)
                 lives = {t: self.table.allocations(t) for t in tags}
@@ -99,7 +127,7 @@ class SleepWake(ReleaseUndo):
                 for tag in tags:
                     record = self._tags[tag]
                     self._drop(record)
-                    self._take_host(tag, record, live_pieces(lives[tag], self._live_blocks(tag)))
+                    self._take_host(tag, record, live_pieces(lives[tag], self.torch.live_ranges(tag)))
                     taken.append(record)
                 for tag in tags:
                     self._enqueue_backup(tag, self._tags[tag], lives[tag])
@@ -111,7 +139,7 @@ class SleepWake(ReleaseUndo):
                 for record in taken:
                     self._drop(record)
                 for tag in frozen:
-                    self._thaw_quietly(tag)
+                    thaw_quietly(self.table, tag)
                 self.host.end_staging()  # staged chunks left empty go back
                 raise
             seconds = time.perf_counter() - start
@@ -129,7 +157,7 @@ class SleepWake(ReleaseUndo):
                         self.driver.synchronize(device)
                     except Exception as exc:
                         raise wrap("release", None, exc) from exc
-            self._trim_free([t for t in tags if self.table.usage(t)[0] == native.ACTIVE], synced)  # discarded tags
+            self.torch.trim_free([t for t in tags if self.table.usage(t)[0] == native.ACTIVE], synced)  # discarded tags
             out = {}
             try:
                 for tag in tags:
@@ -141,7 +169,7 @@ class SleepWake(ReleaseUndo):
                     self._release_tag(tag, record)
                     out[tag] = Transfer(tag, self.table.usage(tag)[1], time.perf_counter() - start, record.backed_up)
             finally:
-                # only now: registering while the release unmaps made both wait on the driver (H200, docs/allocator.md)
+                # Invariant: staging ends after the release (registering while it unmaps made both wait on the driver)
                 self.host.end_staging()
             return out
 
@@ -183,7 +211,7 @@ class SleepWake(ReleaseUndo):
     def drop_backup(self, tags: Sequence[str]) -> None:
         """Mark the tags' backups stale (host extents return to the arena); a frozen tag takes allocations again."""
         with self._lock:
-            self._refuse_partial("drop backup", list(tags), self._tags)
+            _refuse_partial("drop backup", list(tags), self._tags)
             first: AllocatorError | None = None
             for tag in tags:
                 record = self._tags.get(tag)
@@ -204,12 +232,6 @@ class SleepWake(ReleaseUndo):
         unknown = [t for t in tags if t not in self._tags]
         if unknown:
             raise UnknownTag(unknown, self._tags)
-
-    def _thaw_quietly(self, tag: str) -> None:
-        try:
-            self.table.thaw(tag)
-        except AllocatorError:
-            logger.exception("tag %r stays frozen (no new allocations) after a failed sleep step", tag)
 
     def _take_host(self, tag: str, record: TagState, parts: list[Piece]) -> None:
         total = sum(p[2] for p in parts)
@@ -243,12 +265,12 @@ class SleepWake(ReleaseUndo):
                     hi = min(hi, groups[i + 1][0][0])
                 record.pending.append((self.driver.record(batch[0][3]), batch[0][0], hi))
         except BaseException as exc:
-            self._settle(record)
+            self.settle(record)
             if not isinstance(exc, Exception):  # an interrupt stays an interrupt
                 raise
             raise wrap("backup", tag, exc) from exc
 
-    def _settle(self, record: TagState) -> list[Span]:
+    def settle(self, record: TagState) -> list[Span]:
         """Wait for the tag's copies in flight; the batches (lo, hi) whose copy failed (their backup is not valid)."""
         self.stager.abort()  # a staged sleep's threads write into the backup's host memory until they stop
         failed: list[Span] = []
@@ -262,7 +284,7 @@ class SleepWake(ReleaseUndo):
         return failed
 
     def _drop(self, record: TagState) -> None:
-        self._settle(record)
+        self.settle(record)
         extents: list[Extent] = [e for backup in record.backups.values() for e in backup]
         record.backups = {}
         record.pieces = []
@@ -270,7 +292,7 @@ class SleepWake(ReleaseUndo):
             self.host.give(extents)
         record.backed_up = False
 
-    def _forget(self, record: TagState, gone: set[int]) -> None:
+    def forget(self, record: TagState, gone: set[int]) -> None:
         """Give back the backups of the allocations in ``gone`` (freed while asleep)."""
         keep, extents = [], []
         for p in record.pieces:
@@ -284,7 +306,7 @@ class SleepWake(ReleaseUndo):
 
     def _forget_freed(self, record: TagState, live: list[Live]) -> None:
         alive = {a for a, _, _ in live}
-        self._forget(record, {p[0] for p in record.pieces if p[0] not in alive})
+        self.forget(record, {p[0] for p in record.pieces if p[0] not in alive})
 
     def _release_tag(self, tag: str, record: TagState) -> None:
         if self.table.usage(tag)[0] == native.ACTIVE:  # discarded, or released again on a kept backup
@@ -297,13 +319,13 @@ class SleepWake(ReleaseUndo):
                 backed = {p[0] for p in record.pieces}
                 missing = [a for a, _, _ in live if a not in backed]
                 if missing:
-                    self._thaw_quietly(tag)
+                    thaw_quietly(self.table, tag)
                     msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
                     raise AllocatorError("release", tag, msg)
         pending, record.pending = record.pending, []
         waited, stale = 0, []
         try:
-            for event, lo, hi in pending:
+            for event, lo, hi in pending:  # Invariant: an unmap waits for its copy
                 waited += 1
                 try:
                     self.driver.wait(event)
@@ -314,7 +336,7 @@ class SleepWake(ReleaseUndo):
             self.table.unmap_range(tag)
         except BaseException as exc:  # an error or an interrupt (Ctrl-C): put the tag back, or release it (undo.py)
             record.pending = pending[waited:]
-            outcome = self._undo_release(tag, record, stale + self._settle(record))
+            outcome = undo_release(self.driver, self.table, self.host, tag, record, stale + self.settle(record))
             if not isinstance(exc, Exception):
                 raise
             raise wrap("release", tag, exc, outcome) from exc
@@ -352,6 +374,15 @@ class SleepWake(ReleaseUndo):
 
     def _heal_tag(self, tag: str) -> int:
         try:
-            return self._heal(tag, self._tags[tag])
+            return heal(self.driver, self.table, self.host, tag, self._tags[tag])
         except AllocatorError as exc:
             raise wrap("restore", tag, exc, "tag stays partly released; its backup is kept") from exc
+
+
+def _refuse_partial(operation: str, tags: list[str], records: dict[str, TagState]) -> None:
+    """Refuse ``operation`` on a partly released tag: its backup alone holds part of its bytes."""
+    for tag in tags:
+        record = records.get(tag)
+        if record is not None and record.partial:
+            msg = f"tag {tag!r} is partly released after a failed release; wake it first (its backup holds the rest)"
+            raise AllocatorError(operation, tag, msg)

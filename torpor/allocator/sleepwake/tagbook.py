@@ -2,7 +2,7 @@
 
 The native table (:mod:`torpor.allocator.native.table`) knows each tag's allocations
 and state (active, frozen, released); :class:`TagBook` keeps what only Python
-knows: each tag's backup (:class:`~torpor.allocator.sleepwake.cycle.TagState`), the
+knows: each tag's backup (:class:`TagState`), the
 lock that orders sleep, wake and the graph pool against each other, and the
 per-thread stack of tags that ``use_memory_pool`` and a capture push (the
 innermost wins). It decides nothing about any tag.
@@ -12,9 +12,10 @@ thread. Torch serves a block's allocations from its pool's cached segments witho
 asking the library, and a sleeping tag's segments are unmapped, so a block may
 start only while its tag is awake (:meth:`enter_block` refuses it otherwise), and a
 sleep first closes its tags' doors and waits, bounded, for the blocks open in other
-threads to end (:meth:`close_doors`). Lock order: the doors' lock is taken alone or
-before the native table's mutex, never while holding :attr:`lock`'s work on the
-driver (:meth:`close_doors` is called before the sleep takes :attr:`lock`).
+threads to end (:meth:`close_doors`). Lock order (Invariant: the allocator's lock
+order, docs/architecture.md): the doors' lock is taken alone or before the native
+table's mutex, never while holding :attr:`lock`'s work on the driver
+(:meth:`close_doors` is called before the sleep takes :attr:`lock`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,27 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torpor.allocator.native import library as native
 from torpor.allocator.native.table import NativeTable
-from torpor.allocator.sleepwake.cycle import TagState
+from torpor.allocator.sleepwake.plan import Backups, Piece
 from torpor.errors import BlocksOpen, TagNotAwake
 from torpor.statemachine.core.protocol import TagUsage
+
+Span = tuple[int, int]  # start, bytes
+
+
+@dataclass
+class TagState:
+    """Python's part of a tag: its backup (host extents per allocation) and the copies still in flight."""
+
+    backed_up: bool = False
+    pieces: list[Piece] = field(default_factory=list)  # what the backup holds: (allocation, start, size, device)
+    backups: Backups = field(default_factory=dict)  # piece start -> host extents
+    pending: list[tuple[object, int, int]] = field(default_factory=list)  # (event, lo, hi) per batch
+    partial: bool = False  # a failed release could not be undone nor completed: part of the tag is unmapped
+    refill: list[Span] = field(default_factory=list)  # partial: ranges mapped back fresh, to copy the backup into
 
 
 @dataclass

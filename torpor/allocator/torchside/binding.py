@@ -3,12 +3,16 @@
 :class:`TorchBinding` makes the allocator's :class:`~torpor.allocator.torchside.pools.TorchPools`
 (one pluggable allocator per tag, pools for its blocks) when a ``use_memory_pool`` block
 or a capture first needs them on CUDA, and answers for them until then: no
-live ranges (every byte of an allocation counts as live) and nothing to close.
+live ranges (every byte of an allocation counts as live), nothing to trim and
+nothing to close. It is the torch side the sleep/wake cycle is given
+(:class:`~torpor.allocator.sleepwake.cycle.TorchSide`: live ranges, trimming
+before a sleep).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from torpor.allocator.errors import AllocatorError
 from torpor.allocator.torchside.pools import AllocatorParts, TorchPools
@@ -50,6 +54,22 @@ class TorchBinding:
             return None
         found: dict[int, list[tuple[int, int]]] | None = pools.live_ranges(tag)
         return found
+
+    def trim_free(self, tags: Sequence[str], synced: bool) -> None:
+        """Before a sleep: give back the free segments of the tags' idle pools (nothing before the first use).
+
+        ``synced``: the tags' devices were synchronized just before; else they are synchronized
+        first, as a kernel queued before a free may still touch a free segment (Invariant:
+        stream-ordered trim, docs/architecture.md).
+        """
+        pools = self._pools
+        if pools is None:
+            return
+        if not synced:
+            table, driver = self._allocator.table, self._allocator.driver
+            for device in {d for t in tags for _, _, d in table.allocations(t)}:
+                driver.synchronize(device)
+        pools.trim(list(tags), settled=True)
 
     def close(self) -> None:
         """Close the torch pools if they were made (torch frees their cached segments through the native free)."""

@@ -39,6 +39,7 @@ not unmap what it finds free: it *marks* it, with an event on each segment's str
 (``done``) and the segment is still free in the still idle pool. A pool a block
 enters again keeps its marked segments mapped (nothing to undo). A sleep trims at
 once, after synchronizing the device (:meth:`BlockPools.trim` with ``settled``).
+This is the Invariant: stream-ordered trim (docs/architecture.md).
 
 A block boundary trims only at a quiet moment, when no other block of the
 allocator is open (always so for an engine that allocates from one thread per
