@@ -23,7 +23,7 @@ from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.protocol import Transfer
 from torpor.telemetry import METRICS, Server, serve
 from torpor.telemetry.dashboard import STATE_CODES, dashboard, render_dashboard
-from torpor.telemetry.plot import STATE_COLOURS
+from torpor.telemetry.timeline import STATE_COLOURS
 from torpor.testing import FakeMemory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Tests for torpor.telemetry.plot and `torpor plot`: the timeline from an event log."""
+"""Tests for torpor.telemetry.timeline and `torpor plot`: the timeline from an event log."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from torpor import SleepController, State
 from torpor.cli import main
 from torpor.statemachine.log.reader import read_events
-from torpor.telemetry.plot import STATE_COLOURS, plot, timeline
 from torpor.telemetry.replay import resolve_log
+from torpor.telemetry.timeline import STATE_COLOURS, plot, timeline
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4 << 20, "kv_cache": 8 << 20, "cudagraph": 1 << 20}

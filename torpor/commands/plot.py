@@ -7,7 +7,7 @@ from pathlib import Path
 
 from torpor.commands import log_file, no_events, output_file
 from torpor.statemachine import read_events
-from torpor.telemetry.plot import plot
+from torpor.telemetry.timeline import plot
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -25,7 +25,7 @@ from torpor.extras import available
 from torpor.statemachine import SleepController, log_path_for
 from torpor.telemetry.dashboard import render_dashboard
 from torpor.telemetry.endpoint import serve
-from torpor.telemetry.plot import plot
+from torpor.telemetry.timeline import plot
 from torpor.textout import Progress, fmt_bytes
 
 DEVICES = ("auto", "cuda", "sim")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torpor.statemachine.core.states import State
-from torpor.telemetry.plot import STATE_COLOURS
+from torpor.telemetry.timeline import STATE_COLOURS
 
 UID = "torpor-sleep"
 TITLE = "torpor: sleep and wake"
