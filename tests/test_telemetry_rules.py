@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from torpor.telemetry import METRICS
-from torpor.telemetry.dashboard import UID
+from torpor.telemetry.grafana import UID
 from torpor.telemetry.prometheus import BASE_LABELS
 
 yaml = pytest.importorskip("yaml")

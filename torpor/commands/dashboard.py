@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from torpor.commands import output_file
-from torpor.telemetry.dashboard import render_dashboard
+from torpor.telemetry.grafana import render_dashboard
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "dashboard",
         help="print the Grafana dashboard JSON",
-        description="Print (or write) the Grafana dashboard generated from torpor/telemetry/dashboard.py.",
+        description="Print (or write) the Grafana dashboard generated from torpor/telemetry/grafana.py.",
         epilog="example: torpor dashboard -o dashboards/torpor.json",
     )
     p.add_argument("-o", "--output", type=Path, help="write to this file instead of stdout")

@@ -8,9 +8,9 @@ needs it; :func:`attach` turns it on for one controller and
 
 from __future__ import annotations
 
-from torpor.telemetry.dashboard import dashboard, render_dashboard
 from torpor.telemetry.endpoint import Server, serve
 from torpor.telemetry.errors import DuplicateRank, TelemetryError
+from torpor.telemetry.grafana import dashboard, render_dashboard
 from torpor.telemetry.multiprocess import MultiprocessSink, mark_process_dead, multiprocess_registry
 from torpor.telemetry.otel import OtelSink
 from torpor.telemetry.prometheus import METRICS, TorporCollector, exposition

@@ -1,4 +1,4 @@
-"""Tests for torpor.telemetry.dashboard: the committed Grafana JSON is current, and every panel query works on a real Prometheus."""
+"""Tests for torpor.telemetry.grafana: the committed Grafana JSON is current, and every panel query works on a real Prometheus."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torpor.errors import TorporError
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.protocol import Transfer
 from torpor.telemetry import METRICS, Server, serve
-from torpor.telemetry.dashboard import STATE_CODES, dashboard, render_dashboard
+from torpor.telemetry.grafana import STATE_CODES, dashboard, render_dashboard
 from torpor.telemetry.timeline import STATE_COLOURS
 from torpor.testing import FakeMemory
 
