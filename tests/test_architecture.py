@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "log",
         "the event store: payload checks, the line codec, the files on disk, the writer, the one "
         "tailer every reader uses, and the subscriber fan-out",
-        ("torpor.statemachine.log.*", "torpor.telemetry.replay"),
+        ("torpor.statemachine.log.*",),
     ),
     (
         "controller",

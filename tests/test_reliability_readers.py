@@ -27,10 +27,10 @@ from torpor.statemachine import SleepController, replay
 from torpor.statemachine.core.events import EventKind, make_event
 from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.follow import Follower, follow
+from torpor.statemachine.log.logsource import LogSource
 from torpor.statemachine.log.reader import encode_line, read_events, segments
 from torpor.statemachine.projection.view import Projection
 from torpor.telemetry import serve
-from torpor.telemetry.replay import LogSource
 from torpor.testing import FakeMemory
 
 # -- rotation ---------------------------------------------------------------------------

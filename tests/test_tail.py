@@ -15,10 +15,10 @@ from torpor.errors import LogCorrupted
 from torpor.statemachine.core.events import Event, EventKind, make_event
 from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.follow import Follower, follow
+from torpor.statemachine.log.logsource import LogSource
 from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_lines, encode_line, read_events
 from torpor.statemachine.log.tail import Tail, rotated, segments
 from torpor.statemachine.projection.view import Projection
-from torpor.telemetry.replay import LogSource
 
 
 def _tail(path: Path, after: int = 0) -> Tail:

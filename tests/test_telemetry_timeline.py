@@ -8,8 +8,8 @@ import pytest
 
 from torpor import SleepController, State
 from torpor.cli import main
+from torpor.statemachine.log.logsource import resolve_log
 from torpor.statemachine.log.reader import read_events
-from torpor.telemetry.replay import resolve_log
 from torpor.telemetry.timeline import STATE_COLOURS, plot, timeline
 from torpor.testing import FakeMemory
 

@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from torpor.telemetry.replay import resolve_log
+from torpor.statemachine.log.logsource import resolve_log
 
 #: What every command says of a log that holds no complete event (``torpor status`` says it per rank).
 NO_EVENT_YET = "holds no complete event yet (an engine writes its first when it opens the log)"

@@ -13,8 +13,8 @@ from torpor.commands import log_file, no_events, seconds
 from torpor.commands.writer import writer_running
 from torpor.statemachine import Event, EventKind, Projection, read_events
 from torpor.statemachine.log.follow import Follower
+from torpor.statemachine.log.logsource import wall_problem
 from torpor.statemachine.projection.view import project
-from torpor.telemetry.replay import wall_problem
 from torpor.textout import fmt_bytes, fmt_seconds, table
 
 #: What a directory holding several logs asks of the user (the log commands take no --engine or --rank).

@@ -24,7 +24,7 @@ text format (:mod:`torpor.telemetry.negotiate`), gzip when asked.
 
 ``/events`` answers NDJSON (see :mod:`torpor.telemetry.feed`), the same shape
 and parameters as the vLLM route ``/torpor/events``. When the source is a log
-that stopped at a bad line (:attr:`LogSource.error <torpor.telemetry.replay.LogSource.error>`),
+that stopped at a bad line (:attr:`LogSource.error <torpor.statemachine.log.logsource.LogSource.error>`),
 ``/state`` answers 503 with the error and the last good state, and ``/events``
 503 once nothing newer can come.
 """
@@ -48,6 +48,7 @@ from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from torpor.errors import BadRequest
+from torpor.statemachine.log.logsource import LogSource, resolve_log
 from torpor.telemetry import multiprocess, negotiate
 from torpor.telemetry.admission import Admission, BoundedHandler, BoundedServer
 from torpor.telemetry.feed import (
@@ -60,7 +61,6 @@ from torpor.telemetry.feed import (
     parse_query,
     seconds_param,
 )
-from torpor.telemetry.replay import LogSource, resolve_log
 from torpor.telemetry.session import attach
 from torpor.telemetry.tracker import Source
 
@@ -352,7 +352,7 @@ def serve(
     private registry with torpor's collector for ``source`` (or, in
     multiprocess mode, the merged files of ``PROMETHEUS_MULTIPROC_DIR``).
     ``source`` None serves ``/metrics`` only (an API server in multiprocess mode); a
-    path serves an event log written by another process (:class:`~torpor.telemetry.replay.LogSource`).
+    path serves an event log written by another process (:class:`~torpor.statemachine.log.logsource.LogSource`).
     ``max_connections`` bounds the connections (threads) clients can hold and
     ``read_timeout`` the seconds a request head may take (see the module docstring).
     """

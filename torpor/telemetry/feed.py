@@ -1,6 +1,6 @@
 """What every ``/events`` route serves from: a source's recent events, encoded once, and a wake-up for long-polls.
 
-One :class:`EventFeed` per source (a live controller, or a :class:`~torpor.telemetry.replay.LogSource`
+One :class:`EventFeed` per source (a live controller, or a :class:`~torpor.statemachine.log.logsource.LogSource`
 following a log). It keeps its own copy of the last ``keep`` events, fed by the
 source's subscription, so a reader never takes the engine's lock to list
 events; each event's JSON line is encoded the first time a reader asks for it

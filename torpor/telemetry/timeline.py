@@ -15,9 +15,9 @@ from pathlib import Path
 
 from torpor.statemachine.core.events import Event
 from torpor.statemachine.core.states import State
+from torpor.statemachine.log.logsource import wall_problem
 from torpor.statemachine.log.reader import read_events
 from torpor.statemachine.projection.view import Projection
-from torpor.telemetry.replay import wall_problem
 
 RESIDENCIES = (("resident", "on the GPU"), ("host", "on the host"), ("discarded", "discarded"))
 STATE_COLOURS = {

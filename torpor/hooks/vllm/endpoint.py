@@ -15,7 +15,7 @@ those logs and change nothing:
   :mod:`torpor.telemetry.feed`); with ``wait`` it waits up to ``S`` seconds (at
   most 30) for a new one (long poll, for RL controllers).
 
-Each rank log is read by one :class:`~torpor.telemetry.replay.LogSource` per
+Each rank log is read by one :class:`~torpor.statemachine.log.logsource.LogSource` per
 API server (the tailer ``torpor log follow`` uses), started at the first
 request for it: every request answers from its recent events, and a long-poll
 waits for its next event, never re-reading the log. ``/torpor/state`` keeps one
@@ -46,11 +46,11 @@ from torpor.errors import BadRequest, TorporError
 from torpor.hooks.fleet import FleetError, FleetView, fleet, rank_follower, rank_logs
 from torpor.hooks.vllm.facade import default_log_dir
 from torpor.statemachine.log.follow import Follower
+from torpor.statemachine.log.logsource import LogSource
 from torpor.statemachine.log.tail import segments
 from torpor.statemachine.projection.view import Projection, follow_on
 from torpor.telemetry.endpoint import source_error
 from torpor.telemetry.feed import NDJSON, EventFeed, events_headers, events_query
-from torpor.telemetry.replay import LogSource
 
 MAX_WAIT = 30.0
 MAX_LIMIT = 10_000

@@ -1,7 +1,7 @@
 """The one subscriber fan-out: each event handed to every subscriber in order, a failing one isolated.
 
 The controller (its ``subscribe``), the telemetry log source
-(:class:`~torpor.telemetry.replay.LogSource`) and the telemetry tracker (its
+(:class:`~torpor.statemachine.log.logsource.LogSource`) and the telemetry tracker (its
 sinks) hand each event to their subscribers through a :class:`Fanout`:
 
 - a subscriber may name the event kinds it wants (``kinds``); it is skipped

@@ -2,7 +2,7 @@
 
 Every reader of a log goes through :class:`Tail`: ``read_events`` (the whole
 history, once, strictly), :class:`~torpor.statemachine.log.follow.Follower` and
-``follow()`` (``tail -f``), the telemetry :class:`~torpor.telemetry.replay.LogSource`
+``follow()`` (``tail -f``), the telemetry :class:`~torpor.statemachine.log.logsource.LogSource`
 (and so the standalone endpoint and the vLLM routes), ``torpor log`` and the
 fleet view. A tail knows the files, not the line format: it frames bytes
 into lines and hands them to the codec's ``decode_lines`` (given to it), so

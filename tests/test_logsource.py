@@ -1,4 +1,4 @@
-"""Tests for torpor.telemetry.replay: a source that replays and follows an event log written elsewhere."""
+"""Tests for torpor.statemachine.log.logsource: a source that replays and follows an event log written elsewhere."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from torpor import EventLog, SleepController, replay
+from torpor.statemachine.log.logsource import LogSource, resolve_log
 from torpor.statemachine.log.reader import segments
 from torpor.telemetry import serve
-from torpor.telemetry.replay import LogSource, resolve_log
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4000, "kv_cache": 8000, "cudagraph": 300}

@@ -1,4 +1,4 @@
-"""A telemetry source that follows an event log written by another process (replay, then tail).
+"""A log source: an event log written by another process, replayed then tailed, handed to subscribers.
 
 ``LogSource(path)`` reads the log (all segments) into a projection, then
 polls for appended lines and hands each new event to its subscribers, so
