@@ -15,7 +15,6 @@ OLD_ERROR_PATHS = {
     "torpor.allocator.errors": ("DriverError", "DriverOutOfMemory", "AllocatorError", "AllocatorOutOfMemory"),
     "torpor.telemetry.errors": ("TelemetryError", "DuplicateRank"),
     "torpor.telemetry.feed": ("BadRequest",),
-    "torpor.telemetry.endpoint": ("BadRequest",),
     "torpor.hooks.capture": ("CaptureRoutingError",),
     "torpor.hooks.fleet": ("FleetError",),
     "torpor.hooks.vllm.facade": ("NotWired",),

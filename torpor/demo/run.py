@@ -23,8 +23,8 @@ from torpor.demo.workload import Workload
 from torpor.errors import DemoError, MissingExtra, PoolBusy, TorporError
 from torpor.extras import available
 from torpor.statemachine import SleepController, log_path_for
-from torpor.telemetry.endpoint import serve
 from torpor.telemetry.grafana import render_dashboard
+from torpor.telemetry.server import serve
 from torpor.telemetry.timeline import plot
 from torpor.textout import Progress, fmt_bytes
 

@@ -9,12 +9,12 @@ needs it; :func:`attach` turns it on for one controller and
 from __future__ import annotations
 
 from torpor.statemachine.log.logsource import LogSource
-from torpor.telemetry.endpoint import Server, serve
 from torpor.telemetry.errors import DuplicateRank, TelemetryError
 from torpor.telemetry.grafana import dashboard, render_dashboard
 from torpor.telemetry.multiprocess import MultiprocessSink, mark_process_dead, multiprocess_registry
 from torpor.telemetry.otel import OtelSink
 from torpor.telemetry.prometheus import METRICS, TorporCollector, exposition
+from torpor.telemetry.server import Server, serve
 from torpor.telemetry.session import Telemetry, attach
 from torpor.telemetry.tracker import Observation, Source, Tracker, interpret
 

@@ -1,6 +1,6 @@
 """What any client can make the endpoint hold: connections, request heads, time.
 
-The endpoint (:mod:`torpor.telemetry.endpoint`) runs in the engine's process,
+The endpoint (:mod:`torpor.telemetry.server`) runs in the engine's process,
 so every byte and thread a client makes it hold is the engine's. This module
 bounds them:
 

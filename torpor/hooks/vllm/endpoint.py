@@ -49,8 +49,8 @@ from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.logsource import LogSource
 from torpor.statemachine.log.tail import segments
 from torpor.statemachine.projection.view import Projection, follow_on
-from torpor.telemetry.endpoint import source_error
 from torpor.telemetry.feed import NDJSON, EventFeed, events_headers, events_query
+from torpor.telemetry.server import source_error
 
 MAX_WAIT = 30.0
 MAX_LIMIT = 10_000

@@ -1,4 +1,4 @@
-"""Tests for torpor.telemetry.endpoint: /metrics, /state and /events, read-only, loopback, bounded, 400 on bad input."""
+"""Tests for torpor.telemetry.server: /metrics, /state and /events, read-only, loopback, bounded, 400 on bad input."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from support import real_prometheus
 
 from torpor import SleepController
 from torpor.telemetry import Server, serve
-from torpor.telemetry.endpoint import BadRequest, parse_query
+from torpor.telemetry.server import BadRequest, parse_query
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4000, "kv_cache": 8000, "cudagraph": 300, "runtime": 50}
@@ -237,7 +237,7 @@ def test_parse_query_accepts_known_parameters() -> None:
 @pytest.mark.parametrize("raw", ["²", "١٢", "-1", "1e3", " 7", ""])
 def test_int_param_refuses_anything_but_ascii_digits(raw: str) -> None:
     """Superscripts, other scripts' digits, signs, exponents and blanks are a BadRequest, never a server error."""
-    from torpor.telemetry.endpoint import BadRequest, int_param
+    from torpor.telemetry.server import BadRequest, int_param
 
     with pytest.raises(BadRequest, match="non-negative integer"):
         int_param({"after": raw}, "after", 0, 0, 10**9)
@@ -245,7 +245,7 @@ def test_int_param_refuses_anything_but_ascii_digits(raw: str) -> None:
 
 def test_int_param_refuses_huge_numbers_before_converting() -> None:
     """A 5000-digit value is out of range (a BadRequest), not int()'s digit-limit ValueError; zeros pad fine."""
-    from torpor.telemetry.endpoint import BadRequest, int_param
+    from torpor.telemetry.server import BadRequest, int_param
 
     with pytest.raises(BadRequest, match="between 0 and 1000"):
         int_param({"after": "9" * 5000}, "after", 0, 0, 1000)
