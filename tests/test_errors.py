@@ -13,7 +13,6 @@ PACKAGE = ROOT / "torpor"
 #: Where each error class used to live; those paths keep working by re-export.
 OLD_ERROR_PATHS = {
     "torpor.allocator.errors": ("DriverError", "DriverOutOfMemory", "AllocatorError", "AllocatorOutOfMemory"),
-    "torpor.telemetry.errors": ("TelemetryError", "DuplicateRank"),
     "torpor.telemetry.feed": ("BadRequest",),
     "torpor.hooks.capture": ("CaptureRoutingError",),
     "torpor.hooks.fleet": ("FleetError",),

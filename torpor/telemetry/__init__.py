@@ -8,8 +8,8 @@ needs it; :func:`attach` turns it on for one controller and
 
 from __future__ import annotations
 
+from torpor.errors import DuplicateRank, TelemetryError
 from torpor.statemachine.log.logsource import LogSource
-from torpor.telemetry.errors import DuplicateRank, TelemetryError
 from torpor.telemetry.grafana import dashboard, render_dashboard
 from torpor.telemetry.multiprocess import MultiprocessSink, mark_process_dead, multiprocess_registry
 from torpor.telemetry.otel import OtelSink

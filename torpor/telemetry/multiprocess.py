@@ -39,6 +39,7 @@ from prometheus_client import values as _values
 from prometheus_client.metrics import Counter, Gauge, Histogram
 from prometheus_client.registry import CollectorRegistry
 
+from torpor.errors import DuplicateRank
 from torpor.statemachine.core.events import (
     Event,
     EventKind,
@@ -50,7 +51,6 @@ from torpor.statemachine.core.events import (
 )
 from torpor.statemachine.core.protocol import TagUsage
 from torpor.statemachine.core.states import State
-from torpor.telemetry.errors import DuplicateRank
 from torpor.telemetry.prometheus import BASE_LABELS, LAST_GAUGES, METRICS
 from torpor.telemetry.rankstats import DURATION_BUCKETS
 from torpor.telemetry.tracker import Observation, Tracker

@@ -26,9 +26,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from torpor.errors import DuplicateRank
 from torpor.statemachine.core.events import Event
 from torpor.statemachine.core.states import State
-from torpor.telemetry.errors import DuplicateRank
 from torpor.telemetry.rankstats import RankStats
 from torpor.telemetry.tracker import Observation, Tracker
 
@@ -243,7 +243,7 @@ class TorporCollector:
     def add(self, tracker: Tracker) -> None:
         """Expose ``tracker``'s source from the next scrape on; count its events from now on.
 
-        Raises :class:`~torpor.telemetry.errors.DuplicateRank` when another
+        Raises :class:`~torpor.errors.DuplicateRank` when another
         tracker with the same engine and rank is already exposed here.
         """
         with self._lock:
