@@ -54,9 +54,11 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "mechanism and subscribers",
         "the allocator (mechanism, no policy), telemetry and the hooks/integrations "
-        "(subscribers, torch_memory_saver's API among them), the HTTP client and the test helpers",
+        "(subscribers, torch_memory_saver's API among them), the read model over several ranks' logs, "
+        "the HTTP client and the test helpers",
         (
             "torpor.allocator.*",
+            "torpor.readmodel.*",
             "torpor.telemetry.*",
             "torpor.hooks.*",
             "torpor.tms.*",

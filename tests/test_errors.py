@@ -15,7 +15,6 @@ OLD_ERROR_PATHS = {
     "torpor.allocator.errors": ("DriverError", "DriverOutOfMemory", "AllocatorError", "AllocatorOutOfMemory"),
     "torpor.telemetry.feed": ("BadRequest",),
     "torpor.hooks.capture": ("CaptureRoutingError",),
-    "torpor.hooks.fleet": ("FleetError",),
     "torpor.hooks.vllm.facade": ("NotWired",),
     "torpor.hooks.vllm.activation": ("ActivationError",),
     "torpor.demo.workload": ("DemoError",),

@@ -374,7 +374,7 @@ def test_a_timeout_from_the_environment_is_checked_and_named() -> None:
 
 def test_fleet_group_view_with_ranks_that_never_joined() -> None:
     """group_view(): ranks without a group outcome differ from those with one; no crash when they are the majority."""
-    from torpor.hooks.fleet import RankView, group_view
+    from torpor.readmodel.ranklogs import RankView, group_view
 
     g = {"group": "tp", "command": "sleep", "round": 1, "result": "commit", "failed": {}}
     ranks = [

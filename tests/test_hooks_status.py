@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_hooks_fleet import CORRUPTIONS, _corrupt
+from test_readmodel_ranklogs import CORRUPTIONS, _corrupt
 
 from torpor.cli import main
 from torpor.statemachine import EventLog, SleepController, log_path_for

@@ -28,7 +28,7 @@ def test_llm_sleep_wake_rl_order_and_level2_with_graph_offload(tmp_path: Path, m
     from vllm import LLM, SamplingParams
 
     from torpor.bench.vllm_engine import model_checksums
-    from torpor.hooks.fleet import fleet
+    from torpor.readmodel.ranklogs import fleet
     from torpor.statemachine import read_events
     from torpor.statemachine.core.events import EventKind
 

@@ -8,7 +8,7 @@ import sys
 
 from torpor.commands import seconds
 from torpor.commands.writer import writer_running
-from torpor.hooks.fleet import MAX_WORLD_SIZE, EngineView, FleetView, RankView, fleet, wait_fleet
+from torpor.readmodel.ranklogs import MAX_WORLD_SIZE, EngineView, FleetView, RankView, fleet, wait_fleet
 from torpor.statemachine.core.states import TRANSITIONAL
 from torpor.textout import fmt_bytes
 
@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def world_size(text: str) -> int:
-    """``--world-size N``: an int from 1 to :data:`~torpor.hooks.fleet.MAX_WORLD_SIZE` (``0``, ``-5`` were taken)."""
+    """``--world-size N``: an int from 1 to :data:`~torpor.readmodel.ranklogs.MAX_WORLD_SIZE` (``0``, ``-5`` were taken)."""
     try:
         value = int(text)
     except ValueError:

@@ -26,7 +26,15 @@ from torpor.hooks.capture import (
     routes_to_cumem,
     set_nccl_graph_pool_hook,
 )
-from torpor.hooks.fleet import (
+from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, NcclDecision, apply_nccl_defaults
+from torpor.hooks.predicate import (
+    CUMEM_BACKENDS,
+    REQUIREMENTS,
+    CudagraphPoolDecision,
+    cudagraph_pool_decision,
+    detect_platform,
+)
+from torpor.readmodel import (
     ENGINE_STATES,
     EngineView,
     FleetError,
@@ -37,14 +45,6 @@ from torpor.hooks.fleet import (
     rank_logs,
     wait_fleet,
     wait_fleet_async,
-)
-from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, NcclDecision, apply_nccl_defaults
-from torpor.hooks.predicate import (
-    CUMEM_BACKENDS,
-    REQUIREMENTS,
-    CudagraphPoolDecision,
-    cudagraph_pool_decision,
-    detect_platform,
 )
 from torpor.statemachine.log.follow import Follower, follow, follow_async
 

@@ -43,8 +43,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from torpor.errors import BadRequest, TorporError
-from torpor.hooks.fleet import FleetError, FleetView, fleet, rank_follower, rank_logs
 from torpor.hooks.vllm.facade import default_log_dir
+from torpor.readmodel.ranklogs import FleetError, FleetView, fleet, rank_follower, rank_logs
 from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.logsource import LogSource
 from torpor.statemachine.log.tail import segments
@@ -80,7 +80,7 @@ class _RankStates:
     """One follower and projection per rank log for ``/torpor/state``: a request reads only what was appended.
 
     A follower starts at the snapshot that opens the rank's active file (as
-    :func:`~torpor.hooks.fleet.project_rank` does) and is kept; a rank whose log
+    :func:`~torpor.readmodel.ranklogs.project_rank` does) and is kept; a rank whose log
     has a bad line is unreadable (naming file and line) until the line is repaired.
     A log that is gone is let go at the next request.
     """

@@ -1,4 +1,4 @@
-"""Tests of torpor.hooks.fleet: merging per-rank logs into an engine-wide view."""
+"""Tests of torpor.readmodel.ranklogs: merging per-rank logs into an engine-wide view."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from torpor.errors import LogCorrupted
 from torpor.hooks import FleetError, FleetView, fleet, wait_fleet, wait_fleet_async
-from torpor.hooks.fleet import MAX_WORLD_SIZE, project_rank
+from torpor.readmodel.ranklogs import MAX_WORLD_SIZE, project_rank
 from torpor.statemachine import EventKind, EventLog, SleepController, log_path_for, read_events, replay
 from torpor.statemachine.log.reader import read_events_file
 from torpor.testing import FakeMemory

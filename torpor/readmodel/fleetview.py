@@ -4,7 +4,7 @@ All asleep is ``asleep``, all awake ``awake``, all partially awake
 ``partially_awake``; anything else is ``transitional``: the rank whose state
 changed last leads, and the ranks not in its state are named as lagging. A
 rank without a log lags too; a rank whose log cannot be read makes the engine
-``unknown``. :func:`torpor.hooks.fleet.fleet` reads the logs into these views.
+``unknown``. :func:`torpor.readmodel.ranklogs.fleet` reads the logs into these views.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ every rank: consistent when every rank is in the same state after the same
 group command with the same result, else split, naming the ranks that differ.
 
 This module reads the logs; the views and the merge rules are in
-:mod:`torpor.hooks.fleetview` (re-exported here).
+:mod:`torpor.readmodel.fleetview` (re-exported here).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torpor.errors import (
     FleetError,
     TorporError,
 )
-from torpor.hooks.fleetview import ENGINE_STATES, EngineView, FleetView, GroupView, RankView, group_view, merge
+from torpor.readmodel.fleetview import ENGINE_STATES, EngineView, FleetView, GroupView, RankView, group_view, merge
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_line
