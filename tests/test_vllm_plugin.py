@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm")
 from support import TINY_LLAMA as SHARED_TINY_LLAMA  # noqa: E402
 
 from torpor.hooks import register_graph_buffers, reset_warnings  # noqa: E402
-from torpor.hooks.vllm import activation, facade, predicate  # noqa: E402
+from torpor.hooks.vllm import activation, facade, vllmpredicate  # noqa: E402
 from torpor.testing import FakeMemory  # noqa: E402
 
 TINY_LLAMA = {**SHARED_TINY_LLAMA, "torch_dtype": "float32", "rms_norm_eps": 1e-5}
@@ -64,7 +64,7 @@ def sandbox(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     # Not the default <tempdir>/torpor: another user's (or another run's) logs there are not ours to write.
     monkeypatch.setenv("TORPOR_LOG_DIR", str(tmp_path / "torpor-logs"))
     monkeypatch.setattr(current_platform, "device_type", "cpu")  # vLLM's DeviceConfig needs one here
-    predicate.forget_decisions()
+    vllmpredicate.forget_decisions()
     reset_warnings()
     try:
         yield SimpleNamespace(cumem=cumem, platform=current_platform)
@@ -80,7 +80,7 @@ def sandbox(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         current = facade.configure(saved["facade"])
         if current is not None:
             current.release_pools()
-        predicate.forget_decisions()
+        vllmpredicate.forget_decisions()
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def set_platform(platform: Any, monkeypatch: pytest.MonkeyPatch, name: str) -> N
     monkeypatch.setattr(platform, "is_cuda", lambda: cuda)
     monkeypatch.setattr(platform, "is_cuda_alike", lambda: cuda)
     monkeypatch.setattr(platform, "is_rocm", lambda: False)
-    predicate.forget_decisions()
+    vllmpredicate.forget_decisions()
 
 
 PREDICATE_CASES = [
@@ -254,7 +254,7 @@ def test_extended_predicate_answers_each_flag_combination(
         assert answer == vllm_answer
     else:
         assert vllm_answer is False  # vLLM alone never routes a non-cumem backend
-        decision = predicate.decision_for(config)
+        decision = vllmpredicate.decision_for(config)
         assert decision.active is expected
         assert register_graph_buffers(decision) is (not answer)
 

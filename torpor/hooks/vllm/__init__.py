@@ -36,8 +36,8 @@ from torpor.hooks.vllm.facade import (
     default_log_dir,
     get_instance,
 )
-from torpor.hooks.vllm.predicate import BACKEND, decision_for, extended_predicate, selects_torpor
 from torpor.hooks.vllm.process import ENV_ACTIVE, Activation, is_active
+from torpor.hooks.vllm.vllmpredicate import BACKEND, decision_for, extended_predicate, selects_torpor
 
 __all__ = [
     "BACKEND",
