@@ -59,6 +59,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         (
             "torpor.allocator.*",
             "torpor.readmodel.*",
+            "torpor.torchgroup",
             "torpor.telemetry.*",
             "torpor.hooks.*",
             "torpor.tms.*",
@@ -93,14 +94,14 @@ SUBPACKAGES: dict[str, tuple[str, ...]] = {
 #: Function-level imports of torpor modules allowed, with the reason (module, imported) -> why.
 #: Function-level imports of optional third-party packages (torch, cuda-bindings, ...) are allowed.
 LATE_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("torpor.hooks.vllm.backend", "torpor.hooks.distributed"): (
-        "torpor.hooks.distributed imports torch.distributed (an optional third-party package) at module "
+    ("torpor.hooks.vllm.backend", "torpor.torchgroup"): (
+        "torpor.torchgroup imports torch.distributed (an optional third-party package) at module "
         "level; the backend loads it only when vLLM hands it a torch process group. No cycle: "
-        "torpor.hooks.distributed does not import the backend (test_no_import_cycles counts this edge)."
+        "torpor.torchgroup does not import the backend (test_no_import_cycles counts this edge)."
     ),
-    ("torpor", "torpor.hooks.distributed"): (
+    ("torpor", "torpor.torchgroup"): (
         "the package hands the torch group adapter down to torpor.statemachine.machine.group (adapt_groups); "
-        "torpor.hooks.distributed imports torch.distributed at module level, so it is loaded only when "
+        "torpor.torchgroup imports torch.distributed at module level, so it is loaded only when "
         "a controller is given a torch process group."
     ),
     ("torpor.hooks.vllm.facade", "torpor.allocator"): (
@@ -619,12 +620,12 @@ def test_the_contract_counts_type_checking_and_importlib_edges(tmp_path: Path) -
     source.write_text(
         "import importlib\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
         "    from torpor.statemachine.machine import controller\n\n"
-        "def f():\n    return importlib.import_module('torpor.hooks.distributed')\n"
+        "def f():\n    return importlib.import_module('torpor.torchgroup')\n"
     )
     found = [i for i in imports("torpor.statemachine.machine.group", source, modules()) if _torpor(i.target)]
     typing_edge, dynamic = found
     assert typing_edge.typing_only and typing_edge.target == "torpor.statemachine.machine.controller"
-    assert dynamic.late and dynamic.target == "torpor.hooks.distributed" and dynamic.where.endswith("probe.py:8")
+    assert dynamic.late and dynamic.target == "torpor.torchgroup" and dynamic.where.endswith("probe.py:8")
     assert layer_of(dynamic.target) > layer_of(dynamic.module)
 
 

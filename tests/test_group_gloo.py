@@ -198,8 +198,8 @@ def _reliability(rank: int, world: int, store_port: int, out: dict[str, Any], pa
 
     from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
     from torpor.errors import GroupFailed
-    from torpor.hooks.distributed import TorchGroup
     from torpor.statemachine import SleepController
+    from torpor.torchgroup import TorchGroup
 
     raw = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", raw), rank=rank, world_size=world)

@@ -114,17 +114,17 @@ def __getattr__(name: str) -> object:
 
 
 def _torch_group(group: object) -> Agreement | None:
-    """A ``torch.distributed`` process group as ``torpor.hooks.distributed.TorchGroup`` (None: not a torch object).
+    """A ``torch.distributed`` process group as ``torpor.torchgroup.TorchGroup`` (None: not a torch object).
 
     Handed down to :func:`torpor.statemachine.machine.group.as_agreement` when torpor loads, so
     ``SleepController(group=...)`` takes a torch group while the state machine imports no
-    hooks; torpor.hooks.distributed imports torch, so it is loaded only for a torch group.
+    hooks; torpor.torchgroup imports torch, so it is loaded only for a torch group.
     """
     if not type(group).__module__.startswith("torch"):
         return None
     import importlib
 
-    wrapped: Agreement = importlib.import_module("torpor.hooks.distributed").TorchGroup(group)
+    wrapped: Agreement = importlib.import_module("torpor.torchgroup").TorchGroup(group)
     return wrapped
 
 

@@ -95,7 +95,7 @@ def join_engine_group(controller: SleepController) -> bool:
     timeout = parse_timeout(os.environ.get(ENV_GROUP_TIMEOUT), ENV_GROUP_TIMEOUT)  # ValueError naming it
     group = coordinator.cpu_group
     if type(group).__module__.startswith("torch"):
-        from torpor.hooks.distributed import TorchGroup
+        from torpor.torchgroup import TorchGroup
 
         group = TorchGroup(group, name=controller.engine)
     controller.group = GroupMember(as_agreement(group), timeout)

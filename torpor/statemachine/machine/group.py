@@ -18,7 +18,7 @@ reopened its controller, joins the next round instead of reading an old one.
 No wall clock is compared across ranks.
 
 No torch here: :class:`LocalGroup` (threads of one process) and
-``torpor.hooks.distributed.TorchGroup`` (any ``torch.distributed`` group)
+``torpor.torchgroup.TorchGroup`` (any ``torch.distributed`` group)
 implement the protocol. This module never imports the hooks: the package
 ``torpor`` hands the torch adapter down when it loads (:func:`adapt_groups`),
 and :func:`as_agreement` asks the adapters it was given.
