@@ -444,6 +444,44 @@ def test_no_module_is_over_the_line_limit() -> None:
     assert not over, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(over)
 
 
+#: Module basenames still used twice, with the modules that use them; every other repeat fails.
+BASENAME_REPEATS_ALLOWED: dict[str, list[str]] = {
+    "errors": ["torpor.allocator.errors", "torpor.errors"],  # until R12/R13 (issue 39)
+    "sim": ["torpor.allocator.native.sim", "torpor.demo.sim"],  # until R12/R13 (issue 39)
+}
+
+
+def repeated_basenames(names: dict[str, Path]) -> dict[str, list[str]]:
+    """Module basenames (a package's ``__init__`` aside) that more than one module under torpor/ uses, with those modules."""
+    seen: dict[str, list[str]] = {}
+    for name, path in sorted(names.items()):
+        if path.name != "__init__.py":
+            seen.setdefault(path.stem, []).append(name)
+    return {base: found for base, found in seen.items() if len(found) > 1}
+
+
+def test_no_module_basename_twice() -> None:
+    """No two modules under torpor/ share a file name (but BASENAME_REPEATS_ALLOWED's, until renamed): a name says one thing."""
+    twice = repeated_basenames(modules())
+    new = {base: found for base, found in twice.items() if BASENAME_REPEATS_ALLOWED.get(base) != found}
+    assert not new, "module basenames used more than once under torpor/:\n" + "\n".join(
+        f"{base}: {', '.join(found)}" for base, found in sorted(new.items())
+    )
+    gone = sorted(set(BASENAME_REPEATS_ALLOWED) - set(twice))
+    assert not gone, f"no longer repeated: remove {gone} from BASENAME_REPEATS_ALLOWED"
+
+
+def test_the_basename_check_catches_a_repeat(tmp_path: Path) -> None:
+    """Two files called errors.py in two packages are named; __init__.py files are not a repeat."""
+    names = {
+        "torpor.errors": tmp_path / "errors.py",
+        "torpor.allocator.errors": tmp_path / "allocator" / "errors.py",
+        "torpor.allocator": tmp_path / "allocator" / "__init__.py",
+        "torpor.hooks": tmp_path / "hooks" / "__init__.py",
+    }
+    assert repeated_basenames(names) == {"errors": ["torpor.allocator.errors", "torpor.errors"]}
+
+
 #: The CUDA VMM calls: made in one layer only, the native library's CUDA driver (csrc/driver_cuda.c).
 VMM_CALLS = (
     "cuMemAddressReserve",
