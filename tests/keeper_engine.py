@@ -101,7 +101,7 @@ def main() -> None:
     from torpor import SleepController
     from torpor.allocator import TaggedAllocator
     from torpor.allocator.host.offload import HostPolicy
-    from torpor.allocator.native.sim import SimDriver
+    from torpor.allocator.native.sim_driver import SimDriver
     from torpor.keeper import attach, identity_of
 
     parser = argparse.ArgumentParser()

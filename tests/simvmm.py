@@ -12,7 +12,7 @@ import functools
 
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import driver_error
-from torpor.allocator.native.sim import SimDriver
+from torpor.allocator.native.sim_driver import SimDriver
 
 _u64, _p, _int = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int
 _U, _E = ctypes.POINTER(_u64), ctypes.POINTER(native.TpErr)

@@ -88,7 +88,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 #: from itself or a part before it; the package's own ``__init__`` is its facade, above all.
 SUBPACKAGES: dict[str, tuple[str, ...]] = {
     "torpor.statemachine": ("core", "projection", "log", "machine"),
-    "torpor.allocator": ("errors", "native", "host", "sleepwake", "keep", "torchside", "tagged"),
+    "torpor.allocator": ("failures", "native", "host", "sleepwake", "keep", "torchside", "tagged"),
 }
 
 #: Function-level imports of torpor modules allowed, with the reason (module, imported) -> why.
@@ -445,10 +445,7 @@ def test_no_module_is_over_the_line_limit() -> None:
 
 
 #: Module basenames still used twice, with the modules that use them; every other repeat fails.
-BASENAME_REPEATS_ALLOWED: dict[str, list[str]] = {
-    "errors": ["torpor.allocator.errors", "torpor.errors"],  # until R12/R13 (issue 39)
-    "sim": ["torpor.allocator.native.sim", "torpor.demo.sim"],  # until R12/R13 (issue 39)
-}
+BASENAME_REPEATS_ALLOWED: dict[str, list[str]] = {}
 
 
 def repeated_basenames(names: dict[str, Path]) -> dict[str, list[str]]:

@@ -12,7 +12,6 @@ PACKAGE = ROOT / "torpor"
 
 #: Where each error class used to live; those paths keep working by re-export.
 OLD_ERROR_PATHS = {
-    "torpor.allocator.errors": ("DriverError", "DriverOutOfMemory", "AllocatorError", "AllocatorOutOfMemory"),
     "torpor.telemetry.feed": ("BadRequest",),
     "torpor.hooks.capture": ("CaptureRoutingError",),
     "torpor.hooks.vllm.facade": ("NotWired",),

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from torpor import EventKind, SleepController
 from torpor.allocator import TaggedAllocator
 from torpor.allocator.host.offload import HostPolicy
-from torpor.allocator.native.sim import SimDriver
+from torpor.allocator.native.sim_driver import SimDriver
 from torpor.keeper import KeeperBacking, KeeperLink, ModelIdentity, TensorSpec, attach
 from torpor.keeper.keepermetrics import KeeperCollector
 from torpor.statemachine.core.events import Event

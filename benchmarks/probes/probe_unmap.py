@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from torpor.allocator.errors import DriverError
+from torpor.errors import DriverError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its VMM helper
 from vmm import VmmDriver

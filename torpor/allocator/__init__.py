@@ -14,13 +14,13 @@ discard), :mod:`.torchside` (torch's pools) and :mod:`.tagged` (``TaggedAllocato
 
 from __future__ import annotations
 
-from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory, DriverError, DriverOutOfMemory
 from torpor.allocator.host.offload import HostArena, HostPolicy
 from torpor.allocator.native.cuda_driver import CudaDriver
 from torpor.allocator.native.driver import Driver
-from torpor.allocator.native.sim import SimCall, SimDriver
+from torpor.allocator.native.sim_driver import SimCall, SimDriver
 from torpor.allocator.tagged import GRAPH_TAG, TaggedAllocator
 from torpor.allocator.torchside.graphpool import CaptureHandle, CaptureObserver, CaptureObservers, GraphPool
+from torpor.errors import AllocatorError, AllocatorOutOfMemory, DriverError, DriverOutOfMemory
 
 __all__ = [
     "GRAPH_TAG",

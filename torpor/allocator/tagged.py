@@ -18,7 +18,6 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-from torpor.allocator.errors import AllocatorError, DriverError, TagNotAwake
 from torpor.allocator.host.offload import HostArena, HostPolicy
 from torpor.allocator.host.staging import Stager
 from torpor.allocator.keep.keeping import KeepBook
@@ -32,6 +31,7 @@ from torpor.allocator.torchside.binding import TorchBinding
 from torpor.allocator.torchside.graphpool import CaptureHandle, CaptureObserver, PoolId
 from torpor.allocator.torchside.graphstate import GraphPoolState
 from torpor.allocator.torchside.pools import TorchPools
+from torpor.errors import AllocatorError, DriverError, TagNotAwake
 from torpor.statemachine.core.policy import CUDAGRAPH, DEFAULT_TAG
 from torpor.statemachine.core.protocol import DeviceMemory, TagUsage, Transfer
 

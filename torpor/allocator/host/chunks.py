@@ -6,7 +6,7 @@ import bisect
 import os
 from dataclasses import dataclass, field
 
-from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
+from torpor.errors import AllocatorError, AllocatorOutOfMemory
 
 MiB = 1 << 20
 

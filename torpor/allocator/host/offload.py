@@ -25,7 +25,6 @@ import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
 from torpor.allocator.host.chunks import (
     Chunk,
     Extent,
@@ -37,6 +36,7 @@ from torpor.allocator.host.chunks import (
     thread_died,
 )
 from torpor.allocator.host.pinning import PinnedChunks
+from torpor.errors import AllocatorError, AllocatorOutOfMemory
 
 __all__ = ["Extent", "HostArena", "HostPolicy"]
 

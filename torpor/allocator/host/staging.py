@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 
-from torpor.allocator.errors import wrap
+from torpor.allocator.failures import wrap
 from torpor.allocator.host.offload import HostArena
 from torpor.allocator.native.driver import Driver
 

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from torpor.allocator.errors import wrap
+from torpor.allocator.failures import wrap
 from torpor.allocator.keep.modules import ModuleTracker
 from torpor.allocator.keep.ranges import KeepSource, KeptRange
 from torpor.allocator.native import library as native

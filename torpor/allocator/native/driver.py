@@ -7,7 +7,7 @@ rest (host memory, copies, events, synchronize, mem info) through the same table
 lets go of the GIL around each call. Nothing raises across the C boundary: each call returns a code,
 and the view builds the :class:`~torpor.errors.DriverError` (the call, the reason, the driver's code)
 and raises it. Two views: :class:`~torpor.allocator.native.cuda_driver.CudaDriver` and
-:class:`~torpor.allocator.native.sim.SimDriver`. Every call of the view goes through one choke point,
+:class:`~torpor.allocator.native.sim_driver.SimDriver`. Every call of the view goes through one choke point,
 :meth:`Driver.invoke`, so a simulated driver can record and fail any of them; the names of all driver
 calls (the table's and the view's) are in :attr:`Driver.CALLS`. Host pointers and events are plain
 integers the driver hands out; the allocator never looks inside them.
@@ -19,9 +19,9 @@ import ctypes
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from torpor.allocator.errors import DriverError, DriverOutOfMemory
 from torpor.allocator.native import library as native
 from torpor.allocator.native.headroom import host_headroom
+from torpor.errors import DriverError, DriverOutOfMemory
 
 
 def driver_error(err: native.TpErr, call: str) -> DriverError:

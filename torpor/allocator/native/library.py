@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from torpor.allocator.errors import AllocatorError, AllocatorOutOfMemory
+from torpor.errors import AllocatorError, AllocatorOutOfMemory
 
 LIB_NAME = "libtorpor_alloc.so"
 ACTIVE, FROZEN, RELEASED = 0, 1, 2

@@ -2,7 +2,7 @@
 
 Every method is one library call (or a few), each of which takes the library's
 mutex only for its own duration and never calls back into Python; failures come
-back as :class:`~torpor.allocator.errors.AllocatorError` built from what the
+back as :class:`~torpor.errors.AllocatorError` built from what the
 library reported.
 
 Values are checked here, before the C boundary, where ctypes would otherwise
@@ -21,10 +21,9 @@ import logging
 import operator
 from typing import Any, SupportsIndex
 
-from torpor.allocator.errors import AllocatorError
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
-from torpor.errors import AllocatorArgumentError
+from torpor.errors import AllocatorArgumentError, AllocatorError
 
 Live = tuple[int, int, int]  # a live allocation: address, size, device
 _ALL = (1 << 64) - 1

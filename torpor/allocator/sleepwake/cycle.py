@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from torpor.allocator.errors import AllocatorError, wrap
+from torpor.allocator.failures import wrap
 from torpor.allocator.host.offload import Extent, HostArena
 from torpor.allocator.host.staging import Stager
 from torpor.allocator.native import library as native
@@ -43,7 +43,7 @@ from torpor.allocator.sleepwake.plan import (
 )
 from torpor.allocator.sleepwake.tagbook import Span, TagBook, TagState
 from torpor.allocator.sleepwake.undo import heal, thaw_quietly, undo_release
-from torpor.errors import UnknownTag
+from torpor.errors import AllocatorError, UnknownTag
 from torpor.statemachine.core.protocol import Transfer
 
 logger = logging.getLogger("torpor.allocator")

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import logging
 
-from torpor.allocator.errors import AllocatorError
 from torpor.allocator.host.offload import HostArena
 from torpor.allocator.native.driver import Driver
 from torpor.allocator.native.table import NativeTable
 from torpor.allocator.sleepwake.plan import clip_each, copies
 from torpor.allocator.sleepwake.tagbook import Span, TagState
+from torpor.errors import AllocatorError
 
 logger = logging.getLogger("torpor.allocator")
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from torpor.allocator.errors import AllocatorError
 from torpor.allocator.torchside.pools import AllocatorParts, TorchPools
+from torpor.errors import AllocatorError
 from torpor.statemachine.core.policy import CUDAGRAPH
 
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from torpor.allocator.errors import AllocatorError
 from torpor.allocator.native import library as native
 from torpor.allocator.sleepwake.tagbook import TagBook
 from torpor.allocator.torchside.graphpool import CaptureObserver, CaptureObservers, GraphPool, PoolId
-from torpor.errors import PoolBusy
+from torpor.errors import AllocatorError, PoolBusy
 from torpor.statemachine.core.policy import CUDAGRAPH
 
 logger = logging.getLogger("torpor.allocator")

@@ -1,16 +1,12 @@
-"""Errors of the allocator: driver failures and refused allocator operations, all ``TorporError``s."""
+"""A driver failure as the allocator's error, with what it left behind (:func:`wrap`).
+
+The error classes themselves are :mod:`torpor.errors`' (``AllocatorError``, ``DriverError``, ...);
+:mod:`torpor.allocator` exports them too.
+"""
 
 from __future__ import annotations
 
-from torpor.errors import (  # noqa: F401 (re-exported: the old import path)
-    AllocatorError,
-    AllocatorOutOfMemory,
-    DriverError,
-    DriverOutOfMemory,
-    MemoryOperationFailed,
-    OutOfMemory,
-    TagNotAwake,
-)
+from torpor.errors import AllocatorError, AllocatorOutOfMemory, OutOfMemory
 
 
 def wrap(operation: str, tag: str | None, exc: BaseException, outcome: str = "") -> AllocatorError:
@@ -27,4 +23,4 @@ def wrap(operation: str, tag: str | None, exc: BaseException, outcome: str = "")
     return AllocatorError(operation, tag, reason, call=call)
 
 
-__all__ = ["AllocatorError", "AllocatorOutOfMemory", "DriverError", "DriverOutOfMemory", "TagNotAwake", "wrap"]
+__all__ = ["wrap"]

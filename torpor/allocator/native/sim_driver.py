@@ -19,9 +19,9 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any
 
-from torpor.allocator.errors import DriverError, DriverOutOfMemory
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
+from torpor.errors import DriverError, DriverOutOfMemory
 
 MiB = 1 << 20
 
