@@ -22,12 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torpor import tms as torpor_tms  # a lazy package: its saver is made on first use
 from torpor.allocator.tagged import TaggedAllocator
 from torpor.bench.device import free_device, measure_floor, run_record, tensor_at
 from torpor.bench.report import row_line
 from torpor.bench.result import GiB, MiB, Result
-from torpor.bench.systems import VllmStyle, run_tms_raw, timed_sleep_wake
+from torpor.bench.systems import VllmStyle, timed_sleep_wake, torch_mode_saver
 from torpor.statemachine.machine.controller import SleepController
 
 #: A Qwen3-1.7B shape: 28 layers, hidden 2048, tied embeddings (1.7 B parameters, 3.4 GB in bf16).
@@ -59,8 +58,6 @@ MOE: dict[str, Any] = {
 }
 SEQ = 256
 KV_BYTES = 2 * GiB
-#: The torch_memory_saver APIs whose write-once ``hook_mode`` this process has set.
-_CONFIGURED: set[str] = set()
 WORKLOAD = "real model: Qwen3-1.7B shape (bf16) + 1x256 graph + 2 GiB KV"
 
 
@@ -264,19 +261,7 @@ def run_tms_model(cycles: int, system: str = "torch_memory_saver") -> Result:
 
     res = Result(system, WORKLOAD, 0, 0)
     try:
-        tms: Any
-        if system == "torpor.tms":
-            tms = torpor_tms.torch_memory_saver
-            if system not in _CONFIGURED:
-                tms.hook_mode = "torch"  # settable once per process
-        else:
-            from torch_memory_saver import torch_memory_saver as theirs
-
-            tms = theirs
-            if not getattr(run_tms_raw, "configured", False):
-                tms.hook_mode = "torch"  # settable once per process (the singleton is shared with run_tms_raw)
-                run_tms_raw.configured = True  # type: ignore[attr-defined]
-        _CONFIGURED.add(system)
+        tms = torch_mode_saver(system)
     except Exception as exc:  # not installed: reported, not fatal
         res.note = f"not importable ({type(exc).__name__}: {exc})"
         res.exact = False

@@ -11,6 +11,7 @@ import gc
 import time
 from typing import Any
 
+from torpor import tms as torpor_tms  # a lazy package: its saver is made on first use
 from torpor.allocator.tagged import TaggedAllocator
 from torpor.bench.device import fill, free_device, same
 from torpor.bench.result import MiB, Result
@@ -172,17 +173,36 @@ def run_baseline_raw(name: str, segments: int, seg_bytes: int, cycles: int, keep
     return res
 
 
+#: The torch_memory_saver APIs whose write-once ``hook_mode`` this process has set.
+_TORCH_MODE: set[str] = set()
+
+
+def torch_mode_saver(system: str = "torch_memory_saver") -> Any:
+    """The process's saver of ``system`` (``"torch_memory_saver"``, the package, or ``"torpor.tms"``) in hook mode torch.
+
+    Its pluggable-allocator mode (no LD_PRELOAD), set on the first call: the mode is settable once per
+    process. Raises what importing the package raises (it is not on the GPU image by default).
+    """
+    saver: Any
+    if system == "torpor.tms":
+        saver = torpor_tms.torch_memory_saver
+    else:
+        import torch_memory_saver
+
+        saver = torch_memory_saver.torch_memory_saver
+    if system not in _TORCH_MODE:
+        saver.hook_mode = "torch"
+        _TORCH_MODE.add(system)
+    return saver
+
+
 def run_tms_raw(name: str, segments: int, seg_bytes: int, cycles: int) -> Result:
     """torch_memory_saver with CPU backup, when importable (its wheel is not on the GPU image)."""
     import torch
 
     res = Result("torch_memory_saver", name, segments * seg_bytes, segments)
     try:
-        from torch_memory_saver import torch_memory_saver as tms
-
-        if not getattr(run_tms_raw, "configured", False):
-            tms.hook_mode = "torch"  # its pluggable-allocator mode (no LD_PRELOAD); settable once per process
-            run_tms_raw.configured = True  # type: ignore[attr-defined]
+        tms = torch_mode_saver()
     except Exception as exc:  # not installed: reported, not fatal
         res.note = f"not importable ({type(exc).__name__})"
         res.exact = False
