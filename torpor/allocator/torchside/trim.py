@@ -83,7 +83,7 @@ class BlockPool:
         self.open = True
         self.trimmed: set[int] = set()
         self.marked: dict[int, object] = {}  # free segment -> the token of the work queued on its stream when found
-        self.sizes: dict[int, tuple[int, int]] = {}  # free segment seen -> (device, bytes): what mapping it back takes
+        self.sizes: dict[int, tuple[int, int]] = {}  # trimmed or free segment -> (device, bytes)
 
 
 def trim_enabled() -> bool:
@@ -296,12 +296,11 @@ class BlockPools:
         """Read an idle pool's free segments; mark (and pend) those freed since, unless ``settled``; the free ones."""
         segments = ((int(seg["address"]), seg) for seg in self._snapshot(entry.mempool))
         free = {a: seg for a, seg in segments if a not in entry.trimmed and free_segment(seg)}
-        for address, seg in free.items():
-            entry.sizes[address] = (int(seg.get("device", 0)), int(seg.get("total_size", 0)))
-        for address in [a for a in entry.sizes if a not in free and a not in entry.trimmed and a not in entry.marked]:
-            del entry.sizes[address]  # used again or given back: its size is no longer this pool's to map
         for address in [a for a in entry.marked if a not in free]:  # used again or given back: not ours
             self._drop_mark(entry, address)
+        # what mapping a segment back would take (_pressed): the trimmed ones', and the free ones' (trimmed next)
+        kept = {a: entry.sizes[a] for a in entry.trimmed if a in entry.sizes}
+        entry.sizes = kept | {a: (int(seg.get("device", 0)), int(seg.get("total_size", 0))) for a, seg in free.items()}
         fresh = [a for a in free if a not in entry.marked]
         if fresh and not settled:  # the work queued on their streams so far may still touch them
             token = self._mark({(int(free[a].get("device", 0)), int(free[a].get("stream", 0))) for a in fresh})
