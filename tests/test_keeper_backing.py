@@ -179,3 +179,15 @@ def test_metrics_count_keeper_bytes(keeper: tuple[Path, subprocess.Popen[str]]) 
     assert registry.get_sample_value("torpor_keeper_fallbacks_total", {"engine": "m"}) == 0
     e.ctl.wake()
     assert registry.get_sample_value("torpor_keeper_backup_bytes", {"engine": "m"}) == 0
+
+
+def test_keeper_collector_beside_torpors_telemetry_is_refused(keeper: tuple[Path, subprocess.Popen[str]]) -> None:
+    """KeeperCollector on a registry where torpor's telemetry exposes the controller is refused: one source per series."""
+    from torpor.telemetry import attach as expose
+
+    sock, _ = keeper
+    e = Engine(sock, engine="dup")
+    registry = CollectorRegistry()
+    expose(e.ctl, registry=registry, otel=False, multiprocess=False)
+    with pytest.raises(ValueError, match="torpor_keeper_host_bytes"):
+        registry.register(KeeperCollector(e.backing))

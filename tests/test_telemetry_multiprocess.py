@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -160,3 +161,61 @@ def test_one_process_writes_each_rank_once() -> None:
     assert len(second._recorder.subscribers) == 0
     handle.detach()
     attach(second, otel=False, multiprocess=True).detach()
+
+
+KEPT_WORKER = """
+import json, sys
+from torpor import SleepController
+from torpor.allocator import SimDriver, TaggedAllocator
+from torpor.allocator.host.offload import HostPolicy
+from torpor.keeper import ModelIdentity, TensorSpec
+from torpor.keeper import attach as keep
+from torpor.telemetry import attach
+
+MiB = 1 << 20
+sock, rank = sys.argv[1], int(sys.argv[2])
+alloc = TaggedAllocator(SimDriver(256 * MiB), host=HostPolicy(chunk_bytes=2 * MiB))
+controller = SleepController(alloc, engine="mpk", rank=rank)
+handle = attach(controller, otel=False)  # first, as vLLM's wiring attaches it when the controller is made
+if handle.multiprocess is None:
+    sys.exit("attach did not pick multiprocess mode")
+address = alloc.allocate(3 * MiB, tag="weights")
+alloc.write(address, bytes(3 * MiB))
+backing = keep(alloc, controller, keeper=sock, engine=f"mpk-rank{rank}")  # after load, as the keeper's loader does
+backing.track(ModelIdentity.of("m", [TensorSpec("w", (3 * MiB,), "uint8", 3 * MiB)]), {"w": address})
+controller.sleep(1)
+print(json.dumps({"kept": backing.kept_bytes, "published": backing.published_bytes}))
+"""
+
+
+def test_keeper_bytes_cross_to_the_serving_process(tmp_path: Path) -> None:
+    """Two worker processes with a keeper backing: the merged files show each rank's keeper bytes, published backup and up."""
+    from keeper_engine import start_keeper
+
+    sock = tmp_path / "k" / "keeper.sock"
+    keeper = start_keeper(sock)
+    try:
+        written = {}
+        for rank in (0, 1):
+            env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}
+            (tmp_path / "metrics").mkdir(exist_ok=True)
+            result = subprocess.run(
+                [sys.executable, "-c", KEPT_WORKER, str(sock), str(rank)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            assert result.returncode == 0, result.stderr
+            written[rank] = json.loads(result.stdout.strip().splitlines()[-1])
+    finally:
+        keeper.kill()
+        keeper.wait()
+    got = read(tmp_path / "metrics")
+    for rank in (0, 1):
+        labels = {"torpor_engine": "mpk", "torpor_rank": str(rank), "keeper_engine": f"mpk-rank{rank}"}
+        assert get(got, "torpor_keeper_host_bytes", **labels) == written[rank]["kept"] >= 3 << 20
+        assert get(got, "torpor_keeper_backup_bytes", **labels) == written[rank]["published"] == 3 << 20
+        assert get(got, "torpor_keeper_up", **labels) == 1
+        assert get(got, "torpor_keeper_fallbacks_total", **labels) == 0

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from support import samples, value
 
-from torpor import SleepController, State
+from torpor import EventKind, SleepController, State
 from torpor.errors import InvalidTransition, MemoryOperationFailed
 from torpor.statemachine.core.events import SleepRequested
 from torpor.telemetry import METRICS, attach
@@ -341,3 +343,77 @@ def test_host_budget_and_what_stays_on_the_device_while_asleep() -> None:
     other = SleepController(FakeMemory(TAGS), policy=Policy(host=HostMemoryPolicy()), engine="f")
     attach(other, registry=registry, otel=False)
     assert value(samples(registry), "torpor_host_budget_bytes", torpor_engine="f", torpor_rank="0") == float("inf")
+
+
+# -- a keeper backing the allocator's host memory (torpor.keeper) -------------------------------------------------
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def keeper_sock(tmp_path: Path) -> Iterator[Path]:
+    """A keeper process (``torpor keeper serve``) and its socket."""
+    from keeper_engine import start_keeper
+
+    sock = tmp_path / "k" / "keeper.sock"
+    proc = start_keeper(sock)
+    yield sock
+    proc.kill()
+    proc.wait()
+
+
+def _kept_engine(engine: str, sock: Path | None, registry: CollectorRegistry) -> tuple[SleepController, Any]:
+    """Telemetry attached first (as vLLM's wiring does), then a keeper backing; 3 MiB of tracked weights."""
+    from torpor.allocator import SimDriver, TaggedAllocator
+    from torpor.allocator.host.offload import HostPolicy
+    from torpor.keeper import ModelIdentity, TensorSpec
+    from torpor.keeper import attach as keep
+
+    alloc = TaggedAllocator(SimDriver(256 * MiB), host=HostPolicy(chunk_bytes=2 * MiB))
+    controller = SleepController(alloc, engine=engine)
+    attach(controller, registry=registry, otel=False, multiprocess=False)
+    address = alloc.allocate(3 * MiB, tag="weights")
+    alloc.write(address, b"\x5a" * (3 * MiB))
+    backing = None
+    if sock is not None:
+        backing = keep(alloc, controller, keeper=sock, engine=f"{engine}-keep")
+        backing.track(ModelIdentity.of("m", [TensorSpec("w", (3 * MiB,), "uint8", 3 * MiB)]), {"w": address})
+    return controller, backing
+
+
+def test_keeper_bytes_are_on_the_registry_after_a_sleep(keeper_sock: Path) -> None:
+    """With a keeper backing the allocator, the registry shows its host bytes, the backup published and that it is up."""
+    registry = CollectorRegistry()
+    controller, backing = _kept_engine("kp", keeper_sock, registry)
+    labels = {"torpor_engine": "kp", "torpor_rank": "0", "keeper_engine": "kp-keep"}
+    controller.sleep(1)
+    got = samples(registry)
+    assert value(got, "torpor_keeper_host_bytes", **labels) == backing.kept_bytes >= 3 * MiB
+    assert value(got, "torpor_keeper_backup_bytes", **labels) == 3 * MiB
+    assert value(got, "torpor_keeper_up", **labels) == 1
+    assert value(got, "torpor_keeper_fallbacks_total", **labels) == 0
+    controller.wake()
+    assert value(samples(registry), "torpor_keeper_backup_bytes", **labels) == 0
+    assert "# TYPE torpor_keeper_fallbacks_total counter" in generate_latest(registry).decode()
+
+
+def test_no_keeper_series_without_a_keeper() -> None:
+    """An allocator without a keeper backing has no torpor_keeper_* samples (the families are empty)."""
+    registry = CollectorRegistry()
+    controller, _ = _kept_engine("nk", None, registry)
+    controller.sleep(1)
+    got = samples(registry)
+    assert value(got, "torpor_pinned_host_bytes", torpor_engine="nk", torpor_rank="0") >= 3 * MiB
+    assert not [k for k in got if k[0].startswith("torpor_keeper_")]
+
+
+def test_an_adoption_in_the_log_is_counted() -> None:
+    """A backup_adopted event counts the adopted bytes and the adoption, by keeper engine."""
+    registry = CollectorRegistry()
+    controller = SleepController(FakeMemory(TAGS), engine="ad")
+    attach(controller, registry=registry, otel=False, multiprocess=False)
+    controller.record(EventKind.BACKUP_ADOPTED, engine="ad-keep", backup="b1", from_pid=7, bytes=5000, tensors=2)
+    got = samples(registry)
+    labels = {"torpor_engine": "ad", "torpor_rank": "0", "keeper_engine": "ad-keep"}
+    assert value(got, "torpor_keeper_adopted_bytes_total", **labels) == 5000
+    assert value(got, "torpor_keeper_adoptions_total", **labels) == 1

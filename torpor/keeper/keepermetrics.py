@@ -1,10 +1,15 @@
-"""Prometheus metrics of the keeper's side of an engine: bytes in keeper regions, published, adopted, fallbacks.
+"""Prometheus metrics of the keeper's side of an engine, for a process without torpor's telemetry.
 
-A collector in the ``prometheus_client`` sense (``collect() -> Iterable[Metric]``),
-read at scrape time from a :class:`~torpor.keeper.backing.KeeperBacking` and
-this process's adoptions (:data:`~torpor.keeper.adoption.ADOPTED`); register it
-on any registry: ``registry.register(KeeperCollector(backing))``. Optional as
-all telemetry: nothing else imports this module.
+With torpor's telemetry attached to the controller (``torpor.telemetry.attach``,
+vLLM's ``/metrics``) the same ``torpor_keeper_*`` families come through it, per
+rank (``torpor_engine``, ``torpor_rank``, ``keeper_engine``), in process and in
+multiprocess mode: telemetry finds the backing as the allocator's host provider
+(docs/keeper.md, "Metrics"). This collector is for a process that has no
+telemetry: read at scrape time from a :class:`~torpor.keeper.backing.KeeperBacking`
+and this process's adoptions (:data:`~torpor.keeper.adoption.ADOPTED`);
+``registry.register(KeeperCollector(backing))``. It describes its families, so a
+registry that torpor's telemetry already feeds refuses it (one source per series)
+instead of serving each family twice. Nothing else imports this module.
 """
 
 from __future__ import annotations
@@ -25,6 +30,12 @@ class KeeperCollector:
 
     def __init__(self, backing: KeeperBacking | None = None) -> None:
         self.backing = backing
+
+    def describe(self) -> Iterator[Metric]:
+        """The families :meth:`collect` yields (no samples), for the registry's duplicate check."""
+        for family in self.collect():
+            family.samples = []
+            yield family
 
     def collect(self) -> Iterator[Metric]:
         engine = "" if self.backing is None else self.backing.engine

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -53,7 +53,7 @@ from torpor.statemachine.core.protocol import TagUsage
 from torpor.statemachine.core.states import State
 from torpor.telemetry.prometheus import BASE_LABELS, LAST_GAUGES, METRICS
 from torpor.telemetry.rankstats import DURATION_BUCKETS
-from torpor.telemetry.tracker import Observation, Tracker
+from torpor.telemetry.tracker import HostBacking, Observation, Tracker, host_backing, keeper_figures
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: torpor's own directory for worker metrics when ``PROMETHEUS_MULTIPROC_DIR`` is unset (see the module doc).
@@ -179,8 +179,13 @@ class _Metrics:
                 "torpor_cudagraphs",
                 "torpor_last_sleep_duration_seconds",
                 "torpor_last_wake_duration_seconds",
+                "torpor_keeper_host_bytes",
+                "torpor_keeper_backup_bytes",
+                "torpor_keeper_up",
             )
         }
+        #: A host backing's fallback count: a counter, advanced by what it grew since last written.
+        self.keeper_fallbacks = counter("torpor_keeper_fallbacks_total")
         self.counters = {
             "transition": counter("torpor_transitions_total"),
             "transfer_bytes": counter("torpor_tag_transfer_bytes_total"),
@@ -188,6 +193,8 @@ class _Metrics:
             "refusal": counter("torpor_refusals_total"),
             "failure": counter("torpor_failures_total"),
             "event": counter("torpor_events_total"),
+            "adopted_bytes": counter("torpor_keeper_adopted_bytes_total"),
+            "adoption": counter("torpor_keeper_adoptions_total"),
         }
         self.histograms = {
             "sleep_seconds": histogram("torpor_sleep_duration_seconds"),
@@ -225,9 +232,16 @@ class MultiprocessSink:
         self._info: tuple[str, ...] | None = None
         self._state: State | None = None
         self._usage: dict[str, TagUsage] = {}
+        self._backing: HostBacking | None = None  # the host backing whose fallbacks are counted
+        self._fallbacks = 0  # its fallbacks written so far
+        self._followed: HostBacking | None = None  # the host backing read after each event (see _watch)
+        self._unfollow: Callable[[], None] | None = None
 
     def close(self) -> None:
         """Let another controller with this engine and rank attach in this process (the files keep their values)."""
+        if self._unfollow is not None:
+            self._unfollow()
+            self._unfollow = None
         with _metrics_lock:
             _ranks.discard(self._key)
 
@@ -247,6 +261,9 @@ class MultiprocessSink:
     def prime(self, tracker: Tracker) -> None:
         """Write the current gauges once (at attach), before any event."""
         self._sync(tracker)
+        backing = host_backing(tracker.source)
+        if backing is not None:
+            self._write_keeper(tracker, backing)
 
     def handle(self, tracker: Tracker, event: Event, observations: list[Observation]) -> None:
         """Tracker sink: count, observe, and bring the gauges this event can change up to date."""
@@ -268,6 +285,40 @@ class MultiprocessSink:
             self._sync_state(tracker, base)
         elif event.kind is not EventKind.REFUSED and event.kind is not EventKind.HOOK_DECISION:
             self._sync(tracker)
+        self._watch(tracker)
+
+    def _watch(self, tracker: Tracker) -> None:
+        """Write a host backing's figures; one newly found is also followed: read after each event it handled.
+
+        A keeper backing publishes (and retracts) in its own subscription to the controller, which
+        may come after telemetry's (vLLM's wiring attaches telemetry before the keeper's loader runs).
+        The subscription made here, from inside a delivery, comes after the backing's: its figures are
+        written once it has acted on the event. Never from :meth:`prime` (the tracker's lock is held
+        there, and subscribing takes the controller's: the order a delivery takes them in reversed).
+        """
+        backing = host_backing(tracker.source)
+        if backing is not self._followed:
+            if self._unfollow is not None:
+                self._unfollow()
+                self._unfollow = None
+            self._followed = backing
+            if backing is not None:
+                self._unfollow = tracker.source.subscribe(lambda _event: self._write_keeper(tracker, backing))
+        if backing is not None:
+            self._write_keeper(tracker, backing)
+
+    def _write_keeper(self, tracker: Tracker, backing: HostBacking) -> None:
+        if backing is not self._backing:
+            self._backing, self._fallbacks = backing, 0
+        labels = (tracker.engine, str(tracker.rank), backing.engine)
+        for name, value in keeper_figures(backing):
+            if name in self.metrics.gauges:
+                self._set(name, labels, value)
+        fallbacks = self._child(self.metrics.keeper_fallbacks, labels)  # made now: the series is 0 before any
+        grown = backing.fallbacks - self._fallbacks
+        if grown > 0:
+            fallbacks.inc(grown)
+            self._fallbacks = backing.fallbacks
 
     def _set_tag(self, base: tuple[str, str], tag: str, usage: TagUsage) -> None:
         if self._usage.get(tag) is usage:  # TagUsage is frozen: the same object means the same bytes

@@ -30,7 +30,7 @@ from torpor.errors import DuplicateRank
 from torpor.statemachine.core.events import Event
 from torpor.statemachine.core.states import State
 from torpor.telemetry.rankstats import RankStats
-from torpor.telemetry.tracker import Observation, Tracker
+from torpor.telemetry.tracker import HostBacking, Observation, Tracker, host_backing, keeper_figures
 
 RESIDENCIES: tuple[str, ...] = ("resident", "host", "discarded")
 BASE_LABELS: tuple[str, ...] = ("torpor_engine", "torpor_rank")
@@ -101,6 +101,25 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Sleeps aborted and wakes failed, by error class",
     ),
     "torpor_events_total": ("counter", ("kind",), "Events recorded, by kind"),
+    # a keeper backing the allocator's host memory (torpor.keeper; docs/keeper.md): keeper_engine is its name there
+    "torpor_keeper_host_bytes": (
+        "gauge",
+        ("keeper_engine",),
+        "Host backup bytes held in keeper regions mapped into this rank",
+    ),
+    "torpor_keeper_backup_bytes": ("gauge", ("keeper_engine",), "Bytes of the backup published to the keeper now"),
+    "torpor_keeper_up": ("gauge", ("keeper_engine",), "1 while the keeper answers this rank, 0 once it is gone"),
+    "torpor_keeper_fallbacks_total": (
+        "counter",
+        ("keeper_engine",),
+        "Host ranges left in the rank's own memory (keeper gone or over budget)",
+    ),
+    "torpor_keeper_adopted_bytes_total": (
+        "counter",
+        ("keeper_engine",),
+        "Bytes adopted from a keeper's backup (backup_adopted events)",
+    ),
+    "torpor_keeper_adoptions_total": ("counter", ("keeper_engine",), "Backups adopted from a keeper"),
 }
 
 
@@ -111,6 +130,8 @@ _COUNTERS = {
     "refusal": "torpor_refusals_total",
     "failure": "torpor_failures_total",
     "event": "torpor_events_total",
+    "adopted_bytes": "torpor_keeper_adopted_bytes_total",
+    "adoption": "torpor_keeper_adoptions_total",
 }
 _HISTOGRAMS = {"sleep_seconds": "torpor_sleep_duration_seconds", "wake_seconds": "torpor_wake_duration_seconds"}
 #: Gauges of the last completed sleep and wake (the tracker keeps the values; none before the first one).
@@ -160,8 +181,16 @@ def _number(value: float) -> str:
     return text
 
 
+def keeper_key(backing: HostBacking | None) -> tuple[object, ...]:
+    """What a rank's keeper samples depend on (part of the collector's cache key: they change between events)."""
+    return () if backing is None else (id(backing), backing.engine, *keeper_figures(backing))
+
+
 def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: SeriesCache | None = None) -> list[Sample]:
     """Every sample of one rank: gauges from the live projection, counters and histograms from ``stats``.
+
+    With a keeper backing the memory's host arena (:func:`~torpor.telemetry.tracker.host_backing`), its
+    ``torpor_keeper_*`` figures, read now.
 
     ``series`` memoises each series' sorted labels and line prefix across scrapes (a rank's series are few).
     """
@@ -201,6 +230,10 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
             value = float(proj.device_asleep[part])
             add("torpor_asleep_device_bytes", "torpor_asleep_device_bytes", (("part", part),), value)
     add("torpor_cudagraphs", "torpor_cudagraphs", (), float(proj.graph_count))
+    backing = host_backing(tracker.source)
+    if backing is not None:
+        for family, value in keeper_figures(backing):
+            add(family, family, (("keeper_engine", backing.engine),), value)
     counters, hists = stats.snapshot()
     for metric, family in _COUNTERS.items():
         names = METRICS[family][1]
@@ -219,7 +252,7 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
 
 @dataclass
 class _Cached:
-    key: tuple[int, int, int] = (-1, -1, -1)
+    key: tuple[object, ...] = ()
     samples: list[Sample] = field(default_factory=list)
     text: dict[str, str] = field(default_factory=dict)
 
@@ -275,7 +308,12 @@ class TorporCollector:
             trackers = list(self._stats.items())
         out = []
         for tracker, stats in trackers:
-            key = (tracker.seq, tracker.source.projection.last_seq, stats.version)
+            key = (
+                tracker.seq,
+                tracker.source.projection.last_seq,
+                stats.version,
+                *keeper_key(host_backing(tracker.source)),
+            )
             cached = self._cache.get(tracker)
             if cached is None or cached.key != key:
                 series = self._series.setdefault(tracker, {})

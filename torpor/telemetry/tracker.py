@@ -28,6 +28,7 @@ from torpor.statemachine.core.events import (
     WakeCompleted,
     WakeFailed,
 )
+from torpor.statemachine.core.payloads import BackupAdopted
 from torpor.statemachine.core.states import State
 from torpor.statemachine.log.fanout import Fanout
 from torpor.statemachine.projection.view import Projection
@@ -59,6 +60,38 @@ class Source(Protocol):
         ...
 
 
+@runtime_checkable
+class HostBacking(Protocol):
+    """What telemetry reads of a host backing: a host-memory provider that keeps an engine's backups outside it.
+
+    :class:`torpor.keeper.KeeperBacking` is one; telemetry never imports it: the
+    keeper installs it as its allocator's host provider (``memory.host.provider``)
+    and telemetry finds it there (:func:`host_backing`) and reads these figures.
+    """
+
+    engine: str  # the keeper's name for the engine
+    kept_bytes: int  # bytes of keeper memory mapped under the host arena now
+    published_bytes: int  # bytes of the backup published to the keeper now
+    fallbacks: int  # host ranges that stayed the engine's own memory
+    gone: str | None  # why the keeper no longer answers (None: it does)
+
+
+def host_backing(source: object) -> HostBacking | None:
+    """The host backing under ``source``'s memory (``source.memory.host.provider``), or None: no such provider."""
+    provider = getattr(getattr(getattr(source, "memory", None), "host", None), "provider", None)
+    return provider if isinstance(provider, HostBacking) else None
+
+
+def keeper_figures(backing: HostBacking) -> tuple[tuple[str, float], ...]:
+    """A host backing's gauges and counter now: (family, value) of each ``torpor_keeper_*`` series it has."""
+    return (
+        ("torpor_keeper_host_bytes", float(backing.kept_bytes)),
+        ("torpor_keeper_backup_bytes", float(backing.published_bytes)),
+        ("torpor_keeper_up", 0.0 if backing.gone else 1.0),
+        ("torpor_keeper_fallbacks_total", float(backing.fallbacks)),
+    )
+
+
 class Observation(NamedTuple):
     """One measurement derived from one event: ``metric`` names what it feeds, ``labels`` its label values."""
 
@@ -88,7 +121,8 @@ def interpret(event: Event, before: State, after: State) -> Iterator[Observation
     Metrics: ``transition`` (from, to), ``sleep_seconds`` (level),
     ``wake_seconds`` (woken tags), ``transfer_bytes`` and ``transfer_seconds``
     (tag, direction), ``refusal`` (command, error class), ``failure``
-    (operation, error class), ``event`` (kind).
+    (operation, error class), ``event`` (kind), ``adopted_bytes`` and ``adoption``
+    (the keeper's engine name).
     """
     kind = event.kind
     yield Observation("event", (kind.value,), 1.0)
@@ -111,6 +145,9 @@ def interpret(event: Event, before: State, after: State) -> Iterator[Observation
             yield Observation("failure", ("sleep", _error_label(error)), 1.0)
         case WakeFailed(error=error):
             yield Observation("failure", ("wake", _error_label(error)), 1.0)
+        case BackupAdopted(engine=engine, bytes=nbytes):
+            yield Observation("adopted_bytes", (engine,), float(nbytes))
+            yield Observation("adoption", (engine,), 1.0)
 
 
 def _error_label(error: str | None) -> str:
