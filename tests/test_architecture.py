@@ -54,10 +54,11 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "mechanism and subscribers",
         "the allocator (mechanism, no policy), telemetry and the hooks/integrations "
-        "(subscribers, torch_memory_saver's API among them), the read model over several ranks' logs, "
-        "the HTTP client and the test helpers",
+        "(subscribers, torch_memory_saver's API among them), the capture vocabulary the allocator and "
+        "the hooks share, the read model over several ranks' logs, the HTTP client and the test helpers",
         (
             "torpor.allocator.*",
+            "torpor.graphcapture",
             "torpor.readmodel.*",
             "torpor.torchgroup",
             "torpor.telemetry.*",
@@ -634,6 +635,30 @@ def test_allocator_imports_no_controller_telemetry_or_hooks() -> None:
         and (layer_of(imp.target) == 2 or _in(imp.target, ALLOCATOR_FORBIDDEN[1:]))
     ]
     assert not offenders, "the allocator imports policy or subscribers:\n" + "\n".join(offenders)
+
+
+def test_capture_routing_imports_nothing_of_the_allocator() -> None:
+    """torpor.hooks.capture imports no module of torpor.allocator (the capture vocabulary is torpor.graphcapture's)."""
+    offenders = [
+        f"{imp.where}: {imp.module} imports {imp.target}"
+        for imp in all_imports()
+        if imp.module == "torpor.hooks.capture" and _in(imp.target, ("torpor.allocator",))
+    ]
+    assert not offenders, "capture routing imports the allocator:\n" + "\n".join(offenders)
+
+
+def test_the_capture_vocabulary_imports_no_allocator_controller_telemetry_or_hooks() -> None:
+    """torpor.graphcapture, which the allocator and the hooks share, imports neither of them, the controller nor telemetry."""
+    forbidden = ("torpor.allocator", *ALLOCATOR_FORBIDDEN[1:])
+    offenders = [
+        f"{imp.where}: {imp.module} imports {imp.target}"
+        for imp in all_imports()
+        if imp.module == "torpor.graphcapture"
+        and _torpor(imp.target)
+        and (layer_of(imp.target) == 2 or _in(imp.target, forbidden))
+    ]
+    assert "torpor.graphcapture" in modules(), "torpor.graphcapture is gone: update this test"
+    assert not offenders, "the capture vocabulary imports its users or policy:\n" + "\n".join(offenders)
 
 
 def test_the_contract_catches_an_upward_import(tmp_path: Path) -> None:

@@ -19,8 +19,9 @@ from torpor.allocator.native.cuda_driver import CudaDriver
 from torpor.allocator.native.driver import Driver
 from torpor.allocator.native.sim_driver import SimCall, SimDriver
 from torpor.allocator.tagged import GRAPH_TAG, TaggedAllocator
-from torpor.allocator.torchside.graphpool import CaptureHandle, CaptureObserver, CaptureObservers, GraphPool
+from torpor.allocator.torchside.graphpool import GraphPool
 from torpor.errors import AllocatorError, AllocatorOutOfMemory, DriverError, DriverOutOfMemory
+from torpor.graphcapture import CaptureHandle, CaptureObserver, CaptureObservers
 
 __all__ = [
     "GRAPH_TAG",

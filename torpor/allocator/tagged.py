@@ -28,10 +28,10 @@ from torpor.allocator.native.table import NativeTable
 from torpor.allocator.sleepwake.cycle import SleepWake
 from torpor.allocator.sleepwake.tagbook import TagBook, TagState
 from torpor.allocator.torchside.binding import TorchBinding
-from torpor.allocator.torchside.graphpool import CaptureHandle, CaptureObserver, PoolId
 from torpor.allocator.torchside.graphstate import GraphPoolState
 from torpor.allocator.torchside.pools import TorchPools
 from torpor.errors import AllocatorError, DriverError, TagNotAwake
+from torpor.graphcapture import CaptureHandle, CaptureObserver, PoolId
 from torpor.statemachine.core.policy import CUDAGRAPH, DEFAULT_TAG
 from torpor.statemachine.core.protocol import DeviceMemory, TagUsage, Transfer
 

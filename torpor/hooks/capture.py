@@ -21,10 +21,10 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
-from torpor.allocator.torchside.graphpool import CaptureHandle, CaptureObserver, CaptureObservers
 from torpor.errors import (
     CaptureRoutingError,
 )
+from torpor.graphcapture import CaptureHandle, CaptureObserver, CaptureObservers
 from torpor.hooks.predicate import CudagraphPoolDecision
 
 if TYPE_CHECKING:

@@ -1,113 +1,21 @@
-"""One generation of the CUDA-graph pool, the handle a capture gets, and an allocator's capture observers.
+"""One generation of the CUDA-graph pool: its id, torch's MemPool, and the graphs captured into it by site.
 
 A :class:`GraphPool` is one generation of an allocator's pool (tag
 ``cudagraph``): its id, torch's MemPool on CUDA, and the graphs captured into
 it by site, each held by weak reference, so a holder disappears when the
-caller drops its graph. :class:`CaptureObservers` is the allocator's
-notification point: it tells its subscribers the pool id whenever a capture
-starts. There is no process-wide registry here: the process-wide NCCL hook is
-the integration's (``torpor.hooks.set_nccl_graph_pool_hook``).
+caller drops its graph. The handle a capture gets and the allocator's capture
+observers are :mod:`torpor.graphcapture`'s. There is no process-wide registry
+here: the process-wide NCCL hook is the integration's
+(``torpor.hooks.set_nccl_graph_pool_hook``).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import Any
 
-logger = logging.getLogger("torpor.allocator")
-
-PoolId = tuple[int, int]
-#: Called with the pool id when a capture into an allocator's graph pool starts.
-CaptureObserver = Callable[[PoolId], None]
-
-
-class CaptureObservers:
-    """One allocator's notification point: the callables told the pool id whenever a capture into its graph pool starts.
-
-    Per allocator, not per process: an integration that must follow the pool
-    (NCCL's graph allocator) subscribes to the allocator it uses, or calls its
-    own hooks around the capture (``torpor.hooks.capture_pool`` does). A
-    failing observer is logged and never breaks the capture.
-    """
-
-    _logger: ClassVar[logging.Logger] = logger
-
-    def __init__(self, observers: Iterable[CaptureObserver] = ()) -> None:
-        self._lock = threading.Lock()
-        self._observers: list[CaptureObserver] = []
-        for observer in observers:
-            self.add(observer)
-
-    def add(self, observer: CaptureObserver) -> Callable[[], None]:
-        """Tell ``observer(pool_id)`` of every capture from now on (once, however often added); returns its remover."""
-        with self._lock:
-            if observer not in self._observers:
-                self._observers.append(observer)
-        return lambda: self.remove(observer)
-
-    def remove(self, observer: CaptureObserver) -> None:
-        """Stop telling ``observer`` (nothing when it is not subscribed)."""
-        with self._lock:
-            if observer in self._observers:
-                self._observers.remove(observer)
-
-    def notify(self, pool_id: PoolId) -> None:
-        """Call every observer with ``pool_id`` in subscription order; a failing one is logged, never raised."""
-        with self._lock:
-            observers = self._called()
-        for observer in observers:
-            try:
-                observer(pool_id)
-            except Exception:  # an observer must not break a capture
-                self._logger.exception("graph pool observer %r failed for pool %s", observer, pool_id)
-
-    def _called(self) -> Sequence[CaptureObserver]:
-        """The callables :meth:`notify` calls, in order (under the lock)."""
-        return list(self._observers)
-
-
-class CaptureHandle(tuple[int, int]):
-    """The pool id (pass it as ``torch.cuda.graph(pool=...)``), plus what records the captured graph.
-
-    ``handle.pool`` is the plain id; ``handle.graph(g, **kw)`` is
-    ``torch.cuda.graph(g, pool=handle.pool, **kw)`` that also records ``g``;
-    ``handle.track(obj)`` records a graph captured some other way.
-    """
-
-    site: str
-    _record: Callable[[object, str], None]
-
-    def __new__(cls, pool_id: PoolId, site: str, record: Callable[[object, str], None]) -> CaptureHandle:
-        self = super().__new__(cls, pool_id)
-        self.site = site
-        self._record = record
-        return self
-
-    @property
-    def pool(self) -> PoolId:
-        """The pool id as a plain tuple."""
-        return (self[0], self[1])
-
-    def track(self, graph: object) -> None:
-        """Record ``graph`` (held weakly) as captured at this handle's site."""
-        self._record(graph, self.site)
-
-    def graph(self, cuda_graph: Any, **kwargs: Any) -> AbstractContextManager[Any]:
-        """``torch.cuda.graph(cuda_graph, pool=self.pool, **kwargs)``, recording ``cuda_graph`` under the site."""
-        import torch
-
-        self.track(cuda_graph)
-        return torch.cuda.graph(cuda_graph, pool=self.pool, **kwargs)  # type: ignore[arg-type]
-
-    def __str__(self) -> str:
-        return f"cudagraph-pool-{self[0]}.{self[1]}"
-
-    def __reduce__(self) -> Any:
-        return (tuple, (self.pool,))
+from torpor.graphcapture import PoolId
 
 
 class GraphPool:

@@ -4,7 +4,7 @@ One pool per allocator (tag ``cudagraph``). :class:`GraphPoolState` holds the
 current :class:`~torpor.allocator.torchside.graphpool.GraphPool` (None before the first
 capture and after a release), counts its generations, refuses a capture or a
 release while the tag is asleep, and tells the allocator's
-:class:`~torpor.allocator.torchside.graphpool.CaptureObservers` when a capture starts.
+:class:`~torpor.graphcapture.CaptureObservers` when a capture starts.
 It is handed what differs between devices (how a pool is made on CUDA, how
 its memory goes) by the allocator, so it imports no torch.
 """
@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable
 
 from torpor.allocator.native import library as native
 from torpor.allocator.sleepwake.tagbook import TagBook
-from torpor.allocator.torchside.graphpool import CaptureObserver, CaptureObservers, GraphPool, PoolId
+from torpor.allocator.torchside.graphpool import GraphPool
 from torpor.errors import AllocatorError, PoolBusy
+from torpor.graphcapture import CaptureObserver, CaptureObservers, PoolId
 from torpor.statemachine.core.policy import CUDAGRAPH
 
 logger = logging.getLogger("torpor.allocator")
