@@ -13,11 +13,18 @@ import-linter uses), so a package's ``__init__`` is a facade placed in its own l
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import CodeType, FrameType
+from typing import Any
+
+from torpor.statemachine import HostMemoryPolicy, Policy, SleepController
+from torpor.testrig import fill, sim_rig
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "torpor"
@@ -932,6 +939,114 @@ def test_the_typed_event_check_catches_keyword_events(tmp_path: Path) -> None:
         "    ctx.record(TagReleased(tag='w', bytes=1))\n    driver.record(device)\n"
     )
     assert untyped_events(source, "probe") == ["probe.py:2 self._emit(...)", "probe.py:3 note.record(...)"]
+
+
+#: The most files a ``sleep(1)`` passes through, above the native layer, on its way to a driver call.
+SPINE_FILES = 5
+NATIVE = PACKAGE / "allocator" / "native"
+
+
+@functools.cache
+def _torpor_file(filename: str) -> str | None:
+    """``filename`` relative to torpor/ (``allocator/tagged.py``), None for a file outside it."""
+    path = Path(filename).resolve()
+    return path.relative_to(PACKAGE).as_posix() if path.is_relative_to(PACKAGE) else None
+
+
+class _Library:
+    """The native library, each call noting whether the simulated device saw a driver call while it ran."""
+
+    def __init__(self, lib: Any, sim: int) -> None:
+        self._lib = lib
+        self._sim = sim
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn, count, sim = getattr(self._lib, name), self._lib.tp_sim_log, self._sim
+
+        def library_call(*args: Any) -> Any:
+            before, drove = count(sim, 0, None, 0), False
+            try:
+                return fn(*args)
+            finally:
+                drove = count(sim, 0, None, 0) > before  # read by the profiler at the return  # noqa: F841
+
+        return library_call
+
+
+_LIBRARY_CALL = next(c for c in _Library.__getattr__.__code__.co_consts if isinstance(c, CodeType))
+
+
+@dataclass
+class SleepTrace:
+    """What a traced ``sleep(1)`` went through: the spine, the native files at the driver calls, the hops."""
+
+    spine: set[str]  # torpor files outside native/ on the stack, from sleep() down, at each driver call
+    native: set[str]  # the native files on the stack at those calls
+    driver_calls: int  # library calls during which the driver was called
+    hops: int  # calls from one torpor file into another
+
+
+def trace_sleep() -> SleepTrace:
+    """``sleep(1)`` of a controller over a ``TaggedAllocator`` on the simulated device, traced with ``sys.setprofile``.
+
+    Four tags, ten allocations; the sleep traced is the second (its host chunks pinned by the first,
+    as in an engine that has slept before, so no thread pins or stages while it runs).
+    """
+    stacks: dict[int, tuple[str, ...] | None] = {}
+    trace = SleepTrace(set(), set(), 0, 0)
+    sleep_code = SleepController.sleep.__code__
+
+    def stack(frame: FrameType | None) -> tuple[str, ...] | None:  # torpor files from sleep() down; None: not in it
+        files: list[str] = []
+        while frame is not None:
+            if (name := _torpor_file(frame.f_code.co_filename)) is not None:
+                files.append(name)
+            if frame.f_code is sleep_code:
+                return tuple(files)
+            frame = frame.f_back
+        return None
+
+    def profile(frame: FrameType, event: str, _: object) -> None:
+        if frame.f_code is _LIBRARY_CALL:
+            if event == "call":
+                stacks[id(frame)] = stack(frame.f_back)
+            elif event == "return" and (files := stacks.pop(id(frame))) is not None and frame.f_locals["drove"]:
+                trace.driver_calls += 1
+                trace.spine |= {f for f in files if not (PACKAGE / f).is_relative_to(NATIVE)}
+                trace.native |= {f for f in files if (PACKAGE / f).is_relative_to(NATIVE)}
+            return
+        if event == "call" and frame.f_back is not None:
+            callee, caller = _torpor_file(frame.f_code.co_filename), _torpor_file(frame.f_back.f_code.co_filename)
+            trace.hops += int(callee is not None and caller is not None and callee != caller)
+
+    with sim_rig() as rig:
+        tags = {"weights": [64, 64, 128, 192], "kv_cache": [128] * 3, "workspace": [64], "cudagraph": [64] * 2}
+        for tag, kib in tags.items():
+            fill(rig.allocator, tag, [n << 10 for n in kib])
+        controller = rig.control(policy=Policy(host=HostMemoryPolicy()))
+        controller.sleep(1)
+        controller.wake()
+        rig.allocator.table.lib = _Library(rig.allocator.table.lib, rig.driver.native_sim)
+        rig.driver.lib = _Library(rig.driver.lib, rig.driver.native_sim)
+        before = sys.getprofile()
+        sys.setprofile(profile)
+        try:
+            controller.sleep(1)
+        finally:
+            sys.setprofile(before)
+    return trace
+
+
+def test_a_sleep_reaches_the_driver_through_at_most_five_files() -> None:
+    """A traced sleep(1) reaches each driver call through at most SPINE_FILES torpor files above the native layer."""
+    trace = trace_sleep()
+    assert trace.driver_calls, "the traced sleep made no driver call"
+    assert {"statemachine/machine/controller.py", "allocator/sleepwake/cycle.py"} <= trace.spine, trace.spine
+    assert trace.native <= {"allocator/native/table.py", "allocator/native/driver.py", "allocator/native/sim_driver.py"}
+    assert len(trace.spine) <= SPINE_FILES, (
+        f"sleep(1) reaches the driver through {len(trace.spine)} files, over {SPINE_FILES}: {sorted(trace.spine)} "
+        f"({trace.hops} hops between torpor files)"
+    )
 
 
 def test_docs_architecture_has_the_layer_table() -> None:

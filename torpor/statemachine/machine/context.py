@@ -8,15 +8,19 @@ The steps (:mod:`~torpor.statemachine.machine.sleeping`,
 :mod:`~torpor.statemachine.machine.recovery`,
 :mod:`~torpor.statemachine.machine.tracking`) are functions of a
 :class:`Context`; it holds no state of its own but the group, which the vLLM
-backend may set after the controller is made. It is also what a group runs
-its votes through (:class:`~torpor.statemachine.machine.group.Participant`).
+backend may set after the controller is made. A step calls the parts it is
+handed itself (``ctx.recorder.record``, ``ctx.gate.refuse``); the context adds
+what no part holds: the memory's usage as event fields, the tag check, the
+group's vote. It is also what a group runs its votes through
+(:class:`~torpor.statemachine.machine.group.Participant`: ``state``,
+``record``, ``refuse``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 from torpor.errors import TorporError, UnknownTag
 from torpor.statemachine.core.events import Event
@@ -29,8 +33,6 @@ from torpor.statemachine.machine.group import GroupMember
 from torpor.statemachine.machine.hostmem import HostSide
 from torpor.statemachine.machine.recorder import Recorder
 from torpor.statemachine.projection.view import Projection
-
-R = TypeVar("R")
 
 
 def _tag_list(tags: Sequence[str] | str) -> list[str]:
@@ -61,11 +63,11 @@ class Context:
         return self.recorder.projection.state
 
     def record(self, payload: Payload) -> Event:
-        """Record one event (:meth:`Recorder.record`)."""
+        """Record a group's vote (:meth:`Recorder.record`; a step calls ``ctx.recorder.record`` itself)."""
         return self.recorder.record(payload)
 
     def refuse(self, command: str, error: TorporError) -> NoReturn:
-        """Record the refusal and raise ``error`` (:meth:`Gate.refuse`)."""
+        """Record a group's refusal and raise ``error`` (:meth:`Gate.refuse`; a step calls ``ctx.gate.refuse`` itself)."""
         self.gate.refuse(command, error)
 
     def resident_usage(self) -> dict[str, int]:
@@ -81,15 +83,9 @@ class Context:
         known = set(self.projection.residency) | set(self.memory.usage())
         unknown = [t for t in tags if t not in known]
         if unknown:
-            self.refuse(command, UnknownTag(unknown, known))
+            self.gate.refuse(command, UnknownTag(unknown, known))
 
     def hold(self, undo: Callable[[TorporError], None] | None) -> None:
         """With a group: the local part is prepared; vote, and ``undo`` it (then raise) when a rank failed."""
         if self.group is not None:
             self.group.hold(self, undo)
-
-    def collectively(self, command: str, run: Callable[[], R]) -> R:
-        """``run()`` the command: with a group, as the group's next collective command; alone otherwise."""
-        if self.group is None:
-            return run()
-        return self.group.run(self, command, run)

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torpor.statemachine.core.events import PAYLOADS, Event, EventKind, Opened, UsageObserved
 from torpor.statemachine.core.policy import DEFAULT_POLICY, WEIGHTS, Policy
@@ -61,6 +61,8 @@ from torpor.statemachine.machine.sleeping import GiB
 from torpor.statemachine.projection.view import Projection
 
 __all__ = ["GiB", "SleepController", "Subscriber", "_clip", "_tag_list", "log_path_for"]
+
+R = TypeVar("R")
 
 #: The kinds :meth:`SleepController.record` takes from outside: facts no command of the controller records.
 OUTSIDE_FACTS = (EventKind.HOOK_DECISION, EventKind.USAGE_OBSERVED, EventKind.BACKUP_ADOPTED)
@@ -137,6 +139,11 @@ class SleepController:
                 recovery.settle(self._ctx, name, exc)
                 raise
 
+    def _collectively(self, command: str, run: Callable[[], R]) -> R:
+        """``run()`` the command: with a group, as the group's next collective command; alone otherwise."""
+        group = self._ctx.group
+        return run() if group is None else group.run(self._ctx, command, run)
+
     # -- the memory commands ----------------------------------------------------
 
     def sleep(self, level: int = 1, *, idempotent: bool = False) -> Projection:
@@ -151,7 +158,7 @@ class SleepController:
             with self._command("sleep", level=level):
                 return sleeping.sleep(self._ctx, level, idempotent)
 
-        return self._ctx.collectively("sleep", run)
+        return self._collectively("sleep", run)
 
     def wake(self, tags: Sequence[str] | str | None = None, *, idempotent: bool = False) -> Projection:
         """Wake ``tags`` (None: all); every non-deferrable tag is restored by any wake.
@@ -170,7 +177,7 @@ class SleepController:
             with self._command("wake", tags=tags):
                 return waking.wake(self._ctx, tags, idempotent)
 
-        return self._ctx.collectively("wake", run)
+        return self._collectively("wake", run)
 
     def discard(self, tags: Sequence[str] | str) -> Projection:
         """Discard ``tags``; the next wake that restores them maps fresh memory.
@@ -186,7 +193,7 @@ class SleepController:
             with self._command("discard", tags=tags):
                 return discarding.discard(self._ctx, tags)
 
-        return self._ctx.collectively("discard", run)
+        return self._collectively("discard", run)
 
     @contextmanager
     def capture(self, site: str) -> Iterator[object]:

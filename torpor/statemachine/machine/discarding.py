@@ -36,7 +36,7 @@ def discard(ctx: Context, tags: Sequence[str] | str) -> Projection:
             deferrable = ", ".join(sorted(ctx.policy.deferrable))
             why = f"{tag!r} is resident and every wake restores it; only {deferrable} can be discarded while resident"
         if why:
-            ctx.refuse("discard", InvalidTransition("discard", projection.state.value, projection.since, (), why))
+            ctx.gate.refuse("discard", InvalidTransition("discard", projection.state.value, projection.since, (), why))
     host = [t for t in tags if t in projection.asleep and projection.residency[t].host]
     start = time.perf_counter()
     dropped: list[str] = []
@@ -49,7 +49,7 @@ def discard(ctx: Context, tags: Sequence[str] | str) -> Projection:
             # see docs/architecture.md "Invariant: a failed command is undone newest first"
             discard_failed(ctx, start, exc, changed=bool(dropped), went=dropped)
         dropped.append(tag)
-        ctx.record(TagDiscarded(tag=tag, bytes=projection.residency[tag].host))
+        ctx.recorder.record(TagDiscarded(tag=tag, bytes=projection.residency[tag].host))
     ctx.host.release_unused()
     if resident:
         _discard_resident(ctx, resident, dropped)
@@ -71,14 +71,16 @@ def _discard_resident(ctx: Context, tags: list[str], dropped: list[str]) -> None
         except TorporError as exc:  # the tags released before it stay released: partly done
             gone = not_resident(ctx, tag)
             if gone:  # the memory could not put it back and released it: it went too
-                ctx.record(TagReleased(tag=tag, bytes=gone, action="discard", seconds=0.0))
+                ctx.recorder.record(TagReleased(tag=tag, bytes=gone, action="discard", seconds=0.0))
                 done.append(tag)
             discard_failed(ctx, start, exc, changed=True, went=done)
         done.append(tag)
-        ctx.record(
+        ctx.recorder.record(
             TagReleased(
                 tag=tag, bytes=released.bytes, action="discard", seconds=released.seconds, **released.kept_fields()
             )
         )
-    ctx.record(DiscardCompleted(tags=tuple(done), error=None, reason=None, seconds=time.perf_counter() - start))
+    ctx.recorder.record(
+        DiscardCompleted(tags=tuple(done), error=None, reason=None, seconds=time.perf_counter() - start)
+    )
     ctx.hold(lambda exc: undo_discard(lambda back: restore(ctx, back), done, exc))

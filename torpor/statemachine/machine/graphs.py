@@ -20,7 +20,7 @@ def _graph_memory(ctx: Context, command: str) -> GraphPoolMemory:
     memory = ctx.abilities.graphs
     if memory is None:
         msg = f"cannot {command}: {type(ctx.memory).__name__} has no cudagraph pool"
-        ctx.refuse(command, TorporError(msg))
+        ctx.gate.refuse(command, TorporError(msg))
     return memory
 
 
@@ -35,12 +35,12 @@ def capture(ctx: Context, site: str) -> Iterator[object]:
         try:
             pool = stack.enter_context(memory.capture_into_pool(site))
         except TorporError as exc:  # the pool could not be set up: nothing captured, say why
-            ctx.refuse("capture", exc)
+            ctx.gate.refuse("capture", exc)
         yield pool
     pool_name = str(pool)
     if first:
-        ctx.record(PoolCreated(pool=pool_name))
-    ctx.record(
+        ctx.recorder.record(PoolCreated(pool=pool_name))
+    ctx.recorder.record(
         GraphCaptured(site=site, pool=pool_name, seconds=time.perf_counter() - start, usage=ctx.resident_usage())
     )
 
@@ -54,11 +54,11 @@ def release_pool(ctx: Context) -> int:
         reason = (
             f"cudagraph pool is referenced by {len(holders)} holder(s) ({'; '.join(holders)}); release the graphs first"
         )
-        ctx.refuse("release_pool", PoolBusy(reason, holders))
+        ctx.gate.refuse("release_pool", PoolBusy(reason, holders))
     pool = ctx.projection.pool
     try:
         freed = memory.release_cudagraph_pool()
     except TorporError as exc:
-        ctx.refuse("release_pool", exc)
-    ctx.record(PoolReleased(pool=pool, bytes=freed, usage=ctx.resident_usage()))
+        ctx.gate.refuse("release_pool", exc)
+    ctx.recorder.record(PoolReleased(pool=pool, bytes=freed, usage=ctx.resident_usage()))
     return freed

@@ -32,7 +32,7 @@ def reconcile(ctx: Context) -> Projection:
         for tag, u in usage.items()
         if not u.resident and (u.host or u.discarded)
     }
-    ctx.record(
+    ctx.recorder.record(
         Recovered(
             usage={tag: u.resident for tag, u in usage.items()},
             released=released,

@@ -101,7 +101,7 @@ class Compensation:
         if not self.ok:
             return
         try:
-            self._ctx.record(payload)
+            self._ctx.recorder.record(payload)
         except LogWriteFailed as exc:
             self.ok = False
             self._ctx.gate.needs_recover(f"the rollback could not be recorded ({exc}); memory was rolled back")
@@ -244,8 +244,8 @@ def discard_failed(
     lists the tags that ``went`` (and says why it stopped, with ``note`` added).
     """
     if not changed:
-        ctx.refuse("discard", exc)
-    ctx.record(
+        ctx.gate.refuse("discard", exc)
+    ctx.recorder.record(
         DiscardCompleted(
             tags=tuple(went), error=type(exc).__name__, reason=f"{exc}{note}", seconds=time.perf_counter() - start
         )

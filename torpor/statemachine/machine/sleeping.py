@@ -47,7 +47,7 @@ def block_wait() -> float:
 def sleep(ctx: Context, level: int, idempotent: bool) -> Projection:
     """``sleep(level)`` inside the gate: the level checked, an idempotent repeat, the guard, then the sleep."""
     if type(level) is not int or level not in (1, 2):  # not True, not 1.0
-        ctx.refuse("sleep", InvalidLevel(level))
+        ctx.gate.refuse("sleep", InvalidLevel(level))
     projection = ctx.projection
     if idempotent and projection.state in ASLEEP and (projection.level or 0) >= level:
         why = f"already asleep at level {projection.level} since event #{projection.since}"
@@ -60,14 +60,14 @@ def sleep(ctx: Context, level: int, idempotent: bool) -> Projection:
     offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
     over = ctx.host.refusal(projection, ctx.host.backup_bytes(offload, usage))
     if over is not None:  # before anything is touched
-        ctx.refuse("sleep", over)
+        ctx.gate.refuse("sleep", over)
     doors = ctx.abilities.doors
     if doors is not None:  # no allocation block of a tag may be open while it goes: wait for them, or refuse
         cause = f"sleep level {level}, event #{projection.last_seq + 1} (sleep_requested)"
         try:
             doors.close_doors(list(plan), cause, block_wait())
         except TorporError as exc:
-            ctx.refuse("sleep", exc)
+            ctx.gate.refuse("sleep", exc)
     try:
         return _sleep_planned(ctx, level, plan, usage, start)
     finally:
@@ -80,7 +80,7 @@ def _sleep_planned(
 ) -> Projection:
     offload = [t for t, a in plan.items() if a is Action.OFFLOAD]
     discard = [t for t, a in plan.items() if a is Action.DISCARD]
-    ctx.record(
+    ctx.recorder.record(
         SleepRequested(
             level=level,
             plan={t: a.value for t, a in plan.items()},
@@ -104,7 +104,7 @@ def _sleep_planned(
         progress.backed_up = offload
         for tag in offload:
             t = backed[tag]
-            ctx.record(TagBackedUp(tag=tag, bytes=t.bytes, seconds=t.seconds))
+            ctx.recorder.record(TagBackedUp(tag=tag, bytes=t.bytes, seconds=t.seconds))
         progress.phase = "release"
         for tag in offload + discard:  # offloaded tags first: a failure then loses nothing
             if plan[tag] is Action.DISCARD:  # with a group: every rank agrees before anything is discarded
@@ -113,7 +113,7 @@ def _sleep_planned(
             done = memory.release([tag])[tag]
             progress.released.append(done)
             progress.failed = None
-            ctx.record(
+            ctx.recorder.record(
                 TagReleased(
                     tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds, **done.kept_fields()
                 )
@@ -123,7 +123,7 @@ def _sleep_planned(
         seconds = time.perf_counter() - start
         offloaded = sum(t.bytes for t in progress.released if plan[t.tag] is Action.OFFLOAD)
         discarded = sum(t.bytes for t in progress.released if plan[t.tag] is Action.DISCARD)
-        ctx.record(
+        ctx.recorder.record(
             SleepCompleted(
                 level=level,
                 seconds=seconds,

@@ -27,7 +27,7 @@ def wake(ctx: Context, tags: Sequence[str] | str | None, idempotent: bool) -> Pr
     projection = ctx.projection
     if wanted == []:  # no tag at all: an empty filter upstream, never "wake nothing" (None wakes all)
         asleep = projection.asleep_tags()
-        ctx.refuse("wake", NoTagsNamed("wake", projection.state.value, projection.since, asleep))
+        ctx.gate.refuse("wake", NoTagsNamed("wake", projection.state.value, projection.since, asleep))
     if idempotent and projection.state in (State.AWAKE, State.PARTIALLY_AWAKE):
         if wanted is not None:
             ctx.check_tags("wake", wanted)
@@ -43,7 +43,7 @@ def restore(ctx: Context, tags: list[str] | None) -> Projection:
     if tags is not None:
         ctx.check_tags("wake", tags)
     restoring = ctx.policy.wake_set(tags, ctx.projection.asleep_tags())
-    ctx.record(WakeRequested(tags=None if tags is None else tuple(tags), restoring=tuple(restoring)))
+    ctx.recorder.record(WakeRequested(tags=None if tags is None else tuple(tags), restoring=tuple(restoring)))
     progress = WakeProgress(tags, start)
     undone = False
     memory = ctx.memory
@@ -58,7 +58,7 @@ def restore(ctx: Context, tags: list[str] | None) -> Projection:
             source = "host" if ctx.projection.residency[tag].host else "fresh"
             done = memory.restore([tag])[tag]
             progress.restored.append((tag, done, source))
-            ctx.record(
+            ctx.recorder.record(
                 TagRestored(tag=tag, bytes=done.bytes, source=source, seconds=done.seconds, **done.kept_fields())
             )
         ctx.hold(undo_group)  # backups kept until the group agrees
@@ -76,7 +76,7 @@ def restore(ctx: Context, tags: list[str] | None) -> Projection:
     host_released = ctx.host.release_unused()
     seconds = time.perf_counter() - start
     try:
-        ctx.record(
+        ctx.recorder.record(
             WakeCompleted(
                 tags=None if tags is None else tuple(tags),
                 seconds=seconds,
