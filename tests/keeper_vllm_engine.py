@@ -2,8 +2,9 @@
 
 Usage: ``python tests/keeper_vllm_engine.py first|again``. ``first`` generates, updates the final norm's weight
 in place (as a trainer's push would: the checkpoint no longer holds the served weights), generates again, sleeps
-at level 1, prints one JSON line and waits to be killed. ``again`` (the restart) loads, generates and prints its
-tokens. The environment (set by the test) names the model, the keeper's socket and the engine.
+at level 1, prints one result line and waits to be killed. ``again`` (the restart) loads, generates and prints its
+tokens. A result line is :data:`MARK` and then JSON (vLLM logs to stdout too). The environment (set by the test)
+names the model, the keeper's socket and the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import vllm_gpu_support as support
+
+MARK = "keeper-test-result: "
 
 
 def _negate_final_norm(worker: Any) -> str:
@@ -46,10 +49,10 @@ def main() -> None:
         generate()
         updated = generate()
         llm.sleep(level=1)
-        print(json.dumps({"pid": os.getpid(), "checkpoint": checkpoint, "updated": updated}), flush=True)
+        print(MARK + json.dumps({"pid": os.getpid(), "checkpoint": checkpoint, "updated": updated}), flush=True)
         time.sleep(600)
     else:
-        print(json.dumps({"pid": os.getpid(), "tokens": generate()}), flush=True)
+        print(MARK + json.dumps({"pid": os.getpid(), "tokens": generate()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import vllm_gpu_support as support
 from keeper_engine import start_keeper
+from keeper_vllm_engine import MARK
 
 from torpor.keeper import KeeperLink
 
@@ -31,10 +33,21 @@ def _run(mode: str, env: dict[str, str]) -> subprocess.Popen[str]:
 
 
 def _line(proc: subprocess.Popen[str]) -> dict[str, object]:
-    out = proc.stdout.readline() if proc.stdout else ""
-    assert out, f"the engine exited with {proc.wait()} before it printed"
-    result: dict[str, object] = json.loads(out)
-    return result
+    """The engine's result line, past vLLM's own log lines on the same stdout."""
+    for out in proc.stdout or ():
+        if out.startswith(MARK):
+            result: dict[str, object] = json.loads(out[len(MARK) :])
+            return result
+    raise AssertionError(f"the engine exited with {proc.wait()} before it printed its result")
+
+
+def _kill(proc: subprocess.Popen[str] | None) -> None:
+    """Kill ``proc``'s whole process group (engine core and workers), whatever of it still runs."""
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError):  # the group is gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> None:
@@ -53,6 +66,7 @@ def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> 
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the weight update is a function sent to the worker
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
     }
+    first = again = None
     try:
         first = _run("first", env)
         asleep = _line(first)
@@ -60,15 +74,16 @@ def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> 
         with KeeperLink(sock) as link:
             backups = link.status()["backups"]
         assert [b["engine"] for b in backups] == ["vllm-keeper-test-rank0"], backups
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
+        _kill(first)
         again = _run("again", env)
         restarted = _line(again)
-        again.wait(timeout=300)
+        again.communicate(timeout=300)  # reads the rest of its output as it shuts down
         assert restarted["tokens"] == asleep["updated"], "the restart did not serve the kept (updated) weights"
         with KeeperLink(sock) as link:
             adoptions = link.status()["adoptions"]
         assert adoptions and adoptions[-1]["engine"] == "vllm-keeper-test-rank0", adoptions
-    finally:
+    finally:  # no engine outlives the test, holding the GPU for the next one
+        _kill(first)
+        _kill(again)
         keeper.kill()
         keeper.wait()

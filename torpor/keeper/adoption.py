@@ -27,6 +27,7 @@ from torpor.keeper import shmem
 from torpor.keeper.backing import KeeperBacking
 from torpor.keeper.fingerprint import ModelIdentity, TensorSpec
 from torpor.keeper.keeperclient import KeeperLink
+from torpor.keeper.pinnedcopy import PinnedPieces, copy_into
 from torpor.keeper.refusals import KeeperError
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.machine.controller import SleepController
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 __all__ = ["Adopted", "KeptBackup", "adopt", "identity_of", "open_backup", "track_model"]
 
 logger = logging.getLogger("torpor.keeper")
+
+#: Threads that pin a backup's regions as it is adopted (at most one per CPU).
+PIN_THREADS = 16
+_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context: the pinning threads have no device of their own
 
 #: Statistics of this process's adoptions (read by :mod:`torpor.keeper.keepermetrics`).
 ADOPTED = {"adoptions": 0, "bytes": 0, "fallbacks": 0}
@@ -220,8 +225,10 @@ def adopt(
     shape and dtype): otherwise :class:`AdoptionRefused` says how they differ.
     ``fallback``: called instead of raising when there is nothing to adopt
     (no keeper, no backup, a mismatch); the reason is logged and None returned.
-    ``pin``: register the regions with CUDA first (cudaHostRegister) so the
-    copies to a GPU run at host-link speed.
+    ``pin``: register the regions with CUDA (cudaHostRegister) so the copies
+    to a GPU run at host-link speed: in pieces, on :data:`PIN_THREADS` threads,
+    each copy enqueued once the pieces under it are pinned
+    (:mod:`torpor.keeper.pinnedcopy`).
     """
     import torch
 
@@ -235,26 +242,39 @@ def adopt(
         logger.warning("nothing adopted (%s); loading the model the normal way", exc)
         fallback()
         return None
-    registered: list[int] = []
+    pieces: PinnedPieces | None = None
+    on_cuda = any(t.is_cuda for _, t in _tensors(model))
     try:
-        on_cuda = any(t.is_cuda for _, t in _tensors(model))
         if pin and on_cuda:
             cudart = _cudart()
-            for address, nbytes in kept.regions():
-                if int(cudart.cudaHostRegister(address, nbytes, 0)) == 0:
-                    registered.append(address)
+            pieces = PinnedPieces(
+                kept.regions(),
+                lambda address, n: int(cudart.cudaHostRegister(address, n, _HOST_REGISTER_PORTABLE)) == 0,
+                lambda address, _n: cudart.cudaHostUnregister(address),
+                threads=min(PIN_THREADS, os.cpu_count() or 1),
+            )
         with torch.no_grad():
-            for name, t in _tensors(model):
-                flat = t.detach().view(-1).view(torch.uint8)
-                for host, n, at in kept.segments(name):
-                    src = torch.frombuffer((ctypes.c_char * n).from_address(host), dtype=torch.uint8)
-                    flat[at : at + n].copy_(src, non_blocking=bool(registered))
+            copy_into(kept, _tensors(model), pieces)
         if on_cuda:
             torch.cuda.synchronize()
         return kept.done(controller)
     finally:
-        if registered:
-            cudart = _cudart()
-            for address in registered:
-                cudart.cudaHostUnregister(address)
-        kept.close()
+        if _copies_finished(on_cuda):
+            if pieces is not None:
+                pieces.release()
+            kept.close()
+        # else: a copy may still read the regions; they stay pinned and mapped (logged) rather than be pulled away
+
+
+def _copies_finished(on_cuda: bool) -> bool:
+    """Whether no copy of the adoption can still read host memory (synchronized; False if that fails)."""
+    if not on_cuda:
+        return True
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        logger.exception("synchronizing after an adoption failed; its kept regions stay pinned and mapped")
+        return False
+    return True

@@ -1,0 +1,128 @@
+"""Copying a kept backup into a model's tensors at host-link speed: regions pinned in pieces on several threads.
+
+Pinning (``cudaHostRegister``) a kept region costs more than copying it: one
+thread pins the keeper's shared memory at about 7 GB/s (the 14.4 GB of an
+8B-shaped model took 2.1 s on the H200), while the copy runs at the link's
+55 GB/s. So :class:`PinnedPieces` cuts the regions into pieces of
+:data:`PIECE_BYTES` and pins them on up to ``threads`` threads in address
+order, and :func:`copy_into` enqueues the copies in host-address order, each
+waiting only for the pieces under it: the first pieces are copied while the
+later ones are pinned. A piece whose pin failed is copied from as pageable
+memory (slower, the same bytes). Mechanism only: the pin and unpin calls are
+the caller's (:func:`torpor.keeper.adoption.adopt` passes CUDA's).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PIECE_BYTES", "PinnedPieces", "copy_into"]
+
+logger = logging.getLogger("torpor.keeper")
+
+#: The pinning unit: small enough that the first copies start early, large enough that the calls are few.
+PIECE_BYTES = 256 * 1024 * 1024
+
+
+class Segments(Protocol):
+    """What :func:`copy_into` reads of a backup: each tensor's (host address, bytes, offset in the tensor)."""
+
+    def segments(self, name: str) -> Iterable[tuple[int, int, int]]: ...
+
+
+class PinnedPieces:
+    """``regions`` (address, bytes) pinned piece by piece by a pool of threads; :meth:`pinned` waits for a range.
+
+    ``pin(address, nbytes)`` returns whether it pinned (it may raise: a failed
+    pin); ``unpin(address, nbytes)`` undoes one. :meth:`release` unpins what
+    was pinned; the caller makes sure no copy still reads the memory first.
+    """
+
+    def __init__(
+        self,
+        regions: Iterable[tuple[int, int]],
+        pin: Callable[[int, int], bool],
+        unpin: Callable[[int, int], object],
+        *,
+        threads: int,
+        piece_bytes: int = PIECE_BYTES,
+    ) -> None:
+        if piece_bytes <= 0 or threads <= 0:
+            msg = f"piece_bytes={piece_bytes} and threads={threads} must be positive"
+            raise ValueError(msg)
+        self._pin, self._unpin = pin, unpin
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torpor-adopt-pin")
+        self._pieces: list[tuple[int, int, Future[bool]]] = []
+        for address, nbytes in sorted(regions):
+            for offset in range(0, nbytes, piece_bytes):
+                n = min(piece_bytes, nbytes - offset)
+                self._pieces.append((address + offset, n, self._pool.submit(self._try_pin, address + offset, n)))
+        self._starts = [start for start, _, _ in self._pieces]
+
+    def _try_pin(self, address: int, nbytes: int) -> bool:
+        try:
+            return bool(self._pin(address, nbytes))
+        except Exception:
+            logger.exception("pinning %d kept bytes at %#x failed; they are copied as pageable memory", nbytes, address)
+            return False
+
+    @property
+    def pieces(self) -> int:
+        return len(self._pieces)
+
+    def pinned(self, host: int, nbytes: int) -> bool:
+        """Block until the pins of the pieces under ``[host, host + nbytes)`` are done; whether each one pinned."""
+        i = bisect.bisect_right(self._starts, host) - 1
+        if i < 0:
+            return False
+        ok, covered = True, host
+        while i < len(self._pieces) and self._pieces[i][0] < host + nbytes:
+            start, n, done = self._pieces[i]
+            if start > covered:  # a gap between pieces: not in any region
+                return False
+            if start + n > host:
+                ok = done.result() and ok
+                covered = start + n
+            i += 1
+        return ok and covered >= host + nbytes
+
+    def release(self) -> None:
+        """Wait for the pins still running, then unpin every pinned piece (on the pool's threads)."""
+        unpins = [self._pool.submit(self._unpin, s, n) for s, n, done in self._pieces if done.result()]
+        for unpin in unpins:
+            try:
+                unpin.result()
+            except Exception:
+                logger.exception("unpinning a kept piece failed")
+        self._pool.shutdown()
+
+
+def copy_into(backup: Segments, tensors: Iterable[tuple[str, torch.Tensor]], pieces: PinnedPieces | None = None) -> int:
+    """Copy each named tensor's bytes from ``backup``, in host-address order; the bytes copied.
+
+    With ``pieces``, a copy from pinned pieces is enqueued without waiting for
+    it (the caller synchronizes); any other copy completes before the next.
+    """
+    import ctypes
+
+    import torch
+
+    copies = []
+    for name, t in tensors:
+        flat = t.detach().view(-1).view(torch.uint8)
+        copies += [(host, n, at, flat) for host, n, at in backup.segments(name)]
+    copies.sort(key=lambda c: c[0])
+    total = 0
+    for host, n, at, flat in copies:
+        pinned = pieces is not None and pieces.pinned(host, n)
+        src = torch.frombuffer((ctypes.c_char * n).from_address(host), dtype=torch.uint8)
+        flat[at : at + n].copy_(src, non_blocking=pinned)
+        total += n
+    return total
