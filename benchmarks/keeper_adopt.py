@@ -174,15 +174,21 @@ def drive(layers: int, workdir: Path) -> None:
     """The whole benchmark (see the module doc)."""
     workdir.mkdir(parents=True, exist_ok=True)
     sock, ckpt = str(workdir / "keeper.sock"), str(workdir / "model.safetensors")
+    keeper_log = workdir / "keeper.log"
     keeper = subprocess.Popen(
         [sys.executable, "-m", "torpor", "keeper", "serve", "--socket", sock, "--budget", "20G"],
-        stdout=subprocess.DEVNULL,
+        stdout=keeper_log.open("w"),
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(sock) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 180  # a freshly started machine imports slowly
+        while not os.path.exists(sock) and keeper.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        if not os.path.exists(sock):
+            msg = (
+                f"the keeper did not come up at {sock} (exit status {keeper.poll()}): {keeper_log.read_text()[-2000:]}"
+            )
+            raise RuntimeError(msg)
         eng = subprocess.Popen(
             [sys.executable, __file__, "engine", sock, ckpt, str(layers)], stdout=subprocess.PIPE, text=True
         )

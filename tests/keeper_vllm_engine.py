@@ -3,8 +3,11 @@
 Usage: ``python tests/keeper_vllm_engine.py first|again``. ``first`` generates, updates the final norm's weight
 in place (as a trainer's push would: the checkpoint no longer holds the served weights), generates again, sleeps
 at level 1, prints one result line and waits to be killed. ``again`` (the restart) loads, generates and prints its
-tokens. A result line is :data:`MARK` and then JSON (vLLM logs to stdout too). The environment (set by the test)
-names the model, the keeper's socket and the engine.
+tokens. Each result carries the checksums of every parameter and buffer on the device
+(:func:`torpor.bench.vllm_engine.model_checksums`: what decides, as vLLM's greedy tokens of a random-weight model
+are not bit-reproducible from one generation to the next; docs/vllm.md, "Exactness"). A result line is :data:`MARK`
+and then JSON (vLLM logs to stdout too). The environment (set by the test) names the model, the keeper's socket and
+the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import vllm_gpu_support as support
+
+from torpor.bench.vllm_engine import model_checksums
 
 MARK = "keeper-test-result: "
 
@@ -42,17 +47,23 @@ def main() -> None:
     def generate() -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in llm.generate(support.PROMPTS, sampling, use_tqdm=False)]
 
+    def checksums() -> dict[str, str]:
+        sums: dict[str, str] = llm.collective_rpc(model_checksums)[0]
+        return sums
+
     generate()  # the first generation after a cold compile may differ (docs/vllm.md, "Exactness")
     if sys.argv[1] == "first":
-        checkpoint = generate()
+        checkpoint, loaded = generate(), checksums()
         llm.collective_rpc(_negate_final_norm)
         generate()
         updated = generate()
+        result = {"checkpoint": checkpoint, "updated": updated, "loaded_sums": loaded, "updated_sums": checksums()}
         llm.sleep(level=1)
-        print(MARK + json.dumps({"pid": os.getpid(), "checkpoint": checkpoint, "updated": updated}), flush=True)
+        print(MARK + json.dumps({"pid": os.getpid(), **result}), flush=True)
         time.sleep(600)
     else:
-        print(MARK + json.dumps({"pid": os.getpid(), "tokens": generate()}), flush=True)
+        sums = checksums()
+        print(MARK + json.dumps({"pid": os.getpid(), "tokens": generate(), "sums": sums}), flush=True)
 
 
 if __name__ == "__main__":

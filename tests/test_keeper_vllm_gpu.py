@@ -1,4 +1,8 @@
-"""GPU, vLLM: an engine asleep with --load-format torpor-keeper is killed -9; its restart serves the kept weights."""
+"""GPU, vLLM: an engine asleep with --load-format torpor-keeper is killed -9; its restart serves the kept weights.
+
+Every parameter's and buffer's checksum decides (docs/vllm.md, "Exactness": greedy tokens of a random-weight model
+flip between generations of one engine); the tokens are compared and reported.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import vllm_gpu_support as support
@@ -32,11 +37,11 @@ def _run(mode: str, env: dict[str, str]) -> subprocess.Popen[str]:
     )
 
 
-def _line(proc: subprocess.Popen[str]) -> dict[str, object]:
+def _line(proc: subprocess.Popen[str]) -> dict[str, Any]:
     """The engine's result line, past vLLM's own log lines on the same stdout."""
     for out in proc.stdout or ():
         if out.startswith(MARK):
-            result: dict[str, object] = json.loads(out[len(MARK) :])
+            result: dict[str, Any] = json.loads(out[len(MARK) :])
             return result
     raise AssertionError(f"the engine exited with {proc.wait()} before it printed its result")
 
@@ -51,7 +56,7 @@ def _kill(proc: subprocess.Popen[str] | None) -> None:
 
 
 def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> None:
-    """Asleep at level 1 after an in-place update, kill -9 of every process, restart: tokens are the updated ones."""
+    """Asleep at level 1 after an in-place update, kill -9 of every process, restart: every tensor is the updated one."""
     model = support.require_vllm_gpu()
     sock = tmp_path / "k" / "keeper.sock"
     keeper = start_keeper(sock, budget="32G")
@@ -70,7 +75,8 @@ def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> 
     try:
         first = _run("first", env)
         asleep = _line(first)
-        assert asleep["updated"] != asleep["checkpoint"], "negating the final norm changed no token"
+        changed = [n for n, v in asleep["updated_sums"].items() if asleep["loaded_sums"][n] != v]
+        assert len(changed) == 1 and changed[0].endswith("norm.weight"), changed  # the update: one tensor changed
         with KeeperLink(sock) as link:
             backups = link.status()["backups"]
         assert [b["engine"] for b in backups] == ["vllm-keeper-test-rank0"], backups
@@ -78,7 +84,10 @@ def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> 
         again = _run("again", env)
         restarted = _line(again)
         again.communicate(timeout=300)  # reads the rest of its output as it shuts down
-        assert restarted["tokens"] == asleep["updated"], "the restart did not serve the kept (updated) weights"
+        differ = [n for n, v in asleep["updated_sums"].items() if restarted["sums"].get(n) != v]
+        assert not differ, f"the restart's tensors are not the kept (updated) ones: {differ[:5]}"
+        same = sum(a == b for a, b in zip(restarted["tokens"], asleep["updated"], strict=True))
+        print(f"restart's tokens equal the updated engine's for {same} of {len(asleep['updated'])} prompts")
         with KeeperLink(sock) as link:
             adoptions = link.status()["adoptions"]
         assert adoptions and adoptions[-1]["engine"] == "vllm-keeper-test-rank0", adoptions
