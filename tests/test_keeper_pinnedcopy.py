@@ -151,3 +151,49 @@ def test_nonpositive_pieces_or_threads_are_refused() -> None:
         PinnedPieces([], lambda a, n: True, lambda a, n: None, threads=1, piece_bytes=0)
     with pytest.raises(ValueError, match="threads=0"):
         PinnedPieces([], lambda a, n: True, lambda a, n: None, threads=0)
+
+
+def test_each_piece_is_populated_just_before_its_pin_on_the_same_thread() -> None:
+    """With populate given, every piece is faulted in first, by the thread that then pins it."""
+    backup = Backup(SIZES, seed=2)
+    lock, events = threading.Lock(), []
+
+    def populate(address: int, n: int) -> None:
+        with lock:
+            events.append(("populate", address, threading.get_ident()))
+
+    def pin(address: int, n: int) -> bool:
+        with lock:
+            events.append(("pin", address, threading.get_ident()))
+        return True
+
+    pieces = PinnedPieces(backup.regions, pin, lambda a, n: None, threads=3, piece_bytes=PIECE, populate=populate)
+    copy_into(backup, _tensors(SIZES), pieces)
+    pieces.release()
+    for _, address, thread in [e for e in events if e[0] == "pin"]:
+        before = [e for e in events[: events.index(("pin", address, thread))] if e[1] == address]
+        assert before == [("populate", address, thread)], address
+    assert len(events) == 2 * pieces.pieces
+
+
+def test_populating_a_kept_region_keeps_its_bytes() -> None:
+    """shmem.populate faults a memfd region in without changing a byte of it (never a write of zeros)."""
+    import os
+
+    from torpor.keeper import shmem
+
+    n = 4 * 1024 * 1024
+    fd = shmem.create_region("test-populate", n)
+    try:
+        writer = shmem.map_anywhere(fd, n)
+        data = bytes(random.Random(3).randrange(256) for _ in range(4096)) * (n // 4096)
+        ctypes.memmove(writer, data, n)
+        reader = shmem.map_anywhere(fd, n)
+        try:
+            assert shmem.populate(reader, n)  # Linux 5.14 or later (MADV_POPULATE_WRITE)
+            assert ctypes.string_at(reader, n) == data
+        finally:
+            shmem.unmap(reader, n)
+            shmem.unmap(writer, n)
+    finally:
+        os.close(fd)

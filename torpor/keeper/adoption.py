@@ -252,6 +252,7 @@ def adopt(
                 lambda address, n: int(cudart.cudaHostRegister(address, n, _HOST_REGISTER_PORTABLE)) == 0,
                 lambda address, _n: cudart.cudaHostUnregister(address),
                 threads=min(PIN_THREADS, os.cpu_count() or 1),
+                populate=shmem.populate,
             )
         with torch.no_grad():
             copy_into(kept, _tensors(model), pieces)

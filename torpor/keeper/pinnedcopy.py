@@ -3,9 +3,15 @@
 Pinning (``cudaHostRegister``) a kept region costs more than copying it: one
 thread pins the keeper's shared memory at about 7 GB/s (the 14.4 GB of an
 8B-shaped model took 2.1 s on the H200), while the copy runs at the link's
-55 GB/s. So :class:`PinnedPieces` cuts the regions into pieces of
-:data:`PIECE_BYTES` and pins them on up to ``threads`` threads in address
-order, and :func:`copy_into` enqueues the copies in host-address order, each
+55 GB/s. Most of a pin's cost is faulting the pages into this process's page
+tables (the keeper's shared memory is 4 KiB pages here: shmem gets no
+transparent huge pages unless ``shmem_enabled`` allows them), and the
+driver's registration takes them one call at a time. So :class:`PinnedPieces`
+cuts the regions into pieces of :data:`PIECE_BYTES`; on up to ``threads``
+threads, in address order, each piece is faulted in first (``populate``:
+``MADV_POPULATE_WRITE``, in parallel; torch's pinned host allocator
+pre-faults on threads before it registers for the same reason) and then
+pinned; :func:`copy_into` enqueues the copies in host-address order, each
 waiting only for the pieces under it: the first pieces are copied while the
 later ones are pinned. A piece whose pin failed is copied from as pageable
 memory (slower, the same bytes). Mechanism only: the pin and unpin calls are
@@ -41,7 +47,8 @@ class PinnedPieces:
     """``regions`` (address, bytes) pinned piece by piece by a pool of threads; :meth:`pinned` waits for a range.
 
     ``pin(address, nbytes)`` returns whether it pinned (it may raise: a failed
-    pin); ``unpin(address, nbytes)`` undoes one. :meth:`release` unpins what
+    pin); ``unpin(address, nbytes)`` undoes one; ``populate(address, nbytes)``,
+    if given, faults a piece in on the same thread just before its pin. :meth:`release` unpins what
     was pinned; the caller makes sure no copy still reads the memory first.
     """
 
@@ -53,11 +60,12 @@ class PinnedPieces:
         *,
         threads: int,
         piece_bytes: int = PIECE_BYTES,
+        populate: Callable[[int, int], object] | None = None,
     ) -> None:
         if piece_bytes <= 0 or threads <= 0:
             msg = f"piece_bytes={piece_bytes} and threads={threads} must be positive"
             raise ValueError(msg)
-        self._pin, self._unpin = pin, unpin
+        self._pin, self._unpin, self._populate = pin, unpin, populate
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torpor-adopt-pin")
         self._pieces: list[tuple[int, int, Future[bool]]] = []
         for address, nbytes in sorted(regions):
@@ -68,6 +76,8 @@ class PinnedPieces:
 
     def _try_pin(self, address: int, nbytes: int) -> bool:
         try:
+            if self._populate is not None:
+                self._populate(address, nbytes)  # advice: a piece not faulted in here is faulted in by the pin
             return bool(self._pin(address, nbytes))
         except Exception:
             logger.exception("pinning %d kept bytes at %#x failed; they are copied as pageable memory", nbytes, address)
