@@ -407,6 +407,19 @@ def test_no_keeper_series_without_a_keeper() -> None:
     assert not [k for k in got if k[0].startswith("torpor_keeper_")]
 
 
+def test_a_keeper_absent_at_attach_shows_as_down_with_its_fallbacks(tmp_path: Path) -> None:
+    """A keeper configured but not answering at attach: torpor_keeper_up 0, each range kept in-process counted."""
+    registry = CollectorRegistry()
+    controller, backing = _kept_engine("ka", tmp_path / "nobody" / "keeper.sock", registry)
+    controller.sleep(1)
+    got = samples(registry)
+    labels = {"torpor_engine": "ka", "torpor_rank": "0", "keeper_engine": "ka-keep"}
+    assert backing.gone is not None
+    assert value(got, "torpor_keeper_up", **labels) == 0
+    assert value(got, "torpor_keeper_fallbacks_total", **labels) == backing.fallbacks >= 1
+    assert value(got, "torpor_keeper_host_bytes", **labels) == 0
+
+
 def test_an_adoption_in_the_log_is_counted() -> None:
     """A backup_adopted event counts the adopted bytes and the adoption, by keeper engine."""
     registry = CollectorRegistry()

@@ -287,7 +287,9 @@ def attach(
 
     No keeper at ``keeper`` (or one that refuses this process) is no error:
     the allocator keeps its own memory, the log says why, and the returned
-    backing's ``gone`` holds the reason.
+    backing's ``gone`` holds the reason. The backing is the allocator's host
+    provider either way, so that telemetry shows the keeper down and counts
+    each range it could not back (``fallbacks``).
     """
     started = time.perf_counter()
     try:
@@ -299,6 +301,7 @@ def attach(
         logger.warning("no keeper for engine %r (%s): host backups stay in this process's memory", engine, exc)
         backing = KeeperBacking(allocator, None, engine)
         backing.gone = str(exc)
+        allocator.host.use_provider(backing)  # backs nothing (gone); counts each range left in-process
         return backing
     backing = KeeperBacking(allocator, link, engine)
     allocator.host.use_provider(backing)
