@@ -8,12 +8,14 @@ model in the test process (:func:`tiny_model`) and start a keeper process (:func
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,17 @@ def start_keeper(sock: Path, budget: str = "1G") -> subprocess.Popen[str]:
     proc.kill()
     msg = f"the keeper at {sock} did not answer within 30 s"
     raise RuntimeError(msg)
+
+
+@contextlib.contextmanager
+def running_keeper(sock: Path, budget: str = "1G") -> Iterator[subprocess.Popen[str]]:
+    """A keeper process at ``sock`` (:func:`start_keeper`) for the ``with`` block; killed after it."""
+    proc = start_keeper(sock, budget)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def start_engine(sock: Path, engine: str, seed: int, *extra: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:

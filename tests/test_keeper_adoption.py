@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from keeper_engine import SOURCE, start_engine, start_keeper, tensor_bytes, tiny_model
+from keeper_engine import SOURCE, running_keeper, start_engine, tensor_bytes, tiny_model
 
 from torpor import EventKind, SleepController
 from torpor.keeper import AdoptionRefused, KeeperLink, adopt, identity_of, open_backup
@@ -22,10 +22,8 @@ from torpor.testing import FakeMemory
 def keeper(tmp_path: Path) -> Iterator[Path]:
     """A keeper process at a socket of its own; killed after the test."""
     sock = tmp_path / "keeper" / "keeper.sock"
-    proc = start_keeper(sock)
-    yield sock
-    proc.kill()
-    proc.wait()
+    with running_keeper(sock):
+        yield sock
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:

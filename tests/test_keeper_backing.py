@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from keeper_engine import start_keeper
+from keeper_engine import running_keeper
 from prometheus_client import CollectorRegistry
 
 from torpor import EventKind, SleepController
@@ -30,10 +30,8 @@ MiB = 1 << 20
 def keeper(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
     """A keeper process (1 GiB budget) and its socket."""
     sock = tmp_path / "k" / "keeper.sock"
-    proc = start_keeper(sock)
-    yield sock, proc
-    proc.kill()
-    proc.wait()
+    with running_keeper(sock) as proc:
+        yield sock, proc
 
 
 class Engine:
@@ -114,8 +112,7 @@ def test_the_keeper_killed_mid_sleep_leaves_the_engine_correct(
 def test_a_keeper_over_budget_leaves_the_backup_in_the_engine(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A sleep the keeper's budget cannot hold completes in the engine's own memory, and says the backup is not kept."""
     sock = tmp_path / "k" / "keeper.sock"
-    proc = start_keeper(sock, budget="4M")
-    try:
+    with running_keeper(sock, budget="4M"):
         e = Engine(sock)
         e.add("a", 6 * MiB)
         with caplog.at_level(logging.WARNING, logger="torpor.keeper"):
@@ -125,9 +122,6 @@ def test_a_keeper_over_budget_leaves_the_backup_in_the_engine(tmp_path: Path, ca
         assert "not kept across a crash" in caplog.text and "backup is not kept by the keeper" in caplog.text
         e.ctl.wake()
         e.check()
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_no_keeper_changes_nothing_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from keeper_engine import start_engine, start_keeper, tiny_model
+from keeper_engine import running_keeper, start_engine, tiny_model
 
 from torpor.keeper import vllmloader
 
@@ -22,13 +22,11 @@ model_loader = pytest.importorskip("vllm.model_executor.model_loader")
 def keeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A keeper process; this process's keeper socket, engine and rank point at it."""
     sock = tmp_path / "k" / "keeper.sock"
-    proc = start_keeper(sock)
     monkeypatch.setenv("TORPOR_KEEPER_SOCKET", str(sock))
     monkeypatch.setenv(vllmloader.ENV_ENGINE, "serve")
     monkeypatch.setenv("TORPOR_RANK", "0")
-    yield sock
-    proc.kill()
-    proc.wait()
+    with running_keeper(sock):
+        yield sock
 
 
 class _Disk:

@@ -47,11 +47,11 @@ for step in script.split(","):
 """
 
 
-def run_worker(directory: Path, rank: int, script: str) -> None:
-    """Run one worker as a separate process writing to ``directory``."""
+def run_worker(directory: Path, rank: int, script: str, source: str = WORKER) -> str:
+    """Run ``source`` (argv: rank, script) as a separate process writing metrics to ``directory``; its stdout."""
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
     result = subprocess.run(
-        [sys.executable, "-c", WORKER, str(rank), script],
+        [sys.executable, "-c", source, str(rank), script],
         env=env,
         capture_output=True,
         text=True,
@@ -59,6 +59,7 @@ def run_worker(directory: Path, rank: int, script: str) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 def read(directory: Path) -> Samples:
@@ -173,7 +174,7 @@ from torpor.keeper import attach as keep
 from torpor.telemetry import attach
 
 MiB = 1 << 20
-sock, rank = sys.argv[1], int(sys.argv[2])
+rank, sock = int(sys.argv[1]), sys.argv[2]
 alloc = TaggedAllocator(SimDriver(256 * MiB), host=HostPolicy(chunk_bytes=2 * MiB))
 controller = SleepController(alloc, engine="mpk", rank=rank)
 handle = attach(controller, otel=False)  # first, as vLLM's wiring attaches it when the controller is made
@@ -190,28 +191,15 @@ print(json.dumps({"kept": backing.kept_bytes, "published": backing.published_byt
 
 def test_keeper_bytes_cross_to_the_serving_process(tmp_path: Path) -> None:
     """Two worker processes with a keeper backing: the merged files show each rank's keeper bytes, published backup and up."""
-    from keeper_engine import start_keeper
+    from keeper_engine import running_keeper
 
     sock = tmp_path / "k" / "keeper.sock"
-    keeper = start_keeper(sock)
-    try:
+    (tmp_path / "metrics").mkdir()
+    with running_keeper(sock):
         written = {}
         for rank in (0, 1):
-            env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}
-            (tmp_path / "metrics").mkdir(exist_ok=True)
-            result = subprocess.run(
-                [sys.executable, "-c", KEPT_WORKER, str(sock), str(rank)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-            assert result.returncode == 0, result.stderr
-            written[rank] = json.loads(result.stdout.strip().splitlines()[-1])
-    finally:
-        keeper.kill()
-        keeper.wait()
+            out = run_worker(tmp_path / "metrics", rank, str(sock), source=KEPT_WORKER)
+            written[rank] = json.loads(out.strip().splitlines()[-1])
     got = read(tmp_path / "metrics")
     for rank in (0, 1):
         labels = {"torpor_engine": "mpk", "torpor_rank": str(rank), "keeper_engine": f"mpk-rank{rank}"}

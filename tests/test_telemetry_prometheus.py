@@ -353,13 +353,11 @@ MiB = 1 << 20
 @pytest.fixture
 def keeper_sock(tmp_path: Path) -> Iterator[Path]:
     """A keeper process (``torpor keeper serve``) and its socket."""
-    from keeper_engine import start_keeper
+    from keeper_engine import running_keeper
 
     sock = tmp_path / "k" / "keeper.sock"
-    proc = start_keeper(sock)
-    yield sock
-    proc.kill()
-    proc.wait()
+    with running_keeper(sock):
+        yield sock
 
 
 def _kept_engine(engine: str, sock: Path | None, registry: CollectorRegistry) -> tuple[SleepController, Any]:

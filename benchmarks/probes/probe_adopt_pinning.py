@@ -8,8 +8,8 @@ device buffer, unregistering, unmapping. Variants:
 
 - ``one``: one ``cudaHostRegister`` of the whole region (faults inside the driver), then the copy;
 - ``pieces``: 256 MiB pieces registered on ``--threads`` threads, then the copy;
-- ``populate+pieces``: each piece faulted in with ``MADV_POPULATE_WRITE`` and registered on its thread
-  (what ``torpor.keeper.adopt`` does now), the copies enqueued as pieces finish;
+- ``adopt``: ``torpor.keeper.pinnedcopy`` as ``adopt()`` runs it: each piece faulted in with
+  ``MADV_POPULATE_WRITE`` and registered on its thread, the copies enqueued as pieces finish;
 - ``populate, one``: every piece faulted in on the threads first, then one registration of the whole.
 
 Prints one line per variant; the floor is the bytes over the pinned bandwidth of a torch pinned buffer.
@@ -23,6 +23,7 @@ import mmap
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from torpor.keeper import shmem
+from torpor.keeper.pinnedcopy import PinnedPieces, copy_into
 
 GiB = 1 << 30
 PIECE = 256 << 20
@@ -69,67 +71,61 @@ def _copy(address: int, nbytes: int, dst: torch.Tensor, pinned: bool) -> None:
         dst[off : off + n].copy_(src, non_blocking=pinned)
 
 
+class _Whole:
+    """The region as one tensor's backup, in 256 MiB segments (what copy_into reads)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.parts = [(address + off, min(PIECE, nbytes - off), off) for off in range(0, nbytes, PIECE)]
+
+    def segments(self, name: str) -> list[tuple[int, int, int]]:
+        return self.parts
+
+
+def _timed(times: dict[str, float], key: str, fn: Callable[[], object]) -> None:
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    times[key] = time.perf_counter() - t
+
+
 def variant(name: str, fd: int, nbytes: int, threads: int, dst: torch.Tensor) -> dict[str, float]:
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    pieces = [(off, min(PIECE, nbytes - off)) for off in range(0, nbytes, PIECE)]
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     address = shmem.map_anywhere(fd, nbytes)
+    pieces = [(address + off, min(PIECE, nbytes - off)) for off in range(0, nbytes, PIECE)]
     registered: list[int] = []
     with ThreadPoolExecutor(threads) as pool:
-        if name == "one":
-            t = time.perf_counter()
-            _register_whole(cudart, address, nbytes)
+        if name == "populate, one":
+            _timed(times, "populate", lambda: list(pool.map(lambda p: shmem.populate(*p), pieces)))
+        if name in ("one", "populate, one"):
+            _timed(times, "register", lambda: _register_whole(cudart, address, nbytes))
             registered.append(address)
-            times["register"] = time.perf_counter() - t
-            t = time.perf_counter()
-            _copy(address, nbytes, dst, True)
-            torch.cuda.synchronize()
-            times["copy"] = time.perf_counter() - t
+            _timed(times, "copy", lambda: _copy(address, nbytes, dst, True))
         elif name == "pieces":
-            t = time.perf_counter()
-            ok = list(pool.map(lambda p: int(cudart.cudaHostRegister(address + p[0], p[1], 1)) == 0, pieces))
-            registered += [address + p[0] for p, good in zip(pieces, ok, strict=True) if good]
-            times["register"] = time.perf_counter() - t
-            t = time.perf_counter()
-            _copy(address, nbytes, dst, all(ok))
-            torch.cuda.synchronize()
-            times["copy"] = time.perf_counter() - t
-        elif name == "populate+pieces":
-
-            def pin(p: tuple[int, int]) -> bool:
-                shmem.populate(address + p[0], p[1])
-                return int(cudart.cudaHostRegister(address + p[0], p[1], 1)) == 0
-
-            t = time.perf_counter()
-            futures = [pool.submit(pin, p) for p in pieces]
-            for (off, n), f in zip(pieces, futures, strict=True):
-                good = f.result()
-                if good:
-                    registered.append(address + off)
-                src = torch.frombuffer((ctypes.c_char * n).from_address(address + off), dtype=torch.uint8)
-                dst[off : off + n].copy_(src, non_blocking=good)
-            torch.cuda.synchronize()
-            times["populate+register+copy"] = time.perf_counter() - t
-        elif name == "populate, one":
-            t = time.perf_counter()
-            list(pool.map(lambda p: shmem.populate(address + p[0], p[1]), pieces))
-            times["populate"] = time.perf_counter() - t
-            t = time.perf_counter()
-            _register_whole(cudart, address, nbytes)
-            registered.append(address)
-            times["register"] = time.perf_counter() - t
-            t = time.perf_counter()
-            _copy(address, nbytes, dst, True)
-            torch.cuda.synchronize()
-            times["copy"] = time.perf_counter() - t
+            ok: list[bool] = []
+            _timed(
+                times,
+                "register",
+                lambda: ok.extend(pool.map(lambda p: int(cudart.cudaHostRegister(*p, 1)) == 0, pieces)),
+            )
+            registered += [p[0] for p, good in zip(pieces, ok, strict=True) if good]
+            _timed(times, "copy", lambda: _copy(address, nbytes, dst, all(ok)))
+        else:  # adopt's own: torpor.keeper.pinnedcopy, pieces faulted in and pinned on the threads, copies pipelined
+            pinned = PinnedPieces(
+                [(address, nbytes)],
+                lambda a, n: int(cudart.cudaHostRegister(a, n, 1)) == 0,
+                lambda a, _n: cudart.cudaHostUnregister(a),
+                threads=threads,
+                populate=shmem.populate,
+            )
+            _timed(times, "populate+register+copy", lambda: copy_into(_Whole(address, nbytes), [("x", dst)], pinned))
         times["resident"] = time.perf_counter() - t0
-        t = time.perf_counter()
-        list(pool.map(cudart.cudaHostUnregister, registered))
-        times["unregister"] = time.perf_counter() - t
-    t = time.perf_counter()
-    shmem.unmap(address, nbytes)
-    times["unmap"] = time.perf_counter() - t
+        if name == "adopt":
+            _timed(times, "unregister", pinned.release)
+        else:
+            _timed(times, "unregister", lambda: list(pool.map(cudart.cudaHostUnregister, registered)))
+    _timed(times, "unmap", lambda: shmem.unmap(address, nbytes))
     return times
 
 
@@ -145,7 +141,7 @@ def main() -> None:
         floor = nbytes / _floor(nbytes)
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         print(f"{nbytes / 1e9:.2f} GB, floor {floor:.3f} s, {args.threads} threads, pieces of {PIECE >> 20} MiB")
-        for name in ("one", "pieces", "populate+pieces", "populate, one"):
+        for name in ("one", "pieces", "adopt", "populate, one"):
             times = variant(name, fd, nbytes, args.threads, dst)
             line = ", ".join(f"{k} {v:.3f} s" for k, v in times.items())
             print(f"{name:16s} resident {times['resident'] / floor:.2f}x the floor: {line}", flush=True)
