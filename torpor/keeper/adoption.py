@@ -203,6 +203,26 @@ def track_model(backing: KeeperBacking, model: torch.nn.Module, source: str) -> 
     return identity
 
 
+def _cuda_pinning(device: int) -> tuple[Callable[[int, int], bool], Callable[[int, int], object]]:
+    """Register and unregister host memory (portable) from a pool's thread, with ``device`` current in it.
+
+    A thread of its own has no current device: the runtime would make
+    device 0's primary context current, and create it on a rank whose model
+    is on another GPU (memory on a GPU the rank does not own).
+    """
+    import torch
+
+    def pin(address: int, nbytes: int) -> bool:
+        torch.cuda.set_device(device)
+        return int(_cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE)) == 0
+
+    def unpin(address: int, _nbytes: int) -> object:
+        torch.cuda.set_device(device)
+        return _cudart().cudaHostUnregister(address)
+
+    return pin, unpin
+
+
 def _cudart() -> Any:
     import torch
 
@@ -243,14 +263,15 @@ def adopt(
         fallback()
         return None
     pieces: PinnedPieces | None = None
-    on_cuda = any(t.is_cuda for _, t in _tensors(model))
+    devices = sorted({t.device.index or 0 for _, t in _tensors(model) if t.is_cuda})
+    on_cuda = bool(devices)
     try:
         if pin and on_cuda:
-            cudart = _cudart()
+            pin_one, unpin_one = _cuda_pinning(devices[0])
             pieces = PinnedPieces(
                 kept.regions(),
-                lambda address, n: int(cudart.cudaHostRegister(address, n, _HOST_REGISTER_PORTABLE)) == 0,
-                lambda address, _n: cudart.cudaHostUnregister(address),
+                pin_one,
+                unpin_one,
                 threads=min(PIN_THREADS, os.cpu_count() or 1),
                 populate=shmem.populate,
             )
