@@ -81,17 +81,14 @@ def engine(sock: str, path: str, layers: int) -> None:
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, path)
     sums = _sums(model)
     torch.cuda.synchronize()
-    sleeps, wakes = [], []
-    for _ in range(2):  # the first sleep maps and pins keeper regions; the later one copies into them
-        t0 = time.perf_counter()
-        ctl.sleep(1)
-        sleeps.append(time.perf_counter() - t0)
-        if len(sleeps) == 2:
-            break
-        t0 = time.perf_counter()
-        ctl.wake()
-        torch.cuda.synchronize()
-        wakes.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    ctl.sleep(1)  # the first sleep maps and pins keeper regions
+    t1 = time.perf_counter()
+    ctl.wake()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    ctl.sleep(1)  # the later one copies into them
+    sleeps, wakes = [t1 - t0, time.perf_counter() - t2], [t2 - t1]
     nbytes = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     _say(role="engine", pid=os.getpid(), bytes=nbytes, sleeps=sleeps, wakes=wakes, sums=sums, **backing.status())
     time.sleep(3600)

@@ -41,7 +41,7 @@ logger = logging.getLogger("torpor.keeper")
 
 #: Threads that pin a backup's regions as it is adopted (at most one per CPU).
 PIN_THREADS = 16
-_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context: the pinning threads have no device of their own
+_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context: a model may span GPUs
 
 #: Statistics of this process's adoptions (read by :mod:`torpor.keeper.keepermetrics`).
 ADOPTED = {"adoptions": 0, "bytes": 0, "fallbacks": 0}
