@@ -8,8 +8,10 @@ One process after another, each timed from the moment the driver spawns it:
    weights, seed 0; 14.4 GB) built in tag ``weights``, its state written to a local safetensors file
    (the checkpoint a cold start loads), tracked by the keeper, level-1 asleep, woken, asleep again (the first
    and the later sleep into keeper memory, timed); then ``kill -9``;
-3. the adopter: the same model built again (seed 99, so other values), ``torpor.keeper.adopt`` copies
-   the engine's backup in; weights resident when it returns (synchronized);
+3. the adopter: ``torpor.keeper.prefetch`` right after the imports (the backup claimed and pinned while
+   the model builds), the same model built again (seed 99, so other values), ``torpor.keeper.adopt``
+   copies the engine's backup in; weights resident when it returns (synchronized); then a second engine
+   as in 2 (no checkpoint written), killed, and an adopter without the prefetch;
 4. the cold starts: the same model built again, ``model.load_state_dict(safetensors.torch.load_file(...))``,
    once with the file in the page cache and once after ``posix_fadvise(DONTNEED)`` evicted it (the
    local disk read, as a restart on a host whose page cache lost the checkpoint).
@@ -63,7 +65,7 @@ def _say(**data: Any) -> None:
 
 
 def engine(sock: str, path: str, layers: int) -> None:
-    """Build, write the checkpoint, sleep with the keeper, then wait to be killed."""
+    """Build, write the checkpoint (``path``; "-": none), sleep with the keeper, then wait to be killed."""
     import torch
     from safetensors.torch import save_file
 
@@ -78,7 +80,8 @@ def engine(sock: str, path: str, layers: int) -> None:
     with alloc.use_memory_pool("weights"):
         model = rm.build(_config(layers), seed=0)
     track_model(backing, model, SOURCE)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, path)
+    if path != "-":
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, path)
     sums = _sums(model)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -94,25 +97,30 @@ def engine(sock: str, path: str, layers: int) -> None:
     time.sleep(3600)
 
 
-def adopter(sock: str, layers: int) -> None:
-    """Build the model afresh and adopt the dead engine's backup; times inside the process."""
+def adopter(sock: str, layers: int, prefetched: bool) -> None:
+    """Build the model afresh and adopt the dead engine's backup (``prefetched``: claimed and pinned before the build)."""
     t_main = time.time()
     import torch
 
     from torpor.bench import realmodel as rm
     from torpor.bench.device import measure_floor
-    from torpor.keeper import adopt
+    from torpor.keeper import adopt, prefetch, wait_released
 
     t_import = time.time()
+    if prefetched:
+        prefetch(keeper=sock, engine=ENGINE, device=torch.cuda.current_device())
     model = rm.build(_config(layers), seed=99)
     torch.cuda.synchronize()
     t_built = time.time()
     adopted = adopt(model, source=SOURCE, keeper=sock, engine=ENGINE)
     torch.cuda.synchronize()
     t_resident = time.time()
+    wait_released()
+    t_released = time.time()
     _, h2d = measure_floor()
     _say(
-        role="adopt",
+        role="adopt, prefetched" if prefetched else "adopt",
+        released_s=t_released - t_resident,
         main=t_main,
         imported=t_import,
         built=t_built,
@@ -167,6 +175,21 @@ def _child(args: list[str]) -> dict[str, Any]:
     return out
 
 
+def _asleep_and_killed(sock: str, ckpt: str, layers: int) -> dict[str, Any]:
+    """An engine process asleep into the keeper, then killed with SIGKILL; its line."""
+    eng = subprocess.Popen(
+        [sys.executable, __file__, "engine", sock, ckpt, str(layers)], stdout=subprocess.PIPE, text=True
+    )
+    line = eng.stdout.readline() if eng.stdout else ""
+    if not line:
+        msg = f"the engine exited ({eng.wait()}) before it slept"
+        raise RuntimeError(msg)
+    os.kill(eng.pid, signal.SIGKILL)
+    eng.wait()
+    out: dict[str, Any] = json.loads(line)
+    return out
+
+
 def drive(layers: int, workdir: Path) -> None:
     """The whole benchmark (see the module doc)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -186,21 +209,17 @@ def drive(layers: int, workdir: Path) -> None:
                 f"the keeper did not come up at {sock} (exit status {keeper.poll()}): {keeper_log.read_text()[-2000:]}"
             )
             raise RuntimeError(msg)
-        eng = subprocess.Popen(
-            [sys.executable, __file__, "engine", sock, ckpt, str(layers)], stdout=subprocess.PIPE, text=True
-        )
-        line = eng.stdout.readline() if eng.stdout else ""
-        if not line:
-            msg = f"the engine exited ({eng.wait()}) before it slept"
-            raise RuntimeError(msg)
-        asleep = json.loads(line)
-        os.kill(eng.pid, signal.SIGKILL)
-        eng.wait()
-        rows = [_child(["adopt", sock, str(layers)])]
+        asleep = _asleep_and_killed(sock, ckpt, layers)
+        rows = [_child(["adopt", sock, str(layers), "prefetch"])]
+        again = _asleep_and_killed(sock, "-", layers)  # a second engine for the adoption without a prefetch
+        rows += [_child(["adopt", sock, str(layers), "plain"])]
         rows += [_child(["cold", ckpt, str(layers), flag]) for flag in ("warm", "evict")]
     finally:
         keeper.kill()
         keeper.wait()
+    if again["sums"] != asleep["sums"]:
+        msg = "the second engine's weights differ from the first's (same seed): the benchmark's own error"
+        raise RuntimeError(msg)
     nbytes = asleep["bytes"]
     floor = nbytes / rows[0]["h2d"]
     first, later = asleep["sleeps"]
@@ -218,9 +237,12 @@ def drive(layers: int, workdir: Path) -> None:
             f"| {r['role']} | {r['resident'] - r['spawned']:.2f} s | {r['imported'] - r['spawned']:.2f} s | "
             f"{r['built'] - r['imported']:.2f} s | {weights_in:.3f} s | {weights_in / floor:.2f}x | {exact} |"
         )
-    if "adopted" in rows[0]:
-        adopt_s = rows[0]["adopt_s"]
-        print(f"adopted: {rows[0]['adopted']} ({adopt_s / floor:.2f}x the floor; unpinning and unmapping after it)")
+    for r in rows:
+        if "adopted" in r:
+            print(
+                f"{r['role']}: {r['adopted']}; adopt() {r['adopt_s']:.3f} s ({r['adopt_s'] / floor:.2f}x the floor); "
+                f"unpinned and unmapped on a thread {r['released_s']:.3f} s after"
+            )
 
 
 def main() -> None:
@@ -229,7 +251,7 @@ def main() -> None:
         if role == "engine":
             engine(rest[0], rest[1], int(rest[2]))
         elif role == "adopt":
-            adopter(rest[0], int(rest[1]))
+            adopter(rest[0], int(rest[1]), rest[2] == "prefetch")
         else:
             cold(rest[0], int(rest[1]), rest[2] == "evict")
         return

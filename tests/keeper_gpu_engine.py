@@ -2,7 +2,7 @@
 
 Usage: ``python tests/keeper_gpu_engine.py engine SOCKET ENGINE`` (prints its greedy tokens once asleep, then waits
 to be killed) or ``python tests/keeper_gpu_engine.py adopt SOCKET ENGINE LOG`` (builds the same model with other
-values, adopts the backup, prints its tokens, the adoption and the tokens it had before adopting).
+values after prefetching the backup, adopts it, prints its tokens, the adoption and the tokens it had before adopting).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torpor import SleepController
 from torpor.allocator import TaggedAllocator
 from torpor.bench import realmodel as rm
-from torpor.keeper import adopt, attach, track_model
+from torpor.keeper import adopt, attach, prefetch, track_model, wait_released
 from torpor.testing import FakeMemory
 
 SOURCE = "Qwen3-1.7B-shape, 4 layers (tests/keeper_gpu_engine.py)"
@@ -54,6 +54,7 @@ def engine(sock: str, name: str) -> None:
 
 
 def adopter(sock: str, name: str, log: str) -> None:
+    pinned = prefetch(keeper=sock, engine=name, device=torch.cuda.current_device())  # as an engine starts
     cfg = _config()
     model = rm.build(cfg, seed=99)  # a fresh process, other values: adoption must bring the engine's
     before = _generate(model, cfg)
@@ -63,7 +64,9 @@ def adopter(sock: str, name: str, log: str) -> None:
     seconds = time.perf_counter() - t0
     ctl.close()
     tokens = _generate(model, cfg)
-    print(json.dumps({"tokens": tokens, "before": before, "adopted": str(adopted), "seconds": seconds}), flush=True)
+    released = wait_released(60)
+    result = {"tokens": tokens, "before": before, "adopted": str(adopted), "seconds": seconds}
+    print(json.dumps({**result, "prefetched": pinned is not None, "released": released}), flush=True)
 
 
 if __name__ == "__main__":

@@ -129,34 +129,3 @@ def test_tensors_whose_backup_spans_two_regions_read_back_whole(keeper: Path) ->
     assert adopt(fresh, source=SOURCE, keeper=keeper, engine="e4") is not None
     for (name, got), (_, ref) in zip(fresh.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.equal(got, ref), name
-
-
-def test_the_pinning_threads_make_the_models_device_current_before_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each register and unregister on a pool thread first sets the model's GPU (no context made on GPU 0)."""
-    import threading
-
-    import torch
-
-    from torpor.keeper import adoption
-
-    calls: list[tuple[str, object, int]] = []
-
-    class Cudart:
-        def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
-            calls.append(("register", flags, threading.get_ident()))
-            return 0
-
-        def cudaHostUnregister(self, address: int) -> int:
-            calls.append(("unregister", address, threading.get_ident()))
-            return 0
-
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d, threading.get_ident())))
-    monkeypatch.setattr(adoption, "_cudart", Cudart)
-    pin, unpin = adoption._cuda_pinning(3)
-    results: list[object] = []
-    worker = threading.Thread(target=lambda: results.extend([pin(4096, 4096), unpin(4096, 4096)]))
-    worker.start()
-    worker.join()
-    assert results == [True, 0]
-    assert [c[:2] for c in calls] == [("set_device", 3), ("register", 1), ("set_device", 3), ("unregister", 4096)]
-    assert {c[2] for c in calls} == {worker.ident}

@@ -46,6 +46,7 @@ def test_a_killed_transformers_engine_is_adopted_and_generates_the_same(tmp_path
         assert adopted["before"] != asleep["tokens"], "the fresh model already generated the engine's tokens"
         assert adopted["tokens"] == asleep["tokens"]
         assert f"from dead pid {eng.pid}" in adopted["adopted"]
+        assert adopted["prefetched"] and adopted["released"], adopted
         kinds = [json.loads(x).get("kind") for x in log.read_text().splitlines() if x.strip()]
         assert "backup_adopted" in kinds
     finally:

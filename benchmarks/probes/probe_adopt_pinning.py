@@ -10,7 +10,14 @@ device buffer, unregistering, unmapping. Variants:
 - ``pieces``: 256 MiB pieces registered on ``--threads`` threads, then the copy;
 - ``adopt``: ``torpor.keeper.pinnedcopy`` as ``adopt()`` runs it: each piece faulted in with
   ``MADV_POPULATE_WRITE`` and registered on its thread, the copies enqueued as pieces finish;
-- ``populate, one``: every piece faulted in on the threads first, then one registration of the whole.
+- ``populate-one``: every piece faulted in on the threads first, then one registration of the whole;
+- ``ring``: nothing of the region registered: ``--threads`` threads each own two pinned slots of
+  ``--slot-mib`` (allocated in the timing), copy a piece of the region into a slot with the CPU and
+  enqueue the slot's host-to-device copy on their own stream (a slot is reused once its copy's event
+  is done): the staged sleep's path in reverse.
+
+``--anon`` reads an anonymous private mapping this process filled instead (resident pages, mapped,
+unregistered: what a wake meets right after a staged sleep) for ``ring`` and ``pieces``.
 
 Prints one line per variant; the floor is the bytes over the pinned bandwidth of a torch pinned buffer.
 """
@@ -31,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
+from torpor.allocator.native.libc import libc
 from torpor.keeper import shmem
 from torpor.keeper.pinnedcopy import PinnedPieces, copy_into
 
@@ -88,17 +96,52 @@ def _timed(times: dict[str, float], key: str, fn: Callable[[], object]) -> None:
     times[key] = time.perf_counter() - t
 
 
-def variant(name: str, fd: int, nbytes: int, threads: int, dst: torch.Tensor) -> dict[str, float]:
+def _ring(address: int, nbytes: int, dst: torch.Tensor, threads: int, slot: int) -> None:
+    """Copy ``[address, address + nbytes)`` into ``dst`` through pinned slots: CPU copy in, DMA out, per thread."""
+    pieces = [(off, min(slot, nbytes - off)) for off in range(0, nbytes, slot)]
+    device = dst.device
+
+    def run(mine: list[tuple[int, int]]) -> None:
+        torch.cuda.set_device(device)
+        slots = [torch.empty(slot, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        events: list[torch.cuda.Event | None] = [None, None]
+        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            for i, (off, n) in enumerate(mine):
+                k = i % 2
+                done = events[k]
+                if done is not None:
+                    done.synchronize()
+                ctypes.memmove(slots[k].data_ptr(), address + off, n)
+                dst[off : off + n].copy_(slots[k][:n], non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                events[k] = event
+        stream.synchronize()
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(run, [pieces[i::threads] for i in range(threads)]))
+
+
+def variant(
+    name: str, fd: int, nbytes: int, threads: int, dst: torch.Tensor, slot: int = 32 << 20, anon: int = 0
+) -> dict[str, float]:
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    address = shmem.map_anywhere(fd, nbytes)
+    address = anon or shmem.map_anywhere(fd, nbytes)
+    if name == "ring":
+        _timed(times, "ring copy", lambda: _ring(address, nbytes, dst, threads, slot))
+        times["resident"] = time.perf_counter() - t0
+        if not anon:
+            _timed(times, "unmap", lambda: shmem.unmap(address, nbytes))
+        return times
     pieces = [(address + off, min(PIECE, nbytes - off)) for off in range(0, nbytes, PIECE)]
     registered: list[int] = []
     with ThreadPoolExecutor(threads) as pool:
-        if name == "populate, one":
+        if name == "populate-one":
             _timed(times, "populate", lambda: list(pool.map(lambda p: shmem.populate(*p), pieces)))
-        if name in ("one", "populate, one"):
+        if name in ("one", "populate-one"):
             _timed(times, "register", lambda: _register_whole(cudart, address, nbytes))
             registered.append(address)
             _timed(times, "copy", lambda: _copy(address, nbytes, dst, True))
@@ -125,7 +168,8 @@ def variant(name: str, fd: int, nbytes: int, threads: int, dst: torch.Tensor) ->
             _timed(times, "unregister", pinned.release)
         else:
             _timed(times, "unregister", lambda: list(pool.map(cudart.cudaHostUnregister, registered)))
-    _timed(times, "unmap", lambda: shmem.unmap(address, nbytes))
+    if not anon:
+        _timed(times, "unmap", lambda: shmem.unmap(address, nbytes))
     return times
 
 
@@ -133,6 +177,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=14.0)
     parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--slot-mib", type=int, default=32)
+    parser.add_argument("--anon", action="store_true", help="read an anonymous mapping this process filled")
+    parser.add_argument("--variants", default="one,pieces,adopt,populate-one,ring")
     args = parser.parse_args()
     nbytes = int(args.gib * GiB) // mmap.PAGESIZE * mmap.PAGESIZE
     fd = shmem.create_region("probe-adopt", nbytes)
@@ -141,8 +188,20 @@ def main() -> None:
         floor = nbytes / _floor(nbytes)
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         print(f"{nbytes / 1e9:.2f} GB, floor {floor:.3f} s, {args.threads} threads, pieces of {PIECE >> 20} MiB")
-        for name in ("one", "pieces", "adopt", "populate, one"):
-            times = variant(name, fd, nbytes, args.threads, dst)
+        anon = 0
+        if args.anon:
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            anon = int(libc().mmap(None, nbytes, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0))
+            block = bytes(range(256)) * (4 << 10)
+            for off in range(0, nbytes, len(block)):
+                ctypes.memmove(anon + off, block, min(len(block), nbytes - off))
+        for name in args.variants.split(","):
+            times = variant(name.strip(), fd, nbytes, args.threads, dst, args.slot_mib << 20, anon)
+            if name.strip() in ("ring", "pieces"):
+                check = torch.empty(1 << 20, dtype=torch.uint8)
+                check.copy_(dst[nbytes - (1 << 20) :])
+                expect = torch.frombuffer(bytearray(bytes(range(256)) * (4 << 10)), dtype=torch.uint8)
+                times["exact"] = float(bool(torch.equal(check, expect)))
             line = ", ".join(f"{k} {v:.3f} s" for k, v in times.items())
             print(f"{name:16s} resident {times['resident'] / floor:.2f}x the floor: {line}", flush=True)
     finally:

@@ -5,17 +5,20 @@ hands them over a Unix socket (SCM_RIGHTS) to engines of its own user; an
 engine's allocator maps them under its host backups (:func:`attach`), so a
 sleep copies into keeper memory at the speed it copies into its own. A new
 process of the same engine adopts the backup (:func:`adopt` for plain PyTorch,
-:func:`open_backup` for anything else) after an identity check. docs/keeper.md
+:func:`open_backup` for anything else) after an identity check; :func:`prefetch`
+as it starts pins the backup while its model is built. docs/keeper.md
 has the design, the threat model and the limits.
 """
 
 from __future__ import annotations
 
-from torpor.keeper.adoption import Adopted, KeptBackup, adopt, identity_of, open_backup, track_model
+from torpor.keeper.adoption import adopt, identity_of, track_model
 from torpor.keeper.backing import KeeperBacking, attach
 from torpor.keeper.daemon import Keeper
 from torpor.keeper.fingerprint import ModelIdentity, TensorSpec, mismatch
 from torpor.keeper.keeperclient import KeeperLink
+from torpor.keeper.kept import Adopted, KeptBackup, claim_backup, open_backup
+from torpor.keeper.prefetching import Pinned, prefetch, wait_released
 from torpor.keeper.refusals import (
     AdoptionRefused,
     KeeperBudgetExceeded,
@@ -37,12 +40,16 @@ __all__ = [
     "KeeperUnavailable",
     "KeptBackup",
     "ModelIdentity",
+    "Pinned",
     "TensorSpec",
     "adopt",
     "attach",
+    "claim_backup",
     "identity_of",
     "mismatch",
     "open_backup",
+    "prefetch",
     "socket_path",
     "track_model",
+    "wait_released",
 ]

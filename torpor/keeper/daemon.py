@@ -9,7 +9,9 @@ the engine's connection closes (it exited or was killed), the regions its
 published backup needs stay; the others go. A new process of the same engine
 ``adopt``s: the keeper checks the identity (:func:`~torpor.keeper.fingerprint.mismatch`),
 answers with the manifest, hands each region on ``map``, and drops the backup
-once told ``adopted``.
+once told ``adopted``. A ``claim`` holds a backup before the adopter's model
+exists (every check but the identity's); its ``adopt`` checks the identity
+(a mismatch lets the claim go), and ``adopted`` waits for that check.
 
 Access: the socket lives in a 0700 directory and is mode 0600; every
 connection's peer uid (``SO_PEERCRED``) must be the keeper's own, or it gets
@@ -249,8 +251,8 @@ class Keeper:
     def _op_status(self, session: dict[str, Any], request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         return self.status(), []
 
-    def _op_adopt(self, session: dict[str, Any], request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        engine = str(request["engine"])
+    def _claimable(self, session: dict[str, Any], engine: str) -> Backup:
+        """Engine ``engine``'s backup if this connection may adopt it (every check but the identity's)."""
         backup = self._backups.get(engine)
         if backup is None:
             raise RequestRefused(
@@ -263,14 +265,28 @@ class Keeper:
             raise RequestRefused("refused", f"pid {backup.pid}, which wrote it, is alive")
         if backup.adopter is not None and backup.adopter != session["pid"]:
             raise RequestRefused("refused", f"pid {backup.adopter} is adopting it")
-        reason = mismatch(ModelIdentity.from_dict(backup.identity), ModelIdentity.from_dict(request["identity"]))
-        if reason is not None:
-            raise RequestRefused("refused", f"the model does not match: {reason}")
+        return backup
+
+    def _grant(self, session: dict[str, Any], backup: Backup, verified: bool) -> tuple[dict[str, Any], list[int]]:
         backup.adopter = session["pid"]
         session["grant"] = backup.id
+        session["verified"] = verified
         sizes = {str(r): self._regions[r].nbytes for r in backup.regions}
         reply = {"backup": backup.id, "pid": backup.pid, "bytes": backup.nbytes, "tensors": backup.tensors}
         return {**reply, "regions": sizes, "published": backup.published}, []
+
+    def _op_claim(self, session: dict[str, Any], request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Hold a backup for this connection before its model exists (mapped and pinned while it is built)."""
+        return self._grant(session, self._claimable(session, str(request["engine"])), verified=False)
+
+    def _op_adopt(self, session: dict[str, Any], request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        backup = self._claimable(session, str(request["engine"]))
+        reason = mismatch(ModelIdentity.from_dict(backup.identity), ModelIdentity.from_dict(request["identity"]))
+        if reason is not None:
+            if session["grant"] == backup.id:  # this connection's claim goes: another process may adopt it
+                backup.adopter = session["grant"] = None
+            raise RequestRefused("refused", f"the model does not match: {reason}")
+        return self._grant(session, backup, verified=True)
 
     def _granted(self, session: dict[str, Any]) -> Backup:
         backup = next((b for b in self._backups.values() if b.id == session["grant"]), None)
@@ -287,6 +303,10 @@ class Keeper:
 
     def _op_adopted(self, session: dict[str, Any], request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         backup = self._granted(session)
+        if not session.get("verified"):
+            raise RequestRefused(
+                "refused", f"backup {backup.id} is claimed, not checked: adopt it with the identity first"
+            )
         del self._backups[backup.engine]
         session["grant"] = None
         self._adoptions.append(
@@ -356,11 +376,7 @@ class Keeper:
                 | {"tensors": len(b.tensors), "age_s": now - b.published, "model": ident.summary()}
                 | {"source": ident.source, "digest": ident.digest(), "adopter": b.adopter}
             )
-        return {
-            "keeper_pid": os.getpid(),
-            "socket": str(self.path),
-            "uid": self.uid,
-            "budget": self.budget,
+        return {"keeper_pid": os.getpid(), "socket": str(self.path), "uid": self.uid, "budget": self.budget} | {
             "used": self._used(),
             "regions": len(self._regions),
             "uptime_s": now - self.started,
@@ -376,12 +392,3 @@ def _more_descriptors() -> None:
     if soft != hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def serve(path: str | os.PathLike[str] | None, budget_bytes: int) -> None:
-    """Run a keeper in this process until it is stopped (SIGTERM, Ctrl-C)."""
-    keeper = Keeper(path, budget_bytes)
-    try:
-        keeper.serve()
-    finally:
-        keeper.close()

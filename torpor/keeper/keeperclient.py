@@ -98,6 +98,13 @@ class KeeperLink:
         except AdoptionRefused as exc:
             raise AdoptionRefused(engine, exc.reason) from None
 
+    def claim(self, engine: str) -> dict[str, Any]:
+        """Hold a dead process's backup of ``engine`` before the identity is known (then :meth:`adopt` checks it)."""
+        try:
+            return self.call("claim", engine=engine)[0]
+        except AdoptionRefused as exc:
+            raise AdoptionRefused(engine, exc.reason) from None
+
     def map(self, region: int) -> int:
         """A descriptor of ``region`` of the backup being adopted (the caller closes it)."""
         return _one(self.call("map", region=region)[1], str(self.path))

@@ -6,7 +6,7 @@ rank (``torpor_engine``, ``torpor_rank``, ``keeper_engine``), in process and in
 multiprocess mode: telemetry finds the backing as the allocator's host provider
 (docs/keeper.md, "Metrics"). This collector is for a process that has no
 telemetry: read at scrape time from a :class:`~torpor.keeper.backing.KeeperBacking`
-and this process's adoptions (:data:`~torpor.keeper.adoption.ADOPTED`);
+and this process's adoptions (:data:`~torpor.keeper.kept.ADOPTED`);
 ``registry.register(KeeperCollector(backing))``. It describes its families, so a
 registry that torpor's telemetry already feeds refuses it (one source per series)
 instead of serving each family twice. Nothing else imports this module.
@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from torpor.keeper.adoption import ADOPTED
 from torpor.keeper.backing import KeeperBacking
+from torpor.keeper.kept import ADOPTED
 
 __all__ = ["KeeperCollector"]
 

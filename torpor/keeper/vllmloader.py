@@ -3,8 +3,9 @@
 Why: ``vllm serve M --load-format torpor-keeper --sleep-mode-backend torpor``
 restarted after a crash should serve again with the weights its dead process
 held asleep (the trainer's latest push, in RL), not the checkpoint's. The
-loader builds the model as any loader does, then :func:`~torpor.keeper.adoption.adopt`\\ s
-the keeper's backup of engine ``$TORPOR_KEEPER_ENGINE-rank<N>`` (the identity is
+loader claims the keeper's backup and pins it while it builds the model as
+any loader does (:func:`~torpor.keeper.prefetching.prefetch`), then
+:func:`~torpor.keeper.adoption.adopt`\\ s the keeper's backup of engine ``$TORPOR_KEEPER_ENGINE-rank<N>`` (the identity is
 the model's parameters and buffers and ``model@revision``); with nothing to
 adopt (no keeper, no backup, a mismatch) it loads the checkpoint with vLLM's
 default loader and says why. Once loaded, the weights are tracked by a keeper
@@ -26,6 +27,7 @@ from torpor.hooks.vllm import process
 from torpor.hooks.vllm.facade import get_instance, worker_rank
 from torpor.keeper.adoption import adopt, track_model
 from torpor.keeper.backing import KeeperBacking, attach
+from torpor.keeper.prefetching import prefetch
 from torpor.statemachine.machine.controller import SleepController
 
 __all__ = ["ENV_ENGINE", "LOAD_FORMAT", "engine_for_rank", "register", "source_of"]
@@ -68,6 +70,13 @@ def _keep(model: Any, source: str) -> None:
         _backings.append(backing)
 
 
+def _prefetch() -> None:
+    """Claim this rank's kept backup and pin it for the current GPU while vLLM builds the model (None kept: no-op)."""
+    import torch
+
+    prefetch(engine=engine_for_rank(), device=torch.cuda.current_device() if torch.cuda.is_available() else None)
+
+
 def loader_class() -> type:
     """The ``BaseModelLoader`` subclass (made on first use: vLLM is imported only then)."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -93,6 +102,7 @@ def loader_class() -> type:
             )
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+            _prefetch()  # the backup is pinned while the model is built; load_weights adopts it
             model = super().load_model(vllm_config, model_config, prefix)
             _keep(model, source_of(model_config))
             return model
