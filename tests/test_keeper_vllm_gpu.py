@@ -1,6 +1,8 @@
 """GPU, vLLM: an engine asleep with --load-format torpor-keeper is killed -9; its restart serves the kept weights.
 
-Every parameter's and buffer's checksum decides (docs/vllm.md, "Exactness": greedy tokens of a random-weight model
+Two tests: ``vllm.LLM`` with an in-place weight update (every parameter's and buffer's checksum decides), and
+``vllm serve`` over HTTP (the restart's first completion must be the dead server's, and the keeper must
+record the adoption). In the first, every parameter's and buffer's checksum decides (docs/vllm.md, "Exactness": greedy tokens of a random-weight model
 flip between generations of one engine); the tokens are compared and reported.
 """
 
@@ -12,13 +14,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import vllm_gpu_support as support
-from keeper_engine import start_keeper
+from keeper_engine import running_keeper, start_keeper
 from keeper_vllm_engine import MARK
+from test_vllm_serve_gpu import serve
 
 from torpor.keeper import KeeperLink
 
@@ -46,7 +50,7 @@ def _line(proc: subprocess.Popen[str]) -> dict[str, Any]:
     raise AssertionError(f"the engine exited with {proc.wait()} before it printed its result")
 
 
-def _kill(proc: subprocess.Popen[str] | None) -> None:
+def _kill(proc: subprocess.Popen[Any] | None) -> None:
     """Kill ``proc``'s whole process group (engine core and workers), whatever of it still runs."""
     if proc is None:
         return
@@ -96,3 +100,46 @@ def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> 
         _kill(again)
         keeper.kill()
         keeper.wait()
+
+
+def test_vllm_serve_killed_asleep_restarts_with_its_weights_from_the_keeper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm serve asleep at level 1 is killed with -9; restarted, it adopts the kept backup and completes the same."""
+    sock = tmp_path / "k" / "keeper.sock"
+    monkeypatch.setenv("TORPOR_KEEPER_SOCKET", str(sock))
+    monkeypatch.setenv("TORPOR_KEEPER_ENGINE", "keeper-serve")
+    prompt = "The capital of France is"
+    with running_keeper(sock, budget="8G"):
+        (tmp_path / "first").mkdir()
+        with serve(tmp_path / "first", "keeper-serve-1", "--load-format", "torpor-keeper") as server:
+            before = server.complete(prompt)
+            assert before["http"] == 200, before
+            assert server.ok("POST", "/sleep?level=1") == {"status": "sleeping", "level": 1}
+            kept = _published(sock, "keeper-serve-rank0")
+            assert server.proc is not None
+            _kill(server.proc)  # the server, its engine core and its workers
+        (tmp_path / "second").mkdir()
+        with serve(tmp_path / "second", "keeper-serve-2", "--load-format", "torpor-keeper") as again:
+            after = again.complete(prompt)
+            assert again.log_path is not None
+            log = again.log_path.read_text(errors="replace")
+        state = KeeperLink(sock).status()
+    adoptions = [a for a in state["adoptions"] if a["backup"] == kept["backup"]]
+    assert adoptions, f"the restart adopted nothing; keeper: {state}"
+    assert adoptions[0]["from_pid"] == kept["pid"] and adoptions[0]["bytes"] == kept["bytes"], adoptions
+    assert "nothing adopted" not in log, "the restart fell back to the checkpoint"
+    print(f"adopted {kept['bytes']} bytes from dead pid {kept['pid']} in {adoptions[0]['seconds']:.3f} s")
+    assert after == before
+
+
+def _published(sock: Path, engine: str, timeout: float = 60) -> dict[str, Any]:
+    """The keeper's record of ``engine``'s published backup, once there is one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        backups = [b for b in KeeperLink(sock).status()["backups"] if b["engine"] == engine]
+        if backups:
+            found: dict[str, Any] = backups[0]
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"no backup of {engine} published within {timeout} s of the sleep")

@@ -46,6 +46,8 @@ class Server:
 
     def __init__(self, url: str, model: Path, log_dir: Path, engine: str) -> None:
         self.url, self.model, self.log_dir, self.engine = url, model, log_dir, engine
+        self.proc: subprocess.Popen[bytes] | None = None  # the server's process (the leader of its group)
+        self.log_path: Path | None = None
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 300) -> tuple[int, str]:
         """One HTTP request; (status, body text), errors included."""
@@ -133,6 +135,7 @@ def serve(tmp_path: Path, engine: str, *extra: str, metrics_dir: bool = True) ->
         support.serve_args(model, port, *extra), stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
     )
     server = Server(f"http://127.0.0.1:{port}", model, log_dir, engine)
+    server.proc, server.log_path = proc, log_path
     try:
         deadline = time.monotonic() + STARTUP_S
         while True:
