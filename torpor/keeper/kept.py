@@ -13,6 +13,7 @@ exists.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import time
@@ -125,16 +126,7 @@ class KeptBackup:
         ADOPTED["adoptions"] += 1
         ADOPTED["bytes"] += self.nbytes
         if controller is not None:
-            controller.record(
-                EventKind.BACKUP_ADOPTED,
-                keeper=adopted.keeper,
-                engine=adopted.engine,
-                backup=adopted.backup,
-                from_pid=adopted.from_pid,
-                bytes=adopted.bytes,
-                tensors=adopted.tensors,
-                seconds=adopted.seconds,
-            )
+            controller.record(EventKind.BACKUP_ADOPTED, **dataclasses.asdict(adopted))
         logger.info("%s", adopted)
         return adopted
 
