@@ -114,6 +114,7 @@ def test_pins_run_on_the_pool_and_unpins_after_adoption_off_the_callers_thread(
     assert held.pieces is not None and held.pieces.pieces >= 1
     held.close_later()
     assert wait_released(30)
+    held.close()  # again: nothing more happens
     (pinning,) = made
     assert pinning.device == 2
     pins = [c for c in pinning.calls if c[0] == "pin"]

@@ -53,6 +53,7 @@ class Pinned:
         self.kept = kept
         self.pieces: PinnedPieces | None = None
         self._pinning: HostPinning | None = None
+        self._closed = False
         if device is not None:
             self.pin(device, threads)
 
@@ -74,7 +75,10 @@ class Pinned:
         )
 
     def close(self) -> None:
-        """Unpin (after the pins in flight), release the context, unmap; the caller knows no copy still reads."""
+        """Unpin (after the pins in flight), release the context, unmap; the caller knows no copy still reads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             if self.pieces is not None:
                 self.pieces.release()
