@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from torpor.keeper import hostpin
-from torpor.keeper.hostpin import HostPinning, PinningUnavailable
+from torpor.keeper.hostpin import HostPinning
+from torpor.keeper.refusals import PinningUnavailable
 
 
 class FakeCuda:

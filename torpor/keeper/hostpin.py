@@ -19,15 +19,13 @@ import ctypes
 import threading
 from typing import Any
 
-__all__ = ["HostPinning", "PinningUnavailable"]
+from torpor.keeper.refusals import PinningUnavailable
+
+__all__ = ["HostPinning"]
 
 _PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE
 _opened: list[Any] = []  # the library, once opened
 _lib_lock = threading.Lock()
-
-
-class PinningUnavailable(RuntimeError):
-    """The CUDA driver cannot be opened or gives no context for the device: nothing is pinned, copies stay pageable."""
 
 
 def _libcuda() -> Any:

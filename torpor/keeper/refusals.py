@@ -12,6 +12,7 @@ __all__ = [
     "KeeperDenied",
     "KeeperError",
     "KeeperUnavailable",
+    "PinningUnavailable",
     "RequestRefused",
     "WireClosed",
 ]
@@ -65,6 +66,10 @@ class AdoptionRefused(KeeperError):
         self.reason = reason
         msg = f"cannot adopt engine {engine!r}'s backup: {reason}"
         super().__init__(msg)
+
+
+class PinningUnavailable(KeeperError):
+    """The CUDA driver cannot be opened or gives no context for the GPU: kept regions are not pinned (copied pageable)."""
 
 
 class WireClosed(KeeperError, ConnectionError):
