@@ -308,3 +308,24 @@ def test_sdk_prometheus_exporter_gives_the_same_series_as_torpor_s_own(otel: Any
         assert theirs[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
     assert any(name == "torpor_failures_total" for name, _ in ours)
     assert any(name == "torpor_last_wake_duration_seconds" for name, _ in ours)
+
+
+def test_a_keepers_fallbacks_are_an_otel_counter(otel: Any, tmp_path: Any) -> None:
+    """A keeper absent at attach: OpenTelemetry shows it down and counts the host ranges kept in-process, as Prometheus does."""
+    from torpor.allocator.host.offload import HostPolicy
+    from torpor.keeper import attach as keep
+
+    tracer_provider, _, meter_provider, reader = otel
+    alloc = TaggedAllocator(SimDriver(64 << 20), host=HostPolicy(chunk_bytes=2 << 20))
+    controller = SleepController(alloc, engine="ok")
+    attach(controller, tracer_provider=tracer_provider, meter_provider=meter_provider, prometheus=False)
+    backing = keep(alloc, controller, keeper=tmp_path / "nobody" / "keeper.sock", engine="ok-keep")
+    address = alloc.allocate(3 << 20, tag="weights")
+    alloc.write(address, b"\x01" * (3 << 20))
+    controller.sleep(1)
+    points = metric_points(reader)
+    assert backing.gone is not None and backing.fallbacks >= 1
+    assert [p.value for p in points["torpor.keeper.up"]] == [0]
+    fallbacks = points["torpor.keeper.fallbacks"]
+    assert [p.value for p in fallbacks] == [backing.fallbacks]
+    assert fallbacks[0].attributes["keeper_engine"] == "ok-keep"

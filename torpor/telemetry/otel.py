@@ -49,6 +49,9 @@ from torpor.telemetry.tracker import Observation, Tracker, woken_label
 
 SCOPE = "torpor"
 
+#: Counter families no event counts: a total read from the rank's state (the keeper's fallbacks), observed.
+OBSERVED_COUNTERS = tuple(f for f, (kind, _, _) in METRICS.items() if kind == "counter" and f not in _COUNTERS.values())
+
 
 def _ns(wall: float) -> int:
     return int(wall * 1e9)
@@ -130,7 +133,8 @@ class _Instruments:
     """The meter's instruments for one meter provider, shared by every tracker attached to it.
 
     Gauges read the same samples Prometheus does (:func:`rank_samples` of the live projection),
-    so every gauge family has its instrument; counters and histograms record the tracker's
+    so every gauge family has its instrument, and so do the counters no event counts
+    (:data:`OBSERVED_COUNTERS`); the other counters and the histograms record the tracker's
     observations as they come.
     """
 
@@ -156,6 +160,9 @@ class _Instruments:
         for metric, family in _COUNTERS.items():
             name, unit = otel_instrument(family)
             self.counters[metric] = meter.create_counter(name, unit=unit, description=METRICS[family][2])
+        for family in OBSERVED_COUNTERS:  # read from the rank's state at each collection, as the gauges are
+            name, unit = otel_instrument(family)
+            meter.create_observable_counter(name, [self._gauge(family)], unit=unit, description=METRICS[family][2])
 
     def _gauge(self, family: str) -> Callable[[metrics.CallbackOptions], Iterable[metrics.Observation]]:
         def observe(_options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
