@@ -54,7 +54,8 @@ def _fill(fd: int, nbytes: int) -> None:
     shmem.unmap(address, nbytes)
 
 
-def _floor(nbytes: int) -> float:
+def pinned_bandwidth(nbytes: int) -> float:
+    """Host-to-device bytes per second from a torch pinned buffer (up to 4 GiB): the floor's rate."""
     src = torch.empty(min(nbytes, 4 * GiB), dtype=torch.uint8, pin_memory=True)
     dst = torch.empty_like(src, device="cuda")
     dst.copy_(src, non_blocking=True)
@@ -185,7 +186,7 @@ def main() -> None:
     fd = shmem.create_region("probe-adopt", nbytes)
     try:
         _fill(fd, nbytes)
-        floor = nbytes / _floor(nbytes)
+        floor = nbytes / pinned_bandwidth(nbytes)
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         print(f"{nbytes / 1e9:.2f} GB, floor {floor:.3f} s, {args.threads} threads, pieces of {PIECE >> 20} MiB")
         anon = 0

@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+from probe_adopt_pinning import pinned_bandwidth  # benchmarks/probes/ is the script's folder
 
 from torpor.allocator.native.libc import libc
 from torpor.keeper.hostpin import HostPinning
@@ -46,17 +47,6 @@ def _fresh(nbytes: int) -> int:
     for off in range(0, nbytes, len(block)):
         ctypes.memmove(address + off, block, min(len(block), nbytes - off))
     return address
-
-
-def _floor(nbytes: int) -> float:
-    src = torch.empty(min(nbytes, 4 * GiB), dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return src.numel() / (time.perf_counter() - t0)
 
 
 class Work:
@@ -159,7 +149,7 @@ def main() -> None:
     parser.add_argument("--variants", default="register,ring,hybrid")
     args = parser.parse_args()
     nbytes = int(args.gib * GiB) // MiB * MiB
-    floor = nbytes / _floor(nbytes)
+    floor = nbytes / pinned_bandwidth(nbytes)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     print(
         f"{nbytes / 1e9:.2f} GB, floor {floor:.3f} s; threads: register {args.register_threads}, ring {args.ring_threads}"
