@@ -141,3 +141,22 @@ def test_a_gpu_the_driver_cannot_pin_for_is_copied_pageable(
     model = tiny_model(2)
     assert adopt(model, source=SOURCE, keeper=keeper, engine="p4") is not None
     _same(model, 6)
+
+
+def test_a_keeper_that_dies_after_the_prefetch_makes_adopt_fall_back_and_let_go(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The keeper killed between prefetch and adopt: adopt logs why and loads the normal way; the claim is closed."""
+    sock = tmp_path / "dies" / "keeper.sock"
+    with running_keeper(sock) as proc:
+        _dead_engine(sock, "p5", 7)
+        held = prefetch(keeper=sock, engine="p5")
+        assert held is not None
+        proc.kill()
+        proc.wait()
+        loaded: list[int] = []
+        model = tiny_model(8)
+        assert adopt(model, source=SOURCE, keeper=sock, engine="p5", fallback=lambda: loaded.append(1)) is None
+    assert loaded == [1] and "nothing adopted" in caplog.text and "stopped answering" in caplog.text
+    assert taken(sock, "p5") is None and held.kept.regions() == []  # handed over, then closed: nothing mapped
+    _same(model, 8)  # the fallback's business: the model is untouched by the keeper
