@@ -6,12 +6,16 @@ releases its KV cache (tens of GB, nothing copied). torpor waits for the copies 
 releases anything; this measures, with torpor's CudaDriver and the bare VMM calls of benchmarks/vmm.py, the two orders:
 
 * ``after``: enqueue the copies, wait for them, then unmap + release the cache (torpor today);
-* ``during``: enqueue the copies, unmap + release the cache, then wait for the copies.
+* ``during``: enqueue the copies, unmap + release the cache, then wait for the copies;
+* ``first``: unmap + release the cache, then enqueue the copies and wait for them;
 
-and checks that the copied bytes are right in both. One JSON line per round and order. If
-``during`` is faster by about the copy time and the bytes are right, releasing discarded tags
-first in a sleep is worth building (docs/benchmarks.md, vLLM section). Written after the device
-time of 2026-12-01 was spent: not yet run.
+then, at once, the wake: the copied bytes back to the device (timed, ``wake_s``), and after
+``--settle`` seconds the same copy again (``settled_wake_s``). The driver works on freed device
+memory in the background after a release and the host link runs at half speed meanwhile
+(docs/benchmarks.md, the 8B section): ``first`` asks whether that work hides under the sleep's own
+copies, so that neither the sleep nor a wake right after it pays it. Checks that the bytes are right. One JSON line per round and order. If
+``first`` or ``during`` leaves both the sleep and the wake at the copy's floor, releasing discarded
+tags before (or while) copying the others is worth building (docs/benchmarks.md, vLLM section).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import numpy
 
 from torpor.allocator.native.cuda_driver import _cu
 
@@ -47,7 +53,16 @@ def _mapped(drv: VmmDriver, nbytes: int, count: int) -> tuple[int, list[tuple[in
     return base, out
 
 
-def _round(drv: VmmDriver, order: str, layer: int, layers: int, copy: int, host: int) -> dict[str, object]:
+def _timed_h2d(drv: VmmDriver, address: int, host: int, nbytes: int) -> float:
+    t0 = time.perf_counter()
+    drv.copy_h2d(address, host, nbytes, 0)
+    drv.synchronize(0)
+    return time.perf_counter() - t0
+
+
+def _round(
+    drv: VmmDriver, order: str, layer: int, layers: int, copy: int, host: int, settle: float
+) -> dict[str, object]:
     cu = _cu()
     src_base, src = _mapped(drv, copy, 1)
     kv_base, kv = _mapped(drv, layer, layers)
@@ -58,23 +73,58 @@ def _round(drv: VmmDriver, order: str, layer: int, layers: int, copy: int, host:
     ctypes.memset(host, 0, copy)
     drv.synchronize(0)
     t0 = time.perf_counter()
+    if order == "first":
+        _release(drv, kv, layer)
+        released = time.perf_counter() - t0
     drv.copy_d2h(host, src_base, copy, 0)
     event = drv.record(0)
     if order == "after":
         drv.wait(event)
-    for address, handle in kv:
-        drv.unmap(address, layer)
-        drv.release(handle)
-    released = time.perf_counter() - t0
+    if order != "first":
+        _release(drv, kv, layer)
+        released = time.perf_counter() - t0
     drv.wait(event)
     total = time.perf_counter() - t0
-    right = ctypes.string_at(host, copy) == b"\x5a" * copy
+    right = _all(host, copy, 0x5A)
+    (rc,) = cu.cuMemsetD8(src_base, 0, copy)
+    _check(rc, "cuMemsetD8")
+    drv.synchronize(0)
+    wake = _timed_h2d(drv, src_base, host, copy)
+    time.sleep(settle)
+    settled = _timed_h2d(drv, src_base, host, copy)
+    ctypes.memset(host, 0, copy)
+    drv.copy_d2h(host, src_base, copy, 0)
+    drv.synchronize(0)
+    right = right and _all(host, copy, 0x5A)
     for address, handle in src:
         drv.unmap(address, copy)
         drv.release(handle)
     drv.unreserve(src_base, copy)
     drv.unreserve(kv_base, layer * layers)
-    return {"order": order, "released_at_s": round(released, 4), "total_s": round(total, 4), "bytes_right": right}
+    return {
+        "order": order,
+        "released_at_s": round(released, 4),
+        "sleep_s": round(total, 4),
+        "floor_s": round(copy / 55.2e9, 4),
+        "wake_s": round(wake, 4),
+        "settled_wake_s": round(settled, 4),
+        "bytes_right": right,
+    }
+
+
+def _release(drv: VmmDriver, kv: list[tuple[int, object]], layer: int) -> None:
+    for address, handle in kv:
+        drv.unmap(address, layer)
+        drv.release(handle)
+
+
+def _all(host: int, nbytes: int, value: int) -> bool:
+    return bool(
+        (
+            numpy.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(host)).cast("B"), dtype=numpy.uint8)
+            == value
+        ).all()
+    )
 
 
 def main() -> None:
@@ -83,6 +133,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--copy-mb", type=int, default=412)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds between the wake and the settled one")
+    ap.add_argument("--orders", default="after,during,first")
     a = ap.parse_args()
     drv = VmmDriver()
     gran = drv.granularity(0)
@@ -90,9 +142,11 @@ def main() -> None:
     copy = (a.copy_mb * MiB + gran - 1) // gran * gran
     host = drv.host_alloc(copy)
     try:
+        orders = a.orders.split(",")
         for r in range(a.rounds):
-            for order in ("after", "during") if r % 2 == 0 else ("during", "after"):
-                print(json.dumps({"round": r} | _round(drv, order, layer, a.layers, copy, host)), flush=True)
+            for order in orders if r % 2 == 0 else orders[::-1]:
+                got = _round(drv, order, layer, a.layers, copy, host, a.settle)
+                print(json.dumps({"round": r} | got), flush=True)
     finally:
         drv.host_free(host)
 
