@@ -192,11 +192,6 @@ def test_under_pressure_a_block_gets_a_new_pool_and_the_trimmed_segments_stay_fr
     h.blocks.leave(second)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 38, open: the pool choice keeps such a segment mapped (one path to the H200 failure of 2026-12-03); "
-    "the fix on branch pressure-idle-pool lands with its H200 run",
-)
 def test_under_pressure_a_pool_whose_freed_segment_has_run_is_not_entered_with_it_mapped() -> None:
     """A segment freed under queued work that has run by the next block: under pressure that block gets a new pool and the segment is trimmed (torch's pool frees it before it gives up)."""
     h = Harness()

@@ -185,22 +185,30 @@ class BlockPools:
             return chosen
 
     def _pressed(self, entry: BlockPool) -> bool:
-        """Whether mapping the pool's trimmed segments back would leave less free on a device than it maps.
+        """Whether entering the pool would map back or keep mapped more than the devices can spare.
 
         Torch's own pool, out of memory, frees its cached segments and retries: memory a
         tag's free segments held serves the next allocation. An idle pool entered again
         maps its trimmed segments back first (torch may hand them out), which under
-        pressure takes the room a new allocation of the block needs; so then the block
-        gets a new pool and the trimmed memory stays free (issue 38's 1 GiB + 1.25 GiB).
+        pressure takes the room a new allocation of the block needs (issue 38's 1 GiB +
+        1.25 GiB); and it keeps its free segments mapped (those freed since, whose queued
+        work has run: they are torch's cached blocks again once the block starts, so no
+        allocation under pressure may reclaim them). So when a device's free memory, less
+        what the trimmed segments would take back, is below what the pool would then hold
+        free (trimmed and freed segments), the block gets a new pool: the trimmed memory
+        stays free and the freed segments are trimmed at once (their work has run).
         """
-        if self._free_bytes is None or not entry.trimmed:
+        if self._free_bytes is None or not (entry.trimmed or entry.marked):
             return False
-        need: dict[int, int] = {}
-        for address in entry.trimmed:
+        remap: dict[int, int] = {}
+        hold: dict[int, int] = {}
+        for address in [*entry.trimmed, *entry.marked]:
             device, size = entry.sizes.get(address, (0, 0))
-            need[device] = need.get(device, 0) + size
+            hold[device] = hold.get(device, 0) + size
+            if address in entry.trimmed:
+                remap[device] = remap.get(device, 0) + size
         try:
-            return any(self._free_bytes(device) - size < size for device, size in need.items() if size)
+            return any(self._free_bytes(d) - remap.get(d, 0) < n for d, n in hold.items() if n)
         except Exception as exc:  # the device cannot be asked: enter the pool as without pressure
             logger.debug("cannot read the free device memory: %s", exc)
             return False
