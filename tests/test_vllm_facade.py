@@ -52,3 +52,39 @@ def test_plain_pytorch_keeps_pinning_at_sleep_by_default(monkeypatch: pytest.Mon
     monkeypatch.delenv("TORPOR_HOST_PIN", raising=False)
     memory = TaggedAllocator(SimDriver(capacity=16 * MiB, granularity=64 << 10))
     assert SleepController(memory).host_policy.pin is PinWhen.AT_SLEEP
+
+
+def test_under_vllm_a_sleep_releases_the_kv_cache_before_it_backs_up_the_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With TORPOR_DISCARD_FIRST unset a vLLM worker's level-1 sleep releases kv_cache first, and the weights come back."""
+    monkeypatch.delenv("TORPOR_DISCARD_FIRST", raising=False)
+    monkeypatch.setenv("TORPOR_HOST_PIN", "at_sleep")
+    facade = _facade(tmp_path)
+    with facade.use_memory_pool("weights"):
+        weights = facade.memory.allocate(4 * MiB)
+    with facade.use_memory_pool("kv_cache"):
+        facade.memory.allocate(8 * MiB)
+    facade.memory.write(weights, b"w" * 4096)
+    ctl = facade.controller
+    assert ctl.policy.discard_first is True
+    facade.sleep(offload_tags=("weights",))
+    order = [(e.kind.value, e.data["tag"]) for e in ctl.events() if e.kind.value in ("tag_released", "tag_backed_up")]
+    assert order[0] == ("tag_released", "kv_cache")
+    assert order.index(("tag_released", "kv_cache")) < order.index(("tag_backed_up", "weights"))
+    facade.wake_up()
+    assert facade.memory.read(weights, 4096) == b"w" * 4096
+    facade.release_pools()
+
+
+def test_under_vllm_torpor_discard_first_0_keeps_the_offloaded_first_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TORPOR_DISCARD_FIRST=0 makes a vLLM worker release its offloaded tags before the KV cache; a bad value is refused."""
+    monkeypatch.setenv("TORPOR_DISCARD_FIRST", "0")
+    facade = _facade(tmp_path)
+    assert facade.controller.policy.discard_first is False
+    facade.release_pools()
+    monkeypatch.setenv("TORPOR_DISCARD_FIRST", "maybe")
+    with pytest.raises(ValueError, match="TORPOR_DISCARD_FIRST='maybe' is not a switch"):
+        _ = _facade(tmp_path / "bad").controller

@@ -86,11 +86,10 @@ def _round(
     if order != "after":
         drv.wait(event)
     total = time.perf_counter() - t0
-    right = _all(host, copy, 0x5A)
-    (rc,) = cu.cuMemsetD8(src_base, 0, copy)
+    (rc,) = cu.cuMemsetD8(src_base, 0, copy)  # about 5 ms: the wake must bring the bytes back
     _check(rc, "cuMemsetD8")
-    drv.synchronize(0)
-    wake = _timed_h2d(drv, src_base, host, copy)
+    wake = _timed_h2d(drv, src_base, host, copy)  # at once, as a wake right after the sleep
+    right = _all(host, copy, 0x5A)
     time.sleep(settle)
     settled = _timed_h2d(drv, src_base, host, copy)
     ctypes.memset(host, 0, copy)

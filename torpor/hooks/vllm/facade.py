@@ -57,6 +57,8 @@ CLOSE_TIMEOUT_S = 60.0
 
 #: When host memory for backups is pinned (``ahead`` | ``at_sleep``); under vLLM unset means ``ahead``.
 ENV_HOST_PIN = "TORPOR_HOST_PIN"
+#: ``0``: a sleep backs up and releases the weights before it releases the KV cache; default ``1`` under vLLM.
+ENV_DISCARD_FIRST = "TORPOR_DISCARD_FIRST"
 
 
 def worker_host_policy(environ: dict[str, str] | None = None) -> HostMemoryPolicy:
@@ -75,6 +77,15 @@ def worker_host_policy(environ: dict[str, str] | None = None) -> HostMemoryPolic
     return HostMemoryPolicy.from_env(env)
 
 
+def _switch(name: str, environ: dict[str, str] | None = None) -> bool:
+    """An on/off variable that is on unless set to ``0``/``false``/``off``; ValueError naming it otherwise."""
+    value = (os.environ if environ is None else environ).get(name, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        msg = f"{name}={value!r} is not a switch (use 1 or 0)"
+        raise ValueError(msg)
+    return value in ("1", "true", "on", "")
+
+
 def log_fsync() -> bool:
     """``$TORPOR_LOG_FSYNC``: whether the worker's log makes each boundary event durable (default yes).
 
@@ -82,11 +93,19 @@ def log_fsync() -> bool:
     that dies keeps them all (they are in the page cache), a host that loses power
     can lose the last ones (its GPU memory is gone too, and every worker starts awake).
     """
-    value = os.environ.get(ENV_LOG_FSYNC, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on", ""):
-        msg = f"{ENV_LOG_FSYNC}={value!r} is not a switch (use 1 or 0)"
-        raise ValueError(msg)
-    return value in ("1", "true", "on", "")
+    return _switch(ENV_LOG_FSYNC)
+
+
+def worker_discard_first(environ: dict[str, str] | None = None) -> bool:
+    """``$TORPOR_DISCARD_FIRST``: whether a vLLM worker's sleep releases the KV cache before its backup (default yes).
+
+    vLLM forgets the KV cache's content before it sleeps (it clears the prefix
+    cache at level 1 and 2), so releasing it first loses nothing vLLM keeps, and
+    the driver's work on the freed memory then runs under the weights' copies
+    instead of halving the link for a wake that follows at once (``Policy.discard_first``;
+    docs/benchmarks.md, the 8B section). ``0`` keeps the offloaded-first order.
+    """
+    return _switch(ENV_DISCARD_FIRST, environ)
 
 
 def default_log_dir() -> Path:
@@ -220,7 +239,9 @@ class TorporMemAllocator:
         log_dir = Path(self._log_dir) if self._log_dir is not None else default_log_dir()
         engine = self._engine or engine_name()
         rank = self._rank if self._rank is not None else worker_rank()
-        policy = self._policy if self._policy is not None else DEFAULT_POLICY
+        policy = self._policy
+        if policy is None:  # vLLM's: its KV cache is forgotten before a sleep, so it goes first (unless told)
+            policy = dataclasses.replace(DEFAULT_POLICY, discard_first=worker_discard_first())
         if policy.host is None:  # the environment's, with vLLM's default: pin ahead (worker_host_policy)
             policy = dataclasses.replace(policy, host=worker_host_policy())
         controller = SleepController(  # the log file's directory is created 0700 (or checked) by the log

@@ -133,6 +133,16 @@ class Policy:
     ``deferrable`` are restored only by a wake that names them. ``host``: the
     host-memory policy (None: from the ``TORPOR_HOST_*`` environment when a
     controller starts).
+
+    ``discard_first``: a sleep releases its discarded tags before it backs up the
+    others, for engines whose discarded content is already forgotten when they
+    sleep (vLLM clears its prefix cache first; its facade sets this). The
+    driver's work on the freed memory then runs under the backup's copies
+    instead of under a wake that comes at once (docs/benchmarks.md, the 8B
+    section). The cost: a sleep that fails after the discard wakes with fresh
+    memory in those tags, named in ``sleep_aborted``'s ``lost``; offloaded
+    content is never lost. Ignored with a group, whose ranks vote before anything
+    is discarded. Default off: every other failed sleep loses nothing.
     """
 
     levels: Mapping[int, Mapping[str, Action]] = field(
@@ -143,6 +153,7 @@ class Policy:
     )
     deferrable: frozenset[str] = DEFERRABLE
     host: HostMemoryPolicy | None = None
+    discard_first: bool = False
 
     def host_policy(self) -> HostMemoryPolicy:
         """``host``, or when None the ``TORPOR_HOST_*`` environment's (read now; ValueError when malformed)."""

@@ -98,15 +98,9 @@ def _sleep_planned(
         progress.phase = "group"
         abort_sleep(ctx, progress, exc)
 
-    try:
-        memory.drop_backup(discard)  # a stale backup must never come back as a discarded tag's content
-        backed = memory.backup(offload)
-        progress.backed_up = offload
-        for tag in offload:
-            t = backed[tag]
-            ctx.recorder.record(TagBackedUp(tag=tag, bytes=t.bytes, seconds=t.seconds))
+    def release(tags: list[str]) -> None:
         progress.phase = "release"
-        for tag in offload + discard:  # offloaded tags first: a failure then loses nothing
+        for tag in tags:
             if plan[tag] is Action.DISCARD:  # with a group: every rank agrees before anything is discarded
                 ctx.hold(undo_group)
             progress.failed = tag
@@ -118,6 +112,20 @@ def _sleep_planned(
                     tag=tag, bytes=done.bytes, action=plan[tag].value, seconds=done.seconds, **done.kept_fields()
                 )
             )
+
+    # Offloaded tags first (a failure then loses nothing), unless the policy says the discarded content is
+    # forgotten already: then it goes first and the driver's work on its memory runs under the copies.
+    first = discard if ctx.policy.discard_first and ctx.group is None else []
+    try:
+        memory.drop_backup(discard)  # a stale backup must never come back as a discarded tag's content
+        release(first)
+        progress.phase = "backup"
+        backed = memory.backup(offload)
+        progress.backed_up = offload
+        for tag in offload:
+            t = backed[tag]
+            ctx.recorder.record(TagBackedUp(tag=tag, bytes=t.bytes, seconds=t.seconds))
+        release(offload + [t for t in discard if t not in first])
         ctx.hold(undo_group)
         progress.phase = "recording"
         seconds = time.perf_counter() - start
