@@ -20,14 +20,22 @@ def _facade(tmp_path: Path) -> TorporMemAllocator:
     return TorporMemAllocator(memory, log_dir=tmp_path / "logs", engine="facade-test", rank=0, fsync=False)
 
 
+def _loaded(tmp_path: Path, **tags: int) -> tuple[TorporMemAllocator, dict[str, int]]:
+    """A facade with one allocation of the given bytes in each tag, made as vLLM makes them; their addresses."""
+    facade = _facade(tmp_path)
+    made = {}
+    for tag, nbytes in tags.items():
+        with facade.use_memory_pool(tag):
+            made[tag] = facade.memory.allocate(nbytes)
+    return facade, made
+
+
 def test_under_vllm_host_memory_is_pinned_ahead_by_default_once_the_weights_are_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With TORPOR_HOST_PIN unset a vLLM worker pins ahead: the weights' host memory is pinned before the first sleep."""
     monkeypatch.delenv("TORPOR_HOST_PIN", raising=False)
-    facade = _facade(tmp_path)
-    with facade.use_memory_pool("weights"):
-        facade.memory.allocate(8 * MiB)
+    facade, _ = _loaded(tmp_path, weights=8 * MiB)
     assert facade.controller.host_policy.pin is PinWhen.AHEAD
     assert facade.memory.wait_host_ready(30)
     assert facade.memory.pinned_bytes() >= 8 * MiB
@@ -39,9 +47,7 @@ def test_under_vllm_the_operator_opts_out_of_pinning_ahead_with_at_sleep(
 ) -> None:
     """TORPOR_HOST_PIN=at_sleep keeps a vLLM worker from pinning ahead: nothing is pinned before the first sleep."""
     monkeypatch.setenv("TORPOR_HOST_PIN", "at_sleep")
-    facade = _facade(tmp_path)
-    with facade.use_memory_pool("weights"):
-        facade.memory.allocate(8 * MiB)
+    facade, _ = _loaded(tmp_path, weights=8 * MiB)
     assert facade.controller.host_policy.pin is PinWhen.AT_SLEEP
     assert facade.memory.pinned_bytes() == 0
     facade.release_pools()
@@ -60,11 +66,8 @@ def test_under_vllm_a_sleep_releases_the_kv_cache_before_it_backs_up_the_weights
     """With TORPOR_DISCARD_FIRST unset a vLLM worker's level-1 sleep releases kv_cache first, and the weights come back."""
     monkeypatch.delenv("TORPOR_DISCARD_FIRST", raising=False)
     monkeypatch.setenv("TORPOR_HOST_PIN", "at_sleep")
-    facade = _facade(tmp_path)
-    with facade.use_memory_pool("weights"):
-        weights = facade.memory.allocate(4 * MiB)
-    with facade.use_memory_pool("kv_cache"):
-        facade.memory.allocate(8 * MiB)
+    facade, made = _loaded(tmp_path, weights=4 * MiB, kv_cache=8 * MiB)
+    weights = made["weights"]
     facade.memory.write(weights, b"w" * 4096)
     ctl = facade.controller
     assert ctl.policy.discard_first is True
