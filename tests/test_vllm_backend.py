@@ -20,7 +20,7 @@ from support import TINY_LLAMA, model_less_worker  # noqa: E402
 from torpor.allocator import SimDriver, TaggedAllocator  # noqa: E402
 from torpor.errors import InvalidTransition  # noqa: E402
 from torpor.hooks import fleet, reset_warnings  # noqa: E402
-from torpor.hooks.vllm import activation, facade, vllmpredicate  # noqa: E402
+from torpor.hooks.vllm import activation, facade, settings, vllmpredicate  # noqa: E402
 from torpor.statemachine import EventKind, read_events  # noqa: E402
 
 # vLLM's GPU worker module, imported before any test makes the platform answer as CUDA (its import runs CUDA ops then).
@@ -59,7 +59,7 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         "NCCL_GRAPH_REGISTER",
         "PROMETHEUS_MULTIPROC_DIR",
         "TORPOR_METRICS_DIR",
-        facade.ENV_ENGINE,
+        settings.ENV_ENGINE,
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(current_platform, "device_type", "cpu")
@@ -321,8 +321,8 @@ def test_default_log_path_is_per_user_and_per_engine(
     from torpor.errors import LogLocked
     from torpor.testing import FakeMemory
 
-    assert os.environ[facade.ENV_ENGINE] == f"vllm-{os.getpid()}"  # set by activate(): ranks inherit it
-    monkeypatch.delenv(facade.ENV_LOG_DIR, raising=False)
+    assert os.environ[settings.ENV_ENGINE] == f"vllm-{os.getpid()}"  # set by activate(): ranks inherit it
+    monkeypatch.delenv(settings.ENV_LOG_DIR, raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     theirs = tmp_path / "torpor-65534"  # another user's engines, in the same temp directory
     theirs.mkdir(mode=0o700)
@@ -353,29 +353,3 @@ def test_allocator_after_release_raises_controller_closed(engine: Any) -> None:
         engine.allocator.sleep()
     with pytest.raises(ControllerClosed):
         engine.allocator.wake_up(None)
-
-
-def test_log_fsync_follows_torpor_log_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TORPOR_LOG_FSYNC=0 makes the worker's log skip fsync (default on); a value that is no switch is refused."""
-    from torpor.hooks.vllm.facade import ENV_LOG_FSYNC
-
-    def log_fsync(name: str) -> bool:
-        allocator = facade.TorporMemAllocator(
-            TaggedAllocator(SimDriver(capacity=16 * MiB)), log_dir=tmp_path / name, engine=name, rank=0
-        )
-        try:
-            log = allocator.controller.log
-            assert log is not None
-            return log.fsync
-        finally:
-            allocator.release_pools()
-
-    monkeypatch.delenv(ENV_LOG_FSYNC, raising=False)
-    assert log_fsync("default") is True
-    monkeypatch.setenv(ENV_LOG_FSYNC, "0")
-    assert log_fsync("off") is False
-    monkeypatch.setenv(ENV_LOG_FSYNC, "1")
-    assert log_fsync("on") is True
-    monkeypatch.setenv(ENV_LOG_FSYNC, "sometimes")
-    with pytest.raises(ValueError, match="TORPOR_LOG_FSYNC"):
-        log_fsync("bad")

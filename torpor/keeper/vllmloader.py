@@ -24,7 +24,8 @@ from typing import Any
 
 from torpor.allocator.tagged import TaggedAllocator
 from torpor.hooks.vllm import process
-from torpor.hooks.vllm.facade import get_instance, worker_rank
+from torpor.hooks.vllm.facade import get_instance
+from torpor.hooks.vllm.settings import worker_rank
 from torpor.keeper.adoption import adopt, track_model
 from torpor.keeper.backing import KeeperBacking, attach
 from torpor.keeper.prefetching import prefetch

@@ -26,17 +26,13 @@ from torpor.hooks.vllm.activation import (
     remove_probe,
 )
 from torpor.hooks.vllm.facade import (
-    DEFAULT_ENGINE,
-    ENV_ENGINE,
-    ENV_LOG_DIR,
-    ENV_RANK,
     TorporMemAllocator,
     configure,
     current_controller,
-    default_log_dir,
     get_instance,
 )
 from torpor.hooks.vllm.process import ENV_ACTIVE, Activation, is_active
+from torpor.hooks.vllm.settings import DEFAULT_ENGINE, ENV_ENGINE, ENV_LOG_DIR, ENV_RANK, default_log_dir
 from torpor.hooks.vllm.vllmpredicate import BACKEND, decision_for, extended_predicate, selects_torpor
 
 __all__ = [

@@ -43,7 +43,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from torpor.errors import BadRequest, TorporError
-from torpor.hooks.vllm.facade import default_log_dir
+from torpor.hooks.vllm.settings import default_log_dir
 from torpor.readmodel.ranklogs import FleetError, FleetView, fleet, rank_follower, rank_logs
 from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.logsource import LogSource
