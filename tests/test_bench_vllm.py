@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from torpor.bench import vllm as vllm_bench
+from torpor.bench import vllm_engine
 from torpor.bench.vllm_engine import torpor_phases
 
 
@@ -173,3 +174,41 @@ def test_end_group_kills_what_ignores_sigterm(tmp_path: Path) -> None:
     assert vllm_bench.end_group(proc.pid, grace=0.3, kill_wait=10) == [proc.pid]
     assert proc.wait(timeout=10) == -signal.SIGKILL
     assert vllm_bench.end_group(proc.pid) == []
+
+
+def test_run_asks_every_engine_for_the_checksums_of_its_tensors_and_a_warm_up_generation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each engine of `torpor bench --vllm` checksums every parameter and buffer after each wake and takes its baseline after a warm-up generation."""
+    commands: list[list[str]] = []
+
+    def fake_engine(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> tuple[int, list[int]]:
+        commands.append(cmd)
+        return 1, []
+
+    monkeypatch.setattr(vllm_bench, "run_engine", fake_engine)
+    vllm_bench.run("/m/tiny", rounds=1, cycles=2, l2_cycles=1, out=tmp_path)
+    assert len(commands) == 2
+    for cmd in commands:
+        assert "--checksums" in cmd
+        assert cmd[cmd.index("--warmups") + 1] == "1"
+
+
+def test_tensors_unchecked_are_not_called_identical() -> None:
+    """An engine whose cycles carry no checksums reports its tensors as not checked, and the table says so, not identical."""
+    verdict = vllm_engine.tensor_verdict([{"level": 1, "same": True}, {"level": 2, "same": True}])
+    assert verdict is None
+    assert vllm_engine.tensor_verdict([{"tensors_changed": [], "tensors_checked": 3}]) is True
+    assert vllm_engine.tensor_verdict([{"tensors_changed": []}, {"tensors_changed": ["w"]}]) is False
+    unchecked = {**_run("torpor", 0.1, 0.04), "tensors_identical": None}
+    checked = {**_run("cumem", 0.3, 0.07), "tensors_identical": True}
+    s = vllm_bench.summarize([checked, unchecked])
+    assert s["cumem"]["tensors_identical"] is True
+    assert s["torpor"]["tensors_identical"] is None
+    table = vllm_bench.markdown(
+        {"model": "/m/tiny", "mode": "compile", "order": ["cumem", "torpor"], "cycles": 4, "l2_cycles": 2, "summary": s}
+    )
+    cumem_row = next(line for line in table.splitlines() if line.startswith("| `cumem` | 0.300 s"))
+    torpor_row = next(line for line in table.splitlines() if line.startswith("| `torpor` | 0.100 s"))
+    assert "| identical | identical |" in cumem_row
+    assert "| not checked |" in torpor_row

@@ -69,6 +69,9 @@ def run(
             env["VLLM_PLUGINS"] = "none"  # vLLM's own backend with no plugin loaded: the baseline as users run it
         cmd = [sys.executable, "-m", "torpor.bench.vllm_engine", "--backend", backend, "--model", model]
         cmd += ["--json", str(result), "--mode", mode, "--cycles", str(cycles), "--l2-cycles", str(l2_cycles)]
+        # every parameter's and buffer's checksum after each wake decides (outputs can flip with no tensor
+        # changed at 8B: docs/vllm.md), and the baseline is a generation after a warm-up one
+        cmd += ["--checksums", "--warmups", "1"]
         log(f"engine {i + 1}/{len(engines)}: {backend}")
         started = time.perf_counter()
         rc, left = run_engine(cmd, env, out / f"engine{i}-{backend}.log", timeout)
@@ -184,7 +187,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "l2_reload_s": _median([c["reload_s"] for c in l2 if "reload_s" in c]),
             "freed_l1_gb": _median([c["freed"] / 1e9 for cs in l1 for c in cs]),
             "identical": bool(mine) and all(r.get("identical") for r in mine),
-            "tensors_identical": bool(mine) and all(r.get("tensors_identical", False) for r in mine),
+            "tensors_identical": _tensors_identical(mine),
         }
         parts: dict[str, list[float]] = {}
         for c in later:
@@ -195,6 +198,19 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         row["torpor_later_sleep_tags"] = _later_sleep_tags(mine) if backend == "torpor" else {}
         out[backend] = row
     return out
+
+
+_TENSORS = {True: "identical", False: "CHANGED or failed", None: "not checked"}
+
+
+def _tensors_identical(runs: list[dict[str, Any]]) -> bool | None:
+    """True when every engine checked its tensors and none changed; False when one changed or failed; None when none checked."""
+    verdicts = [r.get("tensors_identical", False if not r.get("ok") else None) for r in runs]
+    if not verdicts or any(v is False for v in verdicts):
+        return False
+    if any(v is None for v in verdicts):
+        return None
+    return True
 
 
 def _later_sleep_tags(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -269,7 +285,7 @@ def markdown(data: dict[str, Any]) -> str:
             f"| `{b}` | {_s(r['l1_sleep_first_s'])} / {_s(r['l1_sleep_later_s'])} | {_s(r['l1_wake_first_s'])} / "
             f"{_s(r['l1_wake_later_s'])} | {_s(r['l2_sleep_s'])} | {_s(r['l2_wake_reload_s'])} | {freed} | "
             f"{', '.join(f'{x:.1f} s' for x in r['start_s'])} | "
-            f"{'identical' if r.get('tensors_identical') else 'CHANGED or not checked'} | "
+            f"{_TENSORS[r.get('tensors_identical')]} | "
             f"{'identical' if r['identical'] else 'DIFFERENT or failed'} |"
         )
     lines += spread(s)
