@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "torpor._version",
             "torpor.errors",
             "torpor.extras",
+            "torpor.switches",
             "torpor.statemachine.core.*",
             "torpor.statemachine.projection.*",
         ),

@@ -53,10 +53,11 @@ called ``torch.cuda.memory_stats`` crashed torch 2.11 (SIGSEGV in
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from torpor.switches import env_switch
 
 #: Set to 0 to keep free segments of idle pools mapped (see the module doc); trimming is on by default.
 ENV = "TORPOR_TRIM_FREE_SEGMENTS"
@@ -88,11 +89,7 @@ class BlockPool:
 
 def trim_enabled() -> bool:
     """Whether idle pools are trimmed: on unless ``TORPOR_TRIM_FREE_SEGMENTS=0`` (docs/allocator.md)."""
-    value = os.environ.get(ENV, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on", ""):
-        msg = f"{ENV}={value!r} is not a switch (use 1 or 0)"
-        raise ValueError(msg)
-    return value in ("1", "true", "on", "")
+    return env_switch(ENV)
 
 
 def free_segment(segment: dict[str, Any]) -> bool:

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from torpor.statemachine.core.policy import HostMemoryPolicy, PinWhen
+from torpor.switches import env_switch
 
 __all__ = [
     "DEFAULT_ENGINE",
@@ -65,15 +66,6 @@ def worker_host_policy(environ: dict[str, str] | None = None) -> HostMemoryPolic
     return HostMemoryPolicy.from_env(env)
 
 
-def _switch(name: str, environ: dict[str, str] | None = None) -> bool:
-    """An on/off variable that is on unless set to ``0``/``false``/``off``; ValueError naming it otherwise."""
-    value = (os.environ if environ is None else environ).get(name, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on", ""):
-        msg = f"{name}={value!r} is not a switch (use 1 or 0)"
-        raise ValueError(msg)
-    return value in ("1", "true", "on", "")
-
-
 def log_fsync() -> bool:
     """``$TORPOR_LOG_FSYNC``: whether the worker's log makes each boundary event durable (default yes).
 
@@ -81,7 +73,7 @@ def log_fsync() -> bool:
     that dies keeps them all (they are in the page cache), a host that loses power
     can lose the last ones (its GPU memory is gone too, and every worker starts awake).
     """
-    return _switch(ENV_LOG_FSYNC)
+    return env_switch(ENV_LOG_FSYNC)
 
 
 def worker_discard_first(environ: dict[str, str] | None = None) -> bool:
@@ -93,7 +85,7 @@ def worker_discard_first(environ: dict[str, str] | None = None) -> bool:
     instead of halving the link for a wake that follows at once (``Policy.discard_first``;
     docs/benchmarks.md, the 8B section). ``0`` keeps the offloaded-first order.
     """
-    return _switch(ENV_DISCARD_FIRST, environ)
+    return env_switch(ENV_DISCARD_FIRST, environ)
 
 
 def default_log_dir() -> Path:
