@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torpor.bench.vllm_engine import all_of
+
 BACKENDS = ("cumem", "torpor")
 
 
@@ -204,13 +206,11 @@ _TENSORS = {True: "identical", False: "CHANGED or failed", None: "not checked"}
 
 
 def _tensors_identical(runs: list[dict[str, Any]]) -> bool | None:
-    """True when every engine checked its tensors and none changed; False when one changed or failed; None when none checked."""
-    verdicts = [r.get("tensors_identical", False if not r.get("ok") else None) for r in runs]
-    if not verdicts or any(v is False for v in verdicts):
+    """True when every engine checked its tensors and none changed; False when one changed or failed (or none ran); else None."""
+    if not runs:
         return False
-    if any(v is None for v in verdicts):
-        return None
-    return True
+    # an engine that failed before its cycles wrote no verdict: failed; one of before the checksums: not checked
+    return all_of(r.get("tensors_identical", None if r.get("ok") else False) for r in runs)
 
 
 def _later_sleep_tags(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:

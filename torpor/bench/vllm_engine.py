@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -253,11 +253,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def tensor_verdict(cycles: list[dict[str, Any]]) -> bool | None:
-    """Whether every cycle's checksums found no tensor changed; None when no cycle was checked (never 'identical' unchecked)."""
-    if any(c.get("tensors_changed") for c in cycles):
+def all_of(verdicts: Iterable[bool | None]) -> bool | None:
+    """False when one verdict is False, True when there are some and all are True, else None (not checked)."""
+    seen = list(verdicts)
+    if False in seen:
         return False
-    return True if cycles and all("tensors_changed" in c for c in cycles) else None
+    return True if seen and all(seen) else None
+
+
+def tensor_verdict(cycles: list[dict[str, Any]]) -> bool | None:
+    """Whether every cycle's checksums found no tensor changed; None when a cycle was not checked (never 'identical' unchecked)."""
+    return all_of(not c["tensors_changed"] if "tensors_changed" in c else None for c in cycles)
 
 
 def main(argv: list[str] | None = None) -> int:
