@@ -514,3 +514,24 @@ def test_an_engine_name_that_names_no_file_may_be_any_label(tmp_path: Path) -> N
     ctl = SleepController(FakeMemory(SIZES), engine='odd "name"/with\nbreaks', rank=3)
     ctl.sleep(1)
     assert ctl.projection.engine == 'odd "name"/with\nbreaks'
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, float("inf"), "5", True])
+def test_wait_for_refuses_a_timeout_that_is_no_finite_number_of_seconds(ctl: SleepController, timeout: Any) -> None:
+    """wait_for(timeout=nan) blocked forever: nan, a negative, inf or a non-number is a ValueError at once, as Client.wait_for's."""
+    outcome: list[BaseException | bool] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(ctl.wait_for("asleep_l1", timeout=timeout))
+        except Exception as exc:  # what the caller of wait_for would see
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(2)
+    assert outcome and isinstance(outcome[0], ValueError), outcome or "wait_for still blocks"
+    assert "finite number of seconds >= 0" in str(outcome[0])
+    with pytest.raises(ValueError, match="finite number of seconds >= 0"):
+        asyncio.run(ctl.wait_for_async("asleep_l1", timeout=timeout))
+    assert ctl.wait_for("awake", timeout=None) and ctl.wait_for("awake", timeout=0)

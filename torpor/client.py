@@ -35,6 +35,7 @@ from typing import Any
 from torpor.errors import EndpointError, StateTimeout
 from torpor.statemachine.core.events import Event
 from torpor.statemachine.core.states import ASLEEP, State
+from torpor.statemachine.core.timeouts import timeout_seconds
 
 logger = logging.getLogger("torpor.client")
 
@@ -150,9 +151,7 @@ class Client:
         :class:`~torpor.errors.StateTimeout` after ``timeout`` seconds (finite,
         >= 0: ``nan``, ``inf`` or a negative number is a ``ValueError`` at once).
         """
-        if type(timeout) not in (int, float) or not 0 <= timeout < math.inf:  # nan passed every comparison
-            msg = f"timeout={timeout!r} is refused: give a finite number of seconds >= 0 (nothing was asked of {self.url})"
-            raise ValueError(msg)
+        timeout_seconds(timeout, refused=f" (nothing was asked of {self.url})")  # nan passed every comparison
         want = state.value if isinstance(state, State) else str(state)
         if want not in ("asleep", CLOSED) and want not in {s.value for s in State}:
             msg = f"unknown state {want!r}; states: asleep, {', '.join(s.value for s in State)}, {CLOSED}"

@@ -7,11 +7,11 @@ same answers for what is no event log: not a regular file, or no event yet.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import stat
 from pathlib import Path
 
+from torpor.statemachine.core.timeouts import timeout_seconds
 from torpor.statemachine.log.logsource import resolve_log
 
 #: What every command says of a log that holds no complete event (``torpor status`` says it per rank).
@@ -23,13 +23,10 @@ _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")
 def seconds(text: str) -> float:
     """A number of seconds, finite and >= 0 (``nan`` passed every comparison, so a wait never ended)."""
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
+        return timeout_seconds(float(text))
+    except ValueError:  # not a number, or one no wait may take
         msg = f"{text!r} is not a finite number of seconds >= 0"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def log_file(

@@ -3,7 +3,8 @@
 It owns what every other part of torpor speaks: :mod:`.kinds` and :mod:`.payloads`
 (what each event says), :mod:`.events` (the event itself), :mod:`.states`
 (states and the allowed transitions), :mod:`.policy` (what each tag does at each
-level) and :mod:`.protocol` (what the controller asks of device memory). Pure
+level), :mod:`.protocol` (what the controller asks of device memory) and
+:mod:`.timeouts` (the one rule for a timeout in seconds). Pure
 data and checks: it imports nothing of torpor but :mod:`torpor.errors`, no I/O,
 no threads, no torch, and nothing of the projection, the log or the machine above it.
 """

@@ -49,6 +49,7 @@ from torpor.statemachine.core.events import PAYLOADS, Event, EventKind, Opened, 
 from torpor.statemachine.core.policy import DEFAULT_POLICY, WEIGHTS, Policy
 from torpor.statemachine.core.protocol import Abilities, Memory
 from torpor.statemachine.core.states import State
+from torpor.statemachine.core.timeouts import timeout_seconds
 from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.machine import discarding, graphs, recovery, sleeping, tracking, waking
 from torpor.statemachine.machine.context import Context, _tag_list
@@ -303,9 +304,22 @@ class SleepController:
         return self._recorder.subscribe(callback, kinds)
 
     def wait_for(self, state: State | str, timeout: float | None = None) -> bool:
-        """Block until the controller is in ``state``; False on timeout."""
-        return self._recorder.wait_for(state, timeout)
+        """Block until the controller is in ``state``; False after ``timeout`` seconds (None: no end).
+
+        A timeout is finite seconds >= 0 (:func:`~torpor.statemachine.core.timeouts.timeout_seconds`):
+        ``nan``, ``inf`` or a negative number is a ``ValueError`` at once (``nan`` used to block forever).
+        """
+        return self._recorder.wait_for(state, _timeout(timeout))
 
     async def wait_for_async(self, state: State | str, timeout: float | None = None) -> bool:
-        """Asyncio variant of :meth:`wait_for`; never blocks the event loop."""
-        return await self._recorder.wait_for_async(state, timeout)
+        """Asyncio variant of :meth:`wait_for` (the same timeouts refused); never blocks the event loop."""
+        return await self._recorder.wait_for_async(state, _timeout(timeout))
+
+
+def _timeout(timeout: object) -> float | None:
+    """A wait's ``timeout``: None (no end), else finite seconds >= 0, refused before anything is waited for."""
+    return (
+        None
+        if timeout is None
+        else timeout_seconds(timeout, refused=" (or None to wait without end); nothing was waited for")
+    )
