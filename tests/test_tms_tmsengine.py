@@ -228,3 +228,43 @@ def test_each_tag_is_an_engine_in_the_metrics() -> None:
     finally:
         e.close()
     assert 'torpor_engine="tms.weights"' not in prometheus.generate_latest(prometheus.REGISTRY).decode()
+
+
+def simulated(telemetry: bool | None = False) -> TmsEngine:
+    """An engine on a simulated device, reading the rest of its settings from the environment."""
+    return TmsEngine(
+        "torch", allocator=TaggedAllocator(SimDriver(64 * MiB)), settings=TmsSettings(), telemetry=telemetry
+    )
+
+
+@pytest.mark.parametrize(("value", "expected"), [(" 1", 1), ("1 ", 1), ("+1", 1), ("3", 3), ("", 0)])
+def test_rank_reads_as_the_vllm_side_reads_it(value: str, expected: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANK with spaces around or a plus sign is that rank (as int() and torpor's vLLM side read it), not rank 0."""
+    monkeypatch.setenv("RANK", value)
+    assert simulated().rank == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "²", "two"])
+def test_a_rank_that_is_no_whole_number_is_refused_naming_rank(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A negative or non-decimal RANK is refused with the variable's name, not read as rank 0 nor a bare int() error."""
+    monkeypatch.setenv("RANK", value)
+    with pytest.raises(ValueError, match=r"^RANK=.* is not a rank"):
+        simulated()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("false", False), ("off", False), ("0", False), ("on", True), ("", True)]
+)
+def test_telemetry_switch_reads_as_every_torpor_switch(
+    value: str, expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TORPOR_TMS_TELEMETRY=false or off turns telemetry off, as 0 does; unset or empty leaves it on."""
+    monkeypatch.setenv("TORPOR_TMS_TELEMETRY", value)
+    assert simulated(telemetry=None).telemetry is expected
+
+
+def test_a_telemetry_switch_typo_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORPOR_TMS_TELEMETRY=of is refused with its name, not read as on."""
+    monkeypatch.setenv("TORPOR_TMS_TELEMETRY", "of")
+    with pytest.raises(ValueError, match="TORPOR_TMS_TELEMETRY='of' is not a switch"):
+        simulated(telemetry=None)

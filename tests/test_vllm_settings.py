@@ -8,7 +8,7 @@ import pytest
 
 from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.hooks.vllm.facade import TorporMemAllocator
-from torpor.hooks.vllm.settings import ENV_LOG_FSYNC, worker_discard_first, worker_host_policy
+from torpor.hooks.vllm.settings import ENV_LOG_FSYNC, worker_discard_first, worker_host_policy, worker_rank
 from torpor.statemachine.core.policy import PinWhen
 
 MiB = 1 << 20
@@ -59,3 +59,24 @@ def test_worker_host_policy_pins_ahead_unless_told() -> None:
     assert worker_host_policy({}).pin is PinWhen.AHEAD
     assert worker_host_policy({"TORPOR_HOST_PIN": " "}).pin is PinWhen.AHEAD
     assert worker_host_policy({"TORPOR_HOST_PIN": "at_sleep"}).pin is PinWhen.AT_SLEEP
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("RANK", "-1"), ("RANK", "²"), ("TORPOR_RANK", "-2"), ("TORPOR_RANK", "x")]
+)
+def test_worker_rank_refuses_a_rank_that_is_no_whole_number(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A negative or non-decimal RANK or TORPOR_RANK is refused naming the variable, as torpor.tms reads it."""
+    monkeypatch.delenv("TORPOR_RANK", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"^{name}=.* is not a rank"):
+        worker_rank()
+
+
+@pytest.mark.parametrize(("value", "expected"), [(" 1", 1), ("1 ", 1), ("+1", 1), ("", 0)])
+def test_worker_rank_reads_rank_as_torpor_tms_does(value: str, expected: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANK with spaces around or a plus sign is that rank; blank is 0."""
+    monkeypatch.delenv("TORPOR_RANK", raising=False)
+    monkeypatch.setenv("RANK", value)
+    assert worker_rank() == expected

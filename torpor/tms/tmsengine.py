@@ -27,6 +27,7 @@ from torpor.hooks.predicate import cudagraph_pool_decision
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.states import State
 from torpor.statemachine.machine.controller import SleepController
+from torpor.switches import env_rank, env_switch
 from torpor.telemetry.session import attach
 from torpor.tms.preload import PreloadHook, preloaded
 from torpor.tms.switch import active
@@ -72,8 +73,9 @@ def _safe(tag: str) -> str:
 
 
 def _rank() -> int:
-    raw = os.environ.get("RANK", "0")
-    return int(raw) if raw.isdigit() else 0
+    """``$RANK`` as torpor's vLLM side reads it (:func:`torpor.switches.env_rank`); 0 when unset."""
+    rank = env_rank("RANK")
+    return 0 if rank is None else rank
 
 
 class TmsEngine:
@@ -83,7 +85,7 @@ class TmsEngine:
     ``log``: a directory for the controllers' logs (None: ``TORPOR_LOG_DIR``, or
     in memory only), one file per TMS tag, ``ENGINE.TAG.rankN.jsonl``.
     ``telemetry``: attach torpor's telemetry to each controller (None:
-    unless ``TORPOR_TMS_TELEMETRY=0``).
+    unless the switch ``TORPOR_TMS_TELEMETRY`` is off, :func:`torpor.switches.env_switch`).
     """
 
     def __init__(
@@ -102,11 +104,11 @@ class TmsEngine:
         check_alloc_conf()
         self.hook_mode = hook_mode
         self.settings = settings if settings is not None else TmsSettings.from_env()
+        self.rank = _rank()
+        self.telemetry = env_switch(TELEMETRY_ENV) if telemetry is None else telemetry
         self.allocator = allocator if allocator is not None else TaggedAllocator()
         self.log_dir = log if log is not None else (os.environ.get(LOG_DIR_ENV) or None)
         self.engine = engine or os.environ.get(ENGINE_ENV, "tms")
-        self.rank = _rank()
-        self.telemetry = os.environ.get(TELEMETRY_ENV, "1") != "0" if telemetry is None else telemetry
         self.retain_cpu_backup = self.settings.retain_cpu_backup
         self.cpu_backup_backend = self.settings.cpu_backup_backend
         self.disk_backup_dir = self.settings.disk_backup_dir

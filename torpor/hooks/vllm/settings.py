@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from torpor.statemachine.core.policy import HostMemoryPolicy, PinWhen
-from torpor.switches import env_switch
+from torpor.switches import env_rank, env_switch
 
 __all__ = [
     "DEFAULT_ENGINE",
@@ -107,16 +107,21 @@ def _group_attr(name: str, attr: str) -> int | None:
 
 
 def worker_rank() -> int:
-    """This worker's rank: ``$TORPOR_RANK``, vLLM's world-group rank, torch.distributed's, ``$RANK``, else 0."""
-    if os.environ.get(ENV_RANK):
-        return int(os.environ[ENV_RANK])
+    """This worker's rank: ``$TORPOR_RANK``, vLLM's world-group rank, torch.distributed's, ``$RANK``, else 0.
+
+    Both variables are read by :func:`torpor.switches.env_rank`, as torpor.tms reads ``RANK``.
+    """
+    override = env_rank(ENV_RANK)
+    if override is not None:
+        return override
     rank = _group_attr("_WORLD", "rank_in_group")
     if rank is not None:
         return rank
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
-    return int(os.environ.get("RANK", "0"))
+    rank = env_rank("RANK")
+    return 0 if rank is None else rank
 
 
 def engine_name() -> str:
