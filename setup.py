@@ -11,13 +11,27 @@ It needs a C compiler (gcc or clang) and nothing else: no CUDA toolkit.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import sys
+import tomllib
 
+import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
-SOURCES = ["err.c", "hostpages.c", "driver_cuda.c", "driver_sim.c", "sim_host.c", "drv.c", "table.c", "sleep.c", "trim.c"]
+SOURCES = [
+    "err.c",
+    "hostpages.c",
+    "driver_cuda.c",
+    "driver_sim.c",
+    "sim_host.c",
+    "drv.c",
+    "table.c",
+    "sleep.c",
+    "trim.c",
+]
 CSRC = os.path.join("torpor", "allocator", "native", "csrc")
 
 
@@ -78,4 +92,29 @@ preload = Extension(
     libraries=["dl", "pthread"],
 )
 
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def require_setuptools() -> None:
+    """Stop with one line when this setuptools is older than pyproject's build requirement.
+
+    pip builds in an isolated environment that has it; ``python setup.py ...`` uses whatever the running
+    Python has (a fresh venv: setuptools 65.5 on Python 3.11), which fails on the SPDX license fields.
+    """
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyproject.toml"), "rb") as f:
+        requires = tomllib.load(f)["build-system"]["requires"]
+    for requirement in requires:
+        found = re.fullmatch(r"setuptools\s*>=\s*([\d.]+)", requirement)
+        if found and _version(setuptools.__version__) < _version(found.group(1)):
+            msg = (
+                f"torpor's pyproject.toml needs {requirement} (SPDX license metadata, PEP 639) and {sys.executable} "
+                f"has setuptools {setuptools.__version__}: run `{sys.executable} -m pip install '{requirement}'` "
+                "first (pip install . fetches it by itself)"
+            )
+            raise SystemExit(msg)
+
+
+require_setuptools()
 setup(ext_modules=[native, preload], cmdclass={"build_ext": BuildNative, "build_py": BuildPyWithPth})

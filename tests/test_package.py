@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import torpor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,3 +158,61 @@ def test_built_wheel_metadata(tmp_path: Path) -> None:
         if line.split()[1].startswith(("torch", "cuda-bindings")):
             assert 'extra == "cuda"' in line, line
     assert "Project-URL: Changelog" in meta
+
+
+def _readme_build_commands() -> list[str]:
+    return re.findall(r"`([^`\n]*setup\.py build_ext --inplace[^`\n]*)`", (ROOT / "README.md").read_text())
+
+
+def test_readme_build_command_installs_the_build_requirements() -> None:
+    """The README's `setup.py build_ext --inplace` first installs pyproject's build requirements into the README's venv."""
+    requires = _pyproject()["build-system"]["requires"]  # type: ignore[index]
+    commands = _readme_build_commands()
+    assert commands, "README.md lost its `setup.py build_ext --inplace` command"
+    for command in commands:
+        build = command.index(".venv/bin/python setup.py build_ext --inplace") if ".venv/bin/python" in command else -1
+        assert build >= 0, f"{command!r} does not run the README's venv (.venv/bin/python)"
+        for requirement in requires:
+            assert f".venv/bin/pip install '{requirement}' && " in command[:build], (command, requirement)
+
+
+def _fresh_venv_setuptools(venv: Path) -> tuple[int, ...] | None:
+    """The setuptools version a fresh ``python -m venv`` gets from ensurepip (offline), or None when it gets none."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import setuptools; print(setuptools.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        return None
+    return tuple(int(p) for p in re.findall(r"\d+", done.stdout)[:3])
+
+
+def test_setup_py_under_an_old_setuptools_says_what_to_install(tmp_path: Path) -> None:
+    """setup.py run by a fresh venv's older setuptools (65.5 on Python 3.11) stops with one line naming the requirement, no traceback."""
+    import shutil
+
+    version = _fresh_venv_setuptools(tmp_path / "venv")
+    requires = _pyproject()["build-system"]["requires"]  # type: ignore[index]
+    (needed,) = (int(m.group(1)) for r in requires if (m := re.fullmatch(r"setuptools>=(\d+)", r)))
+    if version is None or version[0] >= needed:
+        pytest.skip(f"a fresh venv here has setuptools {version}: not older than {needed}")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    done = subprocess.run(
+        [str(tmp_path / "venv" / "bin" / "python"), "setup.py", "build_ext", "--inplace"],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "Traceback" not in out, out
+    assert f"pip install 'setuptools>={needed}'" in out, out
+    assert ".".join(map(str, version)) in out, out
