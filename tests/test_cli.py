@@ -678,3 +678,39 @@ def test_a_negative_after_is_a_usage_error(
         main(["log", action, str(path), "--after", after])
     assert exit_.value.code == 2
     assert "is not a sequence number" in capsys.readouterr().err
+
+
+# -- issue 51: what a new user met --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "missing", "extra"),
+    [
+        (["plot", "LOG", "-o", "OUT/t.png"], "matplotlib", "plot"),
+        (["bench", "--real-model", "--out", "OUT"], "transformers", "vllm"),
+        (["bench", "--vllm", "model", "--out", "OUT"], "vllm", "vllm"),
+    ],
+)
+def test_a_missing_optional_package_is_one_line_naming_its_extra(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    missing: str,
+    extra: str,
+) -> None:
+    """`torpor plot` without matplotlib (and bench's optional packages) is one line naming the extra that brings it, exit 1; it was a traceback."""
+    from torpor.commands import bench
+
+    fake_torch = argparse.Namespace(cuda=argparse.Namespace(is_available=lambda: True))
+    real_require = bench.require
+    monkeypatch.setattr(bench, "require", lambda m, *a, **k: fake_torch if m == "torch" else real_require(m, *a, **k))
+    monkeypatch.setitem(sys.modules, missing, None)  # import matplotlib -> ImportError, as where it is not installed
+    log = _log(tmp_path)
+    argv = [a.replace("LOG", str(log)).replace("OUT", str(tmp_path / "out")) for a in argv]
+    assert _exit_code(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"needs {missing}" in err[0] and f"pip install '.[{extra}]'" in err[0], err
+    assert err[0].count("'.[") == 1, err  # one extra to install: the cuda extra's "or '.[vllm]'" is not theirs
+    assert not re.match(r"torpor (\w+): torpor \1", err[0]), err  # the command is named once
+    assert not (tmp_path / "out" / "t.png").exists()

@@ -151,10 +151,10 @@ class MissingExtra(TorporError, ImportError):
         self.module = module
         self.extra = extra
         why = f" ({cause})" if cause else ""
+        also = " (or '.[vllm]', which brings vLLM's torch)" if extra == "cuda" else ""
         msg = (
             f"{feature} needs {module}, which cannot be imported here{why}; "
-            f"install the {extra!r} extra: pip install '.[{extra}]' from a torpor checkout "
-            "(or '.[vllm]', which brings vLLM's torch)"
+            f"install the {extra!r} extra: pip install '.[{extra}]' from a torpor checkout{also}"
         )
         super().__init__(msg, name=module)
 

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path(os.environ.get("OUT") or "out/bench")
     out.mkdir(parents=True, exist_ok=True)
     if args.vllm:
-        require("vllm", "torpor bench --vllm", extra="vllm")
+        require("vllm", "the vLLM bench (--vllm)", extra="vllm")
         data_vllm = vllm_bench.run(
             args.vllm,
             rounds=args.vllm_rounds,
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         (out / "bench.md").write_text(benchmark.markdown(data))
 
     if args.real_model:
-        require("transformers", "torpor bench --real-model")
+        require("transformers", "the real-model rows (--real-model)", extra="vllm")  # vLLM brings transformers
         data_model = realmodel.report(args.cycles, not args.no_tms, log=lambda s: print(s, file=sys.stderr, flush=True))
         save(data_model)
         print(benchmark.markdown(data_model))

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from torpor.commands import log_file, no_events, output_file
+from torpor.extras import require
 from torpor.statemachine import read_events
 from torpor.telemetry.timeline import plot
 
@@ -31,6 +32,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Draw the timeline and say where it went."""
+    require("matplotlib", "drawing the timeline", extra="plot")  # one line naming the extra, not a traceback
     log = log_file(args.log, args.engine, args.rank)
     if next(iter(read_events(log)), None) is None:
         raise no_events(log)
