@@ -164,3 +164,43 @@ def test_sglangs_adapter_calls_work_under_the_switch(tmp_path: Path) -> None:
     )
     out = run(code, {"TORPOR_TMS": "1"}, tmp_path)
     assert "STATES [('cuda_graph', 'awake'), ('kv_cache', 'awake'), ('weights', 'awake')]" in out
+
+
+@pytest.mark.parametrize("value", ["true", "on", "TRUE", " 1 "])
+def test_every_on_word_turns_the_switch_on(tmp_path: Path, value: str) -> None:
+    """TORPOR_TMS=true, on, TRUE read as every torpor switch: on, at interpreter start through the .pth."""
+    out = run(PROBE, {"TORPOR_TMS": value}, tmp_path)
+    assert "IMPL torpor.tms torpor.tms.saver True" in out
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "bogus"])
+def test_a_switch_typo_is_said_in_one_line_and_python_still_starts(tmp_path: Path, value: str) -> None:
+    """TORPOR_TMS=yes, 2 or bogus: one stderr line naming the variable, the switch off, the program runs (exit 0)."""
+    code = "from torpor.tms.switch import AliasFinder; import sys\nprint('RAN', any(isinstance(f, AliasFinder) for f in sys.meta_path))\n"
+    env = {k: v for k, v in os.environ.items() if k not in ("TORPOR_TMS", "PYTHONPATH")}
+    boot = f"import site; site.addsitedir({str(site_dir(tmp_path))!r})\n"
+    out = subprocess.run(
+        [sys.executable, "-c", boot + code],
+        env={**env, "TORPOR_TMS": value},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "RAN False\n"
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"torpor.tms: TORPOR_TMS={value!r} is not a switch (use 1 or 0)"), out.stderr
+    assert "stays off" in lines[0]
+
+
+def test_the_log_line_is_one_sentence(tmp_path: Path) -> None:
+    """The switch's log line says what import torch_memory_saver gives, once, without repeating itself."""
+    code = "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')\nimport torch_memory_saver\n"
+    out = run(code, {"TORPOR_TMS": "1"}, tmp_path)
+    said = [line for line in out.splitlines() if "import torch_memory_saver" in line]
+    assert said == [
+        "torpor.tms: import torch_memory_saver gives torpor.tms (TORPOR_TMS is on): "
+        "torpor's implementation of torch_memory_saver 0.0.10's API"
+    ]

@@ -1,13 +1,18 @@
 """The switch: with ``TORPOR_TMS=1``, ``import torch_memory_saver`` gives :mod:`torpor.tms`, installed or not.
 
+``TORPOR_TMS`` reads as every torpor switch (:func:`torpor.switches.env_switch`),
+off when unset or empty: ``1``/``true``/``on`` turn it on, ``0``/``false``/``off``
+leave it off, and anything else is said in one line on stderr at interpreter
+start and leaves it off (a raise there would break every Python start).
+
 A meta-path finder placed first on ``sys.meta_path`` answers for
 ``torch_memory_saver`` and the submodules TMS's users import
 (``entrypoint``, ``hooks``, ``hooks.mode_preload``, ``testing_utils``) with
 torpor's modules, so the real package, if installed, is never loaded. The
 ``torpor-tms.pth`` file that installing torpor puts in site-packages calls
-:func:`activate` at every interpreter start, which installs the finder only
-when ``TORPOR_TMS=1``; spawned children inherit the variable and run the same
-``.pth``. Without it nothing changes. ``python -m torpor.tms.run`` does the
+:func:`activate` at every interpreter start where ``TORPOR_TMS`` is set, which installs the finder only
+when it is on; spawned children inherit the variable and run the same
+``.pth``. Without it nothing changes. ``python -m torpor.tms.tmsrun`` does the
 same where the ``.pth`` is not installed (docs/tms.md, "The switch").
 """
 
@@ -21,6 +26,8 @@ import os
 import sys
 from collections.abc import MutableMapping, Sequence
 from types import ModuleType
+
+from torpor.switches import env_switch
 
 logger = logging.getLogger("torpor.tms")
 
@@ -43,8 +50,8 @@ _said = False
 def active() -> str:
     """Which implementation ``import torch_memory_saver`` gives in this process, in words."""
     if any(isinstance(f, AliasFinder) for f in sys.meta_path):
-        return f"torpor.tms answers import torch_memory_saver ({ENV}=1): torpor's implementation of its 0.0.10 API"
-    return f"torpor.tms, imported by name ({ENV} is not 1: import torch_memory_saver gives the installed package)"
+        return f"import {TMS} gives torpor.tms ({ENV} is on): torpor's implementation of {TMS} 0.0.10's API"
+    return f"torpor.tms, imported by name ({ENV} is off: import {TMS} gives the installed package)"
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -58,7 +65,7 @@ class _AliasLoader(importlib.abc.Loader):
         module = importlib.import_module(self.target)
         if not _said:
             _said = True
-            logger.info("torpor.tms: import %s gives %s", spec.name, active())
+            logger.info("torpor.tms: %s", active())
         return module
 
     def exec_module(self, module: ModuleType) -> None:
@@ -101,9 +108,18 @@ def nccl_default(environ: MutableMapping[str, str]) -> None:
 
 
 def activate(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Install the finder when ``TORPOR_TMS=1`` (what the ``.pth`` calls at start); True when it did."""
+    """Install the finder when the switch ``TORPOR_TMS`` is on (what the ``.pth`` calls at start); True when it did.
+
+    A value that is no switch leaves it off, said in one line on stderr (not
+    raised: this runs as every Python process starts, its children's too).
+    """
     env = os.environ if environ is None else environ
-    if env.get(ENV, "").strip() != "1":
+    try:
+        on = env_switch(ENV, env, default=False)
+    except ValueError as exc:
+        print(f"torpor.tms: {exc}; the {TMS} switch stays off", file=sys.stderr)  # noqa: T201 -- no logging at start
+        return False
+    if not on:
         return False
     nccl_default(env)
     install()
