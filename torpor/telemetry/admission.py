@@ -18,10 +18,12 @@ bounds them:
   ``503 Service Unavailable`` with ``Retry-After: 1`` and ``Connection: close``
   at once, without a thread, and its socket is drained and closed by the
   server loop a moment later (so the client reads the 503, not a reset);
-- **the request head**: read by :func:`read_head` into one buffer of at most
-  :data:`MAX_HEAD_BYTES` (16 KiB, request line and headers), at most
-  :data:`MAX_HEADERS` (64) header lines, a request line of at most
-  :data:`MAX_REQUEST_LINE` (8 KiB): beyond, 431 or 414 and the connection closes;
+- **the request head**: read by :func:`~torpor.telemetry.requesthead.read_head` into one buffer of at most
+  :data:`~torpor.telemetry.requesthead.MAX_HEAD_BYTES` (16 KiB, request line and headers), at most
+  :data:`~torpor.telemetry.requesthead.MAX_HEADERS` (64) header lines, a request line of at most
+  :data:`~torpor.telemetry.requesthead.MAX_REQUEST_LINE` (8 KiB): beyond, 431 or 414 and the connection
+  closes. A head whose framing says a body follows (or says it ambiguously) gets 400 and the connection
+  closes, its body never read as a request (:func:`~torpor.telemetry.requesthead.framing_problem`);
 - **time**: the whole head must arrive within ``read_timeout`` (10 s) of the
   connection or of the previous response, however it trickles in (slowloris):
   else 408 (or, when nothing came, a silent close of the idle connection).
@@ -42,12 +44,11 @@ import threading
 import time
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, NamedTuple
+from typing import Any
 from urllib.parse import urlsplit
 
-MAX_REQUEST_LINE = 8192
-MAX_HEAD_BYTES = 16384
-MAX_HEADERS = 64
+from torpor.telemetry.requesthead import CLOSED, HEAD_REFUSED, OK, TIMEOUT, framing_problem, read_head
+
 #: Refused connections kept at once while their 503 goes out (beyond: the oldest closes now).
 MAX_LINGERING = 256
 LINGER_SECONDS = 1.0
@@ -55,51 +56,6 @@ LINGER_SECONDS = 1.0
 STALLED_WRITE = 0.5
 #: Connections beyond ``max_connections`` kept for the handler's ``reserved_paths`` (scrapes), one request each.
 RESERVED = 2
-
-OK, CLOSED, TIMEOUT, LINE_TOO_LONG, HEAD_TOO_LARGE, TOO_MANY_HEADERS = range(6)
-
-
-class Head(NamedTuple):
-    """What :func:`read_head` read: an outcome (OK, CLOSED, ...), the head when OK, bytes that came after it."""
-
-    outcome: int
-    head: bytes
-    rest: bytes
-    partial: bool  # some bytes of a head came (a timeout then gets a 408)
-
-
-def read_head(sock: socket.socket, pending: bytes, timeout: float) -> Head:
-    """Read one request head (up to and with its blank line) from ``sock`` within ``timeout`` seconds in all."""
-    buf = bytearray(pending)
-    deadline = time.monotonic() + timeout
-    while True:
-        ends = [(at, len(mark)) for mark in (b"\r\n\r\n", b"\n\n") if (at := buf.find(mark)) >= 0]
-        end, sep = min(ends) if ends else (-1, 0)  # the first blank line (CRLF, or bare LF as http.server takes)
-        line_end = buf.find(b"\n")
-        if (line_end < 0 and len(buf) > MAX_REQUEST_LINE) or line_end > MAX_REQUEST_LINE:
-            return Head(LINE_TOO_LONG, b"", b"", True)
-        if end >= 0:
-            head = bytes(buf[: end + sep])
-            if head.count(b"\n") - 2 > MAX_HEADERS:
-                return Head(TOO_MANY_HEADERS, b"", b"", True)
-            if len(head) > MAX_HEAD_BYTES:
-                return Head(HEAD_TOO_LARGE, b"", b"", True)
-            return Head(OK, head, bytes(buf[end + sep :]), True)
-        if len(buf) > MAX_HEAD_BYTES:
-            return Head(HEAD_TOO_LARGE, b"", b"", True)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return Head(TIMEOUT, b"", b"", bool(buf.strip()))
-        try:
-            sock.settimeout(remaining)
-            chunk = sock.recv(min(65536, MAX_HEAD_BYTES + 1 - len(buf)))
-        except TimeoutError:
-            return Head(TIMEOUT, b"", b"", bool(buf.strip()))
-        except OSError:
-            return Head(CLOSED, b"", b"", bool(buf))
-        if not chunk:
-            return Head(CLOSED, b"", b"", bool(buf))
-        buf += chunk
 
 
 def busy_response(reason: str) -> bytes:
@@ -279,14 +235,6 @@ class BoundedServer(ThreadingHTTPServer):
             admission.close()
 
 
-_HEAD_REFUSED = {
-    LINE_TOO_LONG: (414, f"request line over the {MAX_REQUEST_LINE}-byte limit"),
-    HEAD_TOO_LARGE: (431, f"request head over the {MAX_HEAD_BYTES}-byte limit"),
-    TOO_MANY_HEADERS: (431, f"more than {MAX_HEADERS} header lines"),
-    TIMEOUT: (408, "the request head did not arrive within the read timeout"),
-}
-
-
 class DeadlineWriter(io.BufferedIOBase):
     """The handler's ``wfile``: each write must go out by the response's deadline; a write blocked past
     :data:`STALLED_WRITE` may be dropped to make room (:meth:`Admission.admit`)."""
@@ -321,7 +269,7 @@ class DeadlineWriter(io.BufferedIOBase):
 
 
 class BoundedHandler(BaseHTTPRequestHandler):
-    """Reads each request head with :func:`read_head` (bounded in bytes, lines and time), then serves it as usual."""
+    """Reads each request head with :func:`read_head` (bounded in bytes, lines and time), refuses a body, then serves it."""
 
     server: BoundedServer
     protocol_version = "HTTP/1.1"
@@ -353,6 +301,10 @@ class BoundedHandler(BaseHTTPRequestHandler):
         body = (json.dumps({"error": reason, "status": status, **extra}, sort_keys=True) + "\n").encode()
         self._send(status, body, "application/json", headers)
 
+    def handle_expect_100(self) -> bool:
+        """Never invite a body with ``100 Continue``: this endpoint reads none (a request with one is refused 400)."""
+        return True
+
     def handle_one_request(self) -> None:
         try:
             self._handle_one()
@@ -371,7 +323,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
             return  # dropped to make room, hung up, or idle past the timeout: nobody waits for an answer
         if got.outcome != OK:
             self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
-            status, reason = _HEAD_REFUSED[got.outcome]
+            status, reason = HEAD_REFUSED[got.outcome]
             self._error(status, reason, {"Connection": "close"})
             return
         self.close_connection = False
@@ -380,6 +332,11 @@ class BoundedHandler(BaseHTTPRequestHandler):
         self.raw_requestline = line + b"\n"
         self.rfile = io.BytesIO(headers)
         if not self.parse_request():
+            return
+        problem = framing_problem(headers, self.command)
+        if problem is not None:  # what follows the head could be read as another request: never keep the connection
+            self.close_connection = True
+            self._error(400, problem, {"Connection": "close"})
             return
         if admission.in_reserve(sock):  # beyond the limit: one answer, and only for a reserved path
             self.close_connection = True
