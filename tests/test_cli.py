@@ -54,16 +54,16 @@ def _log(tmp_path: Path, *, interrupted: bool = False) -> Path:
     return path
 
 
-def _dead_writer_log(tmp_path: Path) -> Path:
+def _dead_writer_log(tmp_path: Path, engine: str = "eng", rank: int = 0) -> Path:
     """A log cut mid-sleep whose writer is gone: written by a child process that has exited."""
     code = (
         "import sys; from torpor.statemachine import SleepController; from torpor.testing import FakeMemory\n"
-        f"c = SleepController(FakeMemory({TAGS!r}), log=sys.argv[1], engine='eng', fsync=False)\n"
+        f"c = SleepController(FakeMemory({TAGS!r}), log=sys.argv[1], engine={engine!r}, rank={rank}, fsync=False)\n"
         "c.sleep(1); c.wake(); c.sleep(2)\n"
     )
     (tmp_path / "logs").mkdir()
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "logs")], check=True, timeout=120)
-    path = tmp_path / "logs" / "eng.rank0.jsonl"
+    path = tmp_path / "logs" / f"{engine}.rank{rank}.jsonl"
     lines = path.read_text().splitlines(keepends=True)
     cut = max(i for i, line in enumerate(lines) if '"kind":"sleep_requested"' in line) + 2
     path.write_text("".join(lines[:cut]))
@@ -293,6 +293,22 @@ def test_replay_names_the_interrupted_step(tmp_path: Path, capsys: pytest.Captur
     out = capsys.readouterr().out
     assert "INTERRUPTED" in out and proj.last_step in out and f"its writer (pid {proj.pid}) is gone" in out
     assert "controller.recover()" in out and "suspending" in out
+
+
+def test_the_printed_recovery_recipe_reopens_the_same_engine_and_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recipe `log replay` prints for an interrupted log, run as printed, recovers that log as its engine and rank."""
+    path = _dead_writer_log(tmp_path, engine="llm", rank=3)
+    assert main(["log", "replay", str(path)]) == 4
+    recipe = next(line.strip() for line in capsys.readouterr().out.splitlines() if "SleepController(" in line)
+    assert "engine='llm'" in recipe and "rank=3" in recipe, recipe
+    eval(recipe, {"SleepController": SleepController, "memory": FakeMemory(TAGS)})  # noqa: S307  # what a user pastes
+    events = list(read_events(path))
+    assert {(e.engine, e.rank) for e in events} == {("llm", 3)}, events[-2:]
+    assert events[-1].kind == "recovered" and not replay(path).interrupted
+    assert main(["status", str(path.parent)]) == 0
+    assert "engine llm" in capsys.readouterr().out
 
 
 def test_replay_of_a_transition_whose_writer_runs_says_in_flight(

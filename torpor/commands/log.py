@@ -273,6 +273,12 @@ def _state_line(proj: Projection) -> str:
     return f"{proj.state.value} {since}"
 
 
+def recovery_recipe(path: Path, proj: Projection) -> str:
+    """The line that reopens ``path`` as the engine and rank that wrote it and recovers it (without them it wrote as 'default')."""
+    engine = f", engine={proj.engine!r}" if proj.engine else ""
+    return f"SleepController(memory, log={str(path)!r}{engine}, rank={proj.rank}).recover()"
+
+
 def replay_text(path: Path, proj: Projection, running: bool | None = None) -> str:
     """The human report of a replayed log; ``running``: whether its writer still runs (None: not known)."""
     lines = [
@@ -308,7 +314,7 @@ def replay_text(path: Path, proj: Projection, running: bool | None = None) -> st
             f"INTERRUPTED: the log ends inside a transition ({proj.state.value}), at {proj.last_step}; {gone}.",
             "  The process stopped mid-step: memory of the tags above may be partly released.",
             "  Recovery: restart the engine with this log and call controller.recover(), e.g.",
-            f"    SleepController(memory, log={str(path)!r}).recover()",
+            f"    {recovery_recipe(path, proj)}",
             "  which records a 'recovered' event and starts clean (awake) from the memory's actual usage.",
         ]
     return "\n".join(lines)
