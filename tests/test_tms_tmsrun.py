@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from torpor.tms import tmsrun
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_prepare_sets_the_switch_and_the_boot_path() -> None:
@@ -49,3 +52,57 @@ def test_runs_code_and_modules(tmp_path: Path) -> None:
         check=False,
     )
     assert "MOD torpor.tms" in out.stdout, out.stderr
+
+
+def tmsrun_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m torpor.tms.tmsrun ARGS`` in ``cwd``, torpor importable from the checkout."""
+    environ = {k: v for k, v in (env or os.environ).items() if k != "TORPOR_TMS"}
+    environ["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "torpor.tms.tmsrun", *args]
+    return subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_missing_script_is_one_line(tmp_path: Path) -> None:
+    """A SCRIPT that does not exist is one line naming it and exit 2, as python says it, not a runpy traceback."""
+    out = tmsrun_cli(["nope.py"], tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        f"python -m torpor.tms.tmsrun: can't open file {str(tmp_path / 'nope.py')!r}: [Errno 2] No such file or directory"
+    ]
+
+
+def test_a_missing_module_is_one_line(tmp_path: Path) -> None:
+    """-m MODULE that is not installed is one line naming it and exit 1, as python -m says it."""
+    out = tmsrun_cli(["-m", "nope_no_such_module"], tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == ["python -m torpor.tms.tmsrun: No module named nope_no_such_module"]
+
+
+def test_dash_c_says_why_it_is_refused(tmp_path: Path) -> None:
+    """-c is refused with the reason (torpor runs no code string) and what to do, then the usage; exit 2."""
+    out = tmsrun_cli(["-c", "print(1)"], tmp_path)
+    assert out.returncode == 2
+    first = out.stderr.splitlines()[0]
+    assert first.startswith("python -m torpor.tms.tmsrun: -c is not taken")
+    assert "put the code in a file" in first
+    assert tmsrun.USAGE in out.stderr
+
+
+def test_sys_path_is_what_python_script_gives(tmp_path: Path) -> None:
+    """The script's directory replaces -m's current directory on sys.path: a colorsys.py planted in the cwd never runs."""
+    cwd = tmp_path / "shared"
+    cwd.mkdir()
+    (cwd / "colorsys.py").write_text("print('PLANTED')\n")
+    where = tmp_path / "prog"
+    where.mkdir()
+    script = where / "prog.py"
+    script.write_text("import colorsys, json, sys\nprint(json.dumps(sys.path))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run(
+        [sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    out = tmsrun_cli([str(script)], cwd)
+    assert out.returncode == 0, out.stderr
+    assert "PLANTED" not in out.stdout
+    path = [p for p in json.loads(out.stdout) if p != str(tmsrun.BOOT)]
+    assert path == json.loads(plain.stdout)
