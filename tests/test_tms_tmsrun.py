@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from torpor.tms import tmsrun
 
@@ -106,3 +109,29 @@ def test_sys_path_is_what_python_script_gives(tmp_path: Path) -> None:
     assert "PLANTED" not in out.stdout
     path = [p for p in json.loads(out.stdout) if p != str(tmsrun.BOOT)]
     assert path == json.loads(plain.stdout)
+
+
+@pytest.mark.parametrize("ours_first", [True, False])
+def test_two_boot_directories_start_python_once(tmp_path: Path, ours_first: bool) -> None:
+    """Two torpor boot directories on PYTHONPATH (a nested tmsrun of another install): Python starts, the environment's sitecustomize runs once."""
+    other = tmp_path / "other" / "torpor" / "tms" / "boot"
+    other.mkdir(parents=True)
+    shutil.copy(tmsrun.BOOT / "sitecustomize.py", other / "sitecustomize.py")
+    envsite = tmp_path / "envsite"
+    envsite.mkdir()
+    (envsite / "sitecustomize.py").write_text("print('ENV-SITE')\n")
+    boots = [str(tmsrun.BOOT), str(other)] if ours_first else [str(other), str(tmsrun.BOOT)]
+    env = {k: v for k, v in os.environ.items() if k != "TORPOR_TMS"}
+    env["PYTHONPATH"] = os.pathsep.join([*boots, str(envsite), str(ROOT)])
+    code = "import sys; print('RAN', type(sys.meta_path[0]).__name__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "TORPOR_TMS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Error in sitecustomize" not in out.stderr, out.stderr
+    assert out.stdout == "ENV-SITE\nRAN AliasFinder\n"
