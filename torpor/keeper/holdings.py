@@ -1,4 +1,4 @@
-"""What the keeper holds, as records: its regions, the backups published, the engines it has heard from."""
+"""What the keeper holds, as records: its regions, the backups published, the engines it has heard from, its connections."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Backup", "Engine", "Region"]
+__all__ = ["Backup", "Engine", "Region", "Session"]
 
 
 @dataclass
@@ -46,3 +46,13 @@ class Engine:
     since: float = field(default_factory=time.time)
     alive: bool = True
     ended: float | None = None
+
+
+@dataclass
+class Session:
+    """One connection: the peer's pid (``SO_PEERCRED``), the engine it speaks for, the backup it was granted."""
+
+    pid: int
+    engine: str | None = None
+    grant: str | None = None  # the id of the backup this connection claimed or adopts
+    verified: bool = False  # the grant's identity was checked (adopt), not only claimed
