@@ -128,7 +128,7 @@ def test_log_without_action_fails_with_one_hint(capsys: pytest.CaptureFixture[st
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["demo", "--cycles", "many"], "invalid int value"),
+        (["demo", "--cycles", "many"], "argument --cycles: 'many' is not a whole number"),
         (["demo", "--device", "tpu"], "invalid choice"),
         (["log", "show"], "required: PATH"),
         (["log", "replay", "x", "--frobnicate"], "unrecognized arguments"),
@@ -142,18 +142,20 @@ def test_bad_arguments_fail_without_traceback(args: list[str], needle: str) -> N
     assert needle in proc.stderr.splitlines()[-1]
 
 
-@pytest.mark.parametrize("cycles", ["0", "-3"])
+@pytest.mark.parametrize("cycles", ["0", "-1", "-3"])
 def test_demo_rejects_no_cycles(cycles: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """`torpor demo --cycles 0` fails with one line saying at least 1."""
-    assert main(["demo", "--cycles", cycles, "--device", "sim"]) == 1
+    """`torpor demo --cycles 0` is a usage error (exit 2, as every bad argument; it was 1) in one line saying at least 1."""
+    assert _exit_code(["demo", "--cycles", cycles, "--device", "sim"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "at least 1" in err[0]
+    assert len(err) == 1 and "torpor demo: error: argument --cycles" in err[0] and "at least 1" in err[0], err
 
 
-def test_demo_rejects_a_port_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
-    """`torpor demo --port 70000` fails with one line naming the range."""
-    assert main(["demo", "--port", "70000", "--device", "sim"]) == 1
-    assert "65535" in capsys.readouterr().err
+@pytest.mark.parametrize("port", ["70000", "99999", "-1"])
+def test_demo_rejects_a_port_out_of_range(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`torpor demo --port 99999` (or -1) is a usage error (exit 2; it was 1) in one line naming the range."""
+    assert _exit_code(["demo", "--port", port, "--device", "sim"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --port" in err[0] and "65535" in err[0], err
 
 
 # -- unreadable inputs to torpor log --------------------------------------------------------
@@ -656,7 +658,14 @@ def test_each_command_keeps_the_documented_exit_codes(
             ["dashboard", "-o", "/proc/nope/x.json"],
             ["bench"],  # without CUDA (below)
         ],
-        2: [["demo", "--level", "3"], ["log"], ["log", "show"], ["status", str(awake), "--timeout", "1"]],
+        2: [
+            ["demo", "--level", "3"],
+            ["demo", "--cycles", "0"],
+            ["demo", "--port", "99999"],
+            ["log"],
+            ["log", "show"],
+            ["status", str(awake), "--timeout", "1"],
+        ],
         3: [["status", str(awake), "--wait", "asleep", "--timeout", "0"]],
         4: [["log", "replay", str(_dead_writer_log(tmp_path / "dead"))], ["status", str(tmp_path / "dead" / "logs")]],
     }

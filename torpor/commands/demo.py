@@ -7,6 +7,9 @@ from pathlib import Path
 
 from torpor.demo import DEVICES, DemoOptions, run_demo
 
+#: The highest TCP port.
+MAX_PORT = 65535
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``demo`` subcommand."""
@@ -19,9 +22,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "a timeline PNG and the Grafana dashboard. Uses CUDA when available, else the simulated device.",
         epilog="example: torpor demo --cycles 3 --device sim --port 0   (or --keep-serving --host 0.0.0.0 --port 9400)",
     )
-    p.add_argument("--cycles", type=int, default=3, metavar="N", help="sleep/wake cycles to run (3 covers each kind)")
+    p.add_argument(
+        "--cycles", type=cycles, default=3, metavar="N", help="sleep/wake cycles to run (3 covers each kind)"
+    )
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda if available, else sim (default)")
-    p.add_argument("--port", type=int, default=0, help="metrics port (0: any free port, the default)")
+    p.add_argument("--port", type=port, default=0, help="metrics port (0: any free port, the default)")
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -32,6 +37,31 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--keep-serving", action="store_true", help="keep the metrics endpoint up after the cycles, until Ctrl-C"
     )
     p.set_defaults(func=run)
+
+
+def cycles(text: str) -> int:
+    """``--cycles N``: a whole number >= 1 (``0`` and ``-1`` exited 1 as a failure, not 2 as the usage error they are)."""
+    try:
+        value = int(text)
+    except ValueError:
+        msg = f"{text!r} is not a whole number of cycles (at least 1)"
+        raise argparse.ArgumentTypeError(msg) from None
+    if value < 1:
+        msg = f"{text!r} is not a number of cycles: give at least 1"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def port(text: str) -> int:
+    """``--port PORT``: a TCP port, 0 (any free port) to 65535 (``99999`` and ``-1`` exited 1, not 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_PORT:
+        msg = f"{text!r} is not a port: give 0 (any free port) to {MAX_PORT}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

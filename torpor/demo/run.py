@@ -33,6 +33,8 @@ GRAFANA_CURL = (
     "$ curl -u admin:admin -H 'Content-Type: application/json' -d @{} http://localhost:3000/api/dashboards/db"
 )
 ENGINE = "demo"
+#: The exit status of a demo that Ctrl-C ended (128 + SIGINT), as docs/cli.md gives for every command.
+EXIT_CTRL_C = 130
 
 
 @dataclass
@@ -141,7 +143,7 @@ def _artifacts(log: Path, out_dir: Path) -> list[tuple[str, str, str]]:
 
 
 def run_demo(opts: DemoOptions) -> int:
-    """Run the demo; 0 when every wake was exact, 1 otherwise."""
+    """Run the demo; 0 when every wake was exact, 1 otherwise, 130 when Ctrl-C ended ``--keep-serving``."""
     out = opts.out
 
     def say(line: str = "") -> None:
@@ -223,8 +225,8 @@ def run_demo(opts: DemoOptions) -> int:
             say(f"  {what.ljust(width)}  {path}")
             if how:
                 say(f"  {''.ljust(width)}  {how}")
-        if server is not None:
-            _keep_serving(server, opts.keep_serving, say)
+        if server is not None and _keep_serving(server, opts.keep_serving, say) == signal.SIGINT:
+            return EXIT_CTRL_C  # Ctrl-C ended it, as every command reports Ctrl-C
         return 0 if exact else 1
     finally:
         progress.clear()
@@ -251,19 +253,26 @@ def _release_pool(controller: SleepController, workload: Workload, say: Callable
     say("")
 
 
-def _keep_serving(server: Any, keep: bool, say: Callable[[str], None]) -> None:
+def _keep_serving(server: Any, keep: bool, say: Callable[[str], None]) -> signal.Signals | None:
+    """With ``keep``, serve until Ctrl-C or SIGTERM and return the signal that ended it; else say it closes (None)."""
     url = f"{server.url.rstrip('/')}/metrics"
     if not keep:
         say(f"  {'metrics'.ljust(17)}  {url} (closed now; --keep-serving keeps it up for a Prometheus)")
-        return
+        return None
+    stopped: list[signal.Signals] = []
     stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopped.append(signal.Signals(signum))
+        stop.set()
+
     restore: list[tuple[signal.Signals, Any]] = []
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C and SIGTERM (docker stop, systemd) end the serving, also when the shell that started
         # the demo in the background left SIGINT ignored. Installed before saying so: whoever reads
         # the line below may signal at once.
         for signum in (signal.SIGINT, signal.SIGTERM):
-            restore.append((signum, signal.signal(signum, lambda *_: stop.set())))
+            restore.append((signum, signal.signal(signum, on_signal)))
     try:
         say(
             f"serving {url} until Ctrl-C; point a Prometheus scrape job at it (static_configs: ['{url.split('/')[2]}'])"
@@ -272,8 +281,9 @@ def _keep_serving(server: Any, keep: bool, say: Callable[[str], None]) -> None:
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:
-        pass
+        stopped.append(signal.SIGINT)
     finally:
         for sig, handler in restore:
             signal.signal(sig, handler)
     say("stopped serving")
+    return stopped[0] if stopped else None
