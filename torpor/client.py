@@ -82,6 +82,8 @@ class Client:
         #: How often :meth:`follow` found the log started anew (its last event below the one followed).
         self.restarts = 0
         self._server_seq: int | None = None  # X-Torpor-Last-Seq of the last /events answer
+        #: The engine the last ``/events`` answer came from (``X-Torpor-Engine``, percent-decoded), None before one.
+        self.served_engine: str | None = None
 
     # -- requests -------------------------------------------------------------------
 
@@ -180,6 +182,8 @@ class Client:
         if "x-torpor-last-seq" in headers:
             self._server_seq = int(headers["x-torpor-last-seq"])
             self.last_seq = max(self.last_seq, self._server_seq)
+        if "x-torpor-engine" in headers:  # percent-encoded UTF-8 (torpor.telemetry.feed.encode_header_value)
+            self.served_engine = urllib.parse.unquote(headers["x-torpor-engine"], errors="surrogatepass")
         events = []
         for line in body.splitlines():
             try:

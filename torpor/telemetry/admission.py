@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import socket
 import threading
 import time
@@ -56,6 +57,8 @@ LINGER_SECONDS = 1.0
 STALLED_WRITE = 0.5
 #: Connections beyond ``max_connections`` kept for the handler's ``reserved_paths`` (scrapes), one request each.
 RESERVED = 2
+#: A response header value as sent: visible ASCII words, single spaces or tabs between (no CR, LF or other control).
+_FIELD_VALUE = re.compile(r"[\x21-\x7e]*(?:[ \t]+[\x21-\x7e]+)*")
 
 
 def busy_response(reason: str) -> bytes:
@@ -287,6 +290,10 @@ class BoundedHandler(BaseHTTPRequestHandler):
         self.wfile = self._writer  # type: ignore[assignment]
 
     def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        raw = [name for name, value in (headers or {}).items() if not _FIELD_VALUE.fullmatch(value)]
+        if raw:  # a route passed data unencoded: nothing goes out rather than a forged or broken head
+            msg = f"header(s) {', '.join(raw)} refused: a value must be visible ASCII (encode_header_value); nothing was sent"
+            raise ValueError(msg)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))

@@ -16,6 +16,14 @@ same way (:data:`EVENTS_PARAMS`): NDJSON, one event per line as the log writes
 it (without the checksum), oldest first, and headers ``X-Torpor-Last-Seq``
 (the newest event's number), ``X-Torpor-First-Seq`` (the first returned),
 ``X-Torpor-Engine`` and ``X-Torpor-Rank``.
+
+``X-Torpor-Engine`` is the engine name percent-encoded as UTF-8
+(:func:`encode_header_value`): visible ASCII but ``%`` as it is, every other
+character (a space, ``%``, a control character, anything beyond ASCII) as
+``%XX`` bytes, so ``模型-0`` goes out as ``%E6%A8%A1%E5%9E%8B-0`` and a name
+holding CR/LF (a hostile log given to ``serve(path)``) can never end the header
+and forge another. ``urllib.parse.unquote`` reads it back
+(:func:`decode_header_value`; :class:`torpor.client.Client` does).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, quote, unquote
 
 from torpor.errors import BadRequest
 from torpor.statemachine.core.events import Event
@@ -36,6 +44,21 @@ from torpor.telemetry.tracker import Source
 EVENTS_PARAMS = ("engine", "rank", "after", "limit", "wait")
 NDJSON = "application/x-ndjson"
 _SEQ = attrgetter("seq")
+#: What a header value keeps as it is: visible ASCII (RFC 9110 field-vchar) but ``%``, the escape itself.
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+
+
+def encode_header_value(text: str) -> str:
+    """``text`` as a response header value: visible ASCII kept, anything else percent-encoded UTF-8 (never CR/LF).
+
+    Lossless for every ``str``: a lone surrogate (a JSON ``\\ud800`` in a log) is encoded as its three bytes.
+    """
+    return quote(text, safe=_HEADER_SAFE, errors="surrogatepass")
+
+
+def decode_header_value(value: str) -> str:
+    """The text :func:`encode_header_value` encoded (``urllib.parse.unquote``; what a client reads back)."""
+    return unquote(value, errors="surrogatepass")
 
 
 def int_param(params: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
@@ -149,8 +172,12 @@ class Batch:
 
 
 def events_headers(batch: Batch, engine: str, rank: int) -> dict[str, str]:
-    """The ``X-Torpor-*`` headers of an ``/events`` answer, alike on both endpoints."""
-    headers = {"X-Torpor-Last-Seq": str(batch.latest), "X-Torpor-Engine": engine, "X-Torpor-Rank": str(rank)}
+    """The ``X-Torpor-*`` headers of an ``/events`` answer, alike on both endpoints (the engine name encoded)."""
+    headers = {
+        "X-Torpor-Last-Seq": str(batch.latest),
+        "X-Torpor-Engine": encode_header_value(engine),
+        "X-Torpor-Rank": str(int(rank)),
+    }
     if batch.first is not None:
         headers["X-Torpor-First-Seq"] = str(batch.first)
     return headers
