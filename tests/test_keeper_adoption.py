@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from keeper_engine import SOURCE, running_keeper, start_engine, tensor_bytes, tiny_model
+from keeper_process import FILL, NOBODY, needs_root, shared_tmp, squatter
 
 from torpor import EventKind, SleepController
-from torpor.keeper import AdoptionRefused, KeeperLink, adopt, identity_of, open_backup
+from torpor.keeper import AdoptionRefused, KeeperLink, KeeperUntrusted, adopt, identity_of, open_backup
 from torpor.testing import FakeMemory
 
 
@@ -113,6 +114,20 @@ def test_nothing_to_adopt_falls_back_and_says_so(
     assert adopt(model, source=SOURCE, keeper=gone, engine="e", fallback=lambda: loaded.append(2)) is None
     assert loaded == [1, 2]
     assert "holds no backup" in caplog.text and "no keeper answers" in caplog.text
+
+
+@needs_root
+def test_an_adopter_loads_nothing_from_another_users_keeper(caplog: pytest.LogCaptureFixture) -> None:
+    """Another user's keeper offers a backup of any identity asked for: refused before asking, the fallback loads."""
+    model, loaded = tiny_model(5), []
+    with shared_tmp() as base, squatter(base / "k") as squat:
+        adopted = adopt(model, source=SOURCE, keeper=squat.path, engine="e", fallback=lambda: loaded.append(1))
+        assert tensor_bytes(model) == tensor_bytes(tiny_model(5)), f"the model holds the other user's bytes ({FILL:#x})"
+        with pytest.raises(KeeperUntrusted, match=f"owner found: uid {NOBODY}"):
+            adopt(model, source=SOURCE, keeper=squat.path, engine="e")
+    assert squat.heard == [], f"the other user's keeper heard {squat.heard}"
+    assert adopted is None and loaded == [1]
+    assert f"refused the keeper at {squat.path}" in caplog.text
 
 
 def test_tensors_whose_backup_spans_two_regions_read_back_whole(keeper: Path) -> None:

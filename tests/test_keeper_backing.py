@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from keeper_engine import running_keeper
+from keeper_process import NOBODY, needs_root, shared_tmp, squatter
 from prometheus_client import CollectorRegistry
 
 from torpor import EventKind, SleepController
@@ -135,6 +136,22 @@ def test_no_keeper_changes_nothing_and_says_so(tmp_path: Path, caplog: pytest.Lo
     e.ctl.sleep(1)
     assert e.backing.fallbacks >= 1 and e.backing.kept_bytes == 0 and e.backing.backup is None
     e.ctl.wake()
+    e.check()
+
+
+@needs_root
+def test_a_sleep_never_writes_into_another_users_keeper(caplog: pytest.LogCaptureFixture) -> None:
+    """Another user listens where the engine looks for its keeper: attach() refuses it, the sleep stays in-process."""
+    with shared_tmp() as base, squatter(base / f"torpor-keeper-{os.getuid()}") as squat:
+        with caplog.at_level(logging.WARNING, logger="torpor.keeper"):
+            e = Engine(squat.path)
+        e.add("a", 3 * MiB)
+        e.ctl.sleep(1)
+        e.ctl.wake()
+    assert squat.heard == [], f"the other user's keeper heard {squat.heard}"
+    assert e.backing.gone is not None and f"refused the keeper at {squat.path}" in e.backing.gone
+    assert f"owner found: uid {NOBODY}; expected: uid {os.getuid()}" in caplog.text
+    assert e.backing.kept_bytes == 0 and e.backing.fallbacks >= 1
     e.check()
 
 

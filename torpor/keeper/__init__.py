@@ -25,6 +25,7 @@ from torpor.keeper.refusals import (
     KeeperDenied,
     KeeperError,
     KeeperUnavailable,
+    KeeperUntrusted,
 )
 from torpor.keeper.wire import socket_path
 
@@ -38,6 +39,7 @@ __all__ = [
     "KeeperError",
     "KeeperLink",
     "KeeperUnavailable",
+    "KeeperUntrusted",
     "KeptBackup",
     "ModelIdentity",
     "Pinned",

@@ -1,10 +1,22 @@
-"""A connection to a keeper: one request and its reply at a time, refusals raised as the keeper's errors."""
+"""A connection to a keeper: one request and its reply at a time, refusals raised as the keeper's errors.
+
+Before it sends anything, a :class:`KeeperLink` checks that the keeper is this
+user's (docs/keeper.md, "Threat model"): the socket's directory is a directory
+(not a symlink) owned by this process's uid that no group or other user may
+write, the socket is a socket owned by this uid, and the process listening
+there runs as this uid (``SO_PEERCRED``, which the kernel recorded when it
+listened and which the path checks cannot be raced past). Anything else is
+:class:`KeeperUntrusted`, naming the path, the owner found and the owner
+expected: an engine never maps another user's memory under its backups, and
+an adopter never loads bytes another user served.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
+import stat
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +29,7 @@ from torpor.keeper.refusals import (
     KeeperDenied,
     KeeperError,
     KeeperUnavailable,
+    KeeperUntrusted,
 )
 
 __all__ = ["KeeperLink"]
@@ -25,14 +38,17 @@ __all__ = ["KeeperLink"]
 class KeeperLink:
     """A connection to the keeper at ``path`` (:func:`~torpor.keeper.wire.socket_path` when None).
 
-    Raises :class:`KeeperUnavailable` when nothing answers and
-    :class:`KeeperDenied` when the socket's directory or the keeper refuses
-    this user. Each call takes ``timeout`` seconds at most.
+    Raises :class:`KeeperUnavailable` when nothing answers,
+    :class:`KeeperUntrusted` when the directory, the socket or the process
+    listening there is not this user's (checked before anything is sent), and
+    :class:`KeeperDenied` when the keeper refuses this user. Each call takes
+    ``timeout`` seconds at most.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, timeout: float = 30.0) -> None:
         self.path: Path = wire.socket_path(path)
         self._lock = threading.Lock()
+        _check_path(self.path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -44,6 +60,11 @@ class KeeperLink:
         except OSError as exc:
             self._sock.close()
             raise KeeperUnavailable(str(self.path), exc.strerror or str(exc)) from exc
+        try:
+            _check_peer(self._sock, self.path)
+        except BaseException:
+            self._sock.close()
+            raise
         self.closed = False
 
     def call(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
@@ -141,6 +162,46 @@ def _one(fds: list[int], path: str) -> int:
             os.close(fd)
         raise KeeperUnavailable(path, f"the keeper sent {len(fds)} descriptors where one was due")
     return fds[0]
+
+
+def _check_path(path: Path) -> None:
+    """Refuse a socket whose directory or whose file is not this user's alone (:class:`KeeperUntrusted`).
+
+    A path that does not exist is :class:`KeeperUnavailable` (no keeper); a file of this
+    user's that is not a socket is one too (nothing listens there).
+    """
+    uid = os.getuid()
+    directory = path.parent
+    try:
+        info = os.lstat(directory)
+    except OSError as exc:
+        raise KeeperUnavailable(str(path), f"its directory {directory}: {exc.strerror or exc}") from exc
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise KeeperUntrusted(str(path), f"its directory {directory} is {kind}", info.st_uid, uid)
+    if info.st_uid != uid:
+        raise KeeperUntrusted(str(path), f"its directory {directory} belongs to another user", info.st_uid, uid)
+    writers = [who for who, bit in (("its group", stat.S_IWGRP), ("every user", stat.S_IWOTH)) if info.st_mode & bit]
+    if writers:
+        mode = stat.S_IMODE(info.st_mode)
+        reason = f"its directory {directory} (mode {mode:04o}) may be written by {' and '.join(writers)}"
+        raise KeeperUntrusted(str(path), reason, info.st_uid, uid)
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise KeeperUnavailable(str(path), exc.strerror or str(exc)) from exc
+    if info.st_uid != uid:
+        raise KeeperUntrusted(str(path), "the socket belongs to another user", info.st_uid, uid)
+    if not stat.S_ISSOCK(info.st_mode):
+        raise KeeperUnavailable(str(path), "it is not a socket (a file of this user's: no keeper listens there)")
+
+
+def _check_peer(sock: socket.socket, path: Path) -> None:
+    """Refuse a connection whose listening process is not of this user (``SO_PEERCRED``)."""
+    pid, peer_uid, _ = wire.peer(sock)
+    if peer_uid != os.getuid():
+        reason = f"the process listening there (pid {pid}) runs as another user"
+        raise KeeperUntrusted(str(path), reason, peer_uid, os.getuid())
 
 
 def _owner(path: Path) -> int:

@@ -12,6 +12,7 @@ __all__ = [
     "KeeperDenied",
     "KeeperError",
     "KeeperUnavailable",
+    "KeeperUntrusted",
     "PinningUnavailable",
     "RequestRefused",
     "WireClosed",
@@ -41,6 +42,23 @@ class KeeperDenied(KeeperError, PermissionError):
         self.keeper_uid = keeper_uid
         why = f": {reason}" if reason else ""
         msg = f"the keeper at {path} serves only uid {keeper_uid}; uid {uid} gets nothing{why}"
+        super().__init__(msg)
+
+
+class KeeperUntrusted(KeeperError, PermissionError):
+    """This process refused the keeper at ``path``: ``reason`` (its directory, its socket or the process listening
+    there is not this user's), the owner ``found`` and the owner ``expected`` (this process's uid). Nothing was sent."""
+
+    def __init__(self, path: str, reason: str, found: int, expected: int) -> None:
+        self.path = path
+        self.reason = reason
+        self.found = found
+        self.expected = expected
+        msg = (
+            f"refused the keeper at {path}: {reason} (owner found: uid {found}; expected: uid {expected}, this "
+            f"process's user); nothing was sent to it or taken from it. Run `torpor keeper serve` as this user, or "
+            f"name a socket in a directory only this user can write (--socket, $TORPOR_KEEPER_SOCKET)"
+        )
         super().__init__(msg)
 
 
