@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver, driver_error
+from torpor.allocator.native.library import check_length, check_range
 from torpor.extras import require
 
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -55,7 +56,7 @@ def reserve_host_pages(nbytes: int) -> int:
     advice does nothing and the pages are 4 KiB: slower to fault in, same result.
     """
     out = ctypes.c_uint64()
-    _pages("mmap", "tp_host_pages_reserve", nbytes, ctypes.byref(out))
+    _pages("mmap", "tp_host_pages_reserve", check_length(nbytes, "reserve_host_pages", least=1), ctypes.byref(out))
     return int(out.value)
 
 
@@ -75,6 +76,7 @@ def fault_host_pages(address: int, nbytes: int, write: bool) -> FaultMethod:
     What :meth:`CudaDriver.host_alloc` does before it registers the pages.
     """
     how = ctypes.c_int()
+    address, nbytes = check_range(address, nbytes, "fault_host_pages", what="host")
     _pages("madvise", "tp_host_pages_fault", address, nbytes, int(write), ctypes.byref(how))
     return _METHODS[how.value]
 
@@ -86,7 +88,7 @@ def populate_host_pages(address: int, nbytes: int) -> None:
 
 def free_host_pages(address: int, nbytes: int) -> None:
     """Unmap host pages from :func:`reserve_host_pages` (any page-aligned piece of them)."""
-    _pages("munmap", "tp_host_pages_free", address, nbytes)
+    _pages("munmap", "tp_host_pages_free", *check_range(address, nbytes, "free_host_pages", what="host"))
 
 
 def host_page_methods(huge_pages: bool | None = None, populate: bool | None = None) -> tuple[bool, bool]:

@@ -10,7 +10,10 @@ and raises it. Two views: :class:`~torpor.allocator.native.cuda_driver.CudaDrive
 :class:`~torpor.allocator.native.sim_driver.SimDriver`. Every call of the view goes through one choke point,
 :meth:`Driver.invoke`, so a simulated driver can record and fail any of them; the names of all driver
 calls (the table's and the view's) are in :attr:`Driver.CALLS`. Host pointers and events are plain
-integers the driver hands out; the allocator never looks inside them.
+integers the driver hands out; the allocator never looks inside them. Every length, address and device
+is checked before it is passed on (:func:`~torpor.allocator.native.library.check_range` and its
+siblings): a negative or huge length, or a range past 2**64 - 1, is refused by value with
+:class:`~torpor.errors.AllocatorArgumentError` before anything is called or recorded.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, ClassVar
 
 from torpor.allocator.native import library as native
 from torpor.allocator.native.headroom import host_headroom
+from torpor.allocator.native.library import check_address, check_device, check_length, check_range
 from torpor.errors import DriverError, DriverOutOfMemory
 
 
@@ -87,7 +91,7 @@ class Driver(ABC):
 
     def granularity(self, device: int) -> int:
         """Mapping granularity in bytes on ``device`` (sizes and addresses are multiples of it)."""
-        return int(self.invoke("granularity", device))
+        return int(self.invoke("granularity", check_device(device, "granularity")))
 
     def host_reserve(self, nbytes: int) -> int:
         """Reserve ``nbytes`` of host address space (nothing faulted in or pinned); return its start.
@@ -95,7 +99,7 @@ class Driver(ABC):
         Pieces of it are pinned one by one with ``host_alloc(n, host=...)``; a
         piece never pinned goes back with :meth:`host_unreserve`.
         """
-        return int(self.invoke("host_reserve", nbytes))
+        return int(self.invoke("host_reserve", check_length(nbytes, "host_reserve", least=1)))
 
     def host_alloc(self, nbytes: int, host: int | None = None) -> int:
         """Pin ``nbytes`` of host memory (fresh, or the reserved range at ``host``); return its address.
@@ -105,27 +109,34 @@ class Driver(ABC):
         pins nothing; a reserved range given stays reserved (give it back with
         :meth:`host_unreserve`).
         """
+        nbytes = check_length(nbytes, "host_alloc", least=1)
+        if host:
+            host, _ = check_range(host, nbytes, "host_alloc", what="host", least=1)
         return int(self.invoke("host_alloc", nbytes, host))
 
     def host_free(self, host: int) -> None:
         """Unpin and unmap host memory from :meth:`host_alloc`."""
-        self.invoke("host_free", host)
+        self.invoke("host_free", check_address(host, "host_free", what="host"))
 
     def host_unreserve(self, host: int, nbytes: int) -> None:
         """Give back reserved host address space that was never pinned."""
-        self.invoke("host_unreserve", host, nbytes)
+        self.invoke("host_unreserve", *check_range(host, nbytes, "host_unreserve", what="host"))
 
     def copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
         """Enqueue a copy of ``nbytes`` from device ``address`` to ``host`` on ``device``'s copy stream."""
-        self.invoke("copy_d2h", host, address, nbytes, device)
+        host, nbytes = check_range(host, nbytes, "copy_d2h", what="host")
+        address, _ = check_range(address, nbytes, "copy_d2h")
+        self.invoke("copy_d2h", host, address, nbytes, check_device(device, "copy_d2h"))
 
     def copy_h2d(self, address: int, host: int, nbytes: int, device: int) -> None:
         """Enqueue a copy of ``nbytes`` from ``host`` to device ``address`` on ``device``'s copy stream."""
-        self.invoke("copy_h2d", address, host, nbytes, device)
+        address, nbytes = check_range(address, nbytes, "copy_h2d")
+        host, _ = check_range(host, nbytes, "copy_h2d", what="host")
+        self.invoke("copy_h2d", address, host, nbytes, check_device(device, "copy_h2d"))
 
     def record(self, device: int) -> object:
         """Record an event after the copies enqueued so far on ``device``'s copy stream."""
-        return self.invoke("record", device)
+        return self.invoke("record", check_device(device, "record"))
 
     def wait(self, event: object) -> None:
         """Block until ``event`` completed (raises the copy's error if one failed); the event is spent."""
@@ -133,19 +144,21 @@ class Driver(ABC):
 
     def synchronize(self, device: int) -> None:
         """Block until all work on ``device`` (every stream) is done."""
-        self.invoke("synchronize", device)
+        self.invoke("synchronize", check_device(device, "synchronize"))
 
     def mem_info(self, device: int) -> tuple[int, int]:
         """(free, total) bytes of device memory."""
-        free, total = self.invoke("mem_info", device)
+        free, total = self.invoke("mem_info", check_device(device, "mem_info"))
         return int(free), int(total)
 
     def host_register(self, host: int, nbytes: int) -> None:
         """Pin reserved host memory that already holds data (never written here); freed with :meth:`host_free`."""
-        self.invoke("host_register", host, nbytes)
+        self.invoke("host_register", *check_range(host, nbytes, "host_register", what="host", least=1))
 
     def host_copy(self, dst: int, src: int, nbytes: int) -> None:
         """Copy ``nbytes`` of host memory from pinned ``src`` to reserved ``dst`` (pinned or not); any thread."""
+        dst, nbytes = check_range(dst, nbytes, "host_copy", what="dst")
+        src, _ = check_range(src, nbytes, "host_copy", what="src")
         self.invoke("host_copy", dst, src, nbytes)
 
     # -- the implementations: one library call each -------------------------------------
@@ -207,14 +220,14 @@ class Driver(ABC):
 
     def ensure_context(self, device: int) -> None:
         """Make a context for ``device`` current in this thread when none is (no-op off CUDA)."""
-        self._c("ensure_context", "tp_drv_ensure_context", device)
+        self._c("ensure_context", "tp_drv_ensure_context", check_device(device, "ensure_context"))
 
     def prepare_device(self, device: int) -> None:
         """Make what sleeps on ``device`` will use (context, copy stream) now, while awake (no-op off CUDA).
 
         A stream holds a little device memory: one made during a sleep would stay on the device while it is asleep.
         """
-        self._c("prepare_device", "tp_drv_prepare_device", device)
+        self._c("prepare_device", "tp_drv_prepare_device", check_device(device, "prepare_device"))
 
     def prepare_thread(self) -> None:
         """Set up a helper thread (pinning): a context, and no interference with graph captures elsewhere."""
@@ -231,6 +244,7 @@ class Driver(ABC):
 
     def read(self, address: int, nbytes: int) -> bytes:
         """Read device bytes into a fresh buffer (tests, demos: the slow, synchronous path)."""
+        address, nbytes = check_range(address, nbytes, "read")
         buf = ctypes.create_string_buffer(max(nbytes, 1))
         self._c("read", "tp_drv_read", address, buf, nbytes)
         return buf.raw[:nbytes]
@@ -238,4 +252,5 @@ class Driver(ABC):
     def write(self, address: int, data: bytes) -> None:
         """Write device bytes (tests, demos: the slow, synchronous path)."""
         payload = data if isinstance(data, bytes) else bytes(data)
+        address, _ = check_range(address, len(payload), "write")
         self._c("write", "tp_drv_write", address, payload, len(payload))

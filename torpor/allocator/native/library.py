@@ -10,22 +10,35 @@ call. The ``tp_drv_*`` calls are the driver table's host-memory, copy and event
 calls, for the Python view (:mod:`torpor.allocator.native.driver`). Loading is
 lazy: importing this module touches no library, so ``import torpor`` works where
 the library was not built.
+
+Values are checked here, before the C boundary, where ctypes would otherwise
+wrap them silently (``-1`` bytes is 2**64 - 1, ``2**64 + 4096`` bytes is 4096,
+device ``2**32`` is device 0): lengths run from 0 (sizes from 1) to 2**63 - 1,
+addresses from 0 to 2**64 - 1, a range ``[address, address + n)`` ends by
+2**64 - 1, devices run from 0 to 63. Anything else raises
+:class:`~torpor.errors.AllocatorArgumentError` (an ``AllocatorError`` and a
+``ValueError``) naming the argument, its value and the range it must lie in, and
+nothing changes. The library checks the same again (Note [Lengths and ranges at
+the C boundary] in csrc/tp.h), for callers that reach it some other way.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
-from torpor.errors import AllocatorError, AllocatorOutOfMemory
+from torpor.errors import AllocatorArgumentError, AllocatorError, AllocatorOutOfMemory
 
 LIB_NAME = "libtorpor_alloc.so"
 ACTIVE, FROZEN, RELEASED = 0, 1, 2
 #: What the library holds (csrc/tp.h): tags per context, bytes per tag name (a NUL ends it), devices, torch slots per process.
 MAX_TAGS, MAX_TAG_BYTES, MAX_DEVICES, SLOTS = 64, 63, 64, 128
+#: The longest length and the last address the library takes (TP_MAX_LEN in csrc/tp.h; 2**64 - 1).
+MAX_LENGTH, MAX_ADDRESS = (1 << 63) - 1, (1 << 64) - 1
 _u64 = ctypes.c_uint64
 _p = ctypes.c_void_p
 _int = ctypes.c_int
@@ -157,3 +170,61 @@ def error_of(err: TpErr, tag: str | None) -> AllocatorError:
 def u64s(n: int) -> Any:
     """A ctypes array of ``n`` unsigned 64-bit integers."""
     return (_u64 * max(n, 1))()
+
+
+# -- values before the C boundary (see the module docstring) ----------------------------------------
+
+
+def integer(value: object, what: str, op: str, tag: str | None = None) -> int:
+    """``value`` as an int (bool refused: ``allocate(True)`` is a mistake, not one byte)."""
+    if not isinstance(value, bool) and isinstance(value, SupportsIndex):  # ints, numpy integers
+        return operator.index(value)
+    msg = f"{what} {value!r} refused: it must be an integer, not {type(value).__name__}"
+    raise AllocatorArgumentError(op, tag, msg)
+
+
+def check_length(nbytes: object, op: str, *, what: str = "nbytes", least: int = 0, tag: str | None = None) -> int:
+    """A byte count from ``least`` (0 or 1) to 2**63 - 1, else AllocatorArgumentError naming ``what`` and its value."""
+    n = integer(nbytes, what, op, tag)
+    if not least <= n <= MAX_LENGTH:
+        kind = "a length" if least == 0 else "a size"
+        msg = f"{what} {n} refused: {kind} is an integer from {least} to 2**63 - 1"
+        raise AllocatorArgumentError(op, tag, msg)
+    return n
+
+
+def check_address(address: object, op: str, tag: str | None = None, *, what: str = "address") -> int:
+    """An address (0 to 2**64 - 1), else AllocatorArgumentError naming ``what`` and its value."""
+    a = integer(address, what, op, tag)
+    if not 0 <= a <= MAX_ADDRESS:
+        msg = f"{what} {a:#x} refused: an address is an integer from 0 to 2**64 - 1"
+        raise AllocatorArgumentError(op, tag, msg)
+    return a
+
+
+def check_range(
+    address: object,
+    nbytes: object,
+    op: str,
+    *,
+    what: str = "address",
+    length: str = "nbytes",
+    least: int = 0,
+    tag: str | None = None,
+) -> tuple[int, int]:
+    """``(address, nbytes)`` of a range ``[address, address + nbytes)`` that ends by 2**64 - 1, else AllocatorArgumentError."""
+    a = check_address(address, op, tag, what=what)
+    n = check_length(nbytes, op, what=length, least=least, tag=tag)
+    if n > MAX_ADDRESS - a:
+        msg = f"{what} range {a:#x}+{n} refused: it runs past 2**64 - 1, the last address"
+        raise AllocatorArgumentError(op, tag, msg)
+    return a, n
+
+
+def check_device(device: object, op: str = "allocate", tag: str | None = None) -> int:
+    """A device index the library takes (0 to 63), else AllocatorArgumentError naming it."""
+    d = integer(device, "device", op, tag)
+    if not 0 <= d < MAX_DEVICES:
+        msg = f"device {d} refused: devices are numbered 0 to {MAX_DEVICES - 1}"
+        raise AllocatorArgumentError(op, tag, msg)
+    return d

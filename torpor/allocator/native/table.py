@@ -8,8 +8,9 @@ library reported.
 Values are checked here, before the C boundary, where ctypes would otherwise
 wrap them silently (``2**64 + 4096`` bytes is 4096, device ``2**32`` is device
 0, a NUL ends a tag name): sizes run from 1 to 2**63 - 1, addresses from 0 to
-2**64 - 1, devices from 0 to 63, and a tag name is a non-empty ``str`` of at
-most 63 UTF-8 bytes without control characters. Anything else raises
+2**64 - 1, devices from 0 to 63 (the checks of
+:mod:`~torpor.allocator.native.library`), and a tag name is a non-empty ``str``
+of at most 63 UTF-8 bytes without control characters. Anything else raises
 :class:`~torpor.errors.AllocatorArgumentError` (an ``AllocatorError`` and a
 ``ValueError``) naming the value, and nothing changes.
 """
@@ -18,53 +19,26 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import operator
-from typing import Any, SupportsIndex
+from typing import Any
 
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
+from torpor.allocator.native.library import check_address, check_device
 from torpor.errors import AllocatorArgumentError, AllocatorError
 
 Live = tuple[int, int, int]  # a live allocation: address, size, device
-_ALL = (1 << 64) - 1
-_MAX_SIZE = (1 << 63) - 1
+_ALL = native.MAX_ADDRESS
 
 logger = logging.getLogger("torpor.allocator")
 
 
-def _integer(value: object, what: str, op: str, tag: str | None) -> int:
-    """``value`` as an int (bool refused: ``allocate(True)`` is a mistake, not one byte)."""
-    if not isinstance(value, bool) and isinstance(value, SupportsIndex):  # ints, numpy integers
-        return operator.index(value)
-    msg = f"{what} {value!r} refused: it must be an integer, not {type(value).__name__}"
-    raise AllocatorArgumentError(op, tag, msg)
-
-
 def check_size(nbytes: object, op: str = "allocate", tag: str | None = None) -> int:
     """A byte count the library takes (1 to 2**63 - 1), else AllocatorArgumentError naming it."""
-    n = _integer(nbytes, "size", op, tag)
-    if not 1 <= n <= _MAX_SIZE:
+    n = native.integer(nbytes, "size", op, tag)
+    if not 1 <= n <= native.MAX_LENGTH:
         msg = f"cannot allocate {n} bytes: a size is an integer from 1 to 2**63 - 1"
         raise AllocatorArgumentError(op, tag, msg)
     return n
-
-
-def check_address(address: object, op: str, tag: str | None = None) -> int:
-    """A device address (0 to 2**64 - 1), else AllocatorArgumentError naming it."""
-    a = _integer(address, "address", op, tag)
-    if not 0 <= a <= _ALL:
-        msg = f"address {a:#x} refused: an address is an integer from 0 to 2**64 - 1"
-        raise AllocatorArgumentError(op, tag, msg)
-    return a
-
-
-def check_device(device: object, op: str = "allocate", tag: str | None = None) -> int:
-    """A device index the library takes (0 to 63), else AllocatorArgumentError naming it."""
-    d = _integer(device, "device", op, tag)
-    if not 0 <= d < native.MAX_DEVICES:
-        msg = f"device {d} refused: devices are numbered 0 to {native.MAX_DEVICES - 1}"
-        raise AllocatorArgumentError(op, tag, msg)
-    return d
 
 
 def check_tag(tag: object) -> str:
@@ -101,6 +75,7 @@ class NativeTable:
     """The allocation table of one :class:`~torpor.allocator.TaggedAllocator`, owned by the native library."""
 
     def __init__(self, driver: Driver, slab_bytes: int) -> None:
+        slab_bytes = native.check_length(slab_bytes, "open", what="slab_bytes")
         self.lib = native.lib()
         err = native.TpErr()
         if getattr(driver, "name", "") == "cuda":
@@ -291,7 +266,7 @@ class NativeTable:
 
     def map_span(self, tag: str, start: int, size: int, device: int) -> None:
         """Map ``[start, start + size)`` of a released tag with one new handle."""
-        start, size = check_address(start, "restore", tag), check_size(size, "restore", tag)
+        start, size = native.check_range(start, size, "restore", what="span", length="size", least=1, tag=tag)
         device = check_device(device, "restore", tag)
         self._tag_call("tp_map_span", tag, start, size, device)
 

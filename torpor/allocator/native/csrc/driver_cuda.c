@@ -155,7 +155,7 @@ static int cu_granularity(void *self, int dev, uint64_t *out, tp_err *e) {
 static int cu_reserve(void *self, int dev, uint64_t n, uint64_t align, uint64_t *out, tp_err *e) {
   tp_cuda *cu = self;
   CUdeviceptr p = 0;
-  if (cu_ensure(self, dev, e)) return -1;
+  if (tp_check_len(e, "cuMemAddressReserve", "nbytes", n, 1) || cu_ensure(self, dev, e)) return -1;
   if (check(cu, cu->cuMemAddressReserve(&p, n, align, 0, 0), "cuMemAddressReserve", e)) return -1;
   *out = p;
   return 0;
@@ -163,6 +163,7 @@ static int cu_reserve(void *self, int dev, uint64_t n, uint64_t align, uint64_t 
 
 static int cu_unreserve(void *self, uint64_t addr, uint64_t n, tp_err *e) {
   tp_cuda *cu = self;
+  if (tp_check_range(e, "cuMemAddressFree", "address", addr, n, 1)) return -1;
   return check(cu, cu->cuMemAddressFree(addr, n), "cuMemAddressFree", e);
 }
 
@@ -170,7 +171,7 @@ static int cu_create(void *self, int dev, uint64_t n, uint64_t *handle, tp_err *
   tp_cuda *cu = self;
   CUmemAllocationProp p;
   CUmemHandle h = 0;
-  if (cu_ensure(self, dev, e)) return -1;
+  if (tp_check_len(e, "cuMemCreate", "nbytes", n, 1) || cu_ensure(self, dev, e)) return -1;
   prop_of(dev, &p);
   if (check(cu, cu->cuMemCreate(&h, n, &p, 0), "cuMemCreate", e)) return -1;
   *handle = h;
@@ -179,17 +180,20 @@ static int cu_create(void *self, int dev, uint64_t n, uint64_t *handle, tp_err *
 
 static int cu_map(void *self, uint64_t addr, uint64_t n, uint64_t handle, tp_err *e) {
   tp_cuda *cu = self;
+  if (tp_check_range(e, "cuMemMap", "address", addr, n, 1)) return -1;
   return check(cu, cu->cuMemMap(addr, n, 0, handle, 0), "cuMemMap", e);
 }
 
 static int cu_set_access(void *self, uint64_t addr, uint64_t n, int dev, tp_err *e) {
   tp_cuda *cu = self;
   CUmemAccessDesc d = {{1, dev}, 3};
+  if (tp_check_range(e, "cuMemSetAccess", "address", addr, n, 1)) return -1;
   return check(cu, cu->cuMemSetAccess(addr, n, &d, 1), "cuMemSetAccess", e);
 }
 
 static int cu_unmap(void *self, uint64_t addr, uint64_t n, tp_err *e) {
   tp_cuda *cu = self;
+  if (tp_check_range(e, "cuMemUnmap", "address", addr, n, 1)) return -1;
   return check(cu, cu->cuMemUnmap(addr, n), "cuMemUnmap", e);
 }
 
@@ -310,6 +314,7 @@ static int cu_prepare_thread(void *self, tp_err *e) {
 static int cu_copy_d2h(void *self, uint64_t host, uint64_t addr, uint64_t n, int dev, tp_err *e) {
   tp_cuda *cu = self;
   CUstream s;
+  if (tp_check_range(e, "copy_d2h", "host", host, n, 0) || tp_check_range(e, "copy_d2h", "address", addr, n, 0)) return -1;
   if (cu_stream(cu, dev, &s, e)) return -1;
   return check(cu, cu->cuMemcpyDtoHAsync_v2((void *)(uintptr_t)host, addr, n, s), "cuMemcpyDtoHAsync", e);
 }
@@ -317,6 +322,7 @@ static int cu_copy_d2h(void *self, uint64_t host, uint64_t addr, uint64_t n, int
 static int cu_copy_h2d(void *self, uint64_t addr, uint64_t host, uint64_t n, int dev, tp_err *e) {
   tp_cuda *cu = self;
   CUstream s;
+  if (tp_check_range(e, "copy_h2d", "host", host, n, 0) || tp_check_range(e, "copy_h2d", "address", addr, n, 0)) return -1;
   if (cu_stream(cu, dev, &s, e)) return -1;
   return check(cu, cu->cuMemcpyHtoDAsync_v2(addr, (const void *)(uintptr_t)host, n, s), "cuMemcpyHtoDAsync", e);
 }
@@ -427,7 +433,11 @@ static int cu_host_reserve(void *self, uint64_t n, uint64_t *out, tp_err *e) {
 /* Register pages as they are (never populated here: on old kernels that writes zeros over data they hold). */
 static int cu_host_register(void *self, uint64_t host, uint64_t n, tp_err *e) {
   tp_cuda *cu = self;
-  if (cu_context(cu, host_dev(cu), e)) return -1;
+  if (!host) {
+    tp_set_err(e, 1, "cuMemHostRegister", "host 0 refused: a register names the reserved range that holds the data");
+    return -1;
+  }
+  if (tp_check_range(e, "cuMemHostRegister", "host", host, n, 1) || cu_context(cu, host_dev(cu), e)) return -1;
   void *p = (void *)(uintptr_t)host;
   if (check(cu, cu->cuMemHostRegister_v2(p, tp_round_pages(n), 1 /* CU_MEMHOSTREGISTER_PORTABLE */),
             "cuMemHostRegister", e))
@@ -449,6 +459,7 @@ static int cu_host_register(void *self, uint64_t host, uint64_t n, tp_err *e) {
 static int cu_host_alloc(void *self, uint64_t n, uint64_t host, int write, uint64_t *out, tp_err *e) {
   tp_cuda *cu = self;
   uint64_t address = host;
+  if (host ? tp_check_range(e, "host_alloc", "host", host, n, 1) : tp_check_len(e, "host_alloc", "nbytes", n, 1)) return -1;
   if (!address && tp_host_pages_reserve(n, &address, e)) return -1;
   if (cu_context(cu, host_dev(cu), e) || tp_host_pages_fault(address, n, write, NULL, e) ||
       cu_host_register(self, address, n, e)) {
@@ -479,7 +490,8 @@ static int cu_host_unreserve(void *self, uint64_t host, uint64_t n, tp_err *e) {
 }
 
 static int cu_host_copy(void *self, uint64_t dst, uint64_t src, uint64_t n, tp_err *e) {
-  (void)self, (void)e;
+  (void)self;
+  if (tp_check_range(e, "host_copy", "dst", dst, n, 0) || tp_check_range(e, "host_copy", "src", src, n, 0)) return -1;
   memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
   return 0;
 }
@@ -487,11 +499,15 @@ static int cu_host_copy(void *self, uint64_t dst, uint64_t src, uint64_t n, tp_e
 /* Synchronous copies for tests and demos (the slow path), in the calling thread's context. */
 static int cu_read(void *self, uint64_t addr, void *buf, uint64_t n, tp_err *e) {
   tp_cuda *cu = self;
+  if (tp_check_range(e, "cuMemcpyDtoH", "address", addr, n, 0) || tp_check_range(e, "cuMemcpyDtoH", "buffer", (uint64_t)(uintptr_t)buf, n, 0))
+    return -1;
   return check(cu, cu->cuMemcpyDtoH_v2(buf, addr, n), "cuMemcpyDtoH", e);
 }
 
 static int cu_write(void *self, uint64_t addr, const void *buf, uint64_t n, tp_err *e) {
   tp_cuda *cu = self;
+  if (tp_check_range(e, "cuMemcpyHtoD", "address", addr, n, 0) || tp_check_range(e, "cuMemcpyHtoD", "buffer", (uint64_t)(uintptr_t)buf, n, 0))
+    return -1;
   return check(cu, cu->cuMemcpyHtoD_v2(addr, buf, n), "cuMemcpyHtoD", e);
 }
 

@@ -184,9 +184,10 @@ static int first_after(tp_sim *s, uint64_t addr) { /* index of the first mapping
   return lo;
 }
 
-/* Where [addr, addr + n) stops being mapped and accessible (addr + n when all of it is). */
+/* Where [addr, addr + n) stops being mapped and accessible (addr + n when all of it is; a range past 2**64 - 1 is
+ * cut there, Note [Lengths and ranges at the C boundary] in tp.h). */
 static uint64_t covered_locked(tp_sim *s, uint64_t addr, uint64_t n, int need_access) {
-  uint64_t pos = addr, end = addr + n;
+  uint64_t pos = addr, end = n > UINT64_MAX - addr ? UINT64_MAX : addr + n;
   int i = first_after(s, addr) - 1;
   if (i < 0) i = 0;
   for (; i < s->nm && pos < end; i++) {
@@ -256,7 +257,8 @@ static int sim_reserve(void *self, int dev, uint64_t n, uint64_t align, uint64_t
   (void)align;
   SIM_ENTER(TP_RESERVE);
   if (!check_dev(s, dev)) SIM_FAIL(101, "no simulated device %d (have %d)", dev, s->ndev);
-  if (n == 0 || n % s->gran) SIM_FAIL(1, "%llu bytes is not a positive multiple of the granularity", (unsigned long long)n);
+  if (n == 0 || n % s->gran || n > TP_MAX_LEN)
+    SIM_FAIL(1, "%llu bytes is not a positive multiple of the granularity up to 2**63 - 1", (unsigned long long)n);
   void *p = mmap(NULL, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) SIM_FAIL(2, "reserving %llu bytes of address space: %s", (unsigned long long)n, strerror(errno));
   sim_res *r = sim_grow(s->r, &s->capr, s->nr + 1, sizeof *r);
@@ -273,6 +275,7 @@ static int sim_reserve(void *self, int dev, uint64_t n, uint64_t align, uint64_t
 static int sim_unreserve(void *self, uint64_t addr, uint64_t n, tp_err *e) {
   const char *call_name = "unreserve";
   SIM_ENTER(TP_UNRESERVE);
+  if (!tp_range_ok(addr, n)) SIM_FAIL(1, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
   for (int i = 0; i < s->nr; i++) {
     if (s->r[i].start == addr && s->r[i].size == n) {
       int j = first_after(s, addr - 1);
@@ -306,8 +309,9 @@ static int sim_create(void *self, int dev, uint64_t n, uint64_t *handle, tp_err 
   const char *call_name = "create";
   SIM_ENTER(TP_CREATE);
   if (!check_dev(s, dev)) SIM_FAIL(101, "no simulated device %d (have %d)", dev, s->ndev);
-  if (n == 0 || n % s->gran) SIM_FAIL(1, "%llu bytes is not a positive multiple of the granularity", (unsigned long long)n);
-  if (s->used[dev] + n > s->capacity) {
+  if (n == 0 || n % s->gran || n > TP_MAX_LEN)
+    SIM_FAIL(1, "%llu bytes is not a positive multiple of the granularity up to 2**63 - 1", (unsigned long long)n);
+  if (s->used[dev] > s->capacity || n > s->capacity - s->used[dev]) {
     char want[32], used[32], cap[32];
     SIM_FAIL(2, "cannot create %s: %s of %s in use on device %d", size_text(n, want), size_text(s->used[dev], used),
              size_text(s->capacity, cap), dev);
@@ -349,9 +353,12 @@ static int sim_map_(void *self, uint64_t addr, uint64_t n, uint64_t handle, tp_e
   sim_handle *h = handle_of(s, handle);
   if (!h || h->released) SIM_FAIL(1, "handle %#llx is not a live handle", (unsigned long long)handle);
   if (n != h->size) SIM_FAIL(801, "map of %llu bytes with a handle of %llu", (unsigned long long)n, (unsigned long long)h->size);
+  if (!tp_range_ok(addr, n)) SIM_FAIL(1, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
   int inside = 0;
-  for (int i = 0; i < s->nr; i++)
-    if (s->r[i].dev == h->dev && s->r[i].start <= addr && addr + n <= s->r[i].start + s->r[i].size) inside = 1;
+  for (int i = 0; i < s->nr; i++) {
+    sim_res *r = &s->r[i];
+    if (r->dev == h->dev && addr >= r->start && addr - r->start <= r->size && n <= r->size - (addr - r->start)) inside = 1;
+  }
   if (!inside)
     SIM_FAIL(1, "%#llx+%llu is outside every reservation on device %d", (unsigned long long)addr, (unsigned long long)n, h->dev);
   int i = first_after(s, addr);
@@ -373,7 +380,8 @@ static int sim_set_access(void *self, uint64_t addr, uint64_t n, int dev, tp_err
   const char *call_name = "set_access";
   SIM_ENTER(TP_SET_ACCESS);
   (void)dev;
-  if (covered_locked(s, addr, n, 0) < addr + n)
+  if (!tp_range_ok(addr, n)) SIM_FAIL(1, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
+  if (covered_locked(s, addr, n, 0) - addr < n)
     SIM_FAIL(1, "set_access on %#llx+%llu: not all of it is mapped", (unsigned long long)addr, (unsigned long long)n);
   for (int i = first_after(s, addr) - 1; i < s->nm; i++) {
     if (i < 0) continue;
@@ -387,6 +395,7 @@ static int sim_set_access(void *self, uint64_t addr, uint64_t n, int dev, tp_err
 static int sim_unmap(void *self, uint64_t addr, uint64_t n, tp_err *e) {
   const char *call_name = "unmap";
   SIM_ENTER(TP_UNMAP);
+  if (!tp_range_ok(addr, n)) SIM_FAIL(1, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
   int i = first_after(s, addr) - 1;
   if (i < 0 || s->m[i].start != addr || s->m[i].size != n)
     SIM_FAIL(1, "no mapping of %llu bytes at %#llx", (unsigned long long)n, (unsigned long long)addr);

@@ -37,6 +37,7 @@ TP_EXPORT void tp_host_pages_methods(int huge, int populate, int *was_huge, int 
 }
 
 TP_EXPORT int tp_host_pages_reserve(uint64_t n, uint64_t *out, tp_err *e) {
+  if (tp_check_len(e, "mmap", "nbytes", n, 1)) return -1; /* Note [Lengths and ranges at the C boundary] */
   uint64_t size = tp_round_pages(n);
   void *raw = mmap(NULL, size + TP_HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) {
@@ -57,6 +58,8 @@ TP_EXPORT int tp_host_pages_reserve(uint64_t n, uint64_t *out, tp_err *e) {
 }
 
 TP_EXPORT int tp_host_pages_fault(uint64_t addr, uint64_t n, int write, int *how, tp_err *e) {
+  if (tp_check_range(e, "madvise", "host", addr, n, 0) || tp_check_range(e, "madvise", "host", addr, tp_round_pages(n), 0))
+    return -1;
   uint64_t size = tp_round_pages(n);
   void *p = (void *)(uintptr_t)addr;
   if (write) {
@@ -87,6 +90,8 @@ TP_EXPORT int tp_host_pages_fault(uint64_t addr, uint64_t n, int write, int *how
 }
 
 TP_EXPORT int tp_host_pages_free(uint64_t addr, uint64_t n, tp_err *e) {
+  if (tp_check_range(e, "munmap", "host", addr, n, 0) || tp_check_range(e, "munmap", "host", addr, tp_round_pages(n), 0))
+    return -1;
   if (munmap((void *)(uintptr_t)addr, tp_round_pages(n)) != 0) {
     int err = errno;
     tp_set_err(e, err, "munmap", "unmapping %llu host bytes at %#llx failed: %s", (unsigned long long)n,

@@ -96,10 +96,20 @@ static uint64_t reuse_hole(tp_sim *s, uint64_t n) {
   return 0;
 }
 
+/* Whether [host, host + n) lies inside span `a` (never computes host + n: it may wrap). */
+static int span_holds(const sim_span *a, uint64_t host, uint64_t n) {
+  return host >= a->start && host - a->start <= a->size && n <= a->size - (host - a->start);
+}
+
+/* Whether [host, host + n) and span `a` share a byte (no sum that may wrap). */
+static int spans_overlap(const sim_span *a, uint64_t host, uint64_t n) {
+  return a->start >= host ? a->start - host < n : host - a->start < a->size;
+}
+
 /* The reservation holding [host, host + n), by index; -1 when none does. */
 static int reservation(tp_sim *s, uint64_t host, uint64_t n) {
   for (int i = 0; i < s->nresv; i++)
-    if (s->resv[i].start <= host && host + n <= s->resv[i].start + s->resv[i].size) return i;
+    if (span_holds(&s->resv[i], host, n)) return i;
   return -1;
 }
 
@@ -143,6 +153,7 @@ static int pin_index(tp_sim *s, uint64_t host) { /* first pinned range with star
 
 static int sim_host_reserve(void *self, uint64_t n, uint64_t *out, tp_err *e) {
   tp_sim *s = self;
+  if (tp_check_len(e, "host_reserve", "nbytes", n, 1)) return -1;
   pthread_mutex_lock(&s->hmu);
   uint64_t address = s->reuse_host ? reuse_hole(s, n) : 0;
   int rc = address ? 0 : new_buffer(s, n, &address, e);
@@ -164,13 +175,13 @@ static int pin_locked(tp_sim *s, uint64_t n, uint64_t host, uint64_t *out, tp_er
       return -1;
     }
     for (int i = 0; i < s->npin; i++)
-      if (s->pin[i].start < host + n && host < s->pin[i].start + s->pin[i].size) {
+      if (spans_overlap(&s->pin[i], host, n)) {
         tp_set_err(e, 1, "host_alloc", "host range %#llx+%llu is pinned already", (unsigned long long)host,
                    (unsigned long long)n);
         return -1;
       }
   }
-  if (s->host_used + n > s->host_capacity) {
+  if (n > s->host_capacity - s->host_used) {
     tp_set_err(e, 2, "host_alloc", "cannot pin %llu host bytes: %llu of %llu pinned", (unsigned long long)n,
                (unsigned long long)s->host_used, (unsigned long long)s->host_capacity);
     return -1;
@@ -194,6 +205,7 @@ static int pin_locked(tp_sim *s, uint64_t n, uint64_t host, uint64_t *out, tp_er
 static int sim_host_alloc(void *self, uint64_t n, uint64_t host, int write, uint64_t *out, tp_err *e) {
   tp_sim *s = self;
   (void)write; /* simulated pages need no faulting in */
+  if (host ? tp_check_range(e, "host_alloc", "host", host, n, 1) : tp_check_len(e, "host_alloc", "nbytes", n, 1)) return -1;
   pthread_mutex_lock(&s->hmu);
   int rc = pin_locked(s, n, host, out, e);
   pthread_mutex_unlock(&s->hmu);
@@ -202,6 +214,10 @@ static int sim_host_alloc(void *self, uint64_t n, uint64_t host, int write, uint
 
 static int sim_host_register(void *self, uint64_t host, uint64_t n, tp_err *e) {
   uint64_t out;
+  if (!host) {
+    tp_set_err(e, 1, "host_alloc", "host 0 refused: a register names the reserved range that holds the data");
+    return -1;
+  }
   return sim_host_alloc(self, n, host, 0, &out, e);
 }
 
@@ -241,7 +257,7 @@ static int sim_host_free(void *self, uint64_t host, tp_err *e) {
 
 static int sim_host_unreserve(void *self, uint64_t host, uint64_t n, tp_err *e) {
   tp_sim *s = self;
-  (void)e;
+  if (tp_check_range(e, "host_unreserve", "host", host, n, 0)) return -1;
   pthread_mutex_lock(&s->hmu);
   unreserve_locked(s, host, n);
   pthread_mutex_unlock(&s->hmu);
@@ -250,9 +266,10 @@ static int sim_host_unreserve(void *self, uint64_t host, uint64_t n, tp_err *e) 
 
 /* [host, host + n) inside one pinned buffer; `pageable`: or inside a reservation. */
 static int check_host(tp_sim *s, uint64_t host, uint64_t n, const char *call, int pageable, tp_err *e) {
+  if (tp_check_range(e, call, "host", host, n, 0)) return -1;
   pthread_mutex_lock(&s->hmu);
   int i = pin_index(s, host) - 1;
-  int ok = i >= 0 && host + n <= s->pin[i].start + s->pin[i].size;
+  int ok = i >= 0 && span_holds(&s->pin[i], host, n);
   if (!ok && pageable) ok = reservation(s, host, n) >= 0;
   pthread_mutex_unlock(&s->hmu);
   if (ok) return 0;
@@ -262,8 +279,9 @@ static int check_host(tp_sim *s, uint64_t host, uint64_t n, const char *call, in
 }
 
 static int check_device(tp_sim *s, uint64_t addr, uint64_t n, const char *call, tp_err *e) {
+  if (tp_check_range(e, call, "address", addr, n, 0)) return -1;
   uint64_t pos = tp_sim_accessible(s, addr, n);
-  if (pos >= addr + n) return 0;
+  if (pos - addr >= n) return 0;
   tp_set_err(e, 700, call, "device range %#llx+%llu is not mapped and accessible (stops at %#llx)",
              (unsigned long long)addr, (unsigned long long)n, (unsigned long long)pos);
   return -1;
@@ -293,6 +311,7 @@ static int sim_copy_h2d(void *self, uint64_t addr, uint64_t host, uint64_t n, in
 
 static int sim_host_copy(void *self, uint64_t dst, uint64_t src, uint64_t n, tp_err *e) {
   tp_sim *s = self;
+  if (tp_check_range(e, "host_copy", "dst", dst, n, 0) || tp_check_range(e, "host_copy", "src", src, n, 0)) return -1;
   if (check_host(s, src, n, "host_copy", 0, e) || check_host(s, dst, n, "host_copy", 1, e)) return -1;
   memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
   return 0;

@@ -127,7 +127,16 @@ TP_EXPORT int tp_map_span(tp_ctx *c, int tag, uint64_t start, uint64_t size, int
   LOCK;
   int rc = check_tag(c, tag, "restore", e);
   if (!rc && c->state[tag] != TP_RELEASED) rc = fail(e, tag, "restore", "tag '%s' is not released", c->tags[tag]);
-  uint64_t handle = 0, gran = c->gran[dev >= 0 && dev < TP_MAX_DEVICES ? dev : 0];
+  if (!rc && (dev < 0 || dev >= TP_MAX_DEVICES))
+    rc = fail(e, tag, "restore", "device %d refused: devices are numbered 0 to %d", dev, TP_MAX_DEVICES - 1);
+  if (!rc && (size == 0 || !tp_range_ok(start, size))) /* Note [Lengths and ranges at the C boundary] (tp.h) */
+    rc = fail(e, tag, "restore", "span %#llx+%llu refused: a span is 1 to 2**63 - 1 bytes ending by 2**64 - 1",
+              (unsigned long long)start, (unsigned long long)size);
+  if (rc) {
+    UNLOCK;
+    return rc;
+  }
+  uint64_t handle = 0, gran = c->gran[dev];
   int stuck = 0;
   if (!rc && new_mapping(c, start, size, dev, &handle, e, &stuck)) rc = driver_fail(e, tag, "restore");
   if (!rc || stuck) { /* stuck: mapped but would not unmap; listed so that the rollback or next wake unmaps it */
@@ -183,7 +192,7 @@ TP_EXPORT int tp_mark_awake(tp_ctx *c, int tag, tp_err *e) {
 
 /* Live (untrimmed) allocations of `tag` (all tags when -1), by address: up to `cap` written; returns how many there are. */
 TP_EXPORT int tp_list(tp_ctx *c, int tag, uint64_t *addr, uint64_t *size, int *dev, int cap) {
-  LOCK;
+  LOCK; /* a negative cap writes nothing (n < cap never holds) */
   int n = 0;
   for (int i = 0; i < c->na; i++) {
     if ((tag >= 0 && c->a[i].tag != tag) || c->a[i].trimmed) continue;
@@ -233,7 +242,7 @@ TP_EXPORT void tp_stats(tp_ctx *c, int tag, uint64_t out[4]) {
 /* Take the errors recorded by torch's calls (newest last); returns how many were copied. */
 TP_EXPORT int tp_errors(tp_ctx *c, tp_err *out, int cap) {
   LOCK;
-  int n = c->nring < cap ? c->nring : cap;
+  int n = c->nring < cap ? c->nring : cap < 0 ? 0 : cap;
   memcpy(out, c->ring + (c->nring - n), (size_t)n * sizeof *out);
   c->nring = 0;
   UNLOCK;

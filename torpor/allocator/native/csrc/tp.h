@@ -91,6 +91,20 @@ typedef struct tp_ctx tp_ctx;
 void tp_set_err(tp_err *e, int code, const char *call, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* Note [Lengths and ranges at the C boundary]: every length, offset and address a caller hands the library is
+ * checked before it is used, as Python checks it before the call (torpor/allocator/native/library.py): a length
+ * runs from 0 to TP_MAX_LEN (2**63 - 1; -1 from Python arrives as 2**64 - 1), and a range [addr, addr + n) ends at
+ * or before 2**64 - 1. The checks never compute addr + n before they know it cannot wrap (`n > UINT64_MAX - addr`,
+ * never `addr + n > end`). A refusal is -1 with *e saying the call, the value and the range (code 1, as
+ * CUDA_ERROR_INVALID_VALUE); nothing crosses the C boundary but the code. */
+#define TP_MAX_LEN ((uint64_t)INT64_MAX)
+/* 1 when [addr, addr + n) is a range the library can work on (n <= TP_MAX_LEN, no wrap past 2**64 - 1). */
+static inline int tp_range_ok(uint64_t addr, uint64_t n) { return n <= TP_MAX_LEN && n <= UINT64_MAX - addr; }
+/* 0 when [addr, addr + n) is such a range and n >= least, else -1 with *e naming `what` (err.c). */
+int tp_check_range(tp_err *e, const char *call, const char *what, uint64_t addr, uint64_t n, uint64_t least);
+/* 0 when n runs from least to TP_MAX_LEN, else -1 with *e naming `what`. */
+int tp_check_len(tp_err *e, const char *call, const char *what, uint64_t n, uint64_t least);
+
 /* driver_cuda.c / driver_sim.c */
 int tp_cuda_driver(tp_driver *out, tp_err *e);
 void tp_sim_driver(tp_sim *sim, tp_driver *out);
