@@ -4,20 +4,30 @@ from __future__ import annotations
 
 from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.tms.hostcopy import backup_spans, not_found, owning_tag, read_spans
-from torpor.tms.tmsengine import TmsEngine
-from torpor.tms.tmsenv import TmsSettings
 
 MiB = 1 << 20
 
 
-def paused_weights() -> tuple[TmsEngine, int, bytes]:
-    """An engine whose weights tag (CPU backup) holds known bytes and is paused."""
-    e = TmsEngine("torch", allocator=TaggedAllocator(SimDriver(64 * MiB)), settings=TmsSettings(), telemetry=False)
-    with e.region("weights", True, False, None):
-        w = e.allocator.allocate(4 * MiB)
+class Paused:
+    """An allocator whose weights tag holds known bytes, backed up and released (the graph pool's path)."""
+
+    def __init__(self) -> None:
+        self.allocator = TaggedAllocator(SimDriver(64 * MiB))
+
+    def resume(self, tag: str) -> None:
+        """Restore ``tag`` and drop its backup, as a wake does."""
+        self.allocator.restore([tag])
+        self.allocator.drop_backup([tag])
+
+
+def paused_weights() -> tuple[Paused, int, bytes]:
+    """The weights tag with known bytes, backed up by the allocator and released."""
+    e = Paused()
+    w = e.allocator.allocate(4 * MiB, tag="weights")
     data = bytes(range(256)) * 16
     e.allocator.write(w + 4096, data)
-    e.pause("weights")
+    e.allocator.backup(["weights"])
+    e.allocator.release(["weights"])
     return e, w, data
 
 

@@ -14,6 +14,7 @@ the allocator, the controller or telemetry.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,7 @@ _LAZY = {
     "TmsUsageError": "torpor.tms.tmserrors",
 }
 _SINGLETON = "torch_memory_saver"
+_C_ENTRY_POINTS = "torpor.tms.binarywrapper"  # loaded only with the preload library on LD_PRELOAD
 _lock = threading.RLock()  # re-entrant: loading a name may load another
 
 
@@ -66,3 +68,13 @@ def __getattr__(name: str) -> object:
 def _make_singleton() -> object:
     saver_class = __getattr__("TorchMemorySaver")
     return saver_class()  # type: ignore[operator]
+
+
+def _register_c_entry_points() -> None:
+    """With torpor's preload library on LD_PRELOAD, C callers of ``tms_pause``/``tms_resume`` reach the saver from now on."""
+    if "libtorpor_torch_memory_saver_preload" in os.environ.get("LD_PRELOAD", ""):
+        binarywrapper = importlib.import_module(_C_ENTRY_POINTS)
+        binarywrapper.register_default(lambda: __getattr__(_SINGLETON))
+
+
+_register_c_entry_points()

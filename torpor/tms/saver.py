@@ -21,10 +21,10 @@ from typing import Any, cast
 
 from torpor.allocator import CaptureHandle, TaggedAllocator
 from torpor.tms.hostcopy import backup_spans, not_found, owning_tag, read_spans
-from torpor.tms.tagview import DISCARD_MODE
-from torpor.tms.tmsengine import HOOK_MODES, TmsEngine
+from torpor.tms.tmsengine import HOOK_MODES
 from torpor.tms.tmsenv import CpuBackupBackend
 from torpor.tms.tmserrors import TmsUsageError
+from torpor.tms.tmsimpl import TmsImpl
 
 logger = logging.getLogger("torpor.tms")
 
@@ -36,7 +36,7 @@ class TorchMemorySaver:
 
     def __init__(self) -> None:
         self._impl_ctor_kwargs: dict[str, Any] | None = {}
-        self._impl: TmsEngine | None = None
+        self._impl: TmsImpl | None = None
         self._init_lock = threading.Lock()
 
     # -- torpor's addition ------------------------------------------------------------------
@@ -163,25 +163,23 @@ class TorchMemorySaver:
         import torch
 
         address, nbytes = x.data_ptr(), x.nbytes
+        host = impl.cpu_backup_pointer(address, nbytes)
+        if host is not None:
+            raw: Any = (ctypes.c_ubyte * nbytes).from_address(host)  # the backup itself (TMS: a numpy view of it)
+            flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            view = flat.view(x.dtype).view(x.shape)
+            return view if zero_copy else view.clone()
         tags = impl.torpor_tags()
-        spans = backup_spans(impl.allocator, tags, address, nbytes)
-        if spans is None:
-            tag = owning_tag(impl.allocator, tags, address, nbytes)
-            if tag is None:
-                raise not_found(address, nbytes)
-            if impl.mode_of_torpor_tag(tag) == DISCARD_MODE or not impl.retain_cpu_backup or not impl.resumed(tag):
-                return None
-            return x.detach().to("cpu")  # awake, retained: the device's bytes (torpor keeps no stale shadow)
-        if zero_copy and len(spans) == 1:
-            host, n = spans[0]
-            raw: Any = (ctypes.c_ubyte * n).from_address(host)  # the backup itself: valid until the resume
-        else:
-            raw = bytearray(read_spans(spans))
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        return flat.view(x.dtype).view(x.shape)
+        spans = backup_spans(impl.allocator, tags, address, nbytes)  # the graph pool keeps the allocator's backup
+        if spans is not None:
+            flat = torch.frombuffer(bytearray(read_spans(spans)), dtype=torch.uint8) if nbytes else torch.empty(0)
+            return flat.view(x.dtype).view(x.shape)
+        if owning_tag(impl.allocator, tags, address, nbytes) is None:
+            raise not_found(address, nbytes)
+        return None  # no backup held: a region without one, a resumed one not retained, or a disk one (TMS: None)
 
     def set_disk_backup_dir(self, path: str) -> None:
-        """Where a disk-backed region's backup goes (made when missing); torpor keeps it in pinned host memory (docs/tms.md)."""
+        """Where a disk-backed region's backup goes (made when missing): one file per allocation while paused."""
         impl = self._ensure_initialized()
         os.makedirs(path, exist_ok=True)
         impl.disk_backup_dir = path
@@ -198,9 +196,9 @@ class TorchMemorySaver:
             msg = f"cpu_backup_backend must be 'mmap' or 'pinned', not {cpu_backup_backend!r}"
             raise ValueError(msg)
 
-    def _ensure_initialized(self) -> TmsEngine:
+    def _ensure_initialized(self) -> TmsImpl:
         with self._init_lock:
             if self._impl is None:
-                self._impl = TmsEngine(**(self._impl_ctor_kwargs or {}))
+                self._impl = TmsImpl(**(self._impl_ctor_kwargs or {}))
                 self._impl_ctor_kwargs = None
             return self._impl

@@ -42,6 +42,7 @@ ALIASES: dict[str, str] = {
     f"{TMS}.hooks": "torpor.tms",
     f"{TMS}.hooks.mode_preload": "torpor.tms.preload",
     f"{TMS}.testing_utils": "torpor.tms.tmstesting",
+    f"{TMS}.utils": "torpor.tms.tmsutils",
 }
 
 _said = False

@@ -10,17 +10,24 @@ torpor tags, with a policy built from its regions' settings (CPU or disk
 backup: ``offload``; none: ``discard``). ``pause(tag)`` is that engine's
 ``sleep(1)`` and ``resume(tag)`` its ``wake()``; nothing here changes the
 controller, the allocator or the state machine (docs/tms.md, "How a tag maps").
+
+A torpor tag whose region keeps a CPU or disk backup is offloaded into
+:class:`~torpor.tms.shadows.ShadowStore` (one host copy per allocation, as TMS
+keeps them) and released and mapped back by the allocator as a discarded tag
+is; the graph pool keeps the allocator's own backup.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torpor.allocator import GRAPH_TAG, TaggedAllocator
 from torpor.statemachine.core.policy import Action, Policy
 from torpor.statemachine.core.protocol import DeviceMemory, TagUsage, Transfer
+from torpor.tms.shadows import MODES, ShadowStore
 
 #: A region's backup mode: none (discarded on pause), a CPU backup backend, or disk.
 DISCARD_MODE = "discard"
@@ -67,6 +74,10 @@ class TmsTag:
         """The graph pool is this tag's from now on (offloaded at every pause)."""
         self.actions[GRAPH_TAG] = Action.OFFLOAD
 
+    def mode(self, torpor_tag: str) -> str | None:
+        """The backup mode of ``torpor_tag`` (None: not one of this tag's regions, e.g. the graph pool)."""
+        return next((m for m, t in self.modes.items() if t == torpor_tag), None)
+
     def owns(self, torpor_tag: str) -> bool:
         """Whether ``torpor_tag`` belongs to this TMS tag."""
         return torpor_tag in self.actions
@@ -92,24 +103,67 @@ class TagView:
         return [t for t in tags if self.tag.owns(t)]
 
     def usage(self) -> dict[str, TagUsage]:
-        """Bytes of this TMS tag's torpor tags (those with memory)."""
-        return {t: u for t, u in self.allocator.usage().items() if self.tag.owns(t)}
+        """Bytes of this TMS tag's torpor tags (those with memory); a shadowed tag's host bytes are its store's."""
+        mine = {t: u for t, u in self.allocator.usage().items() if self.tag.owns(t)}
+        for t in self._shadowed(list(mine)):
+            mine[t] = replace(mine[t], host=self.shadows.host_bytes(t))
+        return mine
+
+    @property
+    def shadows(self) -> ShadowStore:
+        """Where this view's CPU and disk backups live (the allocator's store)."""
+        return ShadowStore.of(self.allocator)
+
+    def _shadowed(self, tags: Sequence[str]) -> list[str]:
+        return [t for t in tags if self.tag.mode(t) in MODES]
 
     def backup(self, tags: Sequence[str]) -> Mapping[str, Transfer]:
-        """Back up ``tags`` (all this view's) through the allocator."""
-        return self.allocator.backup(self._mine(tags))
+        """Back up ``tags`` (all this view's): shadowed ones into the store (each frozen first), the rest by the allocator."""
+        mine = self._mine(tags)
+        shadowed = self._shadowed(mine)
+        out = dict(self.allocator.backup([t for t in mine if t not in shadowed]))
+        table = self.allocator.table
+        frozen: list[str] = []
+        try:
+            for tag in shadowed:
+                start = time.perf_counter()
+                self.allocator.tag_state(tag)
+                table.freeze(tag)  # Invariant: freeze before copy (no allocation joins a tag being copied)
+                frozen.append(tag)
+                done = self.shadows.save(tag, self.tag.mode(tag) or "")
+                out[tag] = Transfer(tag, done, time.perf_counter() - start, True)
+        except BaseException:
+            for tag in frozen:
+                table.thaw(tag)
+            raise
+        return out
 
     def release(self, tags: Sequence[str]) -> Mapping[str, Transfer]:
-        """Release ``tags`` through the allocator."""
-        return self.allocator.release(self._mine(tags))
+        """Release ``tags`` through the allocator (a shadowed tag's transfer says it was offloaded)."""
+        mine = self._mine(tags)
+        shadowed = self._shadowed(mine)
+        out = dict(self.allocator.release(mine))
+        return {t: replace(x, offloaded=True) if t in shadowed else x for t, x in out.items()}
 
     def restore(self, tags: Sequence[str]) -> Mapping[str, Transfer]:
-        """Restore ``tags`` through the allocator."""
-        return self.allocator.restore(self._mine(tags))
+        """Map ``tags`` back through the allocator, then copy each shadowed tag's store in (released again if that fails)."""
+        mine = self._mine(tags)
+        out = dict(self.allocator.restore(mine))
+        for tag in self._shadowed(mine):
+            try:
+                self.shadows.load(tag)
+            except BaseException:
+                self.allocator.release([tag])
+                raise
+            out[tag] = replace(out[tag], offloaded=True)
+        return out
 
     def drop_backup(self, tags: Sequence[str]) -> None:
-        """Drop the backups of ``tags`` through the allocator."""
-        self.allocator.drop_backup(self._mine(tags))
+        """Drop the backups of ``tags``: the allocator's, and the store's (CPU ones kept with ``retain_cpu_backup``)."""
+        mine = self._mine(tags)
+        self.allocator.drop_backup(mine)
+        for tag in self._shadowed(mine):
+            self.shadows.drop(tag)
 
     def pinned_bytes(self) -> int:
         """Pinned host bytes the allocator holds (all tags: the host arena is shared)."""

@@ -48,3 +48,16 @@ class TmsUsageError(TmsError, RuntimeError):
     def __init__(self, what: str) -> None:
         self.what = what
         super().__init__(what)
+
+
+class DiskBackupRefused(TmsError, OSError):
+    """A pause whose disk backup cannot be written (``directory``, ``reason``): refused before anything is released."""
+
+    def __init__(self, directory: str, reason: str) -> None:
+        self.directory = directory
+        self.reason = reason
+        msg = (
+            f"torch_memory_saver.pause refused: the disk backup directory {directory!r} cannot be written ({reason}); "
+            "nothing was released. Point TMS_DISK_BACKUP_DIR or set_disk_backup_dir() at a writable directory"
+        )
+        super().__init__(msg)

@@ -1,11 +1,16 @@
 """What ``torch_memory_saver.testing_utils`` gives under the switch: TMS's test helpers, for its example scripts.
 
-``get_device()``, ``empty_cache()`` and ``get_and_print_gpu_memory(message,
+``is_xpu()``, ``get_device()``, ``empty_cache()`` and ``get_and_print_gpu_memory(message,
 gpu_id=0)``, with TMS's names and output, so TMS's own examples run
 unmodified on torpor (CUDA only: torpor has no XPU or ROCm path).
 """
 
 from __future__ import annotations
+
+
+def is_xpu() -> bool:
+    """False: torpor runs on CUDA only (TMS's tests skip their XPU cases on it)."""
+    return False
 
 
 def get_device() -> str:
