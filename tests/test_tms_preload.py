@@ -134,11 +134,11 @@ def test_init_enable_tags_allocations_outside_regions(tmp_path: Path) -> None:
 
 
 def test_preloaded_reads_ld_preload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """preloaded() gives the library only when LD_PRELOAD names it."""
+    """preloaded() gives nothing when LD_PRELOAD does not name the library (where it does: the subprocess tests below)."""
     lib = built(tmp_path)
     monkeypatch.setattr(preload, "preload_library", lambda: lib)
     assert preload.preloaded({"LD_PRELOAD": "/other.so"}) is None
-    assert preload.preloaded({"LD_PRELOAD": f"/other.so:{lib}"}) is not None
+    assert preload.preloaded({}) is None
 
 
 def test_raw_cuda_malloc_with_a_cpu_backup_comes_back(tmp_path: Path) -> None:
@@ -183,3 +183,85 @@ def test_on_ld_preload_the_engine_binds_and_raw_calls_reach_the_table(tmp_path: 
     assert out.returncode == 0, out.stderr
     assert "BOUND True RC 0 ALLOCS 1" in out.stdout
     assert "FREE 0 LIVE 0" in out.stdout
+
+
+INTERPOSER = """
+#include <stddef.h>
+int cudaMalloc(void **ptr, size_t n) { (void)n; *ptr = (void *)0; return 2; }
+int cudaFree(void *ptr) { (void)ptr; return 0; }
+"""
+
+SHADOW_PROBE = (
+    "import ctypes, logging\n"
+    "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
+    "from torpor.allocator import SimDriver, TaggedAllocator\n"
+    "from torpor.tms import preload\n"
+    "from torpor.tms.tmsengine import TmsEngine\n"
+    "from torpor.tms.tmsenv import TmsSettings\n"
+    "preload.preload_library = lambda: preload.Path({lib!r})\n"
+    "e = TmsEngine('preload', allocator=TaggedAllocator(SimDriver(64 << 20)), settings=TmsSettings(), telemetry=False)\n"
+    "print('BOUND', e.preload is not None)\n"
+)
+
+
+def interposer(tmp_path: Path) -> Path:
+    """Another library that defines cudaMalloc and cudaFree (another tool's interposer), compiled into ``tmp_path``."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "other_interposer.c"
+    src.write_text(INTERPOSER)
+    out = tmp_path / "other_interposer.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(src)], check=True, timeout=120)
+    return out
+
+
+def test_a_shadowed_preload_library_is_reported_not_bound(tmp_path: Path) -> None:
+    """With another interposer first on LD_PRELOAD, cudaMalloc resolves to it: the hook is not bound, a warning names the winner."""
+    lib = built(tmp_path)
+    other = interposer(tmp_path)
+    env = {**os.environ, "LD_PRELOAD": f"{other}:{lib}"}
+    out = subprocess.run(
+        [sys.executable, "-c", SHADOW_PROBE.format(lib=str(lib))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "BOUND False" in out.stdout
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, out.stderr
+    assert f"cudaMalloc resolves to {other}" in warnings[0]
+    assert "shadows" in warnings[0]
+    assert "goes to torpor's table" not in out.stderr
+
+
+def test_torpors_library_first_is_bound(tmp_path: Path) -> None:
+    """With torpor's library first and another interposer after it, cudaMalloc is torpor's: the hook is bound, no warning."""
+    lib = built(tmp_path)
+    other = interposer(tmp_path)
+    env = {**os.environ, "LD_PRELOAD": f"{lib}:{other}"}
+    out = subprocess.run(
+        [sys.executable, "-c", SHADOW_PROBE.format(lib=str(lib))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "BOUND True" in out.stdout
+    assert "WARNING" not in out.stderr
+
+
+def test_a_library_named_but_not_preloaded_is_not_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LD_PRELOAD naming torpor's library in a process that did not start with it: not bound, and said."""
+    lib = built(tmp_path)
+    monkeypatch.setattr(preload, "preload_library", lambda: lib)
+    with caplog.at_level("WARNING", logger="torpor.tms"):
+        assert preload.preloaded({"LD_PRELOAD": f"/other.so:{lib}"}) is None
+    assert "was not preloaded into this process" in caplog.text

@@ -11,7 +11,13 @@ allocates inside ``region()`` through torpor's pools, as its torch mode does.
 In a process that has the library on ``LD_PRELOAD``, :class:`PreloadHook` binds
 it to the allocator's native table and sets each thread's tag (a region, or
 ``disable()``) and the process default (``TMS_INIT_ENABLE=1``), so raw
-``cudaMalloc`` is tagged and pausable (csrc/tms_preload.c).
+``cudaMalloc`` is tagged and pausable (csrc/tms_preload.c). Being named on
+``LD_PRELOAD`` is not enough: :func:`preloaded` asks the dynamic linker what
+``cudaMalloc`` resolves to in this process, and where another library wins
+(an interposer before torpor's on the list) or torpor's was never preloaded
+(the variable changed after the process started), it binds nothing and says
+which library answers: raw ``cudaMalloc`` is then not tagged, and no pause
+frees it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from _ctypes import CFuncPtr
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,12 +76,83 @@ def configure_subprocess() -> Iterator[None]:
 
 
 def preloaded(environ: Mapping[str, str] | None = None) -> ctypes.CDLL | None:
-    """torpor's preload library when this process has it on ``LD_PRELOAD`` (the loaded copy), else None."""
+    """torpor's preload library when this process has it on ``LD_PRELOAD`` and its ``cudaMalloc`` is the one that answers.
+
+    None when ``LD_PRELOAD`` does not name it, and, with a warning naming what
+    answers instead, when another library's ``cudaMalloc`` shadows it or it was
+    not preloaded into this process.
+    """
     lib = preload_library()
     entries = (os.environ if environ is None else environ).get(LD_PRELOAD, "").replace(" ", ":").split(":")
     if lib is None or not any(e and os.path.realpath(e) == str(lib) for e in entries):
         return None
-    return load(lib)
+    loaded = load(lib)
+    winner = shadowing(loaded)
+    if winner is None:
+        return loaded
+    listed = {os.path.realpath(e) for e in entries if e}
+    if winner and os.path.realpath(winner) in listed:
+        logger.warning(
+            "torpor.tms: preload mode is off: cudaMalloc resolves to %s, which comes before torpor's %s on LD_PRELOAD "
+            "and shadows it; raw cudaMalloc is not tagged and no pause frees it (put torpor's library first: "
+            "configure_subprocess() does)",
+            winner,
+            lib,
+        )
+    else:
+        logger.warning(
+            "torpor.tms: preload mode is off: %s is named on LD_PRELOAD but was not preloaded into this process "
+            "(LD_PRELOAD set after it started; cudaMalloc resolves to %s); raw cudaMalloc is not tagged and no pause "
+            "frees it",
+            lib,
+            winner or "no library",
+        )
+    return None
+
+
+class _DlInfo(ctypes.Structure):
+    """glibc's ``Dl_info``: what ``dladdr`` says of an address."""
+
+    _fields_ = (
+        ("dli_fname", ctypes.c_char_p),  # the file of the object holding the address
+        ("dli_fbase", ctypes.c_void_p),  # where that object is loaded
+        ("dli_sname", ctypes.c_char_p),  # the nearest symbol's name
+        ("dli_saddr", ctypes.c_void_p),  # the nearest symbol's address
+    )
+
+
+def _address(fn: CFuncPtr) -> int | None:
+    """The address of a ctypes function pointer."""
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _file_of(address: int) -> str:
+    """The file of the loaded object that holds ``address`` (``dladdr``), or the address itself when none says."""
+    process = ctypes.CDLL(None)
+    dladdr = getattr(process, "dladdr", None) or ctypes.CDLL("libdl.so.2").dladdr  # libc since glibc 2.34
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    dladdr.restype = ctypes.c_int
+    info = _DlInfo()
+    if dladdr(ctypes.c_void_p(address), ctypes.byref(info)) and info.dli_fname:
+        return os.fsdecode(info.dli_fname)
+    return f"the code at {address:#x}"
+
+
+def shadowing(lib: ctypes.CDLL, symbol: str = "cudaMalloc") -> str | None:
+    """Who answers ``symbol`` in this process instead of ``lib``: None when ``lib``'s own does.
+
+    The dynamic linker resolves a call by name to the first object of the global
+    scope that defines it (``dlsym`` on the process's handle asks the same): the
+    file of that object when it is not ``lib``'s, ``""`` when no object there
+    defines it (``lib`` was loaded by ``dlopen``, not preloaded).
+    """
+    try:
+        answers = _address(getattr(ctypes.CDLL(None), symbol))
+    except AttributeError:
+        return ""
+    if answers == _address(getattr(lib, symbol)):
+        return None
+    return "" if answers is None else _file_of(answers)
 
 
 def load(path: Path) -> ctypes.CDLL:
