@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -269,3 +274,49 @@ def test_a_telemetry_switch_typo_is_refused_naming_the_variable(monkeypatch: pyt
     monkeypatch.setenv("TORPOR_TMS_TELEMETRY", "of")
     with pytest.raises(ValueError, match="TORPOR_TMS_TELEMETRY='of' is not a switch"):
         simulated(telemetry=None)
+
+
+def cuda_driver_loads() -> bool:
+    """Whether CUDA's driver library opens on this machine."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def test_without_cuda_the_engine_says_what_is_missing_and_what_to_do() -> None:
+    """Without CUDA's driver, the saver's first use says no GPU driver (and no torch, where missing) and names the simulated device."""
+    if cuda_driver_loads():
+        pytest.skip("this machine has CUDA's driver library")
+    with pytest.raises(TmsUsageError) as refused:
+        TmsEngine("torch", settings=TmsSettings(), telemetry=False)
+    msg = str(refused.value)
+    assert msg.startswith("torch_memory_saver (torpor.tms) needs a CUDA GPU: CUDA's driver library libcuda.so.1")
+    assert "SimDriver" in msg
+    assert ("torch is not installed either" in msg) is (importlib.util.find_spec("torch") is None)
+    assert "allocate failed" not in msg
+
+
+def test_the_switch_without_cuda_is_one_sentence(tmp_path: Path) -> None:
+    """TORPOR_TMS=1 without CUDA: region() ends in the saver's refusal saying the GPU is missing, not 'allocate failed (dlopen)'."""
+    if cuda_driver_loads():
+        pytest.skip("this machine has CUDA's driver library")
+    (tmp_path / "probe_region.py").write_text(
+        "import torch_memory_saver\nwith torch_memory_saver.torch_memory_saver.region():\n    pass\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TORPOR_TMS")}
+    env["PYTHONPATH"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "torpor.tms.tmsrun", "-m", "probe_region"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.splitlines()[-1]
+    assert last.startswith("torpor.tms.tmserrors.TmsUsageError: torch_memory_saver (torpor.tms) needs a CUDA GPU")
+    assert "allocate failed (dlopen)" not in out.stderr

@@ -12,6 +12,7 @@ with its events and metrics. All checks come before anything is touched: a
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torpor.allocator import TaggedAllocator
+from torpor.errors import AllocatorError
 from torpor.hooks.nccl import apply_nccl_defaults
 from torpor.hooks.predicate import cudagraph_pool_decision
 from torpor.statemachine.core.events import EventKind
@@ -72,6 +74,26 @@ def _safe(tag: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", tag) or "_"
 
 
+def cuda_allocator() -> TaggedAllocator:
+    """The allocator on CUDA a saver uses unless bound to one; where CUDA's driver is missing, refused in words.
+
+    The refusal says the GPU is missing (torch too, where it is) and how to run
+    without one, instead of the allocator's ``dlopen`` error.
+    """
+    try:
+        return TaggedAllocator()
+    except AllocatorError as exc:
+        if exc.call != "dlopen":
+            raise
+        torch = "" if importlib.util.find_spec("torch") is not None else "; torch is not installed either"
+        msg = (
+            f"torch_memory_saver (torpor.tms) needs a CUDA GPU: CUDA's driver library libcuda.so.1 cannot be opened "
+            f"here ({exc.reason}){torch}. Without a GPU, bind the simulated device before the first region: "
+            "torch_memory_saver.bind(TaggedAllocator(SimDriver(1 << 30))), from torpor.allocator"
+        )
+        raise TmsUsageError(msg) from None
+
+
 def _rank() -> int:
     """``$RANK`` as torpor's vLLM side reads it (:func:`torpor.switches.env_rank`); 0 when unset."""
     rank = env_rank("RANK")
@@ -106,7 +128,7 @@ class TmsEngine:
         self.settings = settings if settings is not None else TmsSettings.from_env()
         self.rank = _rank()
         self.telemetry = env_switch(TELEMETRY_ENV) if telemetry is None else telemetry
-        self.allocator = allocator if allocator is not None else TaggedAllocator()
+        self.allocator = allocator if allocator is not None else cuda_allocator()
         self.log_dir = log if log is not None else (os.environ.get(LOG_DIR_ENV) or None)
         self.engine = engine or os.environ.get(ENGINE_ENV, "tms")
         self.retain_cpu_backup = self.settings.retain_cpu_backup
