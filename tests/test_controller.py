@@ -510,10 +510,10 @@ def test_an_engine_or_rank_that_cannot_name_its_log_is_refused_before_any_file_i
 
 
 def test_an_engine_name_that_names_no_file_may_be_any_label(tmp_path: Path) -> None:
-    """Without a log directory the engine name is a label only: quotes, separators and newlines are taken."""
-    ctl = SleepController(FakeMemory(SIZES), engine='odd "name"/with\nbreaks', rank=3)
+    """Without a log directory the engine name is a label only: quotes, separators and spaces are taken (a newline is not: test_enginename)."""
+    ctl = SleepController(FakeMemory(SIZES), engine='odd "name"/with 模型 breaks', rank=3)
     ctl.sleep(1)
-    assert ctl.projection.engine == 'odd "name"/with\nbreaks'
+    assert ctl.projection.engine == 'odd "name"/with 模型 breaks'
 
 
 @pytest.mark.parametrize("timeout", [float("nan"), -1.0, float("inf"), "5", True])

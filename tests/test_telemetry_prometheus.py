@@ -187,7 +187,7 @@ def test_promtool_check_metrics_reports_nothing() -> None:
 def test_direct_rendering_is_the_same_text_as_generate_latest() -> None:
     """exposition() renders byte-for-byte what generate_latest gives, escapes included, and follows new events."""
     registry = CollectorRegistry()
-    controllers = [SleepController(FakeMemory(TAGS), engine='odd "name"\\with\nbreaks', rank=r) for r in range(3)]
+    controllers = [SleepController(FakeMemory(TAGS), engine='odd "name"\\with 模型', rank=r) for r in range(3)]
     handles = [attach(c, registry=registry, otel=False) for c in controllers]
     for controller in controllers[:2]:
         run_cycle(controller)
@@ -198,7 +198,8 @@ def test_direct_rendering_is_the_same_text_as_generate_latest() -> None:
     text = collector.exposition()
     assert text == generate_latest(registry)
     assert (
-        b'torpor_state{state="asleep_l2",torpor_engine="odd \\"name\\"\\\\with\\nbreaks",torpor_rank="2"} 1.0' in text
+        'torpor_state{state="asleep_l2",torpor_engine="odd \\"name\\"\\\\with 模型",torpor_rank="2"} 1.0'.encode()
+        in text
     )
 
 

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torpor.statemachine.core.enginename import check_engine_name
 from torpor.statemachine.core.policy import HostMemoryPolicy, PinWhen
 from torpor.switches import env_rank, env_switch
 
@@ -125,10 +126,14 @@ def worker_rank() -> int:
 
 
 def engine_name() -> str:
-    """``$TORPOR_ENGINE`` (``vllm-<pid>`` once activated, see ``activation.activate``), ``-dpN`` added under data parallelism."""
+    """``$TORPOR_ENGINE`` (``vllm-<pid>`` once activated, see ``activation.activate``), ``-dpN`` added under data parallelism.
+
+    A name outside the engine-name rule (:mod:`torpor.statemachine.core.enginename`) is a ``ValueError``
+    naming the variable, before a controller or the keeper sees it.
+    """
     name = os.environ.get(ENV_ENGINE) or DEFAULT_ENGINE
     dp_size = _group_attr("_DP", "world_size")
     dp_rank = _group_attr("_DP", "rank_in_group")
     if dp_size is not None and dp_size > 1 and dp_rank is not None:
         name = f"{name}-dp{dp_rank}"
-    return name
+    return check_engine_name(name, source=f"${ENV_ENGINE}" if os.environ.get(ENV_ENGINE) else "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torpor.statemachine.core.enginename import check_engine_name, refusal
 from torpor.statemachine.log.eventlog import EventLog
 
 
@@ -24,22 +25,21 @@ def names_a_directory(path: Path, given: str) -> bool:
     return not path.exists() and not path.suffix
 
 
-#: The longest engine name: its log file ``.ENGINE.rankN.jsonl.lock`` must fit a 255-byte file name.
-MAX_ENGINE_NAME = 200
 #: The largest rank a log can record (a JSON integer every reader takes: 2**63-1).
 MAX_RANK = 2**63 - 1
 
 
 def check_identity(engine: object, rank: object, *, names_file: bool) -> None:
-    """Refuse a rank that is no integer 0..2**63-1 and, when it names the log file, an engine name that is no plain file name.
+    """Refuse an engine name outside the rule, a rank that is no integer 0..2**63-1 and, when the name names the
+    log file, a name that is no plain file name.
 
-    With a log directory the engine and rank name the file
-    (``ENGINE.rankN.jsonl``) inside it, so ``"../escaped"`` would write
-    outside it and ``"."`` or ``""`` name no file of its own; ``rank=-1`` or
-    ``"0"`` were refused only when the first event was written, after the
-    files were created. Checked before anything is made. (A name that names
-    no file, with ``log=None`` or a log file given, may hold any character: it
-    is a label.)
+    Every engine name keeps one rule (:mod:`torpor.statemachine.core.enginename`:
+    printable, 1 to 200 bytes, no padding), log or no log: it reaches headers,
+    labels, file names and terminals. With a log directory the engine and
+    rank also name the file (``ENGINE.rankN.jsonl``) inside it, so
+    ``"../escaped"`` would write outside it and ``"."`` name no file of its
+    own; ``rank=-1`` or ``"0"`` were refused only when the first event was
+    written, after the files were created. Checked before anything is made.
     """
     if type(engine) is not str:
         msg = f"engine must be a str naming the engine, got {type(engine).__name__} {engine!r}; nothing was created"
@@ -50,25 +50,18 @@ def check_identity(engine: object, rank: object, *, names_file: bool) -> None:
     if not 0 <= rank <= MAX_RANK:
         msg = f"rank {rank} is refused: a rank is 0..2**63-1 (rank 0 is the first); nothing was created"
         raise ValueError(msg)
-    if not names_file:
-        return
     problem = ""
-    if not engine or engine in (".", ".."):
+    if names_file and (not engine or engine in (".", "..")):
         problem = "it names no file of its own"
-    elif "/" in engine or "\\" in engine:
+    elif names_file and ("/" in engine or "\\" in engine):
         problem = "it holds a path separator, so its log would be written outside the log directory"
-    elif engine.startswith("."):
+    elif names_file and engine.startswith("."):
         problem = "it starts with '.', which the log's hidden lock and rotation files use"
-    elif not engine.isprintable():
-        problem = "it holds a control character"
-    elif len(engine.encode("utf-8", "surrogatepass")) > MAX_ENGINE_NAME:
-        problem = f"it is longer than {MAX_ENGINE_NAME} bytes"
     if problem:
-        msg = (
-            f"engine name {_clip(repr(engine), 80)} is refused: {problem}; it names the log file ENGINE.rankN.jsonl, "
-            "so give a plain file name such as 'llm0'; nothing was created"
-        )
+        rule = "it names the log file ENGINE.rankN.jsonl, so give a plain file name such as 'llm0'"
+        msg = refusal(engine, problem, rule, refused="; nothing was created")
         raise ValueError(msg)
+    check_engine_name(engine, refused="; nothing was created")
 
 
 def log_path_for(directory: str | Path, engine: str, rank: int) -> Path:
