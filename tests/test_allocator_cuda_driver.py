@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor.allocator import DriverError
+from torpor.allocator import DriverError, TaggedAllocator
 from torpor.allocator.native.cuda_driver import (
     CudaDriver,
     fault_host_pages,
@@ -21,7 +21,7 @@ from torpor.allocator.native.cuda_driver import (
     reserve_host_pages,
     transparent_huge_pages,
 )
-from torpor.errors import OutOfMemory
+from torpor.errors import AllocatorError, OutOfMemory
 
 MiB = 1 << 20
 
@@ -174,3 +174,18 @@ def test_the_cuda_table_pins_portable_and_sets_up_helper_threads(tmp_path: Path)
     assert exchange == ["cuThreadExchangeStreamCaptureMode ctx=0x1000 mode=2"], lines
     sync = lines.index(next(line for line in lines if line.startswith("cuCtxSynchronize")))
     assert lines[sync].startswith("cuCtxSynchronize ctx=0x1000")
+
+
+def test_without_cuda_a_bare_allocator_says_the_driver_is_missing() -> None:
+    """TaggedAllocator() without CUDA's driver says the driver library is missing and names the simulated device."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pass
+    else:
+        pytest.skip("this machine has CUDA's driver library")
+    with pytest.raises(AllocatorError) as refused:
+        TaggedAllocator()
+    msg = str(refused.value)
+    assert msg.startswith("open the CUDA driver failed (dlopen): CUDA's driver library is missing")
+    assert "TaggedAllocator(SimDriver(" in msg

@@ -87,11 +87,11 @@ def cuda_allocator() -> TaggedAllocator:
             raise
         torch = "" if importlib.util.find_spec("torch") is not None else "; torch is not installed either"
         msg = (
-            f"torch_memory_saver (torpor.tms) needs a CUDA GPU: CUDA's driver library libcuda.so.1 cannot be opened "
-            f"here ({exc.reason}){torch}. Without a GPU, bind the simulated device before the first region: "
+            "torch_memory_saver (torpor.tms) needs a CUDA GPU: CUDA's driver library libcuda.so.1 cannot be opened "
+            f"here{torch}. Without a GPU, bind the simulated device before the first region: "
             "torch_memory_saver.bind(TaggedAllocator(SimDriver(1 << 30))), from torpor.allocator"
         )
-        raise TmsUsageError(msg) from None
+        raise TmsUsageError(msg) from exc
 
 
 def _rank() -> int:

@@ -81,7 +81,14 @@ class NativeTable:
         if getattr(driver, "name", "") == "cuda":
             ctx = self.lib.tp_open_cuda(ctypes.byref(err))
             if not ctx:
-                raise native.error_of(err, None)
+                error = native.error_of(err, None)
+                if error.call == "dlopen":  # no NVIDIA driver here: say so, and how to run without a GPU
+                    msg = (
+                        f"CUDA's driver library is missing ({error.reason}); without an NVIDIA GPU and its driver, "
+                        "use the simulated device: TaggedAllocator(SimDriver(nbytes)), from torpor.allocator"
+                    )
+                    raise AllocatorError("open the CUDA driver", None, msg, call="dlopen")
+                raise error
         else:
             sim = getattr(driver, "native_sim", None)
             if sim is None:
