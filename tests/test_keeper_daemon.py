@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
+import stat
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from keeper_engine import start_keeper
+from keeper_engine import ROOT, start_keeper
 
 from torpor.cli import main
-from torpor.keeper import Keeper, KeeperBudgetExceeded, KeeperLink, ModelIdentity, TensorSpec, wire
-from torpor.keeper.wire import private_dir
+from torpor.keeper import Keeper, KeeperBudgetExceeded, KeeperError, KeeperLink, ModelIdentity, TensorSpec, wire
+from torpor.keeper.listening import socket_directory
+from torpor.keeper.refusals import KeeperPathRefused
 
 MiB = 1 << 20
 NOBODY = 65534
@@ -149,8 +155,8 @@ def test_a_socket_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "theirs"
     d.mkdir(mode=0o700)
     os.chown(d, NOBODY, NOBODY)
-    with pytest.raises(PermissionError, match="belongs to uid 65534"):
-        private_dir(d)
+    with pytest.raises(KeeperPathRefused, match="belongs to uid 65534"):
+        socket_directory(d / "keeper.sock")
 
 
 def test_drop_frees_a_dead_engines_backup_and_refuses_a_live_ones(
@@ -175,3 +181,174 @@ def test_drop_frees_a_dead_engines_backup_and_refuses_a_live_ones(
         assert main(["keeper", "drop", "x", "--socket", str(keeper.path)]) == 0
         assert "dropped backup x-" in capsys.readouterr().out
         assert other.status()["used"] == 0
+
+
+# -- where the keeper listens (issue 51 items 1-3, issue 54 item 3) ------------------------------------------
+
+
+def _serve(sock: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``torpor keeper serve --socket sock`` in its own process, which must end (a refusal) within ``timeout``."""
+    cmd = [sys.executable, "-m", "torpor", "keeper", "serve", "--socket", str(sock), "--budget", "64M"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
+
+
+def _snapshot(d: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int, int, bytes | None]]:
+    """Mode, owner, group (and contents, for a regular file) of ``d`` and of each entry in it."""
+    out = {}
+    for p in [d, *sorted(d.iterdir())]:
+        if p.name in skip:
+            continue
+        st = os.lstat(p)
+        data = p.read_bytes() if stat.S_ISREG(st.st_mode) else None
+        out["." if p == d else p.name] = (st.st_mode, st.st_uid, st.st_gid, data)
+    return out
+
+
+def _one_line_refusal(done: subprocess.CompletedProcess[str], *words: str) -> str:
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    err = done.stderr.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    for word in words:
+        assert word in err, err
+    return err
+
+
+def test_serve_refuses_a_regular_file_at_the_socket_path(tmp_path: Path) -> None:
+    """keeper serve --socket FILE refuses in one line naming FILE and leaves its contents, mode and owner as they were."""
+    d = tmp_path / "work"
+    d.mkdir(mode=0o700)
+    victim = d / "notasocket"
+    victim.write_bytes(b"a user's data\n")
+    before = _snapshot(d)
+    _one_line_refusal(_serve(victim), str(victim), "not a socket")
+    assert _snapshot(d) == before
+
+
+def test_serve_never_changes_a_directory_it_did_not_create(tmp_path: Path) -> None:
+    """A 0755 directory holding a file keeps its mode and contents; a 1777 one is refused with the reason, untouched."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o755)  # noqa: S103  # a directory of this user's that others may read
+    (shared / "notes.txt").write_bytes(b"notes\n")
+    before = _snapshot(shared)
+    proc = start_keeper(shared / "keeper.sock")
+    try:
+        assert _snapshot(shared, skip=("keeper.sock", "keeper.sock.lock")) == before
+        assert KeeperLink(shared / "keeper.sock").status()["keeper_pid"] == proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert _snapshot(shared) == before  # the socket (and its lock) went with the keeper; nothing else changed
+
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)  # noqa: S103  # a copy of /tmp's mode
+    (sticky / "theirs").write_bytes(b"someone else's\n")
+    before = _snapshot(sticky)
+    _one_line_refusal(_serve(sticky / "keeper.sock"), str(sticky), "1777", "written by")
+    assert _snapshot(sticky) == before
+
+    made = tmp_path / "new" / "private"
+    proc = start_keeper(made / "keeper.sock")  # a directory it makes is its own: private
+    try:
+        assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_second_keeper_on_an_answered_socket_says_so_in_one_line(tmp_path: Path) -> None:
+    """A second keeper serve where a keeper answers exits 1 with one line; the first keeps serving."""
+    sock = tmp_path / "k" / "keeper.sock"
+    proc = start_keeper(sock)
+    try:
+        _one_line_refusal(_serve(sock), "a keeper already serves", str(sock), str(proc.pid))
+        assert KeeperLink(sock).status()["keeper_pid"] == proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_PAUSED_KEEPER = """
+import pathlib, socket, sys, time
+from torpor.cli import main
+marks = pathlib.Path(sys.argv[2])
+listen = socket.socket.listen
+def paused(self, *args):
+    (marks / "bound").touch()
+    while not (marks / "go").exists():
+        time.sleep(0.01)
+    return listen(self, *args)
+socket.socket.listen = paused
+sys.exit(main(["keeper", "serve", "--socket", sys.argv[1], "--budget", "64M"]))
+"""
+
+
+def test_two_keepers_racing_for_one_path_never_both_serve(tmp_path: Path) -> None:
+    """A keeper paused between bind and listen keeps its path: a second keeper started then refuses, and A serves."""
+    sock, marks = tmp_path / "k" / "keeper.sock", tmp_path / "marks"
+    marks.mkdir()
+    first = subprocess.Popen([sys.executable, "-c", _PAUSED_KEEPER, str(sock), str(marks)], cwd=ROOT, text=True)
+    try:
+        for _ in range(3000):
+            if (marks / "bound").exists() or first.poll() is not None:
+                break
+            time.sleep(0.01)
+        assert (marks / "bound").exists(), "the first keeper never bound"
+        second = subprocess.Popen(
+            [sys.executable, "-m", "torpor", "keeper", "serve", "--socket", str(sock)],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            out, err = second.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            second.wait()
+            pytest.fail("the second keeper took the path of a keeper between its bind and its listen")
+        _one_line_refusal(subprocess.CompletedProcess(second.args, second.returncode, out, err), str(sock))
+        (marks / "go").touch()
+        for _ in range(3000):
+            with contextlib.suppress(KeeperError):
+                assert KeeperLink(sock).status()["keeper_pid"] == first.pid
+                break
+            time.sleep(0.01)
+        assert KeeperLink(sock).status()["keeper_pid"] == first.pid
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_close_removes_only_its_own_socket(tmp_path: Path) -> None:
+    """A keeper whose socket file was replaced leaves the new one in place when it stops."""
+    k = Keeper(tmp_path / "k" / "keeper.sock", budget_bytes=8 * MiB).start()
+    k.path.unlink()  # someone removed it, and something else listens there now
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
+        other.bind(str(k.path))
+        other.listen(1)
+        inode = os.stat(k.path).st_ino
+        k.close()
+        assert os.stat(k.path).st_ino == inode
+
+
+def test_a_stale_stream_socket_is_replaced_and_a_datagram_socket_is_not(tmp_path: Path) -> None:
+    """A socket no keeper answers is taken over; a live datagram socket (a syslog-like service) is refused, untouched."""
+    d = tmp_path / "k"
+    d.mkdir(mode=0o700)
+    stale = d / "keeper.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+        gone.bind(str(stale))  # bound, never listening, closed: what a killed keeper leaves
+    proc = start_keeper(stale)
+    proc.kill()
+    proc.wait()
+    service = d / "log.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as dgram:
+        dgram.bind(str(service))
+        inode = os.stat(service).st_ino
+        _one_line_refusal(_serve(service), str(service), "datagram")
+        assert os.stat(service).st_ino == inode
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+            sender.sendto(b"still here", str(service))
+        assert dgram.recv(64) == b"still here"

@@ -13,7 +13,8 @@ once told ``adopted``. A ``claim`` holds a backup before the adopter's model
 exists (every check but the identity's); its ``adopt`` checks the identity
 (a mismatch lets the claim go), and ``adopted`` waits for that check.
 
-Access: the socket lives in a 0700 directory and is mode 0600; every
+Access: the socket lives in a directory only its user may write (one the
+keeper makes is 0700; :mod:`torpor.keeper.listening`) and is mode 0600; every
 connection's peer uid (``SO_PEERCRED``) must be the keeper's own, or it gets
 one refusal and is closed. Regions are never written or read here; a
 descriptor goes only to the engine that asked for it, or to the adopter of
@@ -38,6 +39,7 @@ from typing import Any
 from torpor.keeper import wire
 from torpor.keeper.holdings import Session
 from torpor.keeper.ledger import Ledger
+from torpor.keeper.listening import Listening
 from torpor.keeper.operations import OPS, Reply
 from torpor.keeper.refusals import RequestRefused
 
@@ -58,6 +60,7 @@ class Keeper:
         self.uid = os.getuid()
         self._lock = threading.Lock()
         self._ledger = Ledger(budget_bytes, str(self.path), self.uid)
+        self._listening: Listening | None = None
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -67,27 +70,9 @@ class Keeper:
     # -- running ---------------------------------------------------------------------
 
     def bind(self) -> None:
-        """Make the private directory and listen; refuse if another keeper answers there."""
-        wire.private_dir(self.path.parent)
-        if self.path.exists() or self.path.is_symlink():
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(str(self.path))
-            except OSError:
-                self.path.unlink()  # a keeper that died left its socket
-            else:
-                probe.close()
-                msg = f"a keeper already answers at {self.path}; stop it first or pick another --socket"
-                raise RuntimeError(msg)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            listener.bind(str(self.path))
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
-        listener.listen(64)
-        self._listener = listener
+        """Take the socket's path (:class:`~torpor.keeper.listening.Listening`) and listen; :class:`KeeperPathRefused` says why not."""
+        self._listening = Listening(self.path)
+        self._listener = self._listening.socket
 
     def serve(self) -> None:
         """Accept connections until :meth:`close` (binds first if needed)."""
@@ -114,14 +99,10 @@ class Keeper:
         return self
 
     def close(self) -> None:
-        """Stop accepting, close every region (backups are lost) and remove the socket."""
+        """Stop accepting, close every region (backups are lost) and remove the socket if it is still this keeper's."""
         self._closing = True
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        if self._listening is not None:
+            self._listening.close()  # the socket and its lock file go only if they are still this keeper's
         with self._lock:
             self._ledger.close()
 

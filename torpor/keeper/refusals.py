@@ -11,6 +11,7 @@ __all__ = [
     "KeeperBudgetExceeded",
     "KeeperDenied",
     "KeeperError",
+    "KeeperPathRefused",
     "KeeperUnavailable",
     "KeeperUntrusted",
     "PinningUnavailable",
@@ -60,6 +61,15 @@ class KeeperUntrusted(KeeperError, PermissionError):
             f"name a socket in a directory only this user can write (--socket, $TORPOR_KEEPER_SOCKET)"
         )
         super().__init__(msg)
+
+
+class KeeperPathRefused(KeeperError):
+    """A keeper will not serve at ``path``: ``reason`` (what is there, its directory, another keeper serving there)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"the keeper will not serve at {path}: {reason}")
 
 
 class KeeperBudgetExceeded(KeeperError):

@@ -5,17 +5,15 @@ big-endian length and that many bytes of JSON; descriptors travel in the
 ancillary data of the message's first bytes (at most :data:`MAX_FDS`; each
 reply here carries one at most). :func:`peer` reads the kernel's credentials of
 the other end (``SO_PEERCRED``: its pid and uid when it connected, which it
-cannot forge). :func:`socket_path` and :func:`private_dir` place the socket in a
-directory only its user may enter.
+cannot forge). :func:`socket_path` names the socket (:mod:`torpor.keeper.listening`
+checks its directory).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
-import stat
 import struct
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -24,7 +22,7 @@ from typing import Any
 
 from torpor.keeper.refusals import WireClosed
 
-__all__ = ["MAX_FDS", "MAX_MESSAGE", "SOCKET_ENV", "peer", "private_dir", "receive", "send", "socket_path"]
+__all__ = ["MAX_FDS", "MAX_MESSAGE", "SOCKET_ENV", "peer", "receive", "send", "socket_path"]
 
 #: The environment variable that names the keeper's socket.
 SOCKET_ENV = "TORPOR_KEEPER_SOCKET"
@@ -40,7 +38,7 @@ _CRED = struct.Struct("3i")
 def socket_path(path: str | os.PathLike[str] | None = None) -> Path:
     """The keeper's socket: ``path``, else ``$TORPOR_KEEPER_SOCKET``, else ``torpor-keeper/keeper.sock`` under
     ``$XDG_RUNTIME_DIR`` (a per-user 0700 directory) or ``torpor-keeper-<uid>/`` in the temp directory
-    (made 0700; one another user made first is refused, never used)."""
+    (the keeper makes it 0700; one another user made first is refused, never used)."""
     if path is not None:
         return Path(path)
     env = os.environ.get(SOCKET_ENV)
@@ -49,22 +47,6 @@ def socket_path(path: str | os.PathLike[str] | None = None) -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     base = Path(runtime) / "torpor-keeper" if runtime else Path(tempfile.gettempdir()) / f"torpor-keeper-{os.getuid()}"
     return base / "keeper.sock"
-
-
-def private_dir(path: Path) -> Path:
-    """Make ``path`` (the socket's directory) exist, owned by this user and mode 0700; refuse one that is not."""
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700, parents=True)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode):
-        msg = f"{path} is not a directory (a symlink or a file): the keeper's socket needs a private directory"
-        raise PermissionError(msg)
-    if info.st_uid != os.getuid():
-        msg = f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}); the keeper will not use it"
-        raise PermissionError(msg)
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        os.chmod(path, 0o700)  # ours: make it private (another user may have been able to enter it)
-    return path
 
 
 def peer(sock: socket.socket) -> tuple[int, int, int]:
