@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -161,9 +162,9 @@ def test_demo_rejects_a_port_out_of_range(port: str, capsys: pytest.CaptureFixtu
 # -- unreadable inputs to torpor log --------------------------------------------------------
 
 
-@pytest.mark.parametrize("action", ["show", "follow", "replay"])
+@pytest.mark.parametrize("action", ["show", "replay"])
 def test_missing_log_is_one_line(action: str, tmp_path: Path) -> None:
-    """A log path that does not exist: one line on stderr, exit 1, no traceback."""
+    """A log path that does not exist: one line on stderr, exit 1, no traceback (`follow` waits for it: below)."""
     proc = _run("log", action, str(tmp_path / "nope.jsonl"))
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"torpor log: no event log at {tmp_path / 'nope.jsonl'}"]
@@ -739,3 +740,63 @@ def test_a_missing_optional_package_is_one_line_naming_its_extra(
     assert err[0].count("'.[") == 1, err  # one extra to install: the cuda extra's "or '.[vllm]'" is not theirs
     assert not re.match(r"torpor (\w+): torpor \1", err[0]), err  # the command is named once
     assert not (tmp_path / "out" / "t.png").exists()
+
+
+def _start_engine_later(logs: Path, delay: float, *, close: bool) -> threading.Thread:
+    """A thread that, after ``delay`` s, opens an engine 'llm' logging into ``logs`` and sleeps it (then closes it, if asked)."""
+
+    def start() -> None:
+        time.sleep(delay)
+        ctrl = SleepController(FakeMemory(TAGS), log=logs, engine="llm", fsync=False)
+        ctrl.sleep(1)
+        if close:
+            ctrl.close()
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_status_wait_waits_for_an_engine_that_has_not_logged_yet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`status DIR --wait asleep` on a directory with no logs yet waits for the engine (exit 0 once asleep; 3 at its timeout), not exit 1 at once."""
+    (tmp_path / "logs").mkdir()
+    began = time.monotonic()
+    assert _exit_code(["status", str(tmp_path / "logs"), "--wait", "asleep", "--timeout", "0.3"]) == 3
+    assert time.monotonic() - began >= 0.3
+    assert "not asleep after 0.3 s" in capsys.readouterr().err
+    thread = _start_engine_later(tmp_path / "logs", 0.3, close=False)
+    assert _exit_code(["status", str(tmp_path / "logs"), "--wait", "asleep", "--timeout", "60"]) == 0
+    thread.join(10)
+    assert "engine llm: asleep" in capsys.readouterr().out
+
+
+def test_follow_waits_for_a_log_not_yet_created(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`log follow` on a log not created yet waits for it, then follows it; at --timeout with no log it exits 1 in one line."""
+    path = tmp_path / "logs" / "llm.rank0.jsonl"
+    began = time.monotonic()
+    assert main(["log", "follow", str(path), "--timeout", "0.5"]) == 1
+    assert time.monotonic() - began >= 0.5
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == f"torpor log: no event log at {path} after waiting 0.5 s (--timeout)", err
+    thread = _start_engine_later(tmp_path / "logs", 0.5, close=True)
+    assert main(["log", "follow", str(path), "--timeout", "2"]) == 0
+    thread.join(10)
+    captured = capsys.readouterr()
+    assert "sleep_completed" in captured.out and "closed" in captured.out, captured.out
+    assert captured.err == f"torpor log: no event log at {path} yet; waiting for it (Ctrl-C to stop)\n"
+
+
+def test_follow_ended_by_ctrl_c_while_waiting_for_its_log_exits_130(tmp_path: Path) -> None:
+    """Ctrl-C while `log follow` waits for a log that is not there yet: exit 130, no traceback."""
+    import signal
+
+    proc = subprocess.Popen(
+        [*_torpor(), "log", "follow", str(tmp_path / "nope.jsonl")], stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stderr is not None
+    assert "waiting for it" in proc.stderr.readline()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130
+    assert "Traceback" not in proc.stderr.read()

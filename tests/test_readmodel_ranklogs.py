@@ -353,3 +353,29 @@ def test_a_closed_rank_is_dated_from_its_closed_event_in_the_engine_line(tmp_pat
     rank = fleet(tmp_path).engine("llm").rank(0)
     assert (rank.state, rank.since, rank.since_wall) == ("closed", closed.seq, closed.wall)
     assert closed.seq > slept and f"closed since #{closed.seq} " in rank.describe()
+
+
+@pytest.mark.parametrize("where", ["empty", "missing", "other engine"])
+def test_wait_fleet_waits_for_an_engine_that_has_not_logged_yet(tmp_path: Path, where: str) -> None:
+    """wait_fleet on a directory with no logs yet (or none of the engine, or no directory) waits for them to appear, until its timeout."""
+    logs = tmp_path / "logs"
+    if where != "missing":
+        logs.mkdir()
+    if where == "other engine":
+        _ranks(logs, 1, engine="other")
+    assert wait_fleet(logs, "asleep", timeout=0.05, poll=0.01, engine="llm") is None  # raised FleetError at once
+    assert asyncio.run(wait_fleet_async(logs, "asleep", timeout=0.05, poll=0.01, engine="llm")) is None
+
+    def start_then_sleep() -> None:
+        time.sleep(0.2)
+        logs.mkdir(exist_ok=True)
+        _ranks(logs, 1)[0].sleep(1)
+
+    thread = threading.Thread(target=start_then_sleep)
+    thread.start()
+    view = wait_fleet(logs, "asleep", timeout=30, poll=0.02, engine="llm")
+    thread.join(5)
+    assert view is not None and view.engine("llm").state == "asleep" and view.engine("llm").level == 1
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FleetError, match="not a directory"):
+        wait_fleet(tmp_path / "file", "asleep", timeout=5)

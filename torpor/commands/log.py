@@ -215,9 +215,27 @@ def _line(event: Event, proj: Projection, as_json: bool) -> str:
     return event.to_json() if as_json else timeline_line(event, proj.state.value)
 
 
+def _await_log(args: argparse.Namespace) -> Path:
+    """The log ``follow`` was given, waited for while it is not there yet (its engine has not started) until ``--timeout``."""
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    waiting = False
+    while True:
+        try:
+            return log_file(args.path, hint=_PICK_ONE)
+        except FileNotFoundError as exc:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                msg = f"{exc} after waiting {args.timeout:g} s (--timeout)"
+                raise FileNotFoundError(msg) from None
+            if not waiting:
+                print(f"torpor log: {exc} yet; waiting for it (Ctrl-C to stop)", file=sys.stderr, flush=True)
+                waiting = True
+            time.sleep(args.interval if left is None else min(args.interval, left))
+
+
 def run_follow(args: argparse.Namespace) -> int:
     """Print old events, then new ones as they arrive, until Ctrl-C or ``--timeout``."""
-    path = log_file(args.path, hint=_PICK_ONE)  # an empty log is followed: its first event is yet to come
+    path = _await_log(args)  # an empty log is followed: its first event is yet to come
     events = list(read_events(path))
     after = args.after
     if after is None:

@@ -8,6 +8,7 @@ import sys
 
 from torpor.commands import seconds
 from torpor.commands.writer import writer_running
+from torpor.errors import FleetError
 from torpor.readmodel.ranklogs import MAX_WORLD_SIZE, EngineView, FleetView, RankView, fleet, wait_fleet
 from torpor.statemachine.core.states import TRANSITIONAL
 from torpor.textout import fmt_bytes
@@ -151,9 +152,13 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.wait is None:
         print("torpor status: --timeout needs --wait", file=sys.stderr)
         return 2
-    if args.wait:
+    if args.wait:  # an engine that has not logged yet is waited for (an RL driver may start first)
         reached = wait_fleet(args.directory, args.wait, args.timeout, engine=args.engine, world_size=args.world_size)
-        view = reached or fleet(args.directory, engine=args.engine, world_size=args.world_size)
+        try:
+            view = reached or fleet(args.directory, engine=args.engine, world_size=args.world_size)
+        except FleetError as exc:  # still no log at the timeout
+            print(f"torpor status: not {args.wait} after {args.timeout:g} s: {exc}", file=sys.stderr)
+            return 3
     else:
         reached = None
         view = fleet(args.directory, engine=args.engine, world_size=args.world_size)
@@ -165,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(view))
     if args.wait and reached is None:
-        print(f"torpor status: not {args.wait} after {args.timeout} s", file=sys.stderr)
+        print(f"torpor status: not {args.wait} after {args.timeout:g} s", file=sys.stderr)
         return 3
     if any(e.state == "unknown" for e in view.engines):
         return 1

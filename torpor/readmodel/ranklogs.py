@@ -196,6 +196,19 @@ def fleet(
     return FleetView(root, tuple(views))
 
 
+def _fleet_once_logged(
+    directory: str | os.PathLike[str], engine: str | None, world_size: int | None
+) -> FleetView | None:
+    """:func:`fleet`, or None while no log (of ``engine``) is there yet; a path that is no directory is refused."""
+    root = Path(directory)
+    if not root.exists():
+        return None
+    logs = rank_logs(root)
+    if not logs or (engine is not None and engine not in logs):
+        return None
+    return fleet(root, engine=engine, world_size=world_size)
+
+
 def wait_fleet(
     directory: str | os.PathLike[str],
     state: str,
@@ -205,11 +218,16 @@ def wait_fleet(
     world_size: int | None = None,
     poll: float = 0.2,
 ) -> FleetView | None:
-    """Poll until every engine (or ``engine``) in ``directory`` is in ``state``; the view, or None on timeout."""
+    """Poll until every engine (or ``engine``) in ``directory`` is in ``state``; the view, or None on timeout.
+
+    A directory with no logs yet (or none of ``engine``, or no directory yet) is
+    an engine that has not started: it is waited for, as a state is.
+    """
+    check_world_size(world_size)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        view = fleet(directory, engine=engine, world_size=world_size)
-        if view.engines and all(e.matches(state) for e in view.engines):
+        view = _fleet_once_logged(directory, engine, world_size)
+        if view is not None and view.engines and all(e.matches(state) for e in view.engines):
             return view
         if deadline is not None and time.monotonic() >= deadline:
             return None
@@ -225,12 +243,13 @@ async def wait_fleet_async(
     world_size: int | None = None,
     poll: float = 0.2,
 ) -> FleetView | None:
-    """Asyncio variant of :func:`wait_fleet`; the logs are read in a worker thread, never on the event loop."""
+    """Asyncio variant of :func:`wait_fleet` (an engine not logging yet waited for); the logs are read in a worker thread."""
+    check_world_size(world_size)
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     while True:
-        view = await asyncio.to_thread(fleet, directory, engine=engine, world_size=world_size)
-        if view.engines and all(e.matches(state) for e in view.engines):
+        view = await asyncio.to_thread(_fleet_once_logged, directory, engine, world_size)
+        if view is not None and view.engines and all(e.matches(state) for e in view.engines):
             return view
         if deadline is not None and loop.time() >= deadline:
             return None
