@@ -5,9 +5,11 @@ This file holds the one layer table (docs/architecture.md is generated from it:
 ``python tests/test_architecture.py`` rewrites the doc) and checks every module under
 ``torpor/`` by reading its source (``ast``), not by importing it.
 
-An import ``from a.b import c`` where ``a.b.c`` is a module counts as importing ``a.b.c``;
-importing ``a.b.c`` is not counted as importing the packages ``a`` and ``a.b`` (the same rule
-import-linter uses), so a package's ``__init__`` is a facade placed in its own layer.
+An import ``from a.b import c`` where ``a.b.c`` is a module counts as importing ``a.b.c``. For the
+layers, importing ``a.b.c`` is not counted as importing the packages ``a`` and ``a.b`` (the same rule
+import-linter uses), so a package's ``__init__`` is a facade placed in its own layer. For cycles it
+is: Python runs ``a/__init__`` and ``a/b/__init__`` before ``a.b.c`` for an importer outside them, so a
+loop through a package's ``__init__`` is a loop (:func:`import_graph`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import functools
 import itertools
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, FrameType
@@ -117,9 +119,10 @@ LATE_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {
         "a worker's default memory: the allocator (and its native library) is loaded only when vLLM "
         "first asks the facade for memory, not when vLLM loads the plugin."
     ),
-    ("torpor.hooks.vllm.activation", "torpor.keeper.vllmloader"): (
-        "the keeper's load format imports the allocator (its native library); the plugin loads it only "
-        "when $TORPOR_KEEPER_ENGINE asks for it. No cycle: the loader imports the facade, never activation."
+    ("torpor.hooks.vllm.activation", "torpor.hooks.vllm.keeperloader"): (
+        "the keeper's load format imports the allocator (its native library) and the keeper; the plugin loads "
+        "it only when $TORPOR_KEEPER_ENGINE asks for it. No cycle: the loader imports the keeper and its "
+        "sibling modules, never activation, and the keeper imports nothing of torpor.hooks."
     ),
     ("torpor.hooks.vllm.activation", "torpor.telemetry.multiprocess"): (
         "the metrics directory for vLLM's workers (vLLM 0.33 names none with one API server): telemetry "
@@ -328,16 +331,40 @@ def late_imports() -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def cycles() -> list[str]:
+def _packages_run(importer: str, target: str, known: Iterable[str]) -> list[str]:
+    """The packages whose ``__init__`` importing ``target`` runs first, from ``importer`` outside them.
+
+    ``import a.b.c`` (or ``from a.b import c``) runs ``a/__init__`` and ``a/b/__init__`` before
+    ``a.b.c``; a module inside ``a.b`` finds them already running, so they are not counted for it.
+    """
+    parts = target.split(".")
+    return [
+        package
+        for package in (".".join(parts[:n]) for n in range(1, len(parts)))
+        if package in known and importer != package and not importer.startswith(package + ".")
+    ]
+
+
+def import_graph(found: Iterable[Import], known: Iterable[str]) -> dict[str, dict[str, str]]:
+    """Each torpor module's edges (target -> where): the modules it imports and the packages that import runs."""
+    names = set(known)
+    graph: dict[str, dict[str, str]] = {}
+    for imp in found:
+        if not _torpor(imp.target) or imp.target == imp.module:
+            continue
+        for target in (*_packages_run(imp.module, imp.target, names), imp.target):
+            graph.setdefault(imp.module, {}).setdefault(target, imp.where)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, str]] | None = None) -> list[str]:
     """Import cycles between modules over every edge: runtime, ``TYPE_CHECKING`` and ``importlib`` imports alike.
 
     A loop closed by a ``TYPE_CHECKING`` import or a call to ``importlib`` runs no code at
-    import time, but it is still two modules that each need the other: a design loop.
+    import time, but it is still two modules that each need the other: a design loop. An
+    import of a package's module counts the package's ``__init__`` too (:func:`import_graph`).
     """
-    graph: dict[str, dict[str, str]] = {}
-    for imp in all_imports():
-        if _torpor(imp.target) and imp.target != imp.module:
-            graph.setdefault(imp.module, {}).setdefault(imp.target, imp.where)
+    graph = import_graph(all_imports(), modules()) if graph is None else graph
     found: list[str] = []
     seen: set[frozenset[str]] = set()
     state: dict[str, int] = {}
@@ -598,6 +625,29 @@ def test_no_import_cycles() -> None:
     """No two torpor modules import each other, directly or through others, TYPE_CHECKING and importlib included."""
     found = cycles()
     assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_the_cycle_check_counts_a_packages_init() -> None:
+    """``from p import b`` from outside ``p`` runs ``p/__init__``: a loop through it is found; a sibling's import is not."""
+    known = ["torpor.p", "torpor.p.a", "torpor.p.b", "torpor.q", "torpor.q.c"]
+    edges = [
+        ("torpor.p", "torpor.p.a"),  # the facade imports its modules
+        ("torpor.p.a", "torpor.p.b"),  # a sibling: p/__init__ is already running, no loop
+        ("torpor.p.a", "torpor.q.c"),  # importlib, say
+        ("torpor.q.c", "torpor.p.b"),  # from torpor.p import b: runs p/__init__, which imports p.a
+    ]
+    imps = [Import(m, t, f"{m}:1", False, False) for m, t in edges]
+    graph = import_graph(imps, known)
+    assert graph["torpor.p.a"] == {
+        "torpor.p.b": "torpor.p.a:1",
+        "torpor.q": "torpor.p.a:1",
+        "torpor.q.c": "torpor.p.a:1",
+    }
+    assert cycles(graph) == [
+        "torpor.p -> torpor.p.a (torpor.p:1), torpor.p.a -> torpor.q.c (torpor.p.a:1), "
+        "torpor.q.c -> torpor.p (torpor.q.c:1)"
+    ]
+    assert cycles(import_graph(imps[:3], known)) == []
 
 
 def test_no_function_level_torpor_imports() -> None:

@@ -57,7 +57,7 @@ logger = logging.getLogger("torpor.vllm")
 
 #: ``0`` leaves ``VllmConfig`` untouched at load (no probe); torpor then activates only with ``TORPOR_VLLM_ACTIVE=1``.
 ENV_PROBE = "TORPOR_VLLM_PROBE"
-#: Set: load format ``torpor-keeper`` is registered (``torpor.keeper.vllmloader.ENV_ENGINE``).
+#: Set: load format ``torpor-keeper`` is registered (``torpor.hooks.vllm.keeperloader.ENV_ENGINE``).
 ENV_KEEPER_ENGINE = "TORPOR_KEEPER_ENGINE"
 BACKEND_MODULE = "torpor.hooks.vllm.backend"
 BACKEND_CLASS = "TorporSleepBackend"
@@ -71,7 +71,7 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: register the backend, install the probe, activate if told to."""
     register_backend()
     if os.environ.get(ENV_KEEPER_ENGINE):  # the keeper's load format (docs/keeper.md); loads the allocator
-        importlib.import_module("torpor.keeper.vllmloader").register()
+        importlib.import_module("torpor.hooks.vllm.keeperloader").register()
     if os.environ.get(ENV_PROBE, "1") != "0":
         install_probe()
     if os.environ.get(ENV_ACTIVE) == "1":

@@ -12,7 +12,11 @@ default loader and says why. Once loaded, the weights are tracked by a keeper
 backing on torpor's allocator (when the torpor sleep backend runs), so the next
 sleep's backup is kept in turn. What does not change: without
 ``--load-format torpor-keeper`` nothing here runs; it is registered by torpor's
-vLLM plugin only when ``$TORPOR_KEEPER_ENGINE`` is set.
+vLLM plugin (:mod:`torpor.hooks.vllm.activation`) only when ``$TORPOR_KEEPER_ENGINE`` is set.
+
+It lives with the vLLM integration, which it is part of, and uses the keeper through
+its public modules: the keeper imports nothing of vLLM's integration, so importing
+either never runs the other's package ``__init__`` in a loop.
 """
 
 from __future__ import annotations

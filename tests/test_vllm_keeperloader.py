@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +14,7 @@ import pytest
 import torch
 from keeper_engine import running_keeper, start_engine, tiny_model
 
-from torpor.keeper import vllmloader
+from torpor.hooks.vllm import keeperloader
 
 pytestmark = pytest.mark.vllm
 model_loader = pytest.importorskip("vllm.model_executor.model_loader")
@@ -23,7 +25,7 @@ def keeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A keeper process; this process's keeper socket, engine and rank point at it."""
     sock = tmp_path / "k" / "keeper.sock"
     monkeypatch.setenv("TORPOR_KEEPER_SOCKET", str(sock))
-    monkeypatch.setenv(vllmloader.ENV_ENGINE, "serve")
+    monkeypatch.setenv(keeperloader.ENV_ENGINE, "serve")
     monkeypatch.setenv("TORPOR_RANK", "0")
     with running_keeper(sock):
         yield sock
@@ -40,8 +42,8 @@ class _Disk:
 
 
 def _loader() -> tuple[object, _Disk]:
-    vllmloader.register()
-    loader = model_loader.get_model_loader(model_loader.LoadConfig(load_format=vllmloader.LOAD_FORMAT))
+    keeperloader.register()
+    loader = model_loader.get_model_loader(model_loader.LoadConfig(load_format=keeperloader.LOAD_FORMAT))
     disk = _Disk()
     loader.disk = disk  # type: ignore[attr-defined]
     return loader, disk
@@ -49,7 +51,7 @@ def _loader() -> tuple[object, _Disk]:
 
 def test_the_load_format_is_registered_with_vllm() -> None:
     """register() makes --load-format torpor-keeper pick the keeper's loader, with vLLM's default loader behind it."""
-    assert vllmloader.register()
+    assert keeperloader.register()
     loader = model_loader.get_model_loader(model_loader.LoadConfig(load_format="torpor-keeper"))
     assert type(loader).__name__ == "KeeperModelLoader"
     assert isinstance(loader.disk, model_loader.DefaultModelLoader)
@@ -77,3 +79,20 @@ def test_nothing_kept_loads_the_checkpoint(keeper: Path, caplog: pytest.LogCaptu
     loader, disk = _loader()
     loader.load_weights(tiny_model(12), SimpleNamespace(model="org/tiny", revision="r2"))  # type: ignore[attr-defined]
     assert disk.loaded == 1 and "the backup is of 'org/tiny@r1', this process built 'org/tiny@r2'" in caplog.text
+
+
+def test_the_vllm_plugin_registers_the_load_format_when_told() -> None:
+    """torpor's vLLM plugin entry point, with $TORPOR_KEEPER_ENGINE set, makes --load-format torpor-keeper known."""
+    code = (
+        "from torpor.hooks.vllm.activation import register\n"
+        "from vllm.model_executor.model_loader import LoadConfig, get_model_loader\n"
+        "register()\n"
+        "print(type(get_model_loader(LoadConfig(load_format='torpor-keeper'))).__name__)\n"
+    )
+    env = {**os.environ, "TORPOR_KEEPER_ENGINE": "serve", "TORPOR_VLLM_PROBE": "0"}
+    env.pop("TORPOR_VLLM_ACTIVE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1:] == ["KeeperModelLoader"], done.stdout
