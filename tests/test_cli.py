@@ -800,3 +800,19 @@ def test_follow_ended_by_ctrl_c_while_waiting_for_its_log_exits_130(tmp_path: Pa
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 130
     assert "Traceback" not in proc.stderr.read()
+
+
+def test_show_prints_a_refusals_holders_as_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`log show` of a host-budget refusal prints its holders' byte counts as sizes (`8.00 MiB`), never `8388608 bytes`."""
+    from torpor import HostMemoryPolicy, Policy
+    from torpor.errors import HostBudgetExceeded
+
+    policy = Policy(host=HostMemoryPolicy(budget_bytes=1 << 20))
+    ctrl = SleepController(FakeMemory({"weights": 8 << 20, "runtime": 3 << 20}), log=tmp_path / "logs", policy=policy)
+    with pytest.raises(HostBudgetExceeded):
+        ctrl.sleep(1)
+    ctrl.close()
+    assert main(["log", "show", str(tmp_path / "logs"), "--kind", "refused"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "holders=[" in line and "8.00 MiB" in line and "3.00 MiB" in line, line
+    assert not re.search(r"\b\d{5,}\b", line), line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +26,10 @@ _BYTES_FIELDS = frozenset(
     {"bytes", "freed", "offloaded", "discarded", "restored", "pinned", "kept", "host_budget", "host_released"}
     | {"device", "budget_bytes", "in_use", "tagged", "untagged", "total", "host"}
 )
+#: Text fields that quote byte counts (a refusal's ``holders``: ``backup of weights (asleep): 8388608 bytes``).
+_TEXT_WITH_BYTES = frozenset({"holders", "reason"})
+#: A byte count quoted in text: digits, then ``bytes`` or ``B``.
+_QUOTED_BYTES = re.compile(r"\b(\d+) (?:bytes|B)\b")
 #: Longest field value printed whole on a timeline line.
 _MAX_FIELD = 160
 #: Payload fields printed first, in this order; the rest follow alphabetically.
@@ -118,9 +123,16 @@ def _usage() -> int:
 # -- formatting ------------------------------------------------------------------------
 
 
+def _sizes_in(text: str) -> str:
+    """``text`` with each byte count it quotes (``8388608 bytes``, ``8388608 B``) as a size (``8.00 MiB``)."""
+    return _QUOTED_BYTES.sub(lambda m: fmt_bytes(int(m.group(1))), text)
+
+
 def _value(name: str, value: Any) -> str:
     if name in _BYTES_FIELDS and isinstance(value, int):
         return fmt_bytes(value)
+    if name in _TEXT_WITH_BYTES and isinstance(value, str):
+        return _sizes_in(value)
     if name == "seconds" and isinstance(value, int | float):
         return fmt_seconds(float(value))
     if isinstance(value, Mapping):  # a byte field's members are bytes; otherwise each member by its own name
@@ -130,7 +142,7 @@ def _value(name: str, value: Any) -> str:
             + "}"
         )
     if isinstance(value, tuple | list):
-        return "[" + ", ".join(str(v) for v in value) + "]"
+        return "[" + ", ".join(_value(name, v) if isinstance(v, str) else str(v) for v in value) + "]"
     return str(value)
 
 
