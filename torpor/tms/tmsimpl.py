@@ -22,7 +22,7 @@ from torpor.allocator import TaggedAllocator
 from torpor.tms.binarywrapper import BinaryWrapper, process_wrapper
 from torpor.tms.shadows import DISK, ShadowStore
 from torpor.tms.tagview import mode_of
-from torpor.tms.tmsengine import TmsEngine
+from torpor.tms.tmsengine import DISABLED_TAG, TmsEngine
 
 logger = logging.getLogger("torpor.tms")
 
@@ -184,16 +184,21 @@ class TmsImpl(TmsEngine):
 
     @contextmanager
     def disable(self) -> Iterator[None]:
-        """TmsEngine's disable, with the C side's interesting_region off inside (and on after, as TMS sets it)."""
-        with super().disable():
-            b = self._binary_wrapper
-            if b is not None:
-                b.cdll.tms_set_interesting_region(False)
-            try:
-                yield
-            finally:
+        """TmsEngine's disable, the C side's interesting_region off inside (on after, as TMS sets it); its memory given back after.
+
+        TMS allocates inside ``disable()`` from a fresh torch ``MemPool`` that it drops at the end, so what was
+        allocated there and freed goes back to the device at exit (slime's weight update runs there).
+        """
+        b = self._binary_wrapper
+        try:
+            with super().disable():
                 if b is not None:
-                    b.cdll.tms_set_interesting_region(True)
+                    b.cdll.tms_set_interesting_region(False)
+                yield
+        finally:
+            if b is not None:
+                b.cdll.tms_set_interesting_region(True)
+            self.allocator.empty_cache([DISABLED_TAG])
 
     def _device(self) -> int:
         if getattr(self.allocator.driver, "name", "") != "cuda":
