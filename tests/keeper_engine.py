@@ -2,24 +2,25 @@
 
 Usage: ``python tests/keeper_engine.py SOCKET ENGINE SEED [--width N] [--source S] [--log PATH]``. It prints one JSON
 line once asleep (its pid, the backup's id, the keeper bytes) and waits to be killed. The helpers build the same
-model in the test process (:func:`tiny_model`) and start a keeper process (:func:`start_keeper`).
+model in the test process (:func:`tiny_model`); a keeper process is :mod:`keeper_process`'s (:func:`start_keeper`,
+imported here too), which needs no torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from keeper_process import running_keeper, start_keeper
+
+__all__ = ["SOURCE", "Tiny", "running_keeper", "start_engine", "start_keeper", "tensor_bytes", "tiny_model"]
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "tests/tiny-model@1"
@@ -52,45 +53,6 @@ def tensor_bytes(model: torch.nn.Module) -> dict[str, bytes]:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         out[name] = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     return out
-
-
-def start_keeper(sock: Path, budget: str = "1G") -> subprocess.Popen[str]:
-    """``torpor keeper serve`` at ``sock`` in its own process, once it answers."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torpor", "keeper", "serve", "--socket", str(sock), "--budget", budget],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(sock))
-        except OSError:
-            if proc.poll() is not None:
-                msg = f"the keeper exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}"
-                raise RuntimeError(msg) from None
-            time.sleep(0.05)
-            continue
-        finally:
-            probe.close()
-        return proc
-    proc.kill()
-    msg = f"the keeper at {sock} did not answer within 30 s"
-    raise RuntimeError(msg)
-
-
-@contextlib.contextmanager
-def running_keeper(sock: Path, budget: str = "1G") -> Iterator[subprocess.Popen[str]]:
-    """A keeper process at ``sock`` (:func:`start_keeper`) for the ``with`` block; killed after it."""
-    proc = start_keeper(sock, budget)
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def start_engine(sock: Path, engine: str, seed: int, *extra: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:

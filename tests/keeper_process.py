@@ -1,4 +1,5 @@
-"""Keeper processes for the tests: another user's keeper (a squatter) where an engine looks for its own.
+"""Keeper processes for the tests, with no torch: a real keeper (:func:`start_keeper`, :func:`running_keeper`), and
+another user's keeper (a squatter) where an engine looks for its own.
 
 :func:`squatter` forks a process that drops to uid :data:`NOBODY` (root only: :data:`needs_root` skips
 otherwise), makes a directory, listens in it and answers as a keeper would: ``create`` hands it a memfd,
@@ -15,7 +16,10 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +29,7 @@ import pytest
 
 from torpor.keeper import wire
 
+ROOT = Path(__file__).resolve().parent.parent
 #: The other user (``nobody``).
 NOBODY = 65534
 #: The byte a squatter's granted backup holds, everywhere.
@@ -33,6 +38,45 @@ FILL = 0x5A
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: the other user is a child process that drops to uid 65534 (os.setuid)"
 )
+
+
+def start_keeper(sock: Path, budget: str = "1G") -> subprocess.Popen[str]:
+    """``torpor keeper serve`` at ``sock`` in its own process, once it answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torpor", "keeper", "serve", "--socket", str(sock), "--budget", budget],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(sock))
+        except OSError:
+            if proc.poll() is not None:
+                msg = f"the keeper exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}"
+                raise RuntimeError(msg) from None
+            time.sleep(0.05)
+            continue
+        finally:
+            probe.close()
+        return proc
+    proc.kill()
+    msg = f"the keeper at {sock} did not answer within 30 s"
+    raise RuntimeError(msg)
+
+
+@contextlib.contextmanager
+def running_keeper(sock: Path, budget: str = "1G") -> Iterator[subprocess.Popen[str]]:
+    """A keeper process at ``sock`` (:func:`start_keeper`) for the ``with`` block; killed after it."""
+    proc = start_keeper(sock, budget)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass

@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from keeper_engine import running_keeper
-from keeper_process import NOBODY, needs_root, shared_tmp, squatter
+from keeper_process import NOBODY, needs_root, running_keeper, shared_tmp, squatter
 from prometheus_client import CollectorRegistry
 
 from torpor import EventKind, SleepController

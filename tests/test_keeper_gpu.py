@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from keeper_engine import start_keeper
+from keeper_process import start_keeper
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers")

@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 import vllm_gpu_support as support
-from keeper_engine import running_keeper, start_keeper
+from keeper_process import running_keeper, start_keeper
 from keeper_vllm_engine import MARK
 from test_vllm_serve_gpu import serve
 
 from torpor.keeper import KeeperLink
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 HERE = Path(__file__).resolve().parent
 
 
@@ -59,6 +59,7 @@ def _kill(proc: subprocess.Popen[Any] | None) -> None:
     proc.wait()
 
 
+@pytest.mark.gpu
 def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> None:
     """Asleep at level 1 after an in-place update, kill -9 of every process, restart: every tensor is the updated one."""
     model = support.require_vllm_gpu()
@@ -102,6 +103,7 @@ def test_a_killed_vllm_engine_restarts_with_the_kept_weights(tmp_path: Path) -> 
         keeper.wait()
 
 
+@pytest.mark.gpu
 def test_vllm_serve_killed_asleep_restarts_with_its_weights_from_the_keeper(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,3 +145,32 @@ def _published(sock: Path, engine: str, timeout: float = 60) -> dict[str, Any]:
             return found
         time.sleep(0.2)
     raise AssertionError(f"no backup of {engine} published within {timeout} s of the sleep")
+
+
+#: pytest with torch unimportable (a finder that refuses it), as on a machine where torch is not installed.
+WITHOUT_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, NoTorch())
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+def test_without_torch_the_gpu_tests_are_skipped_not_errors() -> None:
+    """Where torch is missing, this file's GPU tests are collected and skipped with the reason, as every GPU test is."""
+    argv = ["-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-rs", "-m", "gpu", str(Path(__file__))]
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH, *argv],
+        cwd=HERE.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 skipped" in done.stdout and "needs a CUDA GPU" in done.stdout, done.stdout[-3000:]
