@@ -816,3 +816,29 @@ def test_show_prints_a_refusals_holders_as_sizes(tmp_path: Path, capsys: pytest.
     line = capsys.readouterr().out.splitlines()[-1]
     assert "holders=[" in line and "8.00 MiB" in line and "3.00 MiB" in line, line
     assert not re.search(r"\b\d{5,}\b", line), line
+
+
+@pytest.mark.parametrize("command", ["plot", "dashboard", "diagram"])
+def test_an_output_that_is_a_directory_is_one_line_naming_the_option(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dashboard -o DIR` (and diagram's, plot's): exit 1, one line naming `-o DIR` and what to give, not a bare "[Errno 21] Is a directory"."""
+    argv = ["plot", str(_log(tmp_path))] if command == "plot" else [command]
+    (tmp_path / "out").mkdir()
+    assert main([*argv, "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"-o {tmp_path / 'out'}" in err[0] and "is a directory" in err[0], err
+    assert "[Errno" not in err[0] and "give a file" in err[0], err
+    assert not any((tmp_path / "out").iterdir())
+
+
+def test_plot_writes_the_file_it_says_it_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plot -o noext` said "wrote noext" and wrote noext.png: a name that is no .png is refused naming -o; a .png is written where it says."""
+    log = _log(tmp_path)
+    assert main(["plot", str(log), "-o", str(tmp_path / "noext")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"-o {tmp_path / 'noext'}" in err[0] and ".png" in err[0], err
+    assert not list(tmp_path.glob("noext*"))
+    assert main(["plot", str(log), "-o", str(tmp_path / "t.PNG")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 't.PNG'}\n"
+    assert (tmp_path / "t.PNG").read_bytes().startswith(b"\x89PNG")

@@ -384,3 +384,14 @@ def test_the_first_sleep_says_why_it_is_slower(demo_run_output: tuple[int, str, 
     first = out[out.index("cycle 1/3") : out.index("cycle 2/3")]
     later = out[out.index("cycle 2/3") :]
     assert "first sleep also pins" in first and "first sleep also pins" not in later
+
+
+def test_a_log_dir_that_is_a_file_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--log-dir naming a regular file: exit 1, one line saying it is a file, not a directory (it said "File exists"), the file untouched."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    rc = main(["demo", "--device", "sim", "--cycles", "1", "--log-dir", str(blocker)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert f"cannot use --log-dir {blocker}" in err[0] and "is a file, not a directory" in err[0], err
+    assert "File exists" not in err[0] and blocker.read_text() == "mine"

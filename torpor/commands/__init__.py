@@ -50,11 +50,31 @@ def no_events(path: Path) -> ValueError:
     return ValueError(f"{path} {NO_EVENT_YET}")
 
 
-def output_file(path: Path) -> Path:
-    """Make ``-o PATH``'s directory (every command that writes a file does); one line naming it when it cannot be made."""
+def output_file(path: Path, *, name: str, suffix: str = "") -> Path:
+    """Check ``-o PATH`` and make its directory (every command that writes a file does); one line naming it when it cannot be used.
+
+    A directory is refused (``[Errno 21] Is a directory`` named no option; ``name`` is the file
+    the line suggests in it), and with ``suffix`` a name without it (``plot -o noext`` said
+    "wrote noext" and wrote ``noext.png``).
+    """
+    if path.is_dir():
+        msg = f"cannot write -o {path}: it is a directory; give a file name, such as {path / name}"
+        raise ValueError(msg)
+    if suffix and path.suffix.lower() != suffix:
+        msg = f"cannot write -o {path}: it is written as a {suffix} file; give a name ending in {suffix}, such as {path.with_suffix(suffix)}"
+        raise ValueError(msg)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         msg = f"cannot write -o {path}: {exc.strerror or exc} (give a path in a directory you can create and write)"
         raise ValueError(msg) from None
     return path
+
+
+def write_output(path: Path, text: str, *, name: str) -> None:
+    """Write ``text`` to ``-o PATH`` (:func:`output_file`); an error while writing is one line naming ``-o``."""
+    try:
+        output_file(path, name=name).write_text(text)
+    except OSError as exc:
+        msg = f"cannot write -o {path}: {exc.strerror or exc} (give a file you can write)"
+        raise ValueError(msg) from None

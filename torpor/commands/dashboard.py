@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from torpor.commands import output_file
+from torpor.commands import write_output
 from torpor.telemetry.grafana import render_dashboard
 
 
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     """Print or write the dashboard."""
     text = render_dashboard()
     if args.output:
-        output_file(args.output).write_text(text)
+        write_output(args.output, text, name="torpor-dashboard.json")
     else:
         print(text, end="")
     return 0

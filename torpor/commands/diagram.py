@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from torpor.commands import output_file
+from torpor.commands import write_output
 from torpor.statemachine.core.states import diagram_markdown, mermaid
 
 
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     """Print or write the diagram."""
     text = diagram_markdown() if args.markdown else mermaid()
     if args.output:
-        output_file(args.output).write_text(text)
+        write_output(args.output, text, name="state-diagram.md")
     else:
         print(text, end="")
     return 0

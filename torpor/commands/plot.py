@@ -33,9 +33,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Draw the timeline and say where it went."""
     require("matplotlib", "drawing the timeline", extra="plot")  # one line naming the extra, not a traceback
+    out = output_file(args.output, name="timeline.png", suffix=".png")  # a bad -o is said before the log is read
     log = log_file(args.log, args.engine, args.rank)
     if next(iter(read_events(log)), None) is None:
         raise no_events(log)
-    out = plot(log, output_file(args.output), args.title)
-    print(f"wrote {out}")
+    print(f"wrote {plot(log, out, args.title)}")
     return 0

@@ -161,9 +161,12 @@ def run_demo(opts: DemoOptions) -> int:
     log_dir = Path(opts.log_dir) if opts.log_dir else Path(tempfile.mkdtemp(prefix="torpor-demo-"))
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # one line naming the directory, not a bare "[Errno 2]"
+    except OSError as exc:  # one line naming the directory, not a bare "[Errno 2]" or "File exists"
+        why = exc.strerror or str(exc)
+        if isinstance(exc, FileExistsError):
+            why = "it is a file, not a directory" if log_dir.is_file() else "it exists and is not a directory"
         msg = (
-            f"cannot use --log-dir {log_dir}: {exc.strerror or exc} "
+            f"cannot use --log-dir {log_dir}: {why} "
             "(give a directory you can create and write, or leave --log-dir out for a new temp dir)"
         )
         raise ValueError(msg) from None
