@@ -117,3 +117,18 @@ def test_readme_command_table_lists_every_command() -> None:
     section = text[text.index("## The command line") :].split("\n## ", 1)[0]
     listed = {row.split()[0] for row in re.findall(r"^\| `torpor (\w[\w-]*)", section, re.MULTILINE)}
     assert listed == set(COMMANDS)
+
+
+def test_every_torpor_command_the_docs_name_exists() -> None:
+    """Every ``torpor WORD`` in a code span of the README or docs/**.md is a subcommand ``torpor --help`` lists."""
+    from torpor.cli import COMMANDS
+
+    pages = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+    unknown = sorted(
+        f"{page.relative_to(ROOT)}: `{span}`"
+        for page in pages
+        for span in re.findall(r"`([^`\n]+)`", page.read_text())
+        for word in re.findall(r"(?:^|[\s;&|(])torpor ([a-z][\w-]*)", span)
+        if word not in COMMANDS
+    )
+    assert unknown == []
