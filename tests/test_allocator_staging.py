@@ -305,6 +305,22 @@ def test_torpor_staged_sleep_0_turns_staging_off_by_default(monkeypatch: pytest.
     assert HostPolicy().staged is True
 
 
+@pytest.mark.parametrize("typo", ["maybe", "of", "2", "yes please"])
+def test_torpor_staged_sleep_is_read_as_every_switch_and_a_typo_is_refused(
+    monkeypatch: pytest.MonkeyPatch, typo: str
+) -> None:
+    """TORPOR_STAGED_SLEEP is read by torpor.switches.env_switch: off/false/0 turn staging off, a typo is a ValueError naming it (it read as on)."""
+    for off in ("off", "FALSE", " 0 "):
+        monkeypatch.setenv("TORPOR_STAGED_SLEEP", off)
+        assert HostPolicy().staged is False
+    for on in ("on", "true", ""):
+        monkeypatch.setenv("TORPOR_STAGED_SLEEP", on)
+        assert HostPolicy().staged is True
+    monkeypatch.setenv("TORPOR_STAGED_SLEEP", typo)
+    with pytest.raises(ValueError, match=r"TORPOR_STAGED_SLEEP=.* is not a switch"):
+        HostPolicy()
+
+
 def test_a_first_sleep_pins_its_chunks_when_the_host_has_no_clear_room_for_writing() -> None:
     """Without clear host room a cold sleep does not stage (writes could wake the OOM killer); it pins, bit-exact."""
     sim, alloc, ctl = make()

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from torpor.errors import AllocatorError, AllocatorOutOfMemory
+from torpor.switches import env_switch
 
 MiB = 1 << 20
 
@@ -21,8 +22,8 @@ STAGED_ENV = "TORPOR_STAGED_SLEEP"
 
 
 def _default_staged() -> bool:
-    """Staged sleeps unless ``TORPOR_STAGED_SLEEP=0`` (for engines that wake right after a cold sleep)."""
-    return os.environ.get(STAGED_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Staged sleeps unless ``TORPOR_STAGED_SLEEP=0`` (for engines that wake right after a cold sleep); a typo is refused."""
+    return env_switch(STAGED_ENV)
 
 
 def _default_stage_threads() -> int:
