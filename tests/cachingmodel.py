@@ -243,6 +243,10 @@ class ModelPools:
             return self.blocks.trim(tags, settled=settled)
         return self.blocks.trim(tags)
 
+    def empty_cache(self, tags: list[str] | None = None) -> int:
+        """``torch.cuda.empty_cache()``'s part for the pools (run the stream first: its marks are waited for)."""
+        return self.blocks.empty(tags)
+
     def live_ranges(self, tag: str) -> dict[int, list[tuple[int, int]]] | None:
         pools = self.blocks.pools(tag)
         if not pools:

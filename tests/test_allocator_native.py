@@ -321,16 +321,20 @@ def test_untrim_while_asleep_is_refused_and_the_segment_stays_trimmed() -> None:
     assert alloc.read(b, 2 * G) == b"b" * 2 * G
 
 
-def test_trim_of_a_sleeping_tag_trims_nothing_and_says_so() -> None:
-    """A tag released by a sleep: trim returns False and leaves the record; after the wake the segment is mapped and trims."""
+def test_trim_of_a_tag_going_to_sleep_waits_and_of_a_released_tag_keeps_the_wake_off_it() -> None:
+    """Frozen for a sleep: trim returns False and leaves the record; released: trim takes it, the wake maps nothing of it, untrim maps it again."""
     sim, alloc = make()
     a = alloc.allocate(2 * G, "w")
     alloc.backup(["w"])
+    assert alloc.table.trim(a) is False  # its backup is in flight: the release takes it
     alloc.release(["w"])
-    assert alloc.table.trim(a) is False
+    assert alloc.table.trim(a) is True and sim.used == 0  # a segment torch holds free while the tag is asleep
     alloc.restore(["w"])
     alloc.drop_backup(["w"])
-    assert sim.used == 2 * G and alloc.table.trim(a) is True and sim.used == 0
+    assert sim.used == 0 and alloc.usage()["w"].allocations == 0
+    assert alloc.table.untrim(a) is True and sim.used == 2 * G  # its pool serves a block again
+    alloc.free(a)
+    assert sim.used == 0
 
 
 def test_a_trim_whose_unmap_fails_is_a_trim_and_the_mapping_goes_at_the_next_sleep(

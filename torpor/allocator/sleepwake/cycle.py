@@ -60,7 +60,11 @@ class TorchSide(Protocol):
         ...
 
     def trim_free(self, tags: Sequence[str], synced: bool) -> None:
-        """Before a sleep: free segments of torch pools no open block uses go back (neither copied nor mapped on wake).
+        """Free segments of torch pools no open block uses go back (neither copied nor mapped on wake).
+
+        Before a sleep, and before a wake maps released tags (issue 51: a segment freed while asleep,
+        mapped, would share a span with live allocations, its memory held until they all went; nothing
+        of a released tag is mapped, so no queued kernel can touch it: ``synced``).
 
         ``synced``: the caller synchronized the tags' devices just before (else it does: Invariant: stream-ordered trim).
         """
@@ -180,6 +184,11 @@ class SleepWake:
             start = time.perf_counter()
             healed = {t: self._heal_tag(t) for t in tags if self._tags[t].partial}
             todo = [t for t in tags if self.table.usage(t)[0] == native.RELEASED]
+            if todo:  # segments torch holds free (deleted while asleep) are trimmed, not mapped (TorchSide.trim_free)
+                try:
+                    self.torch.trim_free(todo, synced=True)
+                except Exception:  # they are mapped as before
+                    logger.warning("a wake maps the free segments of %s: trimming them failed", todo, exc_info=True)
             lives: dict[str, list[Live]] = {}
             current = ""
             try:

@@ -56,7 +56,7 @@ class TorchBinding:
         return found
 
     def trim_free(self, tags: Sequence[str], synced: bool) -> None:
-        """Before a sleep: give back the free segments of the tags' idle pools (nothing before the first use).
+        """Give back the free segments of the tags' idle pools (nothing before the first use): before a sleep, before a wake.
 
         ``synced``: the tags' devices were synchronized just before; else they are synchronized
         first, as a kernel queued before a free may still touch a free segment (Invariant:

@@ -323,7 +323,7 @@ class BlockPools:
         for address in ready:
             entry.marked.pop(address, None)
             try:
-                if not self._trim(address):  # the tag sleeps: its release took the segment; trimmed after the wake
+                if not self._trim(address):  # the tag is going to sleep: its release takes it; trimmed before the wake
                     continue
             except Exception:  # the table refused (e.g. closed); the segment stays mapped, torch keeps it
                 logger.exception("trimming a free segment at %#x of tag %r failed", address, entry.tag)

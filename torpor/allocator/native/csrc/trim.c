@@ -2,7 +2,10 @@
  * comes back when that pool serves a block again (tp_untrim). See torpor/allocator/torchside/trim.py.
  *
  * A trimmed allocation keeps its record (torch still holds the segment) and its address range (reserved until
- * torch frees it); it is neither listed, nor counted, nor backed up, nor mapped on a wake.
+ * torch frees it); it is neither listed, nor counted, nor backed up, nor mapped on a wake. A released tag's segment
+ * is trimmed too (nothing of it is mapped: it only stops being listed), so that a wake never maps memory under a
+ * segment torch holds free, such as one whose tensors were deleted while the tag was asleep (issue 51): mapped
+ * there, it would share a wake's span with live allocations and its memory could not go back until they all went.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -10,9 +13,9 @@
 #include "table.h"
 
 /* Trim allocation k (the mutex held): 1 when trimmed now, 2 when trimmed but a mapping would not unmap (`e` says
- * why), 0 when not (trimmed already; or its tag is asleep or going to sleep: the release takes it). */
+ * why), 0 when not (trimmed already; or its tag is going to sleep: its backup and release take it). */
 int trim_locked(tp_ctx *c, int k, tp_err *e) {
-  if (c->a[k].trimmed || c->state[c->a[k].tag] != TP_ACTIVE) return 0;
+  if (c->a[k].trimmed || c->state[c->a[k].tag] == TP_FROZEN) return 0;
   int rc = 1;
   c->a[k].trimmed = 1;
   c->a[k].pending = 0;
@@ -35,7 +38,7 @@ int trim_locked(tp_ctx *c, int k, tp_err *e) {
 /* Torch holds the segment at `addr` free in a pool no block allocates from: give its memory back now.
  * The record stays (torch frees the address later); its mapping goes once no other allocation uses it.
  * 1 when it was trimmed now, or was trimmed under pressure while pending (tp_pend) and not yet reported; 0 when not
- * (trimmed already; or its tag is asleep or going to sleep); 2 when it was trimmed but a mapping would not unmap (`e`
+ * (trimmed already; or its tag is going to sleep); 2 when it was trimmed but a mapping would not unmap (`e`
  * says why): the segment is trimmed all the same, since torch records it as trimmed only when this says so, and the
  * mapping stays listed with no user, so the tag's next sleep unmaps it (as it does a mapping whose free failed).
  * Either way the segment is no longer pending. */
