@@ -11,6 +11,8 @@ import pytest
 from keeper_process import NOBODY, needs_root, shared_tmp, squatter
 
 from torpor.keeper import Keeper, KeeperLink, KeeperUnavailable, KeeperUntrusted
+from torpor.keeper.listening import socket_directory
+from torpor.keeper.refusals import KeeperPathRefused
 from torpor.keeper.wire import SOCKET_ENV
 
 
@@ -138,3 +140,33 @@ def test_a_file_that_is_not_a_socket_is_no_keeper(tmp_path: Path) -> None:
     assert (directory / "keeper.sock").read_text() == "notes"
     with pytest.raises(KeeperUnavailable, match="No such file"):
         KeeperLink(tmp_path / "nowhere" / "keeper.sock")
+
+
+DIRECTORY_STATES = ["0700", "0770", "0707", "1777", "symlink", "another user's"]
+
+
+@pytest.mark.parametrize("state", DIRECTORY_STATES)
+def test_the_engine_refuses_the_directories_the_keeper_refuses(tmp_path: Path, state: str) -> None:
+    """One rule on both sides: a socket directory the keeper will not listen in, the engine will not connect through."""
+    if state == "another user's" and os.geteuid() != 0:
+        pytest.skip("needs root to make a directory owned by another uid")
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    directory = real
+    if state == "symlink":
+        directory = tmp_path / "link"
+        directory.symlink_to(real)
+    elif state == "another user's":
+        os.chown(real, NOBODY, NOBODY)
+    else:
+        os.chmod(real, int(state, 8))
+    sock = directory / "keeper.sock"
+    if state == "0700":
+        assert socket_directory(sock) == directory
+        with pytest.raises(KeeperUnavailable):  # a directory both accept: nothing listens in it yet
+            KeeperLink(sock)
+        return
+    with pytest.raises(KeeperPathRefused):
+        socket_directory(sock)
+    with pytest.raises(KeeperUntrusted):
+        KeeperLink(sock)
