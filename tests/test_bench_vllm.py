@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -187,7 +188,7 @@ def test_run_asks_every_engine_for_the_checksums_of_its_tensors_and_a_warm_up_ge
         return 1, []
 
     monkeypatch.setattr(vllm_bench, "run_engine", fake_engine)
-    vllm_bench.run("/m/tiny", rounds=1, cycles=2, l2_cycles=1, out=tmp_path)
+    vllm_bench.run("/m/tiny", rounds=1, cycles=2, l2_cycles=1, out=tmp_path, floor=lambda: (50e9, 40e9))
     assert len(commands) == 2
     for cmd in commands:
         assert "--checksums" in cmd
@@ -212,3 +213,55 @@ def test_tensors_unchecked_are_not_called_identical() -> None:
     torpor_row = next(line for line in table.splitlines() if line.startswith("| `torpor` | 0.100 s"))
     assert "| identical | identical |" in cumem_row
     assert "| not checked |" in torpor_row
+
+
+def test_every_row_is_set_against_the_floor_measured_in_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench --vllm` measures the pinned host-link floor once per run and gives each row of each backend (L1 and L2) as a multiple of it."""
+    floors: list[int] = []
+
+    def fake_engine(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> tuple[int, list[int]]:
+        backend = cmd[cmd.index("--backend") + 1]
+        result = {**_run(backend, 0.3, 0.2), "model_bytes": {"parameters": 8_000_000_000, "buffers": 500_000_000}}
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(result))
+        return 0, []
+
+    def floor() -> tuple[float, float]:
+        floors.append(1)
+        return 50e9, 40e9  # bytes/s to host, back
+
+    monkeypatch.setattr(vllm_bench, "run_engine", fake_engine)
+    data = vllm_bench.run("/m/tiny", rounds=2, out=tmp_path, floor=floor)
+    assert floors == [1] and data["floor_d2h_Bps"] == 50e9 and data["floor_h2d_Bps"] == 40e9
+    rows = data["floor"]
+    for backend in ("cumem", "torpor"):
+        assert rows[backend]["l1_sleep_first_s"] == pytest.approx({"floor_s": 8.5e9 / 50e9, "x": 0.3 / (8.5e9 / 50e9)})
+        assert rows[backend]["l1_sleep_later_s"]["x"] == pytest.approx(0.2 / 0.17)
+        assert rows[backend]["l1_wake_later_s"] == pytest.approx({"floor_s": 8.5e9 / 40e9, "x": 0.05 / (8.5e9 / 40e9)})
+        assert rows[backend]["l2_sleep_s"]["floor_s"] == pytest.approx(
+            0.5e9 / 50e9
+        )  # a level-2 sleep saves the buffers
+        assert rows[backend]["l2_wake_reload_s"]["x"] == pytest.approx(0.2 / (8.5e9 / 40e9))
+    table = (tmp_path / "vllm-bench.md").read_text()
+    assert "pinned host-link floor measured in this run: 50.0 GB/s to host, 40.0 GB/s back" in table
+    assert "| L1 sleep, first | 0.170 s | 1.76x | 1.76x |" in table
+
+
+def test_the_floor_is_measure_floor_run_in_a_child_on_the_same_gpu(tmp_path: Path) -> None:
+    """The vLLM bench's floor is torpor.bench.device.measure_floor (the synthetic bench's), run in a child process: the driver keeps no CUDA context or pinned cache while the engines run."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(tmp_path / 'ran')!r}).write_text('measure_floor')\n"
+        "uint8 = 'uint8'\n"
+        "class _T:\n    def copy_(self, src, non_blocking=False): pass\n"
+        "def empty(*args, **kwargs): return _T()\n"
+        "class cuda:\n    synchronize = staticmethod(lambda: None)\n    empty_cache = staticmethod(lambda: None)\n"
+    )
+    d2h, h2d = vllm_bench.floor_in_child(
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    )
+    assert d2h > 0 and h2d > 0 and (tmp_path / "ran").read_text() == "measure_floor"
+    assert "torch" not in sys.modules or not hasattr(sys.modules["torch"], "_T")

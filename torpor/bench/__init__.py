@@ -14,7 +14,9 @@ through the controller, and the mechanism never imports the controller:
 - :mod:`~torpor.bench.host`: the host-memory modes and pageable copies;
 - :mod:`~torpor.bench.interference`: awake step times while pinning ahead;
 - :mod:`~torpor.bench.harness`: the whole run;
-- :mod:`~torpor.bench.report`: progress lines and the Markdown tables.
+- :mod:`~torpor.bench.report`: progress lines and the Markdown tables;
+- :mod:`~torpor.bench.vllm`, :mod:`~torpor.bench.vllm_engine`: vLLM's ``cumem`` against torpor
+  (``torpor bench --vllm``), each row against the floor of :mod:`~torpor.bench.linkfloor`.
 """
 
 from __future__ import annotations

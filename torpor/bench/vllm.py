@@ -9,7 +9,9 @@ level-2 sleep and wake + ``reload_weights``, the device memory freed, the
 engine start; and where a later level-1 sleep's time goes (the caller's
 ``LLM.sleep``, the worker's ``sleep``, the backend's ``suspend``; for torpor also
 the per-tag backup and release seconds of its event log). The cProfile of one
-extra cycle in each engine's worker is kept in the JSON.
+extra cycle in each engine's worker is kept in the JSON. Every row is also given
+as a multiple of the pinned host-link floor measured at the start of the same run
+(:mod:`torpor.bench.linkfloor`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torpor.bench.linkfloor import against_floor, floor_in_child, floor_lines
 from torpor.bench.vllm_engine import all_of
 
 BACKENDS = ("cumem", "torpor")
@@ -53,12 +56,19 @@ def run(
     out: Path,
     log: Callable[[str], None] = lambda s: None,
     timeout: float = 600.0,
+    floor: Callable[[], tuple[float, float]] = floor_in_child,
 ) -> dict[str, Any]:
-    """Run the engines one after another; the raw results and the summary (also written to ``out/vllm-bench.json``)."""
+    """Run the engines one after another; the raw results and the summary (also written to ``out/vllm-bench.json``).
+
+    ``floor`` measures the pinned host-link floor (bytes/s each way) before the first engine, on the same GPU
+    (:mod:`torpor.bench.linkfloor`); every row of the table is also given as a multiple of it.
+    """
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     data: dict[str, Any] = {}
     host = machine()
+    d2h, h2d = floor()
+    log(f"floor: pinned D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s")
     engines = order(rounds, first)
     for i, backend in enumerate(engines):
         result = out / f"engine{i}-{backend}.json"
@@ -82,7 +92,10 @@ def run(
         runs.append(res)
         ended = f", {len(left)} process(es) it left ended" if left else ""
         log(f"  rc {rc}, start {res.get('start_s', float('nan')):.1f} s, identical {res.get('identical')}{ended}")
-        data = _save(out, runs, model=model, mode=mode, order=engines, cycles=cycles, l2_cycles=l2_cycles, machine=host)
+        data = _save(
+            out, runs, model=model, mode=mode, order=engines, cycles=cycles, l2_cycles=l2_cycles, machine=host,
+            floor_d2h_Bps=d2h, floor_h2d_Bps=h2d,
+        )  # fmt: skip
     return data
 
 
@@ -139,6 +152,8 @@ def _save(out: Path, runs: list[dict[str, Any]], **params: Any) -> dict[str, Any
     """The results so far, summarized and written (after every engine: a run cut short keeps what it measured)."""
     data: dict[str, Any] = {**params, "engines_done": len(runs), "runs": runs}
     data["summary"] = summarize(runs)
+    if "floor_d2h_Bps" in params:
+        data["floor"] = against_floor(data["summary"], runs, params["floor_d2h_Bps"], params["floor_h2d_Bps"])
     (out / "vllm-bench.json").write_text(json.dumps(data, indent=1, default=str))
     (out / "vllm-bench.md").write_text(markdown(data))
     return data
@@ -289,6 +304,7 @@ def markdown(data: dict[str, Any]) -> str:
             f"{'identical' if r['identical'] else 'DIFFERENT or failed'} |"
         )
     lines += spread(s)
+    lines += floor_lines(data, ROWS)
     tags = s["torpor"]["torpor_later_sleep_tags"]
     lines += ["", "Where a later level-1 sleep goes (medians):", ""]
     lines += [

@@ -81,6 +81,20 @@ def model_checksums(wrapper: Any) -> dict[str, str]:
     }
 
 
+def model_bytes(wrapper: Any) -> dict[str, int]:
+    """In the worker: the device bytes of the model's parameters and of its buffers (a tensor shared by two names once)."""
+    worker = getattr(wrapper, "worker", wrapper)
+    model = worker.model_runner.model
+    seen: set[int] = set()
+    sizes = {"parameters": 0, "buffers": 0}
+    for kind, tensors in (("parameters", model.parameters()), ("buffers", model.buffers())):
+        for tensor in tensors:
+            if tensor.is_cuda and tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                sizes[kind] += tensor.numel() * tensor.element_size()
+    return sizes
+
+
 def take_times(wrapper: Any) -> list[tuple[str, float]]:
     """In the worker: the timings recorded since the last call, cleared."""
     worker = getattr(wrapper, "worker", wrapper)
@@ -187,6 +201,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     here = importlib.import_module("torpor.bench.vllm_engine")
 
     res["backend_class"] = llm.collective_rpc(here.install_timers)[0]
+    res["model_bytes"] = llm.collective_rpc(here.model_bytes)[0]  # what each step moves, for the floor
     sampling = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # random weights may pick EOS early
 
     def generate() -> list[list[int]]:
