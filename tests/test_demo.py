@@ -374,7 +374,7 @@ def test_the_sim_header_says_the_size_the_awake_line_reports(demo_run_output: tu
     """The workload line's scaled size (graphs and 2 MiB rounding included) is the 'awake: X tagged' figure."""
     _, out, _ = demo_run_output
     awake = re.search(r"^awake: (\S+ \S+) tagged", out, re.M)
-    header = re.search(r"GiB -> (\S+ \S+) tagged", out)
+    header = re.search(r"\((\S+ \S+) tagged, each allocation rounded up", out)
     assert awake and header and header.group(1) == awake.group(1), out[:800]
 
 
@@ -395,3 +395,15 @@ def test_a_log_dir_that_is_a_file_is_one_line_naming_it(tmp_path: Path, capsys: 
     assert rc == 1 and len(err) == 1, err
     assert f"cannot use --log-dir {blocker}" in err[0] and "is a file, not a directory" in err[0], err
     assert "File exists" not in err[0] and blocker.read_text() == "mine"
+
+
+def test_the_sim_header_and_asleep_line_say_what_the_simulated_device_holds(
+    demo_run_output: tuple[int, str, Path],
+) -> None:
+    """The sim header scales the GPU demo's 2.93 GiB (no invented 768 MiB of graphs), and the asleep line calls its 8 MiB the simulated context, not cuBLAS or torch's pool."""
+    _, out, _ = demo_run_output
+    assert "the GPU demo's weights, kv_cache and runtime (2.93 GiB) scaled 1/64" in out, out[:900]
+    assert "3.68 GiB" not in out and "2 MiB granule of graph memory per batch size" in out
+    stays = [line for line in out.splitlines() if line.startswith("  asleep: the device kept")]
+    assert len(stays) == 3 and all("untagged 8.00 MiB (the simulated driver's stand-in" in s for s in stays), stays
+    assert not any("cuBLAS" in s or "torch's default pool" in s for s in stays), stays

@@ -59,6 +59,7 @@ class CycleResult:
     refusals: list[str] = field(default_factory=list)
     device_asleep: dict[str, int] = field(default_factory=dict)
     pinned: int = 0
+    untagged: str = ""  # what the device's untagged memory is (the workload says)
 
     @property
     def exact(self) -> bool:
@@ -97,7 +98,7 @@ def run_cycle(
     dwell: float = 0.0,
 ) -> CycleResult:
     """Sleep and wake once as ``kind`` says, checking after each wake."""
-    result = CycleResult(index, kind, path=[controller.state.value])
+    result = CycleResult(index, kind, path=[controller.state.value], untagged=workload.untagged)
     unsubscribe = controller.subscribe(lambda e: result.take(e, controller.state.value))
     try:
         step(f"sleep level {kind.level}")
@@ -141,7 +142,7 @@ def stays_line(result: CycleResult) -> str:
     d = result.device_asleep
     return (
         f"  asleep: the device kept {fmt_bytes(d.get('in_use', 0))} in use: torpor tags {fmt_bytes(d.get('tagged', 0))}, "
-        f"untagged {fmt_bytes(d.get('untagged', 0))} (CUDA context, cuBLAS/NCCL, torch's default pool); "
+        f"untagged {fmt_bytes(d.get('untagged', 0))} ({result.untagged or 'not torpor tags'}); "
         f"host pinned {fmt_bytes(result.pinned)}"
     )
 

@@ -30,6 +30,7 @@ class GpuWorkload:
     """The decoder on ``cuda:0`` over ``torpor.allocator.TaggedAllocator()``."""
 
     device = "cuda"
+    untagged = "CUDA context, cuBLAS/NCCL, torch's default pool"
 
     def __init__(self, seed: int = 0) -> None:
         import torch

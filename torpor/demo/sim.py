@@ -28,7 +28,7 @@ GPU_LAYOUT: tuple[tuple[str, str, int], ...] = (
     *(("kv_cache", f"kv.layer{i}", 256 * MiB) for i in range(8)),
     ("runtime", "workspace", 64 * MiB),
 )
-#: Graph pool bytes per captured batch size (after scaling: one 2 MiB granule each).
+#: Graph pool bytes per captured batch size: one 2 MiB granule each, the least a mapping takes (not scaled).
 GRAPH_BYTES = 2 * MiB
 
 
@@ -53,6 +53,7 @@ class SimWorkload:
     """Weights, kv_cache, runtime and one graph allocation per batch size, on a ``SimDriver``."""
 
     device = "sim"
+    untagged = f"the simulated driver's stand-in for a CUDA context: 512 MiB scaled 1/{SCALE}"
 
     def __init__(self, scale: int = SCALE, seed: int = 0) -> None:
         self.scale = scale
@@ -73,15 +74,15 @@ class SimWorkload:
 
     def describe(self) -> list[str]:
         """What runs where."""
-        gpu_total = sum(n for _, _, n in GPU_LAYOUT) + GRAPH_BYTES * self.scale * len(BATCH_SIZES)
+        gpu_total = sum(n for _, _, n in GPU_LAYOUT)  # the graphs' pool on a GPU is what capture takes: not scaled
+        granule = fmt_bytes(self.driver.granularity(0)).replace(".00 ", " ")
         return [
             "device     simulated (torpor.allocator.SimDriver: device memory is real bytes in host RAM)",
-            f"workload   the GPU demo's weights, kv_cache, runtime and graph allocations, sizes scaled 1/{self.scale}",
-            f"           ({fmt_bytes(gpu_total)} -> {fmt_bytes(self.tagged_bytes())} tagged, each allocation rounded up "
-            f"to the {fmt_bytes(self.driver.granularity(0))} granule) to stay small in RAM; "
-            "timings are host-memory copies, not a GPU link",
-            f"graphs     one per batch size {', '.join(map(str, BATCH_SIZES))} in the cudagraph pool "
-            f"({GRAPH_BYTES // MiB} MiB of graph memory each)",
+            f"workload   the GPU demo's weights, kv_cache and runtime ({fmt_bytes(gpu_total)}) scaled 1/{self.scale}, "
+            f"plus one {granule} granule of graph memory per batch size",
+            f"           ({fmt_bytes(self.tagged_bytes())} tagged, each allocation rounded up to the granule) "
+            "to stay small in RAM; timings are host-memory copies, not a GPU link",
+            f"graphs     one per batch size {', '.join(map(str, BATCH_SIZES))} in the cudagraph pool",
             "check      SHA-256 of every allocation after each wake vs the bytes written before the first sleep",
         ]
 

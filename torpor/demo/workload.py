@@ -38,6 +38,9 @@ class Workload(Protocol):
     device: str
     """``cuda`` or ``sim``."""
 
+    untagged: str
+    """What the device memory outside torpor's tags is, as the asleep line names it."""
+
     def describe(self) -> list[str]:
         """Lines saying what runs where (device, model, sizes, scaling)."""
         ...
