@@ -99,7 +99,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 #: from itself or a part before it; the package's own ``__init__`` is its facade, above all.
 SUBPACKAGES: dict[str, tuple[str, ...]] = {
     "torpor.statemachine": ("core", "projection", "log", "machine"),
-    "torpor.allocator": ("failures", "native", "host", "sleepwake", "keep", "torchside", "tagged"),
+    "torpor.allocator": ("failures", "squeeze", "native", "host", "sleepwake", "keep", "torchside", "tagged"),
 }
 
 #: Function-level imports of torpor modules allowed, with the reason (module, imported) -> why.
