@@ -118,7 +118,7 @@ def test_a_keeper_over_budget_leaves_the_backup_in_the_engine(tmp_path: Path, ca
         with caplog.at_level(logging.WARNING, logger="torpor.keeper"):
             e.ctl.sleep(1)
         assert e.backing.fallbacks >= 1 and e.backing.backup is None and e.backing.gone is None
-        assert "the keeper's budget is 4194304 bytes, 0 are held and" in caplog.text
+        assert "the keeper's budget is 4.00 MiB, 0 B are held and" in caplog.text
         assert "not kept across a crash" in caplog.text and "backup is not kept by the keeper" in caplog.text
         e.ctl.wake()
         e.check()

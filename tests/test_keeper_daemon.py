@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import shutil
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from keeper_engine import ROOT, start_keeper
@@ -43,7 +46,7 @@ def test_the_budget_refuses_cleanly(keeper: Keeper) -> None:
         with pytest.raises(KeeperBudgetExceeded) as info:
             link.create(6 * MiB)
         assert (info.value.budget, info.value.used, info.value.asked) == (8 * MiB, 4 * MiB, 6 * MiB)
-        assert "budget is 8388608 bytes, 4194304 are held and 6291456 more were asked" in str(info.value)
+        assert "budget is 8.00 MiB, 4.00 MiB are held and 6.00 MiB more were asked (2.00 MiB over)" in str(info.value)
         assert link.status()["used"] == 4 * MiB
         _, fd = link.create(4 * MiB)  # exactly up to the budget
         os.close(fd)
@@ -170,7 +173,7 @@ def test_drop_frees_a_dead_engines_backup_and_refuses_a_live_ones(
     os.close(fd)
     link.publish({"identity": identity.to_dict(), "nbytes": 8, "tensors": {"w": {"segments": [[rid, 0, 8]]}}})
     assert main(["keeper", "drop", "x", "--socket", str(keeper.path)]) == 1
-    assert "is alive; it retracts its own backup" in capsys.readouterr().err
+    assert "was not dropped: pid" in capsys.readouterr().err
     link.close()
     with KeeperLink(keeper.path) as other:
         for _ in range(1000):
@@ -352,3 +355,218 @@ def test_a_stale_stream_socket_is_replaced_and_a_datagram_socket_is_not(tmp_path
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
             sender.sendto(b"still here", str(service))
         assert dgram.recv(64) == b"still here"
+
+
+# -- the protocol under misuse (issue 54 items 2, 4-9, 19) ----------------------------------------------------
+
+_PUBLISH_AND_EXIT = """
+import sys
+from torpor.keeper import KeeperLink, ModelIdentity, TensorSpec
+links = []
+for engine in sys.argv[2:]:
+    link = KeeperLink(sys.argv[1])
+    link.hello(engine)
+    rid, fd = link.create(1 << 20)
+    identity = ModelIdentity.of("m", [TensorSpec("w", (4096,), "uint8", 4096)])
+    link.publish({"identity": identity.to_dict(), "nbytes": 4096, "tensors": {"w": {"segments": [[rid, 0, 4096]]}}})
+    links.append(link)
+print("published", flush=True)
+"""
+
+
+def _dead_engines(sock: Path, *engines: str) -> None:
+    """Each engine's backup (4096 bytes of tensor ``w``), published by a process that has exited since."""
+    cmd = [sys.executable, "-c", _PUBLISH_AND_EXIT, str(sock), *engines]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+    assert done.stdout.strip() == "published", done.stderr
+    with KeeperLink(sock) as link:
+        for _ in range(1000):
+            if not any(e["alive"] for e in link.status()["engines"] if e["engine"] in engines):
+                return
+            time.sleep(0.01)
+    pytest.fail(f"the keeper never saw {engines} end")
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def _exchange(conn: socket.socket, data: bytes) -> dict[str, Any]:
+    conn.sendall(data)
+    reply, _ = wire.receive(conn)
+    return reply
+
+
+def _starve(pid: int) -> tuple[int, int]:
+    """Lower process ``pid``'s descriptor limit to its lowest free descriptor number (its next open fails: EMFILE).
+
+    Only the soft limit moves (raising a hard one takes a capability); the limits before are returned.
+    """
+    before = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    taken = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    lowest = min(set(range(len(taken) + 1)) - taken)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest, before[1]))
+    return before
+
+
+def test_running_out_of_descriptors_refuses_and_keeps_every_backup(tmp_path: Path) -> None:
+    """Under a real RLIMIT_NOFILE, create is refused, a new connection refused, and the keeper lives on with its backups."""
+    sock = tmp_path / "k" / "keeper.sock"
+    proc = start_keeper(sock)
+    try:
+        _dead_engines(sock, "gone")
+        link = KeeperLink(sock)
+        link.hello("live")
+        held = link.status()["used"]
+        limits = _starve(proc.pid)
+        with pytest.raises(KeeperError, match="descriptors") as info:
+            link.create(MiB)
+        assert "refused" in str(info.value), info.value
+        assert link.status()["used"] == held  # the refusal left the connection usable, nothing made
+        _starve(proc.pid)
+        replies = []
+        for _ in range(4):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(30)
+                conn.connect(str(sock))
+                replies.append(_exchange(conn, _frame(b'{"op":"status"}')))
+        # the accept already waiting took its descriptor number before the limit fell (Linux reserves it first)
+        for reply in replies[1:]:
+            assert reply.get("error") == "resources" and "descriptors" in reply["message"], reply
+        assert proc.poll() is None, "the keeper died"
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, limits)
+        assert link.status()["backups"][0]["engine"] == "gone"
+        with KeeperLink(sock) as again:
+            assert [b["engine"] for b in again.status()["backups"]] == ["gone"]
+        _, fd = link.create(MiB)
+        os.close(fd)
+        link.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_connection_of_a_live_engine_closing_leaves_it_alive(keeper: Keeper) -> None:
+    """An engine's process that says hello on a second connection and closes it is still alive on its first."""
+    first = KeeperLink(keeper.path)
+    first.hello("e")
+    second = KeeperLink(keeper.path)
+    second.hello("e")
+    second.close()
+    with KeeperLink(keeper.path) as watcher:
+        for _ in range(200):
+            time.sleep(0.005)
+            engines = watcher.status()["engines"]
+            assert engines and engines[0]["alive"], engines
+    first.close()
+
+
+def test_a_connection_that_claimed_two_engines_releases_both_when_it_ends(keeper: Keeper) -> None:
+    """A claim of engine A then B on one connection: both go when the connection ends; neither sticks to a dead pid."""
+    _dead_engines(keeper.path, "a", "b")
+    claimer = KeeperLink(keeper.path)
+    claimer.claim("a")
+    claimer.claim("b")
+    claimer.close()
+    with KeeperLink(keeper.path) as link:
+        for _ in range(1000):
+            adopters = {b["engine"]: b["adopter"] for b in link.status()["backups"]}
+            if adopters == {"a": None, "b": None}:
+                return
+            time.sleep(0.01)
+    pytest.fail(f"claims stuck after the connection ended: {adopters}")
+
+
+def test_malformed_frames_are_refused_with_a_reply_and_no_traceback(tmp_path: Path) -> None:
+    """Not JSON, a JSON array, a 4 GiB length, 1e400, a 5000-digit int, dense nesting: a refusal each, nothing logged."""
+    sock = tmp_path / "k" / "keeper.sock"
+    proc = start_keeper(sock)
+    try:
+        hello = _frame(b'{"op":"hello","engine":"e"}')
+        cases = [
+            _frame(b"not json"),
+            _frame(b"[1, 2]"),
+            _frame(b'{"op":"create","nbytes":1e400}'),
+            _frame(b'{"op":"create","nbytes":' + b"9" * 5000 + b"}"),
+            _frame(b'{"op":"status","x":' + b"[]," * 100000 + b"[]}"),
+            _frame(b'{"op":"create","nbytes":true}'),
+            b"\xff\xff\xff\xff",
+        ]
+        for data in cases:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(30)
+                conn.connect(str(sock))
+                assert "error" not in _exchange(conn, hello)
+                reply = _exchange(conn, data)
+                assert reply.get("error") == "usage" and reply["message"], (data[:40], reply)
+        with KeeperLink(sock) as link:
+            assert link.status()["keeper_pid"] == proc.pid
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "Traceback" not in out, out
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_read(keeper: Keeper) -> None:
+    """A header announcing 60 MiB gets its refusal at once, before any of the body is sent."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10)
+        conn.connect(str(keeper.path))
+        reply = _exchange(conn, struct.pack(">I", 60 * MiB))
+        assert reply["error"] == "usage" and "limit" in reply["message"], reply
+
+
+def test_an_engine_name_over_the_limit_is_refused_at_hello(keeper: Keeper) -> None:
+    """A 234-byte engine name is refused at hello naming the limit; a 200-byte one gets regions as any other."""
+    with KeeperLink(keeper.path) as link:
+        with pytest.raises(KeeperError, match="over the 200 bytes"):
+            link.hello("e" * 234)
+        link.hello("é" * 100)
+        _, fd = link.create(MiB)
+        os.close(fd)
+
+
+def test_a_manifest_that_does_not_cover_each_tensor_exactly_is_refused(keeper: Keeper) -> None:
+    """Segments covering 16 of a tensor's 4096 bytes, a tensor the identity lacks, or a wrong total: refused at publish."""
+    identity = ModelIdentity.of("m", [TensorSpec("w", (4096,), "uint8", 4096)]).to_dict()
+    with KeeperLink(keeper.path) as link:
+        link.hello("e")
+        rid, fd = link.create(MiB)
+        os.close(fd)
+        bad = [
+            ({"w": {"segments": [[rid, 0, 16]]}}, 4096, "cover 16 of its 4096 bytes"),
+            ({"w": {"segments": [[rid, 0, 4096]]}, "x": {"segments": [[rid, 0, 8]]}}, 4096, "not in the identity"),
+            ({}, 4096, "not in the manifest"),
+            ({"w": {"segments": [[rid, 0, 4096]]}}, 99, "nbytes"),
+        ]
+        for tensors, nbytes, words in bad:
+            with pytest.raises(KeeperError, match=words):
+                link.publish({"identity": identity, "nbytes": nbytes, "tensors": tensors})
+        assert link.status()["backups"] == []
+        link.publish({"identity": identity, "nbytes": 4096, "tensors": {"w": {"segments": [[rid, 0, 4096]]}}})
+
+
+def test_status_computes_no_digest_under_the_keepers_lock(keeper: Keeper, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The identity's digest is computed once, at publish, outside the lock; status reads it."""
+    under_lock: list[bool] = []
+    digest = ModelIdentity.digest
+
+    def watched(self: ModelIdentity) -> str:
+        under_lock.append(keeper._lock.locked())
+        return digest(self)
+
+    monkeypatch.setattr(ModelIdentity, "digest", watched)
+    identity = ModelIdentity.of("m", [TensorSpec(f"w{i}", (8,), "uint8", 8) for i in range(1000)])
+    with KeeperLink(keeper.path) as link:
+        link.hello("e")
+        rid, fd = link.create(MiB)
+        os.close(fd)
+        tensors = {f"w{i}": {"segments": [[rid, 8 * i, 8]]} for i in range(1000)}
+        manifest = {"identity": identity.to_dict(), "nbytes": 8000, "tensors": tensors}
+        under_lock.clear()
+        link.publish(manifest)
+        published = len(under_lock)
+        for _ in range(3):
+            assert link.status()["backups"][0]["digest"] == digest(identity)
+    assert published and not any(under_lock), under_lock
+    assert len(under_lock) == published  # status computed none

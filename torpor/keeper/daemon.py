@@ -29,11 +29,15 @@ The operations are :data:`torpor.keeper.operations.OPS` (one function per
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import logging
 import os
 import resource
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from torpor.keeper import wire
@@ -41,11 +45,16 @@ from torpor.keeper.holdings import Session
 from torpor.keeper.ledger import Ledger
 from torpor.keeper.listening import Listening
 from torpor.keeper.operations import OPS, Reply
-from torpor.keeper.refusals import RequestRefused
+from torpor.keeper.refusals import BadMessage, RequestRefused, byte_size
 
-__all__ = ["Keeper"]
+__all__ = ["MAX_CONNECTIONS", "Keeper"]
 
 logger = logging.getLogger("torpor.keeper")
+
+#: Connections served at once (each has a thread); one more is answered with a refusal and closed.
+MAX_CONNECTIONS = 256
+_SHORT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_TRANSIENT = {errno.ECONNABORTED, errno.EINTR, errno.EPROTO}
 
 
 class Keeper:
@@ -64,6 +73,10 @@ class Keeper:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._sessions = itertools.count(1)
+        self._connections = 0
+        self._reserve = -1  # a descriptor held back to answer a connection when every other one is taken
+        self._warned = 0.0
         self.started = self._ledger.started
         _more_descriptors()
 
@@ -73,23 +86,72 @@ class Keeper:
         """Take the socket's path (:class:`~torpor.keeper.listening.Listening`) and listen; :class:`KeeperPathRefused` says why not."""
         self._listening = Listening(self.path)
         self._listener = self._listening.socket
+        self._restore_reserve()
 
     def serve(self) -> None:
-        """Accept connections until :meth:`close` (binds first if needed)."""
+        """Accept connections until :meth:`close` (binds first if needed); running out of descriptors ends nothing."""
         if self._listener is None:
             self.bind()
         listener = self._listener
         if listener is None:  # bind sets it
             return
-        logger.info("keeper %d serving %s with a budget of %d bytes", os.getpid(), self.path, self.budget)
+        logger.info("keeper %d serving %s with a budget of %s", os.getpid(), self.path, byte_size(self.budget))
         while not self._closing:
             try:
                 conn, _ = listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self._closing:
                     return
-                raise
-            threading.Thread(target=self._serve_one, args=(conn,), name="torpor-keeper-conn", daemon=True).start()
+                if exc.errno in _SHORT_OF_RESOURCES:
+                    self._shed(listener, exc)
+                elif exc.errno not in _TRANSIENT:
+                    raise
+                continue
+            with self._lock:
+                full = self._connections >= MAX_CONNECTIONS
+                self._connections += 0 if full else 1
+            if full:
+                self._spawn(_refuse, conn, f"the keeper serves at most {MAX_CONNECTIONS} connections at once", None)
+            else:
+                self._spawn(self._serve_one, conn)
+
+    def _spawn(self, target: Callable[..., None], conn: socket.socket, *args: Any) -> None:
+        try:
+            threading.Thread(target=target, args=(conn, *args), name="torpor-keeper-conn", daemon=True).start()
+        except RuntimeError:  # no thread to be had: the connection goes, the keeper stays
+            conn.close()
+            if target == self._serve_one:
+                with self._lock:
+                    self._connections -= 1
+
+    def _shed(self, listener: socket.socket, exc: OSError) -> None:
+        """Out of descriptors: answer the waiting connection with a refusal on the reserve descriptor's slot."""
+        now = time.monotonic()
+        if now - self._warned > 10:
+            self._warned = now
+            logger.warning("the keeper is out of descriptors (%s): connections are refused; backups are kept", exc)
+        with self._lock:
+            reserve, self._reserve = self._reserve, -1
+        if reserve < 0:  # the reserve is in use: let the refusal under way finish
+            time.sleep(0.05)
+            return
+        os.close(reserve)
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            self._restore_reserve()
+            time.sleep(0.05)
+            return
+        message = (
+            f"the keeper is out of file descriptors ({exc.strerror or exc}); it serves again once some are freed, "
+            "and every backup it holds is kept"
+        )
+        self._spawn(_refuse, conn, message, self._restore_reserve)
+
+    def _restore_reserve(self) -> None:
+        with contextlib.suppress(OSError), self._lock:
+            if self._reserve < 0:
+                self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
     def start(self) -> Keeper:
         """Bind and serve in a daemon thread (tests, an engine that hosts its own keeper); returns self."""
@@ -105,11 +167,14 @@ class Keeper:
             self._listening.close()  # the socket and its lock file go only if they are still this keeper's
         with self._lock:
             self._ledger.close()
+            if self._reserve >= 0:
+                os.close(self._reserve)
+                self._reserve = -1
 
     # -- one connection ---------------------------------------------------------------
 
     def _serve_one(self, conn: socket.socket) -> None:
-        session = Session(pid=-1)
+        session = Session(id=next(self._sessions), pid=-1)
         try:
             pid, uid, _ = wire.peer(conn)
             session.pid = pid
@@ -121,7 +186,10 @@ class Keeper:
             while True:
                 try:
                     request, fds = wire.receive(conn)
-                except ConnectionError:  # WireClosed is one
+                except BadMessage as bad:
+                    wire.send(conn, {"error": "usage", "message": bad.reason})
+                    if bad.in_step:
+                        continue
                     return
                 for fd in fds:  # nobody hands the keeper descriptors
                     os.close(fd)
@@ -131,34 +199,53 @@ class Keeper:
                 finally:
                     for fd in out:
                         os.close(fd)
+        except OSError as exc:  # the peer went (WireClosed, a reset) or the kernel refused a send
+            if not isinstance(exc, ConnectionError):
+                logger.info("a connection of pid %d ended: %s", session.pid, exc)
         except Exception:
             logger.exception("a keeper connection failed")
         finally:
             conn.close()
-            self._ended(session)
+            with self._lock:
+                self._connections -= 1
+                self._ledger.ended(session)
 
     def _handle(self, session: Session, request: dict[str, Any]) -> Reply:
         op = request.get("op")
-        handler = OPS.get(op) if isinstance(op, str) else None
-        if handler is None:
+        operation = OPS.get(op) if isinstance(op, str) else None
+        if operation is None:
             valid = ", ".join(sorted(OPS))
-            return {"error": "usage", "message": f"no keeper operation {op!r} (the operations: {valid})"}, []
+            shown = repr(op)[:80]
+            return {"error": "usage", "message": f"no keeper operation {shown} (the operations: {valid})"}, []
         try:
+            parsed = operation.parse(request)  # the costly checks, outside the lock
             with self._lock:
-                return handler(self._ledger, session, request)
+                return operation.apply(self._ledger, session, parsed)
         except RequestRefused as refusal:
             return refusal.reply, []
-        except (KeyError, TypeError, ValueError) as exc:
-            return {"error": "usage", "message": f"a malformed {op!r} request: {exc!r}"}, []
-
-    def _ended(self, session: Session) -> None:
-        with self._lock:
-            self._ledger.ended(session)
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
+            return {"error": "usage", "message": f"a malformed {op!r} request: {exc!r}"[:300]}, []
 
     def status(self) -> dict[str, Any]:
         """The keeper's state as data: budget, bytes held, engines, backups (tags, bytes, age, model), adoptions."""
         with self._lock:
             return self._ledger.status()
+
+
+def _refuse(conn: socket.socket, message: str, then: Callable[[], None] | None) -> None:
+    """Read the connection's first request (2 s at most), answer it with refusal ``message``, close it; then ``then``."""
+    try:
+        conn.settimeout(2.0)
+        with contextlib.suppress(OSError, BadMessage):
+            _, fds = wire.receive(conn)
+            for fd in fds:
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            wire.send(conn, {"error": "resources", "message": message})
+    finally:
+        conn.close()
+        if then is not None:
+            then()
 
 
 def _more_descriptors() -> None:

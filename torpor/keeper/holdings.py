@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from torpor.keeper.fingerprint import ModelIdentity
+
 __all__ = ["Backup", "Engine", "Region", "Session"]
 
 
@@ -23,18 +25,22 @@ class Region:
 
 @dataclass
 class Backup:
-    """A published backup: the engine, the pid that wrote it, the identity, the manifest and the regions it needs."""
+    """A published backup: the engine, the pid that wrote it, the identity (its digest and summary computed once,
+    at publish), the manifest and the regions it needs; who adopts it now."""
 
     id: str
     engine: str
     pid: int
-    identity: dict[str, Any]
+    identity: ModelIdentity
+    digest: str
+    summary: str
     tags: list[str]
     nbytes: int
     tensors: dict[str, Any]
     regions: set[int]
     published: float = field(default_factory=time.time)
     adopter: int | None = None  # pid of the process adopting it now
+    holders: set[int] = field(default_factory=set)  # the connections (Session.id) that claimed or adopt it
 
 
 @dataclass
@@ -46,13 +52,19 @@ class Engine:
     since: float = field(default_factory=time.time)
     alive: bool = True
     ended: float | None = None
+    connections: int = 1  # of its process that said hello for it and are open: it dies with the last
 
 
 @dataclass
 class Session:
-    """One connection: the peer's pid (``SO_PEERCRED``), the engine it speaks for, the backup it was granted."""
+    """One connection: its number, the peer's pid (``SO_PEERCRED``), the engine it speaks for, the backups it holds.
 
+    ``grants`` maps each backup this connection claimed or adopts to whether its
+    identity was checked (``adopt``) or only claimed; all of them are let go
+    when the connection ends.
+    """
+
+    id: int
     pid: int
     engine: str | None = None
-    grant: str | None = None  # the id of the backup this connection claimed or adopts
-    verified: bool = False  # the grant's identity was checked (adopt), not only claimed
+    grants: dict[str, bool] = field(default_factory=dict)

@@ -14,7 +14,6 @@ import os
 import time
 from typing import Any
 
-from torpor.keeper.fingerprint import ModelIdentity
 from torpor.keeper.holdings import Backup, Engine, Region, Session
 
 __all__ = ["Ledger"]
@@ -50,22 +49,31 @@ class Ledger:
         for rid in [r.id for r in self.regions.values() if not r.in_use and r.id not in needed]:
             os.close(self.regions.pop(rid).fd)
 
+    def let_go(self, backup: Backup, session: Session) -> None:
+        """Connection ``session`` holds ``backup`` no more; with no connection holding it, anyone may adopt it."""
+        backup.holders.discard(session.id)
+        if not backup.holders:
+            backup.adopter = None
+
     def ended(self, session: Session) -> None:
-        """A connection closed: an engine's process is gone (its regions stay only where a backup needs them)."""
+        """A connection closed: every backup it held is let go; its engine dies with the last connection of it."""
+        for b in self.backups.values():
+            if b.id in session.grants:
+                self.let_go(b, session)  # an adopter that ended before it said adopted: the backup stays
+        session.grants.clear()
         name = session.engine
         engine = self.engines.get(name) if name is not None else None
         if engine is not None and engine.pid == session.pid and engine.alive:
-            engine.alive = False
-            engine.ended = time.time()
-            for r in self.regions.values():
-                if r.pid == engine.pid:
-                    r.in_use = False
-            kept = self.backups.get(engine.name)
-            if kept is not None:
-                logger.info("engine %r (pid %d) ended; its backup %s is kept", name, engine.pid, kept.id)
-        for b in self.backups.values():
-            if b.id == session.grant:
-                b.adopter = None  # an adopter that died before it said adopted: the backup stays
+            engine.connections -= 1
+            if engine.connections <= 0:
+                engine.alive = False
+                engine.ended = time.time()
+                for r in self.regions.values():
+                    if r.pid == engine.pid:
+                        r.in_use = False
+                kept = self.backups.get(engine.name)
+                if kept is not None:
+                    logger.info("engine %r (pid %d) ended; its backup %s is kept", name, engine.pid, kept.id)
         self.collect()
 
     def close(self) -> None:
@@ -83,12 +91,11 @@ class Ledger:
             for e in self.engines.values()
         ]
         backups = []
-        for b in self.backups.values():
-            ident = ModelIdentity.from_dict(b.identity)
+        for b in self.backups.values():  # the digest and summary were computed at publish, outside the lock
             backups.append(
                 {"backup": b.id, "engine": b.engine, "pid": b.pid, "tags": b.tags, "bytes": b.nbytes}
-                | {"tensors": len(b.tensors), "age_s": now - b.published, "model": ident.summary()}
-                | {"source": ident.source, "digest": ident.digest(), "adopter": b.adopter}
+                | {"tensors": len(b.tensors), "age_s": now - b.published, "model": b.summary}
+                | {"source": b.identity.source, "digest": b.digest, "adopter": b.adopter}
             )
         return {"keeper_pid": os.getpid(), "socket": self.socket, "uid": self.uid, "budget": self.budget} | {
             "used": self.used(),

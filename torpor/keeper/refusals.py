@@ -8,6 +8,7 @@ from torpor.errors import TorporError
 
 __all__ = [
     "AdoptionRefused",
+    "BadMessage",
     "KeeperBudgetExceeded",
     "KeeperDenied",
     "KeeperError",
@@ -17,7 +18,20 @@ __all__ = [
     "PinningUnavailable",
     "RequestRefused",
     "WireClosed",
+    "byte_size",
 ]
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def byte_size(nbytes: int) -> str:
+    """A byte count as the keeper's messages and ``torpor keeper status`` print it: ``8.00 MiB``, ``512 B``."""
+    value = float(nbytes)
+    for unit in _UNITS[:-1]:
+        if abs(value) < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} {_UNITS[-1]}"
 
 
 class KeeperError(TorporError, RuntimeError):
@@ -80,8 +94,9 @@ class KeeperBudgetExceeded(KeeperError):
         self.used = used
         self.asked = asked
         msg = (
-            f"the keeper's budget is {budget} bytes, {used} are held and {asked} more were asked "
-            f"({used + asked - budget} over); start the keeper with a larger --budget or drop a dead engine's backup"
+            f"the keeper's budget is {byte_size(budget)}, {byte_size(used)} are held and {byte_size(asked)} more were "
+            f"asked ({byte_size(used + asked - budget)} over); start the keeper with a larger --budget or drop a dead "
+            "engine's backup"
         )
         super().__init__(msg)
 
@@ -98,6 +113,15 @@ class AdoptionRefused(KeeperError):
 
 class PinningUnavailable(KeeperError):
     """The CUDA driver cannot be opened or gives no context for the GPU: kept regions are not pinned (copied pageable)."""
+
+
+class BadMessage(KeeperError, ValueError):
+    """A frame on the keeper's wire that is no message (``reason``); ``in_step``: the next frame can still be read."""
+
+    def __init__(self, reason: str, *, in_step: bool) -> None:
+        self.reason = reason
+        self.in_step = in_step
+        super().__init__(reason)
 
 
 class WireClosed(KeeperError, ConnectionError):
