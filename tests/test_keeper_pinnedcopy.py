@@ -197,3 +197,23 @@ def test_populating_a_kept_region_keeps_its_bytes() -> None:
             shmem.unmap(writer, n)
     finally:
         os.close(fd)
+
+
+class _Short(Backup):
+    """A backup whose manifest for ``w1`` covers 16 of its bytes: the rest would stay the new model's values."""
+
+    def segments(self, name: str) -> Iterator[tuple[int, int, int]]:
+        if name == "w1":
+            host, _, at = self._segments[name][0]
+            yield host, 16, at
+            return
+        yield from super().segments(name)
+
+
+def test_segments_that_do_not_cover_a_tensor_exactly_are_refused_before_any_copy() -> None:
+    """copy_into refuses a tensor whose segments cover 16 of its bytes, naming it, and copies nothing."""
+    backup = _Short(SIZES)
+    tensors = _tensors(SIZES)
+    with pytest.raises(ValueError, match=r"tensor 'w1': the backup covers 16 of its 8192 bytes"):
+        copy_into(backup, tensors)
+    assert all(not t.any() for _, t in tensors)

@@ -117,6 +117,9 @@ class PinnedPieces:
 def copy_into(backup: Segments, tensors: Iterable[tuple[str, torch.Tensor]], pieces: PinnedPieces | None = None) -> int:
     """Copy each named tensor's bytes from ``backup``, in host-address order; the bytes copied.
 
+    Each tensor's segments must cover it exactly (every byte once, no more):
+    otherwise a ``ValueError`` names the tensor before any copy is made.
+
     With ``pieces``, a copy from pinned pieces is enqueued without waiting for
     it (the caller synchronizes); any other copy completes before the next.
     """
@@ -127,7 +130,17 @@ def copy_into(backup: Segments, tensors: Iterable[tuple[str, torch.Tensor]], pie
     copies = []
     for name, t in tensors:
         flat = t.detach().view(-1).view(torch.uint8)
-        copies += [(host, n, at, flat) for host, n, at in backup.segments(name)]
+        parts = list(backup.segments(name))
+        covered = sorted((at, n) for _, n, at in parts)
+        ends = [at + n for at, n in covered]
+        starts = [at for at, _ in covered]
+        if sum(n for _, n in covered) != flat.numel() or starts != [0, *ends[:-1]]:
+            msg = (
+                f"tensor {name!r}: the backup covers {sum(n for _, n in covered)} of its {flat.numel()} bytes "
+                "(its segments must cover it exactly, in order, once); nothing was copied"
+            )
+            raise ValueError(msg)
+        copies += [(host, n, at, flat) for host, n, at in parts]
     copies.sort(key=lambda c: c[0])
     total = 0
     for host, n, at, flat in copies:
