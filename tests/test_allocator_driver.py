@@ -147,3 +147,34 @@ def test_the_library_takes_no_negative_count_of_errors() -> None:
         """
     )
     assert "COPIED 0" in out, out
+
+
+# -- the CUDA driver: the same refusals, in Python and in its C calls ---------------------------------------
+
+
+@pytest.mark.gpu
+def test_the_cuda_driver_refuses_the_same_lengths_in_python_and_in_c() -> None:
+    """On the CUDA driver: read(x, -1), a wrapping copy and a huge pin are refused in Python, and straight to C each returns -1 with its reason."""
+    out = isolated(
+        """
+        from torpor.allocator import CudaDriver
+        cuda = TaggedAllocator(CudaDriver())
+        y, pinned, table = cuda.allocate(G, "w"), cuda.driver.host_alloc(G), cuda.driver._table()
+        refused(lambda: cuda.read(y, -1))
+        refused(lambda: cuda.driver.copy_d2h(pinned, ALL - 15, 32, 0))
+        refused(lambda: cuda.driver.host_alloc(ALL))
+        c_call("tp_drv_read", table, y, ctypes.create_string_buffer(1), ALL)
+        c_call("tp_drv_write", table, ALL - 1, b"ab", 2)
+        c_call("tp_drv_copy_d2h", table, pinned, y, ALL, 0)
+        c_call("tp_drv_copy_h2d", table, ALL - 15, pinned, 32, 0)
+        c_call("tp_drv_host_copy", table, pinned, pinned, ALL)
+        c_call("tp_drv_host_alloc", table, ALL, 0, 0, ctypes.byref(ctypes.c_uint64()))
+        c_call("tp_drv_host_register", table, pinned, ALL)
+        print("BYTES", len(cuda.read(y, 16)))
+        cuda.close()
+        """
+    )
+    assert out.count("REFUSED") == 3, out
+    rows = [row for row in out.splitlines() if row.startswith("RC ")]
+    assert len(rows) == 7 and all(row.startswith("RC -1 ") and "refused" in row for row in rows), out
+    assert "BYTES 16" in out, out

@@ -234,3 +234,42 @@ def test_ten_cycles_freed_outside_a_block_are_given_back_by_empty_cache() -> Non
     )
     assert torch.equal(w.cpu(), w_host)
     alloc.close()
+
+
+def test_tensors_deleted_while_asleep_are_freed_for_good_over_ten_cycles() -> None:
+    """Ten cycles of tensors of five sizes in three tags beside live ones, deleted while asleep: the wake maps none of them, and after torch.cuda.empty_cache() the device holds at most one granule per tag more than after the first cycle (issue 51)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    tags = ("weights", "kv_cache", "scratch")
+    with alloc.use_memory_pool("weights"):
+        w = [torch.randn(n, device="cuda") for n in (64 * MiB // 4, 3 * MiB // 4, 1000, 5 * MiB // 4)]
+    with alloc.use_memory_pool("kv_cache"):
+        kv = torch.full((128 * MiB // 4,), 2.0, device="cuda")
+    w_host = [t.cpu() for t in w]
+    sizes = (1000, 300_000, 3 * MiB // 4, 30 * MiB // 4, 100 * MiB // 4)
+    ctl.sleep(1)
+    ctl.wake()
+    torch.cuda.empty_cache()
+    live = alloc.table.stats()[2]  # bytes the tags map for their live tensors
+    woke, emptied = [], []
+    for i in range(11):  # cycle 0 loads the kernels it launches (lazy module loading takes device memory)
+        made = []
+        for tag in tags:
+            with alloc.use_memory_pool(tag):
+                made += [torch.full((n,), float(i), device="cuda") for n in sizes]
+        ctl.sleep(1)
+        del made  # deleted while asleep: every segment of them is free in its pool
+        ctl.wake()
+        woke.append(alloc.table.stats()[2])  # bytes the tags map after the wake
+        emptied.append(_used())  # torch.cuda.empty_cache() inside
+    gran = alloc.granularity()
+    grown = [round((u - emptied[0]) / MiB, 1) for u in emptied]
+    mapped = [round((m - live) / MiB, 1) for m in woke]
+    print(f"mapped past the live tensors after each wake (MiB): {mapped}; in use after empty_cache: {grown}")
+    assert max(woke) - live <= len(tags) * gran, f"the wakes mapped deleted tensors' segments (MiB): {mapped}"
+    assert emptied[-1] - emptied[0] <= len(tags) * gran, f"{grown[-1]} MiB more in use after 10 cycles: {grown}"
+    assert all(torch.equal(t.cpu(), h) for t, h in zip(w, w_host, strict=True))
+    assert float(kv[:1024].sum()) in (0.0, 2.0 * 1024)  # kv_cache is discarded at level 1: zeros or its bytes
+    alloc.close()
