@@ -81,8 +81,8 @@ def test_status_prints_engines_tags_bytes_age_and_model(keeper: Keeper, capsys: 
         assert main(["keeper", "status", "--socket", str(keeper.path)]) == 0
     out = capsys.readouterr().out
     assert "engine-a: pid" in out and "alive" in out
-    assert "tags weights, 1048576 bytes, age 0 s, model org/model@rev: 1 tensors, 1048576 bytes" in out
-    assert f"holds {2 * MiB} of {8 * MiB} bytes in 1 regions" in out
+    assert "tags weights, 1.00 MiB, age 0 s, model org/model@rev: 1 tensors, 1048576 bytes" in out
+    assert "holds 2.00 MiB of 8.00 MiB in 1 regions" in out
 
 
 def test_a_publish_naming_bytes_outside_the_engines_regions_is_refused(keeper: Keeper) -> None:
