@@ -24,6 +24,7 @@ from torpor.keeper.refusals import (
     KeeperBudgetExceeded,
     KeeperDenied,
     KeeperError,
+    KeeperPathRefused,
     KeeperUnavailable,
     KeeperUntrusted,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "KeeperDenied",
     "KeeperError",
     "KeeperLink",
+    "KeeperPathRefused",
     "KeeperUnavailable",
     "KeeperUntrusted",
     "KeptBackup",
