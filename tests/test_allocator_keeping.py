@@ -16,7 +16,7 @@ from torpor.allocator.keep.keeping import merged
 from torpor.allocator.keep.ranges import KeptRange
 from torpor.statemachine import replay
 from torpor.telemetry import attach
-from torpor.testing import sim_rig
+from torpor.testrig import sim_rig
 
 G = 64 * 1024
 

@@ -15,7 +15,7 @@ import pytest
 
 from torpor.allocator import AllocatorError, AllocatorOutOfMemory, SimDriver, TaggedAllocator
 from torpor.allocator.native import library as native
-from torpor.testing import sim_rig
+from torpor.testrig import sim_rig
 
 G = 64 * 1024
 MiB = 1 << 20

@@ -12,7 +12,7 @@ import pytest
 from torpor import HostMemoryPolicy, Policy, SleepController, State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import TorporError
-from torpor.testing import fill, intact, sim_rig
+from torpor.testrig import fill, intact, sim_rig
 
 G = 64 * 1024
 MiB = 1 << 20

@@ -12,7 +12,7 @@ from torpor.allocator import AllocatorError, HostPolicy, SimDriver, TaggedAlloca
 from torpor.errors import MemoryOperationFailed, OutOfMemory, PoolBusy, TorporError, UnknownTag
 from torpor.statemachine.core.policy import DEFAULT_POLICY
 from torpor.statemachine.core.protocol import GraphPoolMemory, Memory, TagUsage
-from torpor.testing import fill, intact, sim_rig
+from torpor.testrig import fill, intact, sim_rig
 
 G = 64 * 1024
 MiB = 1 << 20

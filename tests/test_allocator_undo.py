@@ -9,7 +9,7 @@ import pytest
 
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import AllocatorError
-from torpor.testing import fill, intact, sim_rig
+from torpor.testrig import fill, intact, sim_rig
 
 KiB = 1 << 10
 G = 16 * KiB

@@ -15,7 +15,8 @@ from torpor.statemachine.core.protocol import Abilities
 from torpor.statemachine.log.reader import read_events, replay
 from torpor.statemachine.machine.hostmem import HostSide, budget_refusal
 from torpor.statemachine.projection.view import Projection
-from torpor.testing import FakeMemory, fill, sim_rig
+from torpor.testing import FakeMemory
+from torpor.testrig import fill, sim_rig
 
 G = 64 * 1024
 MiB = 1 << 20

@@ -115,7 +115,7 @@ class SimSide:
 
     def __init__(self) -> None:
         from torpor.allocator import HostPolicy
-        from torpor.testing import sim_rig
+        from torpor.testrig import sim_rig
 
         kib = 1 << 10
         made = sim_rig(

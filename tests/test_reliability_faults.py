@@ -137,7 +137,7 @@ class SimRig:
     ) -> None:
         from torpor.allocator import HostPolicy
         from torpor.statemachine.core.policy import DEFAULT_POLICY
-        from torpor.testing import sim_rig
+        from torpor.testrig import sim_rig
 
         # the tags the default policy never backs up are not pinned ahead (the controller passes the same)
         policy = HostPolicy(

@@ -9,7 +9,7 @@ import pytest
 from torpor import State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import AllocatorError, OutOfMemory
-from torpor.testrig import CAPACITY, GRANULE, SimRig, fill, intact, sim_rig
+from torpor.testrig import CAPACITY, GRANULE, fill, intact, sim_rig
 
 MiB = 1 << 20
 
@@ -142,11 +142,3 @@ def test_intact_is_false_once_one_byte_changed() -> None:
         last = max(data)
         rig.allocator.write(last + 5, bytes([data[last][5] ^ 0xFF]))
         assert not intact(rig.allocator, data)
-
-
-def test_the_rig_is_reexported_by_torpor_testing() -> None:
-    """torpor.testing gives the same sim_rig, SimRig, fill and intact."""
-    import torpor.testing
-
-    assert (torpor.testing.sim_rig, torpor.testing.SimRig) == (sim_rig, SimRig)
-    assert (torpor.testing.fill, torpor.testing.intact, torpor.testing.GRANULE) == (fill, intact, GRANULE)

@@ -20,7 +20,7 @@ from support import TINY_LLAMA, model_less_worker  # noqa: E402
 from torpor.allocator import SimDriver, TaggedAllocator  # noqa: E402
 from torpor.errors import InvalidTransition  # noqa: E402
 from torpor.hooks import fleet, reset_warnings  # noqa: E402
-from torpor.hooks.vllm import activation, facade, settings, vllmpredicate  # noqa: E402
+from torpor.hooks.vllm import activation, facade, process, settings, vllmpredicate  # noqa: E402
 from torpor.statemachine import EventKind, read_events  # noqa: E402
 
 # vLLM's GPU worker module, imported before any test makes the platform answer as CUDA (its import runs CUDA ops then).
@@ -55,7 +55,7 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         pynccl_allocator._graph_pool_id,
     )
     for name in (
-        activation.ENV_ACTIVE,
+        process.ENV_ACTIVE,
         "NCCL_GRAPH_REGISTER",
         "PROMETHEUS_MULTIPROC_DIR",
         "TORPOR_METRICS_DIR",
@@ -241,7 +241,7 @@ def test_worker_records_hook_decisions_and_release_closes(engine: Any) -> None:
         model_config=torpor_model_config(engine.tmp),
         compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
     )
-    state = activation.current()
+    state = process.current()
     assert state is not None
     state.decisions.append(vllmpredicate.decision_for(config))  # what the probe keeps when a config selects torpor
     with engine.allocator.cudagraph_pool():

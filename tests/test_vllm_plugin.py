@@ -19,8 +19,9 @@ vllm = pytest.importorskip("vllm")
 
 from support import TINY_LLAMA as SHARED_TINY_LLAMA  # noqa: E402
 
+from torpor.errors import ActivationError  # noqa: E402
 from torpor.hooks import register_graph_buffers, reset_warnings  # noqa: E402
-from torpor.hooks.vllm import activation, facade, vllmpredicate  # noqa: E402
+from torpor.hooks.vllm import activation, facade, process, vllmpredicate  # noqa: E402
 from torpor.testing import FakeMemory  # noqa: E402
 
 TINY_LLAMA = {**SHARED_TINY_LLAMA, "torch_dtype": "float32", "rms_norm_eps": 1e-5}
@@ -53,7 +54,7 @@ def sandbox(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         "facade": facade.configure(None),
     }
     for name in (
-        activation.ENV_ACTIVE,
+        process.ENV_ACTIVE,
         activation.ENV_PROBE,
         "NCCL_GRAPH_REGISTER",
         "VLLM_PLUGINS",
@@ -124,7 +125,7 @@ def test_load_general_plugins_discovers_the_entry_point(sandbox: Any) -> None:
 
     assert SleepModeBackendFactory.get_backend_class("torpor") is TorporSleepBackend
     assert getattr(VllmConfig.__dict__["__post_init__"], "__torpor_probe__", False)
-    assert not activation.is_active()
+    assert not process.is_active()
 
 
 def test_vllm_plugins_allowlist_without_torpor_skips_it(sandbox: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,9 +282,9 @@ def test_probe_leaves_other_backends_alone(sandbox: Any, tiny_model: Path) -> No
     before = (VllmConfig.__dict__["use_cumem_cudagraph_pool"], sandbox.cumem.CuMemAllocator.instance)
     cumem_config = vllm_config(tiny_model, "cumem")
     vllm_config(tiny_model, "torpor", sleep=False)
-    assert not activation.is_active()
+    assert not process.is_active()
     assert (VllmConfig.__dict__["use_cumem_cudagraph_pool"], sandbox.cumem.CuMemAllocator.instance) == before
-    assert activation.ENV_ACTIVE not in os.environ
+    assert process.ENV_ACTIVE not in os.environ
     assert "NCCL_GRAPH_REGISTER" not in os.environ
     assert cumem_config.use_cumem_cudagraph_pool is False
 
@@ -295,11 +296,11 @@ def test_config_selecting_torpor_activates_and_deactivate_restores(sandbox: Any,
     activation.register()
     original = VllmConfig.__dict__["use_cumem_cudagraph_pool"]
     config = vllm_config(tiny_model, "torpor")
-    assert activation.is_active()
+    assert process.is_active()
     assert sandbox.cumem.CuMemAllocator.instance is facade.get_instance()
     assert VllmConfig.__dict__["use_cumem_cudagraph_pool"] is not original
-    assert os.environ[activation.ENV_ACTIVE] == "1"
-    state = activation.current()
+    assert os.environ[process.ENV_ACTIVE] == "1"
+    state = process.current()
     assert state is not None
     assert state.decisions[-1].missing == ("cudagraphs", "cuda_platform")  # eager, CPU: inactive, and it says why
     assert "NCCL_GRAPH_REGISTER" not in os.environ  # inactive: environment untouched
@@ -307,7 +308,7 @@ def test_config_selecting_torpor_activates_and_deactivate_restores(sandbox: Any,
     activation.deactivate()
     assert VllmConfig.__dict__["use_cumem_cudagraph_pool"] is original
     assert sandbox.cumem.CuMemAllocator.instance is None
-    assert activation.ENV_ACTIVE not in os.environ
+    assert process.ENV_ACTIVE not in os.environ
 
 
 def test_get_mem_allocator_instance_hands_out_torpor_facade(sandbox: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,10 +327,10 @@ def test_activation_refuses_when_cumem_already_holds_memory(sandbox: Any) -> Non
     """If vLLM's own allocator already holds bytes in this process, activation refuses and names them."""
     busy = SimpleNamespace(get_current_usage=lambda: 4096)
     sandbox.cumem.CuMemAllocator.instance = busy
-    with pytest.raises(activation.ActivationError, match="already holds 4096 bytes"):
+    with pytest.raises(ActivationError, match="already holds 4096 bytes"):
         activation.activate()
     assert sandbox.cumem.CuMemAllocator.instance is busy
-    assert not activation.is_active()
+    assert not process.is_active()
 
 
 def test_nccl_default_follows_torpor_predicate(sandbox: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -356,9 +357,9 @@ def test_nccl_default_follows_torpor_predicate(sandbox: Any, monkeypatch: pytest
 
 def test_env_var_activates_a_spawned_process(sandbox: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process that loads the plugin with TORPOR_VLLM_ACTIVE=1 (a spawned worker) activates at load."""
-    monkeypatch.setenv(activation.ENV_ACTIVE, "1")
+    monkeypatch.setenv(process.ENV_ACTIVE, "1")
     activation.register()
-    assert activation.is_active()
+    assert process.is_active()
 
 
 def test_import_torpor_does_not_import_vllm() -> None:
@@ -375,10 +376,10 @@ import os, sys
 from vllm.plugins import load_general_plugins
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 from vllm.config import VllmConfig
-from torpor.hooks.vllm import activation
+from torpor.hooks.vllm import process
 load_general_plugins()
 print("registered", "torpor" in SleepModeBackendFactory._registry)
-print("active", activation.is_active())
+print("active", process.is_active())
 print("extended", hasattr(VllmConfig.__dict__["use_cumem_cudagraph_pool"].fget, "__torpor_original__"))
 """
 
@@ -388,7 +389,7 @@ def test_spawned_worker_activates_through_vllms_loader(tmp_path: Path) -> None:
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    env[activation.ENV_ACTIVE] = "1"
+    env[process.ENV_ACTIVE] = "1"
     done = subprocess.run(
         [sys.executable, "-c", SPAWNED], env=env, capture_output=True, text=True, timeout=240, check=False
     )
@@ -406,7 +407,7 @@ def test_probe_can_be_turned_off(sandbox: Any, monkeypatch: pytest.MonkeyPatch, 
     activation.register()
     assert VllmConfig.__dict__["__post_init__"] is before
     vllm_config(tiny_model, "torpor")
-    assert not activation.is_active()
+    assert not process.is_active()
 
 
 def test_activation_names_a_metrics_directory_for_the_workers_and_deactivation_withdraws_it(sandbox: Any) -> None:

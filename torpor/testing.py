@@ -18,7 +18,6 @@ from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.core.policy import CUDAGRAPH
 from torpor.statemachine.core.protocol import Capability, TagUsage, Transfer
 from torpor.statemachine.machine.controller import SleepController
-from torpor.testrig import CAPACITY, GRANULE, SimRig, fill, intact, sim_rig  # noqa: F401 (the simulated-device rig, re-exported)
 
 _tokens = itertools.count(1)
 

@@ -6,9 +6,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from torpor.errors import (
-    DemoError,  # noqa: F401 (re-exported: the old import path)
-)
 from torpor.statemachine import Memory, SleepController
 
 #: The tags the demo puts memory under, in the order tables list them.

@@ -42,14 +42,7 @@ from torpor.errors import (
 )
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, apply_nccl_defaults
 from torpor.hooks.vllm.facade import get_instance
-from torpor.hooks.vllm.process import (  # noqa: F401 (current, is_active: re-exported, the old path)
-    ENV_ACTIVE,
-    Activation,
-    _lock,
-    _process,
-    current,
-    is_active,
-)
+from torpor.hooks.vllm.process import ENV_ACTIVE, Activation, _lock, _process
 from torpor.hooks.vllm.settings import DEFAULT_ENGINE, ENV_ENGINE
 from torpor.hooks.vllm.vllmpredicate import BACKEND, decision_for, extended_predicate, selects_torpor
 
