@@ -22,6 +22,7 @@ from torpor.errors import (
     NoTagsNamed,
     NotRecovered,
     PoolBusy,
+    TorporError,
     UnknownTag,
 )
 from torpor.statemachine.core.events import EventKind
@@ -278,6 +279,20 @@ def test_log_path_names_a_file_or_a_directory(memory: FakeMemory, tmp_path: Path
     (tmp_path / "plain").write_text("")  # an existing file without a suffix stays a file
     SleepController(memory, log=tmp_path / "plain", engine="e").close()
     assert (tmp_path / "plain").is_file()
+
+
+def test_log_path_is_the_file_the_controller_writes_and_refused_without_a_log(
+    memory: FakeMemory, tmp_path: Path
+) -> None:
+    """log_path is the event log's file (ENGINE.rankN.jsonl inside a directory); with log=None it is a TorporError naming why."""
+    ctl = SleepController(memory, log=tmp_path / "logs", engine="e", rank=2)
+    assert ctl.log_path == tmp_path / "logs" / "e.rank2.jsonl"
+    assert ctl.log_path.is_file()
+    ctl.close()
+    in_memory = SleepController(memory, engine="e")
+    with pytest.raises(TorporError, match=r"engine 'e' rank 0 keeps no event log \(made with log=None\)"):
+        _ = in_memory.log_path
+    in_memory.close()
 
 
 def test_reopened_log_continues(memory: FakeMemory, tmp_path: Path) -> None:

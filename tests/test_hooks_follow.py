@@ -26,6 +26,12 @@ def _controller(directory: Path, **log_args: int) -> SleepController:
     return SleepController(FakeMemory(TAGS), log=log, engine="llm", rank=0)
 
 
+def _crash(controller: SleepController) -> None:
+    """Close the controller's log file as a dying process would: no ``closed`` event (the controller stays open)."""
+    if controller.log is not None:
+        controller.log.close()
+
+
 def _cycle(controller: SleepController, n: int = 1) -> None:
     for _ in range(n):
         controller.sleep(1)
@@ -37,7 +43,7 @@ def test_reads_what_is_on_disk_in_order(tmp_path: Path) -> None:
     """A follower returns every event already written, in order, once."""
     c = _controller(tmp_path)
     _cycle(c)
-    f = Follower(c.log.path)  # type: ignore[union-attr]
+    f = Follower(c.log_path)
     got = f.read_available()
     assert [e.seq for e in got] == list(range(1, c.last_seq + 1))
     assert f.read_available() == []
@@ -49,14 +55,14 @@ def test_resumes_after_a_sequence_number(tmp_path: Path) -> None:
     """after=SEQ yields only the events after SEQ."""
     c = _controller(tmp_path)
     _cycle(c, 2)
-    with Follower(c.log.path, after=5) as f:  # type: ignore[union-attr]
+    with Follower(c.log_path, after=5) as f:
         assert [e.seq for e in f.read_available()] == list(range(6, c.last_seq + 1))
 
 
 def test_follow_sees_events_as_they_are_appended(tmp_path: Path) -> None:
     """follow() yields events a writer appends while it waits, then ends when stopped."""
     c = _controller(tmp_path)
-    path = c.log.path  # type: ignore[union-attr]
+    path = c.log_path
     stop = threading.Event()
     got: list[str] = []
 
@@ -99,7 +105,7 @@ def test_follow_waits_for_the_log_to_appear(tmp_path: Path) -> None:
 def test_survives_rotation_without_gaps_or_repeats(tmp_path: Path) -> None:
     """Across many rotations the follower yields every sequence number exactly once, snapshots included."""
     c = _controller(tmp_path, max_bytes=2_000)
-    path = c.log.path  # type: ignore[union-attr]
+    path = c.log_path
     f = Follower(path)
     seen: list[int] = []
     kinds: list[EventKind] = []
@@ -117,7 +123,7 @@ def test_survives_rotation_without_gaps_or_repeats(tmp_path: Path) -> None:
 def test_catches_up_over_several_rotations_at_once(tmp_path: Path) -> None:
     """A follower that was away during several rotations reads the rotated segments it missed."""
     c = _controller(tmp_path, max_bytes=1_500)
-    path = c.log.path  # type: ignore[union-attr]
+    path = c.log_path
     f = Follower(path)
     first = f.read_available()
     _cycle(c, 10)
@@ -130,7 +136,7 @@ def test_resume_inside_a_rotated_segment(tmp_path: Path) -> None:
     """after=SEQ pointing into an old segment resumes there and skips older segments."""
     c = _controller(tmp_path, max_bytes=1_500)
     _cycle(c, 10)
-    path = c.log.path  # type: ignore[union-attr]
+    path = c.log_path
     middle = c.last_seq // 2
     with Follower(path, after=middle) as f:
         assert [e.seq for e in f.read_available()] == list(range(middle + 1, c.last_seq + 1))
@@ -140,7 +146,7 @@ def test_pruned_segments_warn_and_continue(tmp_path: Path, caplog: pytest.LogCap
     """Events pruned from disk are reported once as a gap; following continues with what exists."""
     c = _controller(tmp_path, max_bytes=1_500, keep=1)
     _cycle(c, 10)
-    path = c.log.path  # type: ignore[union-attr]
+    path = c.log_path
     with Follower(path, after=1) as f:
         got = f.read_available()
     assert got[-1].seq == c.last_seq
@@ -152,7 +158,7 @@ def test_pruned_segments_warn_and_continue(tmp_path: Path, caplog: pytest.LogCap
 def test_a_torn_line_waits_until_it_is_complete(tmp_path: Path) -> None:
     """Half a line is held back until the rest of it (and its newline) arrives."""
     c = _controller(tmp_path)
-    path = c.log.path  # type: ignore[union-attr]
+    path = c.log_path
     c.close()
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join(lines[:-1]) + lines[-1][:20])
@@ -167,8 +173,8 @@ def test_a_torn_line_waits_until_it_is_complete(tmp_path: Path) -> None:
 def test_a_torn_line_cut_by_the_writer_is_dropped(tmp_path: Path) -> None:
     """When a restarted writer cuts a torn last line off and appends, the follower reads the new line cleanly."""
     c = _controller(tmp_path)
-    path = c.log.path  # type: ignore[union-attr]
-    c.log.close()  # type: ignore[union-attr]
+    path = c.log_path
+    _crash(c)
     with open(path, "ab") as fh:
         fh.write(b'{"crc":"0000')  # a crash mid-write
     f = Follower(path)
@@ -185,7 +191,7 @@ def test_a_new_log_in_the_same_place_is_followed_from_its_start(tmp_path: Path) 
     """If the log is deleted and started anew, the follower starts over at its event #1."""
     c = _controller(tmp_path)
     _cycle(c)
-    path = c.log.path  # type: ignore[union-attr]
+    path = c.log_path
     f = Follower(path)
     f.read_available()
     c.close()
@@ -201,7 +207,7 @@ def test_a_new_log_in_the_same_place_is_followed_from_its_start(tmp_path: Path) 
 def test_a_corrupted_line_raises(tmp_path: Path) -> None:
     """A line with a bad checksum is an error, not skipped."""
     c = _controller(tmp_path)
-    path = c.log.path  # type: ignore[union-attr]
+    path = c.log_path
     c.close()
     data = path.read_bytes().replace(b'"opened"', b'"OPENED"', 1)
     path.write_bytes(data)
@@ -213,14 +219,14 @@ def test_stop_callable_ends_follow(tmp_path: Path) -> None:
     """A callable stop ends follow() once it returns True, after yielding what is on disk."""
     c = _controller(tmp_path)
     c.sleep(1)
-    got = list(follow(c.log.path, stop=lambda: True))  # type: ignore[union-attr]
+    got = list(follow(c.log_path, stop=lambda: True))
     assert [e.seq for e in got] == list(range(1, c.last_seq + 1))
 
 
 def test_follow_async_yields_new_events(tmp_path: Path) -> None:
     """follow_async yields events appended while it awaits and ends on an asyncio.Event."""
     c = _controller(tmp_path)
-    path = c.log.path  # type: ignore[union-attr]
+    path = c.log_path
 
     async def main() -> list[str]:
         stop = asyncio.Event()
@@ -247,7 +253,7 @@ def test_idle_timeout_ends_a_quiet_follow(tmp_path: Path) -> None:
     """idle_timeout ends follow() after that long without a new event, having yielded what exists."""
     c = _controller(tmp_path)
     start = time.monotonic()
-    got = list(follow(c.log.path, poll=0.01, idle_timeout=0.1))  # type: ignore[union-attr]
+    got = list(follow(c.log_path, poll=0.01, idle_timeout=0.1))
     assert 0.1 <= time.monotonic() - start < 5
     assert [e.seq for e in got] == [1]
 
@@ -256,14 +262,14 @@ def test_kinds_filter(tmp_path: Path) -> None:
     """kinds keeps only the events of those kinds."""
     c = _controller(tmp_path)
     _cycle(c)
-    got = list(follow(c.log.path, kinds=["sleep_completed", EventKind.WAKE_COMPLETED], stop=lambda: True))  # type: ignore[union-attr]
+    got = list(follow(c.log_path, kinds=["sleep_completed", EventKind.WAKE_COMPLETED], stop=lambda: True))
     assert [e.kind.value for e in got] == ["sleep_completed", "wake_completed", "wake_completed"]
 
 
 def test_after_beyond_the_end_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Resuming after a sequence number the log never reached warns once (a new log?) and waits."""
     c = _controller(tmp_path)
-    with Follower(c.log.path, after=500) as f:  # type: ignore[union-attr]
+    with Follower(c.log_path, after=500) as f:
         assert f.read_available() == []
         assert f.read_available() == []
     warnings = [r.getMessage() for r in caplog.records if "before after=#500" in r.getMessage()]
@@ -274,8 +280,8 @@ def test_events_before_a_bad_line_are_delivered_then_it_raises(tmp_path: Path) -
     """Good events before a corrupted line come out first; the next read raises, and keeps raising."""
     c = _controller(tmp_path)
     c.sleep(1)
-    path = c.log.path  # type: ignore[union-attr]
-    c.log.close()  # type: ignore[union-attr]
+    path = c.log_path
+    _crash(c)
     good = len(path.read_bytes().splitlines())
     with open(path, "ab") as fh:
         fh.write(b'{"crc":"00000000","schema":1}\n')
@@ -317,7 +323,7 @@ def test_any_interleaving_yields_every_event_once(
             elif op == "wake_weights":
                 c.wake(["weights"])
             elif op == "reopen":
-                c.log.close()  # type: ignore[union-attr]
+                _crash(c)
                 c = open_controller()
             else:
                 seen += [e.seq for e in f.read_available()]

@@ -45,6 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from torpor.errors import TorporError
 from torpor.statemachine.core.events import PAYLOADS, Event, EventKind, Opened, UsageObserved
 from torpor.statemachine.core.policy import DEFAULT_POLICY, WEIGHTS, Policy
 from torpor.statemachine.core.protocol import Abilities, Memory
@@ -285,6 +286,14 @@ class SleepController:
     def last_seq(self) -> int:
         """Sequence number of the last event recorded."""
         return self._recorder.seq
+
+    @property
+    def log_path(self) -> Path:
+        """The file of the event log this controller writes; ``TorporError`` when it keeps none (made with ``log=None``)."""
+        if self.log is None:
+            msg = f"the controller of engine {self.engine!r} rank {self.rank} keeps no event log (made with log=None)"
+            raise TorporError(msg)
+        return self.log.path
 
     @property
     def group(self) -> GroupMember | None:
