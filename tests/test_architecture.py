@@ -42,7 +42,8 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "projection as a fold, every error class: no I/O, no threads, no torch",
         (
             "torpor._version",
-            "torpor.errors",
+            "torpor.errors.*",
+            "torpor.units",
             "torpor.extras",
             "torpor.switches",
             "torpor.statemachine.core.*",
@@ -1113,6 +1114,109 @@ def test_docs_architecture_module_map_is_the_codes() -> None:
     assert MAP_BEGIN in text and MAP_END in text, "docs/architecture.md lost its module-map markers"
     assert "](img/architecture" not in text, "the module map is text generated from the code, not a picture"
     assert text == rendered_doc(text), "docs/architecture.md is stale: run python tests/test_architecture.py"
+
+
+#: Standard exceptions torpor raises for a protocol's sake, each with its reason: (module, exception) -> why.
+STANDARD_RAISES_ALLOWED: dict[tuple[str, str], str] = {
+    ("torpor", "AttributeError"): "the module's __getattr__ (PEP 562): hasattr and from-imports expect AttributeError",
+    (
+        "torpor.tms",
+        "AttributeError",
+    ): "the module's __getattr__ (PEP 562): hasattr and from-imports expect AttributeError",
+    ("torpor.tms.binarywrapper", "AttributeError"): "a library object's __getattr__: getattr and hasattr expect it",
+    ("torpor.tms.tmsrun", "SystemExit"): "the process's exit status under python -m",
+    ("torpor.commands", "ArgumentTypeError"): "an argparse type= converter: argparse turns it into a usage error",
+    ("torpor.commands.demo", "ArgumentTypeError"): "an argparse type= converter: argparse turns it into a usage error",
+    (
+        "torpor.commands.keeper",
+        "ArgumentTypeError",
+    ): "an argparse type= converter: argparse turns it into a usage error",
+    ("torpor.commands.log", "ArgumentTypeError"): "an argparse type= converter: argparse turns it into a usage error",
+    (
+        "torpor.commands.status",
+        "ArgumentTypeError",
+    ): "an argparse type= converter: argparse turns it into a usage error",
+}
+
+
+def torpor_error_names(found: dict[str, Path]) -> set[str]:
+    """Names of the classes under torpor/ that derive from TorporError, by their bases' names (read, not imported)."""
+    bases: dict[str, set[str]] = {}
+    for path in found.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(ast.unparse(b).rpartition(".")[2] for b in node.bases)
+    errors = {"TorporError"}
+    while grown := {name for name, of in bases.items() if of & errors} - errors:
+        errors |= grown
+    return errors
+
+
+def standard_raises(found: dict[str, Path], errors: set[str]) -> list[str]:
+    """Each ``raise X``/``raise X(...)`` whose X is not in ``errors``, and each standard exception built: ``file:line X``.
+
+    ``raise`` alone and ``raise exc`` (a lower-case name: an exception caught or built before) are re-raises;
+    STANDARD_RAISES_ALLOWED's raises are not named.
+    """
+    import builtins
+
+    standard = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    hits = set()
+    for module, path in found.items():
+        where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+        for node in ast.walk(ast.parse(path.read_text())):
+            target: ast.expr | None = None
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in standard:
+                target = node.func
+            if not isinstance(target, ast.Name | ast.Attribute):
+                continue
+            name = ast.unparse(target).rpartition(".")[2]
+            if (
+                name not in errors
+                and not name.lstrip("_")[:1].islower()
+                and (module, name) not in STANDARD_RAISES_ALLOWED
+            ):
+                hits.add(f"{where}:{node.lineno} {name}")
+    return sorted(hits, key=lambda hit: (hit.partition(":")[0], int(hit.partition(":")[2].partition(" ")[0])))
+
+
+def test_every_error_torpor_raises_is_a_torpor_error() -> None:
+    """Every exception torpor raises derives from TorporError (beside the standard base it stands for), but the protocol ones listed."""
+    found = modules()
+    offenders = standard_raises(found, torpor_error_names(found))
+    assert not offenders, f"{len(offenders)} raises of an exception that is no TorporError:\n" + "\n".join(offenders)
+
+
+def test_every_allowed_standard_raise_is_still_made() -> None:
+    """Each STANDARD_RAISES_ALLOWED entry names a module that still raises that standard exception."""
+    found = modules()
+    stale = [
+        (module, name)
+        for module, name in STANDARD_RAISES_ALLOWED
+        if not any(
+            isinstance(node, ast.Raise) and node.exc is not None and name in ast.unparse(node.exc)
+            for node in ast.walk(ast.parse(found[module].read_text()))
+        )
+    ]
+    assert not stale, f"STANDARD_RAISES_ALLOWED lists raises no longer made: {stale}"
+
+
+def test_the_raise_check_catches_a_standard_exception(tmp_path: Path) -> None:
+    """``raise ValueError(msg)``, ``err = KeyError(k)`` and ``raise RuntimeError`` are named; a TorporError and a re-raise are not."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "class TorporError(Exception): ...\nclass Refused(TorporError, ValueError): ...\n"
+        "def f(msg, exc):\n    raise ValueError(msg)\n    err = KeyError(msg)\n    raise Refused(msg)\n"
+        "    raise exc\n    raise\n    raise RuntimeError\n"
+    )
+    found = {"probe": source}
+    assert standard_raises(found, torpor_error_names(found)) == [
+        "probe.py:4 ValueError",
+        "probe.py:5 KeyError",
+        "probe.py:9 RuntimeError",
+    ]
 
 
 if __name__ == "__main__":

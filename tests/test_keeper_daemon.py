@@ -23,7 +23,7 @@ from keeper_engine import ROOT, start_keeper
 from torpor.cli import main
 from torpor.keeper import Keeper, KeeperBudgetExceeded, KeeperError, KeeperLink, ModelIdentity, TensorSpec, wire
 from torpor.keeper.listening import socket_directory
-from torpor.keeper.refusals import KeeperPathRefused
+from torpor.errors import KeeperPathRefused
 
 MiB = 1 << 20
 NOBODY = 65534

@@ -12,7 +12,7 @@ import pytest
 
 from torpor.keeper import hostpin
 from torpor.keeper.hostpin import HostPinning
-from torpor.keeper.refusals import PinningUnavailable
+from torpor.errors import PinningUnavailable
 
 
 class FakeCuda:

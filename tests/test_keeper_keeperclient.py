@@ -12,7 +12,7 @@ from keeper_process import NOBODY, needs_root, shared_tmp, squatter
 
 from torpor.keeper import Keeper, KeeperLink, KeeperUnavailable, KeeperUntrusted
 from torpor.keeper.listening import socket_directory
-from torpor.keeper.refusals import KeeperPathRefused
+from torpor.errors import KeeperPathRefused
 from torpor.keeper.wire import SOCKET_ENV
 
 

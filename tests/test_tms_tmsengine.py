@@ -19,7 +19,7 @@ from torpor.statemachine.core.policy import Action
 from torpor.tms.tagview import TagView
 from torpor.tms.tmsengine import DISABLED_TAG, TmsEngine, check_alloc_conf
 from torpor.tms.tmsenv import TmsSettings
-from torpor.tms.tmserrors import TagStateError, TmsUsageError
+from torpor.errors import TagStateError, TmsUsageError
 
 MiB = 1 << 20
 
@@ -318,5 +318,5 @@ def test_the_switch_without_cuda_is_one_sentence(tmp_path: Path) -> None:
     )
     assert out.returncode == 1, out.stderr
     last = out.stderr.splitlines()[-1]
-    assert last.startswith("torpor.tms.tmserrors.TmsUsageError: torch_memory_saver (torpor.tms) needs a CUDA GPU")
+    assert last.startswith("torpor.errors.tmsapi.TmsUsageError: torch_memory_saver (torpor.tms) needs a CUDA GPU")
     assert "allocate failed (dlopen)" not in out.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torpor.tms.tmsenv import MiB, TmsSettings, parse_backend, parse_bool, parse_chunk_bytes
-from torpor.tms.tmserrors import TmsConfigError
+from torpor.errors import TmsConfigError
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "YES"])

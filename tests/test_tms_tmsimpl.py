@@ -12,7 +12,7 @@ from test_tms_binarywrapper import wrapper
 from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.statemachine.core.states import State
 from torpor.tms.tmsenv import TmsSettings
-from torpor.tms.tmserrors import DiskBackupRefused
+from torpor.errors import DiskBackupRefused
 from torpor.tms.tmsimpl import TmsImpl, adopt_context
 
 

@@ -32,7 +32,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from torpor.errors import EndpointError, StateTimeout
+from torpor.errors import BadArgument, EndpointError, StateTimeout
 from torpor.statemachine.core.events import Event
 from torpor.statemachine.core.states import ASLEEP, State
 from torpor.statemachine.core.timeouts import timeout_seconds
@@ -157,7 +157,7 @@ class Client:
         want = state.value if isinstance(state, State) else str(state)
         if want not in ("asleep", CLOSED) and want not in {s.value for s in State}:
             msg = f"unknown state {want!r}; states: asleep, {', '.join(s.value for s in State)}, {CLOSED}"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         wanted = ASLEEP_STATES if want == "asleep" else frozenset({want})
         deadline = time.monotonic() + timeout
         while True:

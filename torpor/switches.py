@@ -6,6 +6,8 @@ import os
 import re
 from collections.abc import Mapping
 
+from torpor.errors import BadSetting
+
 __all__ = ["env_rank", "env_switch"]
 
 _ON = ("1", "true", "on")
@@ -17,15 +19,14 @@ _RANK = re.compile(r"\+?[0-9]+")
 def env_switch(name: str, environ: Mapping[str, str] | None = None, *, default: bool = True) -> bool:
     """Whether switch ``name`` is on: ``1``/``true``/``on``; off for ``0``/``false``/``off``; unset or empty: ``default``.
 
-    Any case, spaces around. Any other value is refused with a ValueError naming
+    Any case, spaces around. Any other value is refused with a :class:`~torpor.errors.BadSetting` (a ValueError) naming
     the variable (a typo is never read as on or off).
     """
     value = (os.environ if environ is None else environ).get(name, "").strip().lower()
     if not value:
         return default
     if value not in _ON + _OFF:
-        msg = f"{name}={value!r} is not a switch (use 1 or 0)"
-        raise ValueError(msg)
+        raise BadSetting(name, value, "a switch (use 1 or 0)")
     return value in _ON
 
 
@@ -33,13 +34,12 @@ def env_rank(name: str, environ: Mapping[str, str] | None = None) -> int | None:
     """The rank in variable ``name`` (``RANK``, ``TORPOR_RANK``): None when unset or blank.
 
     Read as ``int()`` reads a whole number (spaces around, a leading ``+``), in
-    ASCII digits; a negative or anything else is refused with a ValueError naming
+    ASCII digits; a negative or anything else is refused with a :class:`~torpor.errors.BadSetting` (a ValueError) naming
     the variable, where reading it as 0 would put two ranks in one log.
     """
     raw = (os.environ if environ is None else environ).get(name)
     if raw is None or not raw.strip():
         return None
     if not _RANK.fullmatch(raw.strip()):
-        msg = f"{name}={raw!r} is not a rank (a whole number, 0 or more)"
-        raise ValueError(msg)
+        raise BadSetting(name, raw, "a rank (a whole number, 0 or more)")
     return int(raw)

@@ -23,6 +23,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from torpor.errors import BenchError
+
 __all__ = ["FLOOR_BYTES", "against_floor", "floor_in_child", "floor_lines"]
 
 #: Per row of the table: the link direction and which of the model's bytes that step moves.
@@ -51,7 +53,7 @@ def floor_in_child(env: Mapping[str, str] | None = None, timeout: float = 300.0)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         msg = f"measuring the host-link floor failed (exit {done.returncode}): {tail}"
-        raise RuntimeError(msg)
+        raise BenchError(msg)
     d2h, h2d = json.loads(done.stdout.strip().splitlines()[-1])
     return float(d2h), float(h2d)
 

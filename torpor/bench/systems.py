@@ -15,6 +15,7 @@ from torpor import tms as torpor_tms  # a lazy package: its saver is made on fir
 from torpor.allocator.tagged import TaggedAllocator
 from torpor.bench.device import fill, free_device, same
 from torpor.bench.result import MiB, Result
+from torpor.errors import BenchError
 from torpor.statemachine.core.policy import HostMemoryPolicy, Policy
 from torpor.statemachine.machine.controller import SleepController
 
@@ -98,7 +99,7 @@ class VllmStyle:
     def _ok(self, result: Any) -> Any:
         if result[0] != self.cu.CUresult.CUDA_SUCCESS:
             msg = f"baseline driver call failed: {result[0]}"
-            raise RuntimeError(msg)
+            raise BenchError(msg)
         return result[1] if len(result) > 1 else None
 
     def _map(self, ptr: int, size: int) -> Any:

@@ -11,6 +11,7 @@ import os
 import stat
 from pathlib import Path
 
+from torpor.errors import NoEvents, OutputRefused
 from torpor.statemachine.core.timeouts import timeout_seconds
 from torpor.statemachine.log.logsource import resolve_log
 
@@ -41,13 +42,13 @@ def log_file(
     if not stat.S_ISREG(mode):
         what = next((name for test, name in _KINDS if test(mode)), "not a regular file")
         msg = f"{log} is not a regular file ({what}): an event log is a regular file; nothing was read"
-        raise ValueError(msg)
+        raise OutputRefused(msg)
     return log
 
 
-def no_events(path: Path) -> ValueError:
+def no_events(path: Path) -> NoEvents:
     """The error every command raises for a log with no complete event (exit 1)."""
-    return ValueError(f"{path} {NO_EVENT_YET}")
+    return NoEvents(f"{path} {NO_EVENT_YET}")
 
 
 def output_file(path: Path, *, name: str, suffix: str = "") -> Path:
@@ -59,15 +60,15 @@ def output_file(path: Path, *, name: str, suffix: str = "") -> Path:
     """
     if path.is_dir():
         msg = f"cannot write -o {path}: it is a directory; give a file name, such as {path / name}"
-        raise ValueError(msg)
+        raise OutputRefused(msg)
     if suffix and path.suffix.lower() != suffix:
         msg = f"cannot write -o {path}: it is written as a {suffix} file; give a name ending in {suffix}, such as {path.with_suffix(suffix)}"
-        raise ValueError(msg)
+        raise OutputRefused(msg)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         msg = f"cannot write -o {path}: {exc.strerror or exc} (give a path in a directory you can create and write)"
-        raise ValueError(msg) from None
+        raise OutputRefused(msg) from None
     return path
 
 
@@ -77,4 +78,4 @@ def write_output(path: Path, text: str, *, name: str) -> None:
         output_file(path, name=name).write_text(text)
     except OSError as exc:
         msg = f"cannot write -o {path}: {exc.strerror or exc} (give a file you can write)"
-        raise ValueError(msg) from None
+        raise OutputRefused(msg) from None

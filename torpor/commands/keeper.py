@@ -11,9 +11,9 @@ import time
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from torpor.errors import KeeperUnavailable
 from torpor.keeper.daemon import Keeper
 from torpor.keeper.keeperclient import KeeperLink
-from torpor.keeper.refusals import KeeperUnavailable
 from torpor.statemachine.core.timeouts import timeout_seconds
 from torpor.textout import fmt_bytes
 

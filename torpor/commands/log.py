@@ -12,6 +12,7 @@ from typing import Any
 
 from torpor.commands import log_file, no_events, seconds
 from torpor.commands.writer import writer_running
+from torpor.errors import NoEventLog
 from torpor.statemachine import Event, EventKind, Projection, read_events
 from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.logsource import wall_problem
@@ -238,7 +239,7 @@ def _await_log(args: argparse.Namespace) -> Path:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 msg = f"{exc} after waiting {args.timeout:g} s (--timeout)"
-                raise FileNotFoundError(msg) from None
+                raise NoEventLog(msg) from None
             if not waiting:
                 print(f"torpor log: {exc} yet; waiting for it (Ctrl-C to stop)", file=sys.stderr, flush=True)
                 waiting = True

@@ -20,7 +20,7 @@ from torpor.demo.cycles import CYCLE_KINDS, render, run_cycle
 from torpor.demo.gpu import GpuWorkload
 from torpor.demo.sim import SimWorkload
 from torpor.demo.workload import Workload
-from torpor.errors import DemoError, MissingExtra, PoolBusy, TorporError
+from torpor.errors import BadArgument, DemoError, MissingExtra, PoolBusy, TorporError
 from torpor.extras import available
 from torpor.statemachine import SleepController, log_path_for
 from torpor.telemetry.grafana import render_dashboard
@@ -63,7 +63,7 @@ def pick_device(requested: str) -> tuple[str, str]:
     """(device, why): ``cuda`` when asked or available, else ``sim``; ValueError when cuda is asked for and absent."""
     if requested not in DEVICES:
         msg = f"--device must be one of {', '.join(DEVICES)}, got {requested!r}"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     if requested == "sim":
         return "sim", "asked for with --device sim"
     if cuda_available():
@@ -74,7 +74,7 @@ def pick_device(requested: str) -> tuple[str, str]:
         return "sim", "torch is not installed; pip install '.[cuda]' from a torpor checkout for the GPU demo"
     if requested == "cuda":
         msg = "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device sim"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     return "sim", "no CUDA device found (torch.cuda.is_available() is False)"
 
 
@@ -153,10 +153,10 @@ def run_demo(opts: DemoOptions) -> int:
 
     if opts.cycles < 1:
         msg = f"--cycles must be at least 1, got {opts.cycles}"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     if not 0 <= opts.port <= 65535:
         msg = f"--port must be 0 (any free port) to 65535, got {opts.port}"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     device, why = pick_device(opts.device)
     log_dir = Path(opts.log_dir) if opts.log_dir else Path(tempfile.mkdtemp(prefix="torpor-demo-"))
     try:
@@ -169,7 +169,7 @@ def run_demo(opts: DemoOptions) -> int:
             f"cannot use --log-dir {log_dir}: {why} "
             "(give a directory you can create and write, or leave --log-dir out for a new temp dir)"
         )
-        raise ValueError(msg) from None
+        raise BadArgument(msg) from None
     log = log_path_for(log_dir, ENGINE, 0)
     kinds = [CYCLE_KINDS[i % len(CYCLE_KINDS)] for i in range(opts.cycles)]
     progress = Progress(out, total=3 + sum(1 + 2 * len(k.wakes) for k in kinds))

@@ -12,14 +12,7 @@ has the design, the threat model and the limits.
 
 from __future__ import annotations
 
-from torpor.keeper.adoption import adopt, identity_of, track_model
-from torpor.keeper.backing import KeeperBacking, attach
-from torpor.keeper.daemon import Keeper
-from torpor.keeper.fingerprint import ModelIdentity, TensorSpec, mismatch
-from torpor.keeper.keeperclient import KeeperLink
-from torpor.keeper.kept import Adopted, KeptBackup, claim_backup, open_backup
-from torpor.keeper.prefetching import Pinned, prefetch, wait_released
-from torpor.keeper.refusals import (
+from torpor.errors import (
     AdoptionRefused,
     KeeperBudgetExceeded,
     KeeperDenied,
@@ -28,6 +21,13 @@ from torpor.keeper.refusals import (
     KeeperUnavailable,
     KeeperUntrusted,
 )
+from torpor.keeper.adoption import adopt, identity_of, track_model
+from torpor.keeper.backing import KeeperBacking, attach
+from torpor.keeper.daemon import Keeper
+from torpor.keeper.fingerprint import ModelIdentity, TensorSpec, mismatch
+from torpor.keeper.keeperclient import KeeperLink
+from torpor.keeper.kept import Adopted, KeptBackup, claim_backup, open_backup
+from torpor.keeper.prefetching import Pinned, prefetch, wait_released
 from torpor.keeper.wire import socket_path
 
 __all__ = [

@@ -19,12 +19,12 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from torpor.errors import BadArgument, KeeperError
 from torpor.keeper.backing import KeeperBacking
 from torpor.keeper.fingerprint import ModelIdentity, TensorSpec
 from torpor.keeper.kept import ADOPTED, Adopted, open_backup
 from torpor.keeper.pinnedcopy import copy_into
 from torpor.keeper.prefetching import Pinned, taken
-from torpor.keeper.refusals import KeeperError
 from torpor.statemachine.machine.controller import SleepController
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def track_model(backing: KeeperBacking, model: torch.nn.Module, source: str) -> 
     for name, t in _tensors(model):
         if not t.is_contiguous():
             msg = f"tensor {name!r} is not contiguous: a keeper backup is read back as contiguous bytes"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         addresses[name] = t.data_ptr()
     backing.track(identity, addresses)
     return identity

@@ -30,10 +30,10 @@ from typing import Any
 
 from torpor.allocator.sleepwake.plan import host_range
 from torpor.allocator.tagged import TaggedAllocator
+from torpor.errors import BadArgument, KeeperBudgetExceeded, KeeperError
 from torpor.keeper import shmem
 from torpor.keeper.fingerprint import ModelIdentity
 from torpor.keeper.keeperclient import KeeperLink
-from torpor.keeper.refusals import KeeperBudgetExceeded, KeeperError
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.machine.controller import SleepController
 
@@ -170,7 +170,7 @@ class KeeperBacking:
         missing = sorted({t.name for t in identity.tensors} - set(addresses))
         if missing:
             msg = f"no device address for {len(missing)} tensor(s) of the identity: {', '.join(missing[:5])}"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         self._identity = identity
         self._addresses = dict(addresses)
 

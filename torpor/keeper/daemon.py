@@ -40,12 +40,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from torpor.errors import BadArgument, BadMessage, RequestRefused
 from torpor.keeper import wire
 from torpor.keeper.holdings import Session
 from torpor.keeper.ledger import Ledger
 from torpor.keeper.listening import Listening
 from torpor.keeper.operations import OPS, Reply
-from torpor.keeper.refusals import BadMessage, RequestRefused, byte_size
+from torpor.units import byte_size
 
 __all__ = ["MAX_CONNECTIONS", "Keeper"]
 
@@ -63,7 +64,7 @@ class Keeper:
     def __init__(self, path: str | os.PathLike[str] | None = None, budget_bytes: int = 64 << 30) -> None:
         if budget_bytes <= 0:
             msg = f"the keeper's budget must be a positive number of bytes, not {budget_bytes}"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         self.path = wire.socket_path(path)
         self.budget = budget_bytes
         self.uid = os.getuid()

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torpor.errors import BadArgument
+
 __all__ = ["ModelIdentity", "TensorSpec", "mismatch"]
 
 
@@ -69,7 +71,7 @@ class ModelIdentity:
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
             msg = f"tensor names must be unique in a model identity; named more than once: {', '.join(twice[:5])}"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         return cls(source, tuple(tensors))
 
 

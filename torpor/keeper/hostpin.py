@@ -19,7 +19,7 @@ import ctypes
 import threading
 from typing import Any
 
-from torpor.keeper.refusals import PinningUnavailable
+from torpor.errors import PinningUnavailable
 
 __all__ = ["HostPinning"]
 

@@ -22,8 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torpor.keeper import wire
-from torpor.keeper.refusals import (
+from torpor.errors import (
     AdoptionRefused,
     KeeperBudgetExceeded,
     KeeperDenied,
@@ -31,6 +30,7 @@ from torpor.keeper.refusals import (
     KeeperUnavailable,
     KeeperUntrusted,
 )
+from torpor.keeper import wire
 
 __all__ = ["KeeperLink"]
 

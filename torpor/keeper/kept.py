@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from torpor.errors import KeeperError
 from torpor.keeper import shmem
 from torpor.keeper.fingerprint import ModelIdentity
 from torpor.keeper.keeperclient import KeeperLink
-from torpor.keeper.refusals import KeeperError
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.machine.controller import SleepController
 
@@ -84,7 +84,7 @@ class KeptBackup:
     def verify(self, identity: ModelIdentity) -> None:
         """Have the keeper check a claimed backup (:func:`claim_backup`) against ``identity``; the copy's clock starts now.
 
-        A mismatch raises :class:`~torpor.keeper.refusals.AdoptionRefused` with
+        A mismatch raises :class:`~torpor.errors.AdoptionRefused` with
         the reason, and the keeper lets the claim go (another process may adopt).
         """
         reply = self.link.adopt(self.engine, identity.to_dict())

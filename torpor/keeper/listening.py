@@ -33,7 +33,7 @@ import socket
 import stat
 from pathlib import Path
 
-from torpor.keeper.refusals import KeeperPathRefused
+from torpor.errors import KeeperPathRefused
 
 __all__ = ["Listening", "socket_directory"]
 

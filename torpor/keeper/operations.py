@@ -4,7 +4,7 @@
 checks the request's fields and does the costly work (a manifest's coverage,
 the identity's digest) outside the keeper's lock; ``apply`` runs under it,
 returns the reply and the descriptors that go with it (the caller closes them
-once sent), and raises :class:`~torpor.keeper.refusals.RequestRefused` to
+once sent), and raises :class:`~torpor.errors.RequestRefused` to
 refuse. An engine says ``hello`` first (``create``, ``free``, ``publish``,
 ``retract`` act on its name); ``claim``/``adopt``, ``map`` and ``adopted``
 take a dead engine's backup over; ``status`` and ``drop`` are an operator's.
@@ -19,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torpor.errors import RequestRefused
 from torpor.keeper import shmem
 from torpor.keeper.fingerprint import ModelIdentity, mismatch
 from torpor.keeper.holdings import Backup, Engine, Region, Session
 from torpor.keeper.ledger import Ledger
-from torpor.keeper.refusals import RequestRefused, byte_size
 from torpor.statemachine.core.enginename import check_engine_name
+from torpor.units import byte_size
 
 __all__ = ["OPS", "Operation", "Reply"]
 

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
+from torpor.errors import BadArgument
+
 if TYPE_CHECKING:
     import torch
 
@@ -64,7 +66,7 @@ class PinnedPieces:
     ) -> None:
         if piece_bytes <= 0 or threads <= 0:
             msg = f"piece_bytes={piece_bytes} and threads={threads} must be positive"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         self._pin, self._unpin, self._populate = pin, unpin, populate
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torpor-adopt-pin")
         self._pieces: list[tuple[int, int, Future[bool]]] = []
@@ -139,7 +141,7 @@ def copy_into(backup: Segments, tensors: Iterable[tuple[str, torch.Tensor]], pie
                 f"tensor {name!r}: the backup covers {sum(n for _, n in covered)} of its {flat.numel()} bytes "
                 "(its segments must cover it exactly, in order, once); nothing was copied"
             )
-            raise ValueError(msg)
+            raise BadArgument(msg)
         copies += [(host, n, at, flat) for host, n, at in parts]
     copies.sort(key=lambda c: c[0])
     total = 0

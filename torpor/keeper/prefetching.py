@@ -27,11 +27,11 @@ import logging
 import os
 import threading
 
+from torpor.errors import KeeperError, PinningUnavailable
 from torpor.keeper import shmem
 from torpor.keeper.hostpin import HostPinning
 from torpor.keeper.kept import KeptBackup, claim_backup
 from torpor.keeper.pinnedcopy import PinnedPieces
-from torpor.keeper.refusals import KeeperError, PinningUnavailable
 from torpor.keeper.wire import socket_path
 
 __all__ = ["PIN_THREADS", "Pinned", "prefetch", "taken", "wait_released"]

@@ -16,6 +16,7 @@ import mmap
 import os
 
 from torpor.allocator.native.libc import libc as _libc
+from torpor.errors import RegionMapFailed
 
 __all__ = ["create_region", "map_anywhere", "map_over", "populate", "unmap"]
 
@@ -41,7 +42,7 @@ def _checked(got: int | None, what: str) -> int:
     if got in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         msg = f"{what} failed: {os.strerror(err)}"
-        raise OSError(err, msg)
+        raise RegionMapFailed(err, msg)
     return int(got)  # type: ignore[arg-type]
 
 
@@ -52,7 +53,7 @@ def map_over(fd: int, address: int, nbytes: int) -> None:
     if got != address:  # MAP_FIXED maps where asked or fails
         _libc().munmap(got, nbytes)
         msg = f"a keeper region was mapped at {got:#x}, not at {address:#x}"
-        raise OSError(msg)
+        raise RegionMapFailed(msg)
     _libc().madvise(address, nbytes, _MADV_HUGEPAGE)  # huge pages where shmem allows them (shmem_enabled); advice only
 
 
@@ -67,7 +68,7 @@ def unmap(address: int, nbytes: int) -> None:
     if _libc().munmap(address, nbytes) != 0:
         err = ctypes.get_errno()
         msg = f"unmapping a keeper region at {address:#x} failed: {os.strerror(err)}"
-        raise OSError(err, msg)
+        raise RegionMapFailed(err, msg)
 
 
 def populate(address: int, nbytes: int) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from torpor.keeper.refusals import BadMessage, WireClosed
+from torpor.errors import BadMessage, WireClosed
 
 __all__ = ["MAX_FDS", "MAX_MESSAGE", "SOCKET_ENV", "peer", "receive", "send", "socket_path"]
 
@@ -124,13 +124,13 @@ def _finite(text: str) -> float:
     value = float(text)
     if math.isinf(value):
         msg = f"the number {text[:40]} is out of range"
-        raise ValueError(msg)
+        raise BadMessage(msg, in_step=True)
     return value
 
 
 def _no_constant(text: str) -> Any:
     msg = f"{text} is not a JSON number"
-    raise ValueError(msg)
+    raise BadMessage(msg, in_step=True)
 
 
 def _parsed(body: bytes) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from torpor.errors import NotInFleet
 from torpor.statemachine.core.protocol import TagUsage
 from torpor.statemachine.core.states import ASLEEP, State
 
@@ -199,7 +200,7 @@ class EngineView:
             if view.rank == number:
                 return view
         msg = f"engine {self.engine!r} has no rank {number}; ranks: {', '.join(str(r.rank) for r in self.ranks)}"
-        raise KeyError(msg)
+        raise NotInFleet(msg)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -241,7 +242,7 @@ class FleetView:
             if view.engine == name:
                 return view
         msg = f"no engine {name!r} in {self.directory}; engines: {', '.join(e.engine for e in self.engines)}"
-        raise KeyError(msg)
+        raise NotInFleet(msg)
 
     def lagging(self) -> list[str]:
         """``ENGINE.rankN`` for every lagging rank of every engine."""

@@ -48,6 +48,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from torpor.errors import BadArgument, ConnectionShed, ResponseStalled
 from torpor.telemetry.requesthead import CLOSED, HEAD_REFUSED, OK, TIMEOUT, framing_problem, read_head
 
 #: Refused connections kept at once while their 503 goes out (beyond: the oldest closes now).
@@ -259,10 +260,10 @@ class DeadlineWriter(io.BufferedIOBase):
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             msg = "the response did not go out within the write timeout (the client does not read)"
-            raise TimeoutError(msg)
+            raise ResponseStalled(msg)
         if not self._admission.writing(self._sock):
             msg = "connection dropped to make room while its client was not reading"
-            raise ConnectionAbortedError(msg)
+            raise ConnectionShed(msg)
         try:
             self._sock.settimeout(remaining)
             self._sock.sendall(data)
@@ -293,7 +294,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
         raw = [name for name, value in (headers or {}).items() if not _FIELD_VALUE.fullmatch(value)]
         if raw:  # a route passed data unencoded: nothing goes out rather than a forged or broken head
             msg = f"header(s) {', '.join(raw)} refused: a value must be visible ASCII (encode_header_value); nothing was sent"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))

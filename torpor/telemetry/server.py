@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from torpor.errors import BadRequest
+from torpor.errors import BadArgument, BadRequest
 from torpor.statemachine.log.logsource import LogSource, resolve_log
 from torpor.telemetry import multiprocess, negotiate
 from torpor.telemetry.admission import Admission, BoundedHandler, BoundedServer
@@ -167,10 +167,10 @@ class Server:
                 f"max_waiters={max_waiters} refused: long-polls must leave connections for other requests "
                 f"(0 < max_waiters < max_connections={max_connections})"
             )
-            raise ValueError(msg)
+            raise BadArgument(msg)
         if not (math.isfinite(read_timeout) and read_timeout > 0):
             msg = f"read_timeout={read_timeout!r} refused: a positive number of seconds"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         self.source = source
         self._render = render
         self.registry = registry

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torpor.errors import BadEvent, NoEvents
 from torpor.statemachine.core.events import Event
 from torpor.statemachine.core.states import State
 from torpor.statemachine.log.logsource import wall_problem
@@ -96,11 +97,11 @@ def plot(log: str | os.PathLike[str], output: str | os.PathLike[str], title: str
     if problems:  # a time axis from such a wall would be nonsense: the log is bad, say so
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         msg = f"{problems[0]}{more}; the log is bad, nothing plotted"
-        raise ValueError(msg)
+        raise BadEvent(msg)
     tl = timeline(events)
     if not tl.times:
         msg = f"{log} holds no events to plot"
-        raise ValueError(msg)
+        raise NoEvents(msg)
     peak = max(
         (sum(tl.bytes[t][r][i] for t in tl.tags) for r, _ in RESIDENCIES for i in range(len(tl.times))), default=0
     )

@@ -19,9 +19,9 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torpor.errors import TagStateError, TmsConfigError, TmsError, TmsUsageError
     from torpor.tms.preload import configure_subprocess
     from torpor.tms.saver import TorchMemorySaver
-    from torpor.tms.tmserrors import TagStateError, TmsConfigError, TmsError, TmsUsageError
 
     #: The process's saver, as TMS's global singleton.
     torch_memory_saver: TorchMemorySaver
@@ -39,10 +39,10 @@ __all__ = [
 _LAZY = {
     "TorchMemorySaver": "torpor.tms.saver",
     "configure_subprocess": "torpor.tms.preload",
-    "TagStateError": "torpor.tms.tmserrors",
-    "TmsConfigError": "torpor.tms.tmserrors",
-    "TmsError": "torpor.tms.tmserrors",
-    "TmsUsageError": "torpor.tms.tmserrors",
+    "TagStateError": "torpor.errors",
+    "TmsConfigError": "torpor.errors",
+    "TmsError": "torpor.errors",
+    "TmsUsageError": "torpor.errors",
 }
 _SINGLETON = "torch_memory_saver"
 _C_ENTRY_POINTS = "torpor.tms.binarywrapper"  # loaded only with the preload library on LD_PRELOAD

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from torpor.allocator import TaggedAllocator
 from torpor.allocator.sleepwake.plan import clip, copies
-from torpor.tms.tmserrors import TmsUsageError
+from torpor.errors import TmsUsageError
 
 Span = tuple[int, int]  # host address, bytes
 

@@ -20,10 +20,10 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 from torpor.allocator import CaptureHandle, TaggedAllocator
+from torpor.errors import TmsArgumentError, TmsNotReadable, TmsUsageError, TmsWriteOnly
 from torpor.tms.hostcopy import backup_spans, not_found, owning_tag, read_spans
 from torpor.tms.tmsengine import HOOK_MODES
 from torpor.tms.tmsenv import CpuBackupBackend
-from torpor.tms.tmserrors import TmsUsageError
 from torpor.tms.tmsimpl import TmsImpl
 
 logger = logging.getLogger("torpor.tms")
@@ -120,26 +120,26 @@ class TorchMemorySaver:
     @property
     def hook_mode(self) -> str:
         """Write-only, as in TMS."""
-        raise AttributeError("hook_mode is write-only")
+        raise TmsWriteOnly("hook_mode is write-only")
 
     @hook_mode.setter
     def hook_mode(self, hook_mode: str) -> None:
         if hook_mode not in HOOK_MODES:
             msg = f"hook_mode must be one of {', '.join(HOOK_MODES)}, not {hook_mode!r}"
-            raise ValueError(msg)
+            raise TmsArgumentError(msg)
         self._configurable("hook_mode")["hook_mode"] = hook_mode
 
     @property
     def memory_margin_bytes(self) -> int:
         """Write-only, as in TMS: reading it raises, with TMS's own words in the message for callers that match them."""
         msg = "memory_margin_bytes can be set, not read (TMS: Only setter is supported)"
-        raise NotImplementedError(msg)
+        raise TmsNotReadable(msg)
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int) -> None:
         if type(value) is not int or value < 0:
             msg = f"memory_margin_bytes must be a number of bytes (an int, 0 or more), not {value!r}"
-            raise ValueError(msg)
+            raise TmsArgumentError(msg)
         self._ensure_initialized().memory_margin_bytes = value
 
     @property
@@ -191,10 +191,10 @@ class TorchMemorySaver:
             return
         if not enable_cpu_backup:
             msg = f"cpu_backup_backend={cpu_backup_backend!r} requires enable_cpu_backup=True (a region without it keeps no copy)"
-            raise ValueError(msg)
+            raise TmsArgumentError(msg)
         if cpu_backup_backend not in ("mmap", "pinned"):
             msg = f"cpu_backup_backend must be 'mmap' or 'pinned', not {cpu_backup_backend!r}"
-            raise ValueError(msg)
+            raise TmsArgumentError(msg)
 
     def _ensure_initialized(self) -> TmsImpl:
         with self._init_lock:

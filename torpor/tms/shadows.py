@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from torpor.allocator import TaggedAllocator
 from torpor.allocator.native.libc import libc
-from torpor.tms.tmserrors import DiskBackupRefused
+from torpor.errors import DiskBackupRefused, TmsBackupMapFailed, TmsDiskBackupShort
 
 PINNED, MMAP, DISK = "pinned", "mmap", "disk"
 MODES = (PINNED, MMAP, DISK)
@@ -51,7 +51,7 @@ def _mmap(nbytes: int) -> int:
     host = libc().mmap(None, nbytes, _PROT_RW, _MAP_ANON_PRIVATE, -1, 0)
     if host in (None, _FAILED):
         msg = f"mmap of {nbytes} bytes for a CPU backup failed (errno {ctypes.get_errno()})"
-        raise MemoryError(msg)
+        raise TmsBackupMapFailed(msg)
     return int(host)
 
 
@@ -188,7 +188,7 @@ class ShadowStore:
                 got = src.readinto(memoryview((ctypes.c_char * m).from_address(stage)))
                 if got != m:
                     msg = f"disk backup {shadow.path} is short: {off + (got or 0)} of {shadow.size} bytes"
-                    raise OSError(msg)
+                    raise TmsDiskBackupShort(msg)
                 self._h2d(shadow.address + off, stage, m, shadow.device, False)
                 self.driver.wait(self.driver.record(shadow.device))
 

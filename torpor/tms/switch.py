@@ -27,6 +27,7 @@ import sys
 from collections.abc import MutableMapping, Sequence
 from types import ModuleType
 
+from torpor.errors import TmsNotProvided
 from torpor.switches import env_switch
 
 logger = logging.getLogger("torpor.tms")
@@ -84,7 +85,7 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         if aliased is None:
             if fullname.startswith(f"{TMS}."):
                 msg = f"torpor.tms does not provide {fullname!r} ({ENV}=1; docs/tms.md lists what it provides)"
-                raise ModuleNotFoundError(msg, name=fullname)
+                raise TmsNotProvided(msg, name=fullname)
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(aliased), is_package=aliased == "torpor.tms")
 

@@ -7,7 +7,7 @@ until torpor's preload library is on ``LD_PRELOAD``, preload mode too:
 controller's ``sleep(1)``/``wake()``, so every one is a logged transition
 with its events and metrics. All checks come before anything is touched: a
 ``pause`` of a tag not awake or a ``resume`` of a tag not paused raises
-:class:`~torpor.tms.tmserrors.TagStateError` naming the tag and its state.
+:class:`~torpor.errors.TagStateError` naming the tag and its state.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torpor.allocator import TaggedAllocator
-from torpor.errors import AllocatorError
+from torpor.errors import AllocatorError, TagStateError, TmsArgumentError, TmsUsageError
 from torpor.hooks.nccl import apply_nccl_defaults
 from torpor.hooks.predicate import cudagraph_pool_decision
 from torpor.statemachine.core.events import EventKind
@@ -35,7 +35,6 @@ from torpor.tms.preload import PreloadHook, preloaded
 from torpor.tms.switch import active
 from torpor.tms.tagview import DISCARD_MODE, TagView, TmsTag, mode_of
 from torpor.tms.tmsenv import BACKENDS, TmsSettings
-from torpor.tms.tmserrors import TagStateError, TmsUsageError
 
 logger = logging.getLogger("torpor.tms")
 
@@ -122,7 +121,7 @@ class TmsEngine:
     ) -> None:
         if hook_mode not in HOOK_MODES:
             msg = f"hook_mode must be one of {', '.join(HOOK_MODES)}, not {hook_mode!r}"
-            raise ValueError(msg)
+            raise TmsArgumentError(msg)
         check_alloc_conf()
         self.hook_mode = hook_mode
         self.settings = settings if settings is not None else TmsSettings.from_env()
@@ -246,11 +245,12 @@ class TmsEngine:
     ) -> Iterator[None]:
         """Allocations of this thread inside go to ``tag``'s torpor tag for these settings (nestable: inner wins)."""
         if enable_cpu_backup and enable_disk_backup:
-            raise ValueError("enable_cpu_backup and enable_disk_backup are mutually exclusive")
+            msg = "enable_cpu_backup and enable_disk_backup are mutually exclusive"
+            raise TmsArgumentError(msg)
         resolved = backend or self.cpu_backup_backend
         if resolved not in BACKENDS:
             msg = f"cpu_backup_backend must be one of {', '.join(BACKENDS)}, not {resolved!r}"
-            raise ValueError(msg)
+            raise TmsArgumentError(msg)
         config = RegionConfig(tag, mode_of(enable_cpu_backup, enable_disk_backup, resolved))
         torpor_tag = self.torpor_tag(tag, config.mode)
         stack = self._stack()

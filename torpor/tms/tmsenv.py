@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from torpor.tms.tmserrors import TmsConfigError
+from torpor.errors import TmsConfigError
 
 CpuBackupBackend = Literal["mmap", "pinned"]
 

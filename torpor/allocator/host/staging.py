@@ -31,6 +31,7 @@ import threading
 from torpor.allocator.failures import wrap
 from torpor.allocator.host.offload import HostArena
 from torpor.allocator.native.driver import Driver
+from torpor.errors import AllocatorError
 
 __all__ = ["Stager"]
 
@@ -83,7 +84,7 @@ class Stager:
                     failed = self._no_ring
                     self._stop()
                     self._raise_failed()  # a thread hit something other than a failed pin: the sleep fails
-                    self._give_up(failed or RuntimeError("no staging slot"))
+                    self._give_up(failed or AllocatorError("staging", None, "no staging slot could be pinned"))
                     return False
                 self._slot_at = slot
                 self._device = device

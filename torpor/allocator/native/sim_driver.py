@@ -21,7 +21,7 @@ from typing import Any
 
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
-from torpor.errors import DriverError, DriverOutOfMemory
+from torpor.errors import BadArgument, DriverError, DriverOutOfMemory
 
 MiB = 1 << 20
 
@@ -61,7 +61,7 @@ class SimDriver(Driver):
             msg = (
                 f"cannot simulate {devices} device(s) with a granularity of {granularity} (a multiple of the page size)"
             )
-            raise ValueError(msg)
+            raise BadArgument(msg)
         self._driver = self.lib.tp_drv_sim(self.native_sim)
         self._capacity = capacity
         self._host_capacity = host_capacity if host_capacity is not None else 4 * capacity
@@ -106,14 +106,14 @@ class SimDriver(Driver):
         """Fail the ``nth`` next invocation of ``call`` (and the ``times - 1`` after it); ``oom`` raises out-of-memory."""
         if call not in self.CALLS:
             msg = f"SimDriver cannot fail {call!r}: it makes only {', '.join(self.CALLS)}"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         if nth < 1 or times < 1:
             msg = f"nth and times must be >= 1, got nth={nth}, times={times}"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         why = (reason or "injected failure").encode()[:127]
         if self.lib.tp_sim_fail(self.native_sim, self.CALLS.index(call), nth, times, int(oom), why) != 0:
             msg = f"too many armed failures of {call!r} (16 at most)"
-            raise ValueError(msg)
+            raise BadArgument(msg)
 
     def drop_handles(self) -> int:
         """Teardown: close every handle a failed release left open (a file descriptor each); the number closed."""

@@ -29,6 +29,7 @@ from torpor.allocator.squeeze.layout import (
     spec_of,
 )
 from torpor.allocator.squeeze.sum64 import sum64
+from torpor.errors import BadArgument
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -84,7 +85,7 @@ def check_chunk_size(chunk_size: int) -> None:
     """Refuse a chunk size the format does not take (ValueError naming the allowed ones)."""
     if not (MIN_CHUNK <= chunk_size <= MAX_CHUNK and chunk_size % MIN_CHUNK == 0):
         msg = f"chunk size {chunk_size} refused: it must be a multiple of {MIN_CHUNK} bytes in {MIN_CHUNK}..{MAX_CHUNK}"
-        raise ValueError(msg)
+        raise BadArgument(msg)
 
 
 def encode(

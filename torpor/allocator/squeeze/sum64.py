@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from torpor.errors import BadArgument
+
 MASK64 = (1 << 64) - 1
 #: The key multiplier: 2**64 / golden ratio, odd.
 KEY = 0x9E3779B97F4A7C15
@@ -51,7 +53,7 @@ def sum64(data: npt.NDArray[np.uint8], start: int = 0) -> int:
     """The sum64 of ``data``, which begins at byte ``start`` (a multiple of 4) of the backup."""
     if start % 4:
         msg = f"sum64 refused: a chunk starts at byte {start}, not a multiple of 4"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     n = int(data.size)
     padded = np.zeros((n + 3) // 4 * 4, dtype=np.uint8)
     padded[:n] = data

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import unicodedata
 
+from torpor.errors import BadArgument, BadArgumentType
+
 __all__ = ["ENGINE_NAME_RULE", "MAX_ENGINE_NAME", "check_engine_name", "engine_name_problem", "refusal"]
 
 #: The longest engine name in bytes of UTF-8: its log file ``.ENGINE.rankN.jsonl.lock`` fits a 255-byte file
@@ -72,11 +74,11 @@ def check_engine_name(engine: object, *, source: str = "", refused: str = "") ->
     """
     if type(engine) is not str:
         msg = f"engine must be a str naming the engine, got {type(engine).__name__} {engine!r}{refused}"
-        raise TypeError(msg)
+        raise BadArgumentType(msg)
     problem = engine_name_problem(engine)
     if problem is not None:
         msg = refusal(engine, problem, ENGINE_NAME_RULE, source=source, refused=refused)
-        raise ValueError(msg)
+        raise BadArgument(msg)
     return engine
 
 

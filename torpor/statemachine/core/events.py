@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torpor.errors import BadEvent
 from torpor.statemachine.core.fields import SCALARS, Field, Payload, freeze, thaw
 from torpor.statemachine.core.kinds import BOUNDARY_KINDS, KIND_NAMED, SCHEMA_VERSION, EventKind
 from torpor.statemachine.core.payloads import (
@@ -136,16 +137,16 @@ class Event:
         kind: Any = get("kind")
         if not isinstance(kind, str) or kind not in KIND_NAMED:
             msg = f"unknown event kind {kind!r}"
-            raise ValueError(msg)
+            raise BadEvent(msg)
         wall, mono = _float_field("wall", get("wall")), _float_field("mono", get("mono"))
         for name, want in _ENVELOPE.items():
             if type(get(name)) is not want:
                 msg = f"field {name!r} must be {want.__name__}, got {get(name)!r}"
-                raise ValueError(msg)
+                raise BadEvent(msg)
         data: Any = get("data", {})
         if not isinstance(data, Mapping):
             msg = f"field 'data' must be an object, got {type(data).__name__}"
-            raise ValueError(msg)
+            raise BadEvent(msg)
         schema = get("schema", SCHEMA_VERSION)
         return cls(
             KIND_NAMED[kind],
@@ -169,7 +170,7 @@ def _float_field(name: str, value: Any) -> float:
     if type(value) is int:
         return float(value)
     msg = f"field {name!r} must be float, got {value!r}"
-    raise ValueError(msg)
+    raise BadEvent(msg)
 
 
 def make_event(kind: EventKind, seq: int, engine: str, rank: int, data: Mapping[str, Any]) -> Event:

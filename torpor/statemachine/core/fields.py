@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, NoReturn, dataclass_transform, get_origin
 
+from torpor.errors import ReadOnlyPayload, SchemaDefinitionError
+
 #: The default of a field that must be present.
 REQUIRED: Any = object()
 #: Values :func:`freeze` leaves as they are.
@@ -102,7 +104,7 @@ class Payload(dict[str, Any]):
         super().__init_subclass__(**kwargs)
         if not kind:
             msg = f"payload class {cls.__name__} names no event kind (class {cls.__name__}(Payload, kind=...))"
-            raise TypeError(msg)
+            raise SchemaDefinitionError(msg)
         cls.kind = kind
         fields = dict(cls.fields)
         for name, hint in inspect.get_annotations(cls).items():
@@ -111,14 +113,14 @@ class Payload(dict[str, Any]):
                 continue
             if isinstance(hint, str):
                 msg = f"{cls.__name__}.{name}: annotations must be evaluated (no `from __future__ import annotations`)"
-                raise TypeError(msg)
+                raise SchemaDefinitionError(msg)
             if name in _DICT_NAMES or name in ("kind", "fields"):
                 msg = f"{cls.__name__}.{name}: a payload field cannot be named like a mapping method"
-                raise TypeError(msg)
+                raise SchemaDefinitionError(msg)
             default = cls.__dict__.get(name, REQUIRED)
             if isinstance(default, dict | list | set):
                 msg = f"{cls.__name__}.{name}: a default must be immutable (a read-only mapping or a tuple)"
-                raise TypeError(msg)
+                raise SchemaDefinitionError(msg)
             fields[name] = Field(name, hint, default)
             getter = operator.itemgetter(name) if default is REQUIRED else operator.methodcaller("get", name, default)
             setattr(cls, name, property(getter, doc=f"The ``{name}`` field ({_type_name(hint)})."))
@@ -132,7 +134,7 @@ class Payload(dict[str, Any]):
 
     def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
         msg = f"a {self.kind} payload is read-only; build a new event instead"
-        raise TypeError(msg)
+        raise ReadOnlyPayload(msg)
 
     __setitem__ = __delitem__ = _refuse
     clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]

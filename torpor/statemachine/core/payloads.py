@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any
 
+from torpor.errors import SchemaIncomplete
 from torpor.statemachine.core.fields import Payload
 from torpor.statemachine.core.kinds import EventKind
 
@@ -274,7 +275,7 @@ PAYLOADS: Mapping[EventKind, type[Payload]] = MappingProxyType(
 )
 if set(PAYLOADS) != set(EventKind):  # a kind without a class would make every reader fail
     _msg = f"event kinds without a payload class: {sorted(set(EventKind) - set(PAYLOADS))}"
-    raise ImportError(_msg)
+    raise SchemaIncomplete(_msg)
 
 
 __all__ = [

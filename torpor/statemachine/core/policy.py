@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from torpor.errors import InvalidLevel
+from torpor.errors import BadArgument, InvalidLevel
 
 
 class Action(enum.StrEnum):
@@ -66,16 +66,16 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]+)(?:\.([0-9]+))?\s*([kmgt]?)(?:i?b)?\s*", text.lower())
     if match is None:
         msg = f"not a byte size: {text!r} (say 64GiB, 512MiB or a number of bytes)"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     whole, fraction, unit = match.group(1).lstrip("0") or "0", (match.group(2) or "")[:24], _UNITS[match.group(3)]
     if len(whole) > 24:  # far over the limit: not converted (int() refuses past 4300 digits)
         msg = f"a byte size of {len(whole)} digits is over 2**63-1 (the most the event log records)"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     scale: int = 10 ** len(fraction)
     nbytes = int(whole) * unit + int(fraction or "0") * unit // scale  # integers: no float rounding
     if nbytes > MAX_BUDGET:
         msg = f"{text.strip()!r} is {nbytes} bytes, over 2**63-1 (the most the event log records)"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     return nbytes
 
 
@@ -102,7 +102,7 @@ class HostMemoryPolicy:
             type(self.budget_bytes) is not int or not 0 <= self.budget_bytes <= MAX_BUDGET
         ):
             msg = f"budget_bytes must be a number of bytes in 0..2**63-1 (what the log records) or None, not {self.budget_bytes!r}"
-            raise ValueError(msg)
+            raise BadArgument(msg)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HostMemoryPolicy:
@@ -118,7 +118,7 @@ class HostMemoryPolicy:
                 f"bad host-memory settings (TORPOR_HOST_PIN={pin!r}, TORPOR_HOST_AFTER_WAKE={after!r}, "
                 f"TORPOR_HOST_BUDGET={budget!r}): {exc}; pin is ahead|at_sleep, after-wake keep|release"
             )
-            raise ValueError(msg) from exc
+            raise BadArgument(msg) from exc
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form (recorded in the ``opened`` event)."""
@@ -166,7 +166,7 @@ class Policy:
                     msg = (
                         f"policy discards {tag!r} at level {level}: graphs hold write-once state, it must be offloaded"
                     )
-                    raise ValueError(msg)
+                    raise BadArgument(msg)
 
     def plan(self, level: int, tags: Iterable[str]) -> dict[str, Action]:
         """Return ``{tag: action}`` for sleeping ``tags`` at ``level``."""

@@ -23,6 +23,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypedDict, cast, runtime_checkable
 
+from torpor.errors import BadArgumentType
+
 
 class Kept(TypedDict, total=False):
     """An event's ``kept`` field, present only when tracked ranges were kept (logs stay as they were)."""
@@ -239,14 +241,14 @@ def capabilities_of(memory: object) -> frozenset[Capability]:
             found = {Capability(c) for c in declare()}
         except ValueError as exc:
             msg = f"{type(memory).__name__}.capabilities() names an unknown capability ({exc}); known: {', '.join(Capability)}"
-            raise TypeError(msg) from exc
+            raise BadArgumentType(msg) from exc
         lacking = sorted(c.value for c in found if not isinstance(memory, CAPABILITY_PROTOCOLS[c]))
         if lacking:
             msg = (
                 f"{type(memory).__name__}.capabilities() says {', '.join(lacking)} but the memory lacks "
                 "their methods (torpor.statemachine.core.protocol.CAPABILITY_PROTOCOLS names them)"
             )
-            raise TypeError(msg)
+            raise BadArgumentType(msg)
     if Capability.HOST in found:
         found.add(Capability.PINNED)
     return frozenset(found)

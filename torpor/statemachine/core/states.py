@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NotRequired, Protocol, TypedDict
 
-from torpor.errors import InvalidTransition, NotRecovered, PoolBusy, TorporError
+from torpor.errors import BadArgument, InvalidTransition, NotRecovered, PoolBusy, TableContradiction, TorporError
 
 
 class State(enum.StrEnum):
@@ -190,7 +190,7 @@ def _verdict(state: State, command: str) -> Verdict:
     if state.value in allowed:
         if (state, command) in REFUSALS:
             msg = f"the transition table accepts {command} from {state.value} and REFUSALS refuses it"
-            raise ValueError(msg)
+            raise TableContradiction(msg)
         dests = [State(row["dest"] or state.value) for row in _rows(command) if state.value in _sources(row)]
         return Verdict(command, state, tuple(dict.fromkeys(dests)), allowed, None)
     error, reason = REFUSALS.get((state, command), (InvalidTransition, ""))
@@ -211,7 +211,7 @@ def decide(state: State, command: str) -> Verdict:
         return GUARD[state, command]
     except KeyError:
         msg = f"{command!r} is not a command; the commands are {', '.join(COMMANDS)}"
-        raise ValueError(msg) from None
+        raise BadArgument(msg) from None
 
 
 def destination(source: State, trigger: str, facts: Facts) -> State | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from torpor.errors import BadArgument
+
 __all__ = ["timeout_seconds"]
 
 
@@ -22,5 +24,5 @@ def timeout_seconds(value: object, name: str = "timeout", *, refused: str = "") 
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:  # nan: False
         msg = f"{name}={value!r} is refused: give a finite number of seconds >= 0{refused}"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     return float(value)

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from torpor.errors import SchemaIncomplete
 from torpor.statemachine.core.events import Event
 from torpor.statemachine.core.fields import thaw
 from torpor.statemachine.core.kinds import EventKind
@@ -179,7 +180,7 @@ def _checks_of(kind: EventKind) -> dict[str, _Check]:
             msg = (
                 f"no payload check for {PAYLOADS[kind].__name__}.{field.name} of type {field.type!r}: add one to CHECKS"
             )
-            raise ImportError(msg)
+            raise SchemaIncomplete(msg)
         checks[field.name] = check
     return checks
 

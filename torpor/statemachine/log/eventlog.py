@@ -14,7 +14,15 @@ import threading
 import weakref
 from pathlib import Path
 
-from torpor.errors import EventTooLarge, LogCorrupted, LogWriteFailed, NotAnEventLog
+from torpor.errors import (
+    BadArgument,
+    EventTooLarge,
+    LogClosed,
+    LogCorrupted,
+    LogWriteFailed,
+    NotAnEventLog,
+    NothingWritten,
+)
 from torpor.statemachine.core.events import BOUNDARY_KINDS, Event
 from torpor.statemachine.log import files as logfile
 from torpor.statemachine.log.codec import LINE_PREFIX, unreadable
@@ -100,16 +108,16 @@ def _check_limits(max_bytes: object, max_line: object, keep: object) -> None:
             f"max_bytes={max_bytes!r} is refused: the active file is rotated once it passes max_bytes, an int of "
             f"at least {MIN_MAX_BYTES} (default {DEFAULT_MAX_BYTES}); a smaller one rotates after nearly every event"
         )
-        raise ValueError(msg)
+        raise BadArgument(msg)
     if type(max_line) is not int or not MIN_MAX_LINE <= max_line <= _MAX_INT:
         msg = f"max_line={max_line!r} is refused: the longest line, an int of at least {MIN_MAX_LINE} (default {DEFAULT_MAX_LINE})"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     if keep is not None and (type(keep) is not int or keep < 0):
         msg = (
             f"keep={keep!r} is refused: how many rotated segments stay on disk, an int >= 0 (0 keeps none, "
             "only the active file), or None to keep all"
         )
-        raise ValueError(msg)
+        raise BadArgument(msg)
 
 
 #: Every writer open in this process: a forked child lets go of their files (:func:`_forget_in_child`).
@@ -222,7 +230,7 @@ class EventLog:
         with UNINTERRUPTED, self._lock:  # the line and its count are one step: a Ctrl-C comes before or after
             if event.seq != self.last_seq + 1:
                 msg = f"event #{event.seq} appended after #{self.last_seq}: sequence numbers must follow on"
-                raise ValueError(msg)
+                raise BadArgument(msg)
             size = self._size + len(line)  # worked out before the write: after it, nothing but two stores
             self._write(line, event, sync=self.fsync and event.kind in BOUNDARY_KINDS)
             self.last_seq, self._size = event.seq, size
@@ -235,7 +243,7 @@ class EventLog:
             raise LogWriteFailed(str(self.path), event.kind.value, event.seq, reason)
         if fd is None:
             msg = f"the event log {self.path} is closed"
-            raise ValueError(msg)
+            raise LogClosed(msg)
         if self._torn:
             self._cut_back(event)
         written = 0
@@ -243,7 +251,7 @@ class EventLog:
             while written < len(line):
                 n = os.write(fd, line[written:])
                 if n <= 0:
-                    raise OSError(errno.ENOSPC, "no byte written")
+                    raise NothingWritten(errno.ENOSPC, "no byte written")
                 written += n
             if sync:
                 os.fsync(fd)
@@ -285,7 +293,7 @@ class EventLog:
         with UNINTERRUPTED, self._lock:  # never between the two renames, nor before the new file is held
             if snapshot.seq != self.last_seq + 1:
                 msg = f"snapshot #{snapshot.seq} after #{self.last_seq}: sequence numbers must follow on"
-                raise ValueError(msg)
+                raise BadArgument(msg)
             try:
                 self._rotate(line, snapshot)
             except BaseException:
@@ -312,7 +320,7 @@ class EventLog:
             while written < len(line):
                 n = os.write(fd, line[written:])
                 if n <= 0:
-                    raise OSError(errno.ENOSPC, "no byte written")
+                    raise NothingWritten(errno.ENOSPC, "no byte written")
                 written += n
             if self.fsync:
                 os.fsync(fd)

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from torpor.errors import TorporError
+from torpor.errors import BadArgument, NoEventLog, TorporError
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.fanout import Fanout
 from torpor.statemachine.log.follow import Follower
@@ -61,15 +61,15 @@ def resolve_log(
         if not logs:
             narrowed = "" if engine is None and rank is None else " of that engine and rank"
             msg = f"no event log (*.jsonl){narrowed} in directory {path}"
-            raise FileNotFoundError(msg)
+            raise NoEventLog(msg)
         if len(logs) > 1:
             names = ", ".join(p.name for p in logs)
             msg = f"{path} holds {len(logs)} event logs ({names}); {hint}"
-            raise ValueError(msg)
+            raise BadArgument(msg)
         return logs[0]
     if not segments(path):
         msg = f"no event log at {path}"
-        raise FileNotFoundError(msg)
+        raise NoEventLog(msg)
     return path
 
 
@@ -84,7 +84,7 @@ class LogSource:
         self.path = Path(path)
         if not segments(self.path):
             msg = f"no event log at {self.path}"
-            raise FileNotFoundError(msg)
+            raise NoEventLog(msg)
         self.poll = poll
         self.projection = Projection()
         #: The error the log is stuck at (a ``LogCorrupted`` naming file and line), or None while it reads.

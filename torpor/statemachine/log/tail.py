@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
-from torpor.errors import LogCorrupted, TorporError
+from torpor.errors import LogCorrupted, NoEventLog, TorporError
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.framing import batches, open_regular, read_lines, too_long, warn_torn
 
@@ -137,7 +137,7 @@ class Tail:
         """Every whole event on disk after :attr:`last_seq`, in order; a bad line raises after the events before it."""
         if self.strict and not segments(self.path):
             msg = f"no event log at {self.path}"
-            raise FileNotFoundError(msg)
+            raise NoEventLog(msg)
         try:
             while True:
                 if self._fd is None and not self._open():

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torpor.errors import TorporError
+from torpor.errors import BadArgument, TorporError
 from torpor.statemachine.core.events import PAYLOADS, Event, EventKind, Opened, UsageObserved
 from torpor.statemachine.core.policy import DEFAULT_POLICY, WEIGHTS, Policy
 from torpor.statemachine.core.protocol import Abilities, Memory
@@ -239,7 +239,7 @@ class SleepController:
                 "only hook_decision, usage_observed and backup_adopted facts can be recorded from outside, "
                 f"not {kind.value!r}"
             )
-            raise ValueError(msg)
+            raise BadArgument(msg)
         return self._recorder.record(PAYLOADS[kind](data))
 
     def recover(self) -> Projection:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn, Protocol, TypeVar, runtime_checkable
 
-from torpor.errors import CommandInFlight, GroupFailed, TorporError
+from torpor.errors import BadArgument, BadArgumentType, CommandInFlight, GroupFailed, GroupLost, TorporError
 from torpor.statemachine.core.events import Event, GroupAgreed
 from torpor.statemachine.core.fields import Payload
 from torpor.statemachine.core.states import State
@@ -77,7 +77,7 @@ def check_timeout(value: object, what: str = "group timeout") -> float:
         seconds = math.nan
     if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT):
         msg = f"{what} must be a number of seconds above 0 and at most {MAX_TIMEOUT:g} (a day), got {value!r}"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     return seconds
 
 
@@ -198,7 +198,7 @@ def as_agreement(group: object) -> Agreement:
         f"group must be a torch.distributed ProcessGroup (gloo) or an object meeting torpor's Agreement "
         f"protocol (rank, size, name, begin, exchange), not {type(group).__name__}"
     )
-    raise TypeError(msg)
+    raise BadArgumentType(msg)
 
 
 @dataclass
@@ -293,7 +293,7 @@ class GroupMember:
         try:
             if txn.lost:
                 msg = txn.lost
-                raise RuntimeError(msg)
+                raise GroupLost(msg)
             raw = a.exchange(txn.round, vote.encode(), self.timeout)
         except Exception as exc:  # this rank cannot learn the outcome: a failure here, whatever the others do
             why = reason or f"lost the group ({type(exc).__name__}: {exc}); the outcome is not known here"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torpor.errors import BadArgument, BadArgumentType
 from torpor.statemachine.core.enginename import check_engine_name, refusal
 from torpor.statemachine.log.eventlog import EventLog
 
@@ -43,13 +44,13 @@ def check_identity(engine: object, rank: object, *, names_file: bool) -> None:
     """
     if type(engine) is not str:
         msg = f"engine must be a str naming the engine, got {type(engine).__name__} {engine!r}; nothing was created"
-        raise TypeError(msg)
+        raise BadArgumentType(msg)
     if type(rank) is not int:  # not True, not "0", not 0.0
         msg = f"rank must be an int, got {type(rank).__name__} {rank!r}; nothing was created"
-        raise TypeError(msg)
+        raise BadArgumentType(msg)
     if not 0 <= rank <= MAX_RANK:
         msg = f"rank {rank} is refused: a rank is 0..2**63-1 (rank 0 is the first); nothing was created"
-        raise ValueError(msg)
+        raise BadArgument(msg)
     problem = ""
     if names_file and (not engine or engine in (".", "..")):
         problem = "it names no file of its own"
@@ -60,7 +61,7 @@ def check_identity(engine: object, rank: object, *, names_file: bool) -> None:
     if problem:
         rule = "it names the log file ENGINE.rankN.jsonl, so give a plain file name such as 'llm0'"
         msg = refusal(engine, problem, rule, refused="; nothing was created")
-        raise ValueError(msg)
+        raise BadArgument(msg)
     check_engine_name(engine, refused="; nothing was created")
 
 

@@ -13,7 +13,7 @@ import math
 import os
 import time
 
-from torpor.errors import InvalidLevel, TorporError
+from torpor.errors import BadSetting, InvalidLevel, TorporError
 from torpor.statemachine.core.events import SleepCompleted, SleepRequested, TagBackedUp, TagReleased
 from torpor.statemachine.core.policy import Action
 from torpor.statemachine.core.states import ASLEEP, State
@@ -39,8 +39,7 @@ def block_wait() -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0:
-        msg = f"{BLOCK_WAIT_ENV}={raw!r} is not a number of seconds (finite, 0 or more)"
-        raise ValueError(msg)
+        raise BadSetting(BLOCK_WAIT_ENV, raw, "a number of seconds (finite, 0 or more)")
     return value
 
 

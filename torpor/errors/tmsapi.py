@@ -1,10 +1,24 @@
-"""The errors of torpor's torch_memory_saver API: where TMS prints and calls ``exit(1)``, torpor raises one of these."""
+"""The errors of torpor's torch_memory_saver API (:mod:`torpor.tms`): where TMS prints and calls ``exit(1)``, torpor raises one of these."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torpor.errors import TorporError
+from torpor.errors.base import TorporError
+
+__all__ = [
+    "DiskBackupRefused",
+    "TagStateError",
+    "TmsArgumentError",
+    "TmsBackupMapFailed",
+    "TmsConfigError",
+    "TmsDiskBackupShort",
+    "TmsError",
+    "TmsNotProvided",
+    "TmsNotReadable",
+    "TmsUsageError",
+    "TmsWriteOnly",
+]
 
 
 class TmsError(TorporError):
@@ -61,3 +75,27 @@ class DiskBackupRefused(TmsError, OSError):
             "nothing was released. Point TMS_DISK_BACKUP_DIR or set_disk_backup_dir() at a writable directory"
         )
         super().__init__(msg)
+
+
+class TmsArgumentError(TmsError, ValueError):
+    """An argument TMS does not take either (a hook mode, a backup backend, a negative margin)."""
+
+
+class TmsWriteOnly(TmsError, AttributeError):
+    """A read of an attribute TMS makes write-only (``hook_mode``)."""
+
+
+class TmsNotReadable(TmsError, NotImplementedError):
+    """A read of a setting TMS can set but not read (``memory_margin_bytes``), in TMS's own words."""
+
+
+class TmsBackupMapFailed(TmsError, MemoryError):
+    """The host memory of a CPU backup could not be mapped."""
+
+
+class TmsDiskBackupShort(TmsError, OSError):
+    """A disk backup file that holds fewer bytes than its region: it cannot be restored."""
+
+
+class TmsNotProvided(TmsError, ModuleNotFoundError):
+    """A torch_memory_saver module torpor.tms does not provide (the switch is on, the module is not there)."""

@@ -1,10 +1,11 @@
-"""The keeper's errors: each one carries what it names (a path, a budget, a reason) and says what to do next."""
+"""The keeper's errors (``torpor keeper``): each one carries what it names (a path, a budget, a reason) and says what to do next."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from torpor.errors import TorporError
+from torpor.errors.base import TorporError
+from torpor.units import byte_size
 
 __all__ = [
     "AdoptionRefused",
@@ -16,22 +17,10 @@ __all__ = [
     "KeeperUnavailable",
     "KeeperUntrusted",
     "PinningUnavailable",
+    "RegionMapFailed",
     "RequestRefused",
     "WireClosed",
-    "byte_size",
 ]
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def byte_size(nbytes: int) -> str:
-    """A byte count as the keeper's messages and ``torpor keeper status`` print it: ``8.00 MiB``, ``512 B``."""
-    value = float(nbytes)
-    for unit in _UNITS[:-1]:
-        if abs(value) < 1024:
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} {_UNITS[-1]}"
 
 
 class KeeperError(TorporError, RuntimeError):
@@ -134,3 +123,7 @@ class RequestRefused(KeeperError):
     def __init__(self, kind: str, message: str, **data: Any) -> None:
         super().__init__(message)
         self.reply = {"error": kind, "message": message, **data}
+
+
+class RegionMapFailed(KeeperError, OSError):
+    """A keeper region could not be mapped or unmapped where it was asked (``errno`` when the system gave one)."""

@@ -1,9 +1,9 @@
-"""torpor.tms's errors: torpor errors that carry what they name, where TMS exits."""
+"""Tests of torpor.errors.tmsapi: torch_memory_saver API errors that carry what they name, where TMS exits."""
 
 from __future__ import annotations
 
 from torpor.errors import TorporError
-from torpor.tms.tmserrors import TagStateError, TmsConfigError, TmsError, TmsUsageError
+from torpor.errors import TagStateError, TmsConfigError, TmsError, TmsUsageError
 
 
 def test_tag_state_error_names_tag_state_and_the_way_out() -> None:
