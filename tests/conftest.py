@@ -1,4 +1,4 @@
-"""Shared pytest setup: GPU tests skip themselves where CUDA (or a second GPU) is absent; hypothesis profiles.
+"""Shared pytest setup: GPU tests skip themselves where CUDA (or a second GPU) is absent; hypothesis profiles; the ``make_rig`` fixture.
 
 Hypothesis explores new random examples on every run by default, which is how
 bugs are found. ``TORPOR_HYPOTHESIS=ci`` (set by ``.ci/run``) derandomizes
@@ -11,9 +11,14 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import settings
+
+if TYPE_CHECKING:
+    from support import RigMaker
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", print_blob=True)
@@ -40,3 +45,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "prometheus" in item.keywords and not have_prom and not need_prom:
             item.add_marker(pytest.mark.skip(reason="prometheus/promtool not on PATH (apt-get install prometheus)"))
+
+
+@pytest.fixture
+def make_rig() -> Iterator[RigMaker]:
+    """``make_rig(preset, **changes)``: a ``torpor.testrig.SimRig`` of a preset of ``support.RIG_PRESETS``, closed when the test ends."""
+    from support import RigMaker  # here: collecting a test that builds no rig imports no allocator
+
+    maker = RigMaker()
+    yield maker
+    maker.close()

@@ -1,12 +1,13 @@
-"""Helpers shared by several test modules: Prometheus exposition samples, a tiny model config and a model-less Worker for vLLM, a free port, a held call, a real Prometheus."""
+"""Helpers shared by several test modules: the simulated-device rigs (presets, ``make_rig``), Prometheus exposition samples, a tiny model config and a model-less Worker for vLLM, a free port, a held call, a real Prometheus."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,11 +18,103 @@ import pytest
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+from torpor.allocator import HostPolicy
 from torpor.statemachine.core.events import Event
+from torpor.statemachine.core.policy import DEFAULT_POLICY
 from torpor.statemachine.core.states import TRIGGER_EVENTS, destination
 from torpor.statemachine.projection.view import Projection
+from torpor.testrig import SimRig, sim_rig
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+#: The granularity of every rig preset but ``small_batches``: 64 KiB.
+G = 64 * 1024
+
+#: The simulated devices tests build, by name: ``torpor.testrig.sim_rig``'s keywords (what is not named is its default).
+RIG_PRESETS: dict[str, Mapping[str, Any]] = {
+    # sim_rig() as it comes: 64 MiB of 64 KiB granules, the allocator's own defaults
+    "default": {},
+    # 64 MiB; copy batches of 4 granules, pieces of 2, slabs of 8; pinned ahead in 1 MiB chunks by 2 threads,
+    # except the tags the default policy never backs up (as the controller passes them)
+    "batched": {
+        "capacity": 64 << 20,
+        "granularity": G,
+        "host": HostPolicy(
+            prepin=True, chunk_bytes=1 << 20, threads=2, prepin_exclude=DEFAULT_POLICY.never_backed_up()
+        ),
+        "group_bytes": 4 * G,
+        "piece_bytes": 2 * G,
+        "slab_bytes": 8 * G,
+    },
+    # 256 MiB, batched as "batched", the allocator's own host policy (room for threads allocating at once)
+    "batched_large": {
+        "capacity": 256 << 20,
+        "granularity": G,
+        "group_bytes": 4 * G,
+        "piece_bytes": 2 * G,
+        "slab_bytes": 8 * G,
+    },
+    # 64 MiB, no slabs (each allocation its own mapping); pinned at the first sleep in 1 MiB chunks by 2 threads
+    "unslabbed": {
+        "capacity": 64 << 20,
+        "granularity": G,
+        "host": HostPolicy(prepin=False, chunk_bytes=1 << 20, threads=2),
+        "slab_bytes": 0,
+    },
+    # 64 MiB, no slabs; a sleep copies through a ring of 4 one-granule slots (3 threads) into chunks of 8 granules
+    "staged": {
+        "capacity": 64 << 20,
+        "granularity": G,
+        "host": HostPolicy(chunk_bytes=8 * G, threads=2, stage_slot_bytes=G, stage_ring_bytes=4 * G, stage_threads=3),
+        "slab_bytes": 0,
+    },
+    # 64 MiB with 3 MiB taken before any allocation (a CUDA context), no slabs; chunks of 4 granules, 2 threads
+    "with_context": {
+        "capacity": 64 << 20,
+        "granularity": G,
+        "overhead": 3 << 20,
+        "host": HostPolicy(chunk_bytes=4 * G, threads=2),
+        "slab_bytes": 0,
+    },
+    # 8 MiB of 16 KiB granules, one copy batch per granule; pinned ahead in 128 KiB chunks by one thread;
+    # host ranges given back are handed out again (as mmap after munmap may)
+    "small_batches": {
+        "capacity": 8 << 20,
+        "granularity": 16 * 1024,
+        "reuse_host": True,
+        "host": HostPolicy(prepin=True, chunk_bytes=128 * 1024, threads=1),
+        "group_bytes": 16 * 1024,
+    },
+}
+
+
+class RigMaker:
+    """Builds rigs from :data:`RIG_PRESETS` for one test and closes each at its end (the ``make_rig`` fixture)."""
+
+    def __init__(self) -> None:
+        self.made: list[SimRig] = []
+
+    def __call__(
+        self, preset: str = "default", *, host_options: Mapping[str, Any] | None = None, **changes: Any
+    ) -> SimRig:
+        """A rig of ``preset``; ``changes`` replace its ``sim_rig`` keywords, ``host_options`` fields of its ``HostPolicy``."""
+        if preset not in RIG_PRESETS:
+            msg = f"no rig preset {preset!r}; the presets are {', '.join(RIG_PRESETS)}"
+            raise KeyError(msg)
+        settings = {**RIG_PRESETS[preset], **changes}
+        if host_options:
+            settings["host"] = dataclasses.replace(settings.get("host") or HostPolicy(), **host_options)
+        rig = sim_rig(**settings)
+        self.made.append(rig)
+        return rig
+
+    def close(self) -> None:
+        """Teardown, the last rig first: disarm the faults a test left armed, then close the rig (controller, allocator, handles)."""
+        while self.made:
+            rig = self.made.pop()
+            rig.driver.clear_faults()
+            rig.close()
+
 
 # A Llama config small enough for vLLM's ModelConfig on a CPU machine (no weights, no download).
 TINY_LLAMA = {

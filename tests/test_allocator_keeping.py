@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tests.support import samples, value
-from torpor import EventKind, SleepController, State
-from torpor.allocator import AllocatorError, HostPolicy, SimDriver, TaggedAllocator
+from tests.support import RigMaker, samples, value
+from torpor import EventKind, State
+from torpor.allocator import AllocatorError, TaggedAllocator
 from torpor.allocator.keep.keeping import merged
 from torpor.allocator.keep.ranges import KeptRange
 from torpor.statemachine import replay
 from torpor.telemetry import attach
-from torpor.testrig import sim_rig
 
 G = 64 * 1024
 
@@ -35,12 +34,6 @@ class Ranges:
         self.fresh_calls.append(all(inside(r.address, r.nbytes) for r in self._ranges))
 
 
-def make(log: Path | None = None) -> tuple[SimDriver, TaggedAllocator, SleepController]:
-    """torpor.testrig's rig (64 MiB of 64 KiB granules), no slabs, and a controller (log in ``log`` when given)."""
-    rig = sim_rig(64 << 20, granularity=G, host=HostPolicy(prepin=False, chunk_bytes=1 << 20, threads=2), slab_bytes=0)
-    return rig.driver, rig.allocator, rig.control(log=log, engine="e")
-
-
 def weights(alloc: TaggedAllocator) -> tuple[int, bytes, int, bytes]:
     """Two weights allocations with random bytes: (address, bytes) each."""
     a, b = alloc.allocate(4 * G, "weights"), alloc.allocate(2 * G, "weights")
@@ -50,39 +43,42 @@ def weights(alloc: TaggedAllocator) -> tuple[int, bytes, int, bytes]:
     return a, da, b, db
 
 
-def test_kept_ranges_survive_a_level_2_discard_and_the_rest_is_discarded() -> None:
+def test_kept_ranges_survive_a_level_2_discard_and_the_rest_is_discarded(make_rig: RigMaker) -> None:
     """Level 2 discards weights, yet the tracked ranges come back at the wake; the untracked bytes do not."""
-    _, alloc, ctl = make()
-    a, da, b, db = weights(alloc)
+    rig = make_rig("unslabbed")
+    ctl = rig.control(engine="e")
+    a, da, b, db = weights(rig.allocator)
     source = Ranges([KeptRange("inv_freq", a + 100, 1000), KeptRange("cache", b + G, 512)])
     ctl.track(source)
     ctl.sleep(2)
     assert ctl.projection.residency["weights"].discarded == 6 * G
-    assert alloc.kept_bytes("weights") == 1512
+    assert rig.allocator.kept_bytes("weights") == 1512
     ctl.wake()
-    assert alloc.read(a + 100, 1000) == da[100:1100]
-    assert alloc.read(b + G, 512) == db[G : G + 512]
-    assert alloc.read(a, 100) != da[:100]  # discarded: fresh memory
+    assert rig.allocator.read(a + 100, 1000) == da[100:1100]
+    assert rig.allocator.read(b + G, 512) == db[G : G + 512]
+    assert rig.allocator.read(a, 100) != da[:100]  # discarded: fresh memory
     assert source.fresh_calls == [True]
-    assert alloc.kept_bytes() == 0  # the copy goes once the wake stands
+    assert rig.allocator.kept_bytes() == 0  # the copy goes once the wake stands
 
 
-def test_without_tracking_a_level_2_wake_loses_the_same_ranges() -> None:
+def test_without_tracking_a_level_2_wake_loses_the_same_ranges(make_rig: RigMaker) -> None:
     """The control: the same ranges, untracked, do not survive level 2 (what a reload then cannot mend)."""
-    _, alloc, ctl = make()
-    a, da, _, _ = weights(alloc)
+    rig = make_rig("unslabbed")
+    ctl = rig.control(engine="e")
+    a, da, _, _ = weights(rig.allocator)
     ctl.sleep(2)
     ctl.wake()
-    assert alloc.read(a + 100, 1000) != da[100:1100]
+    assert rig.allocator.read(a + 100, 1000) != da[100:1100]
 
 
-def test_kept_bytes_are_in_the_events_the_replay_and_the_metric(tmp_path: Path) -> None:
+def test_kept_bytes_are_in_the_events_the_replay_and_the_metric(tmp_path: Path, make_rig: RigMaker) -> None:
     """tag_released and tag_restored carry ``kept``; replaying the log gives the live projection; the gauge shows it."""
     log = tmp_path / "e.jsonl"
-    _, alloc, ctl = make(log)
+    rig = make_rig("unslabbed")
+    ctl = rig.control(log=log, engine="e")
     registry = CollectorRegistry()
     attach(ctl, registry=registry)
-    a, _, _, _ = weights(alloc)
+    a, _, _, _ = weights(rig.allocator)
     ctl.track(Ranges([KeptRange("inv_freq", a, 3000)]))
     ctl.sleep(2)
     released = [e.data for e in ctl.events() if e.kind is EventKind.TAG_RELEASED and e.data.tag == "weights"]
@@ -99,27 +95,29 @@ def test_kept_bytes_are_in_the_events_the_replay_and_the_metric(tmp_path: Path) 
     assert not [k for k in samples(registry) if k[0] == "torpor_tag_kept_bytes"]
 
 
-def test_level_1_keeps_nothing_extra() -> None:
+def test_level_1_keeps_nothing_extra(make_rig: RigMaker) -> None:
     """A tag offloaded at level 1 has its backup: nothing is kept, and no event carries ``kept``."""
-    _, alloc, ctl = make()
-    a, da, _, _ = weights(alloc)
+    rig = make_rig("unslabbed")
+    ctl = rig.control(engine="e")
+    a, da, _, _ = weights(rig.allocator)
     ctl.track(Ranges([KeptRange("inv_freq", a, 3000)]))
     ctl.sleep(1)
-    assert alloc.kept_bytes() == 0
+    assert rig.allocator.kept_bytes() == 0
     ctl.wake()
-    assert alloc.read(a, 4 * G) == da
+    assert rig.allocator.read(a, 4 * G) == da
     assert all("kept" not in e.data for e in ctl.events())
 
 
-def test_a_resident_discard_keeps_the_ranges_too() -> None:
+def test_a_resident_discard_keeps_the_ranges_too(make_rig: RigMaker) -> None:
     """discard(["weights"]) of resident weights keeps the tracked ranges; the wake that names them copies them back."""
-    _, alloc, ctl = make()
-    a, da, _, _ = weights(alloc)
+    rig = make_rig("unslabbed")
+    ctl = rig.control(engine="e")
+    a, da, _, _ = weights(rig.allocator)
     ctl.track(Ranges([KeptRange("inv_freq", a + G, 64)]))
     ctl.discard(["weights"])
-    assert ctl.state is State.PARTIALLY_AWAKE and alloc.kept_bytes("weights") == 64
+    assert ctl.state is State.PARTIALLY_AWAKE and rig.allocator.kept_bytes("weights") == 64
     ctl.wake(["weights"])
-    assert alloc.read(a + G, 64) == da[G : G + 64]
+    assert rig.allocator.read(a + G, 64) == da[G : G + 64]
 
 
 def test_ranges_outside_the_tag_are_skipped_and_overlaps_merged() -> None:
@@ -132,43 +130,46 @@ def test_ranges_outside_the_tag_are_skipped_and_overlaps_merged() -> None:
     assert merged([KeptRange("spans", 1090, 20)], live) == ([], [])
 
 
-def test_a_failed_keep_leaves_the_tag_resident_and_the_sleep_rolled_back() -> None:
+def test_a_failed_keep_leaves_the_tag_resident_and_the_sleep_rolled_back(make_rig: RigMaker) -> None:
     """A copy that fails while keeping the ranges fails the release: the sleep rolls back and the bytes stay."""
-    sim, alloc, ctl = make()
-    a, da, _, _ = weights(alloc)
+    rig = make_rig("unslabbed")
+    ctl = rig.control(engine="e")
+    a, da, _, _ = weights(rig.allocator)
     ctl.track(Ranges([KeptRange("inv_freq", a, 128)]))
-    sim.fail("copy_d2h")
+    rig.driver.fail("copy_d2h")
     with pytest.raises(Exception, match="tracked ranges not kept"):
         ctl.sleep(2)
     assert ctl.state is State.AWAKE
-    assert alloc.kept_bytes() == 0
-    assert alloc.read(a, 4 * G) == da
+    assert rig.allocator.kept_bytes() == 0
+    assert rig.allocator.read(a, 4 * G) == da
 
 
-def test_a_failed_copy_back_fails_the_wake_and_keeps_the_copy() -> None:
+def test_a_failed_copy_back_fails_the_wake_and_keeps_the_copy(make_rig: RigMaker) -> None:
     """A copy back that fails fails the wake (the tag released again); a retried wake copies the ranges back."""
-    sim, alloc, ctl = make()
-    a, da, _, _ = weights(alloc)
+    rig = make_rig("unslabbed")
+    ctl = rig.control(engine="e")
+    a, da, _, _ = weights(rig.allocator)
     ctl.track(Ranges([KeptRange("inv_freq", a + 8, 256)]))
     ctl.sleep(2)
-    sim.fail("copy_h2d")
+    rig.driver.fail("copy_h2d")
     with pytest.raises(AllocatorError, match="kept ranges not copied back"):
         ctl.wake()
     assert ctl.state is State.ASLEEP_L2
-    assert alloc.kept_bytes("weights") == 256
+    assert rig.allocator.kept_bytes("weights") == 256
     ctl.wake()
-    assert alloc.read(a + 8, 256) == da[8:264]
+    assert rig.allocator.read(a + 8, 256) == da[8:264]
 
 
-def test_untrack_and_close_give_the_host_memory_back() -> None:
+def test_untrack_and_close_give_the_host_memory_back(make_rig: RigMaker) -> None:
     """An untracked source is no longer kept; close frees a kept copy's pinned memory."""
-    sim, alloc, ctl = make()
-    a, _, _, _ = weights(alloc)
-    source = alloc.track(Ranges([KeptRange("inv_freq", a, 128)]))
-    remove = alloc.keep("weights", Ranges([KeptRange("other", a + G, 128)]))
+    rig = make_rig("unslabbed")
+    ctl = rig.control(engine="e")
+    a, _, _, _ = weights(rig.allocator)
+    source = rig.allocator.track(Ranges([KeptRange("inv_freq", a, 128)]))
+    remove = rig.allocator.keep("weights", Ranges([KeptRange("other", a + G, 128)]))
     remove()
     ctl.sleep(2)
-    assert alloc.kept_names("weights") == ["inv_freq"]
+    assert rig.allocator.kept_names("weights") == ["inv_freq"]
     assert source is not None
-    alloc.close()
-    assert sim.host_used == 0
+    rig.allocator.close()
+    assert rig.driver.host_used == 0

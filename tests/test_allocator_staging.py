@@ -8,28 +8,15 @@ import threading
 import time
 
 import pytest
+from support import RigMaker
 
 from torpor import HostMemoryPolicy, Policy, SleepController, State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import TorporError
-from torpor.testrig import fill, intact, sim_rig
+from torpor.testrig import fill, intact
 
 G = 64 * 1024
 MiB = 1 << 20
-
-
-def make(sim: SimDriver | None = None, **policy: object) -> tuple[SimDriver, TaggedAllocator, SleepController]:
-    """torpor.testrig's rig (or on ``sim``); host chunks of 8 granules; a ring of 4 one-granule slots copied out by 3 threads."""
-    settings: dict[str, object] = {
-        "chunk_bytes": 8 * G,
-        "threads": 2,
-        "stage_slot_bytes": G,
-        "stage_ring_bytes": 4 * G,
-        "stage_threads": 3,
-        **policy,
-    }
-    rig = sim_rig(64 * MiB, granularity=G, driver=sim, host=HostPolicy(**settings), slab_bytes=0)  # type: ignore[arg-type]
-    return rig.driver, rig.allocator, rig.control()
 
 
 def stage_threads() -> list[threading.Thread]:
@@ -37,107 +24,121 @@ def stage_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("torpor-stage-")]
 
 
-def test_a_first_sleep_copies_through_the_ring_and_pins_the_chunks_after_it() -> None:
+def test_a_first_sleep_copies_through_the_ring_and_pins_the_chunks_after_it(make_rig: RigMaker) -> None:
     """The first sleep copies every byte through the ring; its chunks are pinned once the release unmapped; bit-exact."""
-    sim, alloc, ctl = make()
-    data = fill(alloc, "weights", [3 * G, 5 * G, G, 7 * G])
+    rig = make_rig("staged")
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [3 * G, 5 * G, G, 7 * G])
     ctl.sleep(1)
-    assert alloc.stager.copied == 16 * G and not stage_threads() and alloc.host.wait_ready(10)
-    log = [c.call for c in sim.calls]
+    assert rig.allocator.stager.copied == 16 * G and not stage_threads() and rig.allocator.host.wait_ready(10)
+    log = [c.call for c in rig.driver.calls]
     assert max(i for i, c in enumerate(log) if c == "unmap") < log.index("host_register")  # no driver-lock fight
-    calls = [c.call for c in sim.calls if c.call in ("host_alloc", "host_register", "host_copy", "host_free")]
+    calls = [c.call for c in rig.driver.calls if c.call in ("host_alloc", "host_register", "host_copy", "host_free")]
     first_pin = calls.index("host_register")  # the chunks are registered as they are, after the copies
     assert calls[0] == "host_alloc" and calls.count("host_alloc") == 4  # the ring's four slots
     assert calls.count("host_copy") == 16 and calls.count("host_register") == 2  # a copy per slot; two chunks
     assert "host_copy" not in calls[first_pin:] and calls[:first_pin].count("host_free") == 4  # the ring went first
     ctl.wake()
-    assert intact(alloc, data)
-    assert alloc.host.pinned_bytes() == alloc.pinned_bytes() == 16 * G == sim.host_used
-    alloc.close()
+    assert intact(rig.allocator, data)
+    assert rig.allocator.host.pinned_bytes() == rig.allocator.pinned_bytes() == 16 * G == rig.driver.host_used
+    rig.allocator.close()
 
 
-def test_a_later_sleep_copies_straight_into_the_pinned_chunks() -> None:
+def test_a_later_sleep_copies_straight_into_the_pinned_chunks(make_rig: RigMaker) -> None:
     """Once the chunks are pinned, a sleep copies into them directly: no ring, no host copies."""
-    sim, alloc, ctl = make()
-    data = fill(alloc, "weights", [8 * G, 8 * G])
+    rig = make_rig("staged")
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     ctl.sleep(1)
     ctl.wake()
-    before = len(sim.calls)
+    before = len(rig.driver.calls)
     ctl.sleep(1)
-    assert not [c for c in sim.calls[before:] if c.call in ("host_copy", "host_alloc")]
+    assert not [c for c in rig.driver.calls[before:] if c.call in ("host_copy", "host_alloc")]
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
 
 
-def test_staging_off_pins_each_chunk_before_copying_into_it() -> None:
+def test_staging_off_pins_each_chunk_before_copying_into_it(make_rig: RigMaker) -> None:
     """HostPolicy(staged=False): the sleep pins every chunk and copies into it; nothing goes through a ring."""
-    sim, alloc, ctl = make(staged=False)
-    data = fill(alloc, "weights", [16 * G])
+    rig = make_rig("staged", host_options={"staged": False})
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [16 * G])
     ctl.sleep(1)
-    assert sim.count("host_copy") == 0 == sim.count("host_register") and sim.count("host_alloc") == 2
+    assert (
+        rig.driver.count("host_copy") == 0 == rig.driver.count("host_register") and rig.driver.count("host_alloc") == 2
+    )
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
 
 
-def test_a_failed_copy_out_of_the_ring_fails_the_sleep_and_leaves_everything_resident() -> None:
+def test_a_failed_copy_out_of_the_ring_fails_the_sleep_and_leaves_everything_resident(make_rig: RigMaker) -> None:
     """A host copy that fails mid-sleep: the sleep is refused naming host_copy, bytes intact, no thread or chunk left."""
-    sim, alloc, ctl = make()
-    data = fill(alloc, "weights", [8 * G, 8 * G])
-    sim.fail("host_copy", nth=5)
+    rig = make_rig("staged")
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
+    rig.driver.fail("host_copy", nth=5)
     with pytest.raises(TorporError, match="host_copy"):
         ctl.sleep(1)
-    assert ctl.state is State.AWAKE and intact(alloc, data) and not stage_threads()
-    assert alloc.host.wait_ready(10) and alloc.pinned_bytes() == 0 == sim.host_used == sim.host_reserved
+    assert ctl.state is State.AWAKE and intact(rig.allocator, data) and not stage_threads()
+    assert (
+        rig.allocator.host.wait_ready(10)
+        and rig.allocator.pinned_bytes() == 0 == rig.driver.host_used == rig.driver.host_reserved
+    )
     ctl.sleep(1)
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
 
 
-def test_a_ring_that_cannot_be_pinned_falls_back_to_pinning_the_chunks(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_ring_that_cannot_be_pinned_falls_back_to_pinning_the_chunks(
+    caplog: pytest.LogCaptureFixture, make_rig: RigMaker
+) -> None:
     """No slot of the ring can be pinned: the sleep warns, pins the backup's chunks instead and succeeds; bit-exact."""
-    sim, alloc, ctl = make()
-    data = fill(alloc, "weights", [8 * G, 8 * G])
-    sim.fail("host_alloc", times=4)  # the four slots
+    rig = make_rig("staged")
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
+    rig.driver.fail("host_alloc", times=4)  # the four slots
     with caplog.at_level(logging.WARNING, logger="torpor.allocator"):
         ctl.sleep(1)
-    assert "pinning the backup instead" in caplog.text and sim.count("host_copy") == 0 and not stage_threads()
+    assert "pinning the backup instead" in caplog.text and rig.driver.count("host_copy") == 0 and not stage_threads()
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
-    assert sim.host_used == 0 == sim.host_reserved
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
+    assert rig.driver.host_used == 0 == rig.driver.host_reserved
 
 
-def test_a_slot_that_cannot_be_pinned_leaves_a_smaller_ring() -> None:
+def test_a_slot_that_cannot_be_pinned_leaves_a_smaller_ring(make_rig: RigMaker) -> None:
     """One slot's pin fails: the sleep still goes through the other slots, bit-exact, and no host memory leaks."""
-    sim, alloc, ctl = make()
-    data = fill(alloc, "weights", [8 * G, 8 * G])
-    sim.fail("host_alloc")
+    rig = make_rig("staged")
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
+    rig.driver.fail("host_alloc")
     ctl.sleep(1)
-    assert alloc.stager.copied == 16 * G and sim.count("host_copy") == 16
+    assert rig.allocator.stager.copied == 16 * G and rig.driver.count("host_copy") == 16
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
-    assert sim.host_used == 0 == sim.host_reserved
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
+    assert rig.driver.host_used == 0 == rig.driver.host_reserved
 
 
-def test_a_chunk_whose_pin_fails_after_a_staged_sleep_wakes_from_pageable_memory() -> None:
+def test_a_chunk_whose_pin_fails_after_a_staged_sleep_wakes_from_pageable_memory(make_rig: RigMaker) -> None:
     """The background pin of a filled chunk fails: the wake copies from its pageable pages, every byte back."""
-    sim, alloc, ctl = make()
-    data = fill(alloc, "weights", [8 * G, 8 * G])
-    sim.fail("host_register")  # the first chunk's pin
+    rig = make_rig("staged")
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
+    rig.driver.fail("host_register")  # the first chunk's pin
     ctl.sleep(1)
-    assert alloc.host.wait_ready(10)
-    assert alloc.host.pinned_bytes() == 8 * G  # one of two chunks registered
+    assert rig.allocator.host.wait_ready(10)
+    assert rig.allocator.host.pinned_bytes() == 8 * G  # one of two chunks registered
     ctl.wake()
-    assert intact(alloc, data)
+    assert intact(rig.allocator, data)
     ctl.sleep(1)  # the failed chunk stays until its extents come back, and is never handed out again
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
-    assert sim.host_used == 0 == sim.host_reserved
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
+    assert rig.driver.host_used == 0 == rig.driver.host_reserved
 
 
 class GatedPins(SimDriver):
@@ -152,21 +153,22 @@ class GatedPins(SimDriver):
         super().host_register(host, nbytes)
 
 
-def test_a_wake_right_after_a_staged_sleep_waits_for_the_chunks_to_be_pinned() -> None:
+def test_a_wake_right_after_a_staged_sleep_waits_for_the_chunks_to_be_pinned(make_rig: RigMaker) -> None:
     """A wake while the background pins still run blocks until they are done, then restores every byte."""
-    sim, alloc, ctl = make(GatedPins())
-    data = fill(alloc, "weights", [8 * G, 8 * G])
+    rig = make_rig("staged", driver=GatedPins())
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     ctl.sleep(1)
-    assert alloc.host.pinned_bytes() == 0 and alloc.pinned_bytes() == 16 * G  # held, not yet registered
+    assert rig.allocator.host.pinned_bytes() == 0 and rig.allocator.pinned_bytes() == 16 * G  # held, not yet registered
     woke = threading.Event()
     t = threading.Thread(target=lambda: (ctl.wake(), woke.set()))
     t.start()
     time.sleep(0.2)
     assert not woke.is_set()
-    sim.gate.set()  # type: ignore[attr-defined]
+    rig.driver.gate.set()  # type: ignore[attr-defined]
     t.join(10)
-    assert woke.is_set() and ctl.state is State.AWAKE and intact(alloc, data)
-    alloc.close()
+    assert woke.is_set() and ctl.state is State.AWAKE and intact(rig.allocator, data)
+    rig.allocator.close()
 
 
 class InterruptedCopy(SimDriver):
@@ -183,43 +185,49 @@ class InterruptedCopy(SimDriver):
         super()._copy_d2h(host, address, nbytes, device)
 
 
-def test_ctrl_c_in_the_middle_of_a_staged_sleep_rolls_back_and_stops_every_thread() -> None:
+def test_ctrl_c_in_the_middle_of_a_staged_sleep_rolls_back_and_stops_every_thread(make_rig: RigMaker) -> None:
     """A Ctrl-C between ring copies: the interrupt propagates, the tag stays resident, nothing is left held or running."""
-    sim, alloc, ctl = make(InterruptedCopy(nth=6))
-    data = fill(alloc, "weights", [8 * G, 8 * G])
+    rig = make_rig("staged", driver=InterruptedCopy(nth=6))
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     with pytest.raises(KeyboardInterrupt):
         ctl.sleep(1)
-    assert ctl.state is State.AWAKE and not stage_threads() and intact(alloc, data)
-    assert alloc.host.wait_ready(10) and alloc.pinned_bytes() == 0 == sim.host_used == sim.host_reserved
+    assert ctl.state is State.AWAKE and not stage_threads() and intact(rig.allocator, data)
+    assert (
+        rig.allocator.host.wait_ready(10)
+        and rig.allocator.pinned_bytes() == 0 == rig.driver.host_used == rig.driver.host_reserved
+    )
     ctl.sleep(1)
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
 
 
-def test_no_room_for_the_ring_under_the_host_limit_pins_the_chunks_instead() -> None:
+def test_no_room_for_the_ring_under_the_host_limit_pins_the_chunks_instead(make_rig: RigMaker) -> None:
     """A limit that fits the backup but not the ring: the sleep pins its chunks and stays within the limit."""
-    sim, alloc, _ = make()
-    ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(budget_bytes=16 * G)))
-    assert alloc.host.policy.limit_bytes == 16 * G
-    data = fill(alloc, "weights", [8 * G, 8 * G])
+    rig = make_rig("staged")
+    rig.control()
+    ctl = SleepController(rig.allocator, policy=Policy(host=HostMemoryPolicy(budget_bytes=16 * G)))
+    assert rig.allocator.host.policy.limit_bytes == 16 * G
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     ctl.sleep(1)
-    assert sim.count("host_copy") == 0 and sim.host_used == 16 * G
+    assert rig.driver.count("host_copy") == 0 and rig.driver.host_used == 16 * G
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
 
 
-def test_a_staged_sleep_of_two_tags_fills_chunks_both_share() -> None:
+def test_a_staged_sleep_of_two_tags_fills_chunks_both_share(make_rig: RigMaker) -> None:
     """Two tags in one staged sleep: the second takes the rest of the first's chunk; both wake bit-exact."""
-    sim, alloc, ctl = make()
-    data = {**fill(alloc, "weights", [5 * G]), **fill(alloc, "cudagraph", [7 * G])}
+    rig = make_rig("staged")
+    ctl = rig.control()
+    data = {**fill(rig.allocator, "weights", [5 * G]), **fill(rig.allocator, "cudagraph", [7 * G])}
     ctl.sleep(1)
-    assert alloc.stager.copied == 12 * G
+    assert rig.allocator.stager.copied == 12 * G
     ctl.wake()
-    assert intact(alloc, data)
-    assert alloc.host.pinned_bytes() == 16 * G == sim.host_used  # two chunks: 8 + 8 granules, shared
-    alloc.close()
+    assert intact(rig.allocator, data)
+    assert rig.allocator.host.pinned_bytes() == 16 * G == rig.driver.host_used  # two chunks: 8 + 8 granules, shared
+    rig.allocator.close()
 
 
 @pytest.mark.gpu
@@ -259,33 +267,35 @@ class ZeroingPins(SimDriver):
         return address
 
 
-def test_pinning_the_chunks_after_a_staged_sleep_never_writes_over_the_backup() -> None:
+def test_pinning_the_chunks_after_a_staged_sleep_never_writes_over_the_backup(make_rig: RigMaker) -> None:
     """The filled chunks are registered as they are (host_register), not populated: a zeroing pin loses no byte."""
-    sim, alloc, ctl = make(ZeroingPins(64 * MiB, granularity=G))
-    data = fill(alloc, "weights", [8 * G, 8 * G])
+    rig = make_rig("staged", driver=ZeroingPins(64 * MiB, granularity=G))
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     ctl.sleep(1)
-    assert alloc.host.wait_ready(10) and sim.count("host_register") == 2
+    assert rig.allocator.host.wait_ready(10) and rig.driver.count("host_register") == 2
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
 
 
-def test_small_copies_share_a_slot_with_one_event_per_slot() -> None:
+def test_small_copies_share_a_slot_with_one_event_per_slot(make_rig: RigMaker) -> None:
     """Sixteen one-granule allocations through four-granule slots: four slot events, sixteen host copies, bit-exact."""
-    sim, alloc, ctl = make(stage_slot_bytes=4 * G, stage_ring_bytes=8 * G)
-    every = fill(alloc, "weights", [G] * 32)
+    rig = make_rig("staged", host_options={"stage_slot_bytes": 4 * G, "stage_ring_bytes": 8 * G})
+    ctl = rig.control()
+    every = fill(rig.allocator, "weights", [G] * 32)
     for a in list(every)[1::2]:  # gaps between the live ones: sixteen separate copies
-        alloc.free(a)
+        rig.allocator.free(a)
     data = {a: b for i, (a, b) in enumerate(every.items()) if i % 2 == 0}
     ctl.sleep(1)
-    log = [c.call for c in sim.calls]
+    log = [c.call for c in rig.driver.calls]
     ring = log.index("host_alloc")
     during = log[ring : log.index("host_free", ring)]
     assert during.count("host_copy") == 16
     assert during.count("record") == 4 + 1  # one per slot, and the backup's one batch (64 MiB groups)
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
 
 
 def test_torpor_staged_sleep_0_turns_staging_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -321,53 +331,60 @@ def test_torpor_staged_sleep_is_read_as_every_switch_and_a_typo_is_refused(
         HostPolicy()
 
 
-def test_a_first_sleep_pins_its_chunks_when_the_host_has_no_clear_room_for_writing() -> None:
+def test_a_first_sleep_pins_its_chunks_when_the_host_has_no_clear_room_for_writing(make_rig: RigMaker) -> None:
     """Without clear host room a cold sleep does not stage (writes could wake the OOM killer); it pins, bit-exact."""
-    sim, alloc, ctl = make()
+    rig = make_rig("staged")
+    ctl = rig.control()
     asked: list[int] = []
 
     def no_room(nbytes: int) -> bool:
         asked.append(nbytes)
         return False
 
-    sim.host_room = no_room  # type: ignore[method-assign]
-    data = fill(alloc, "weights", [8 * G, 8 * G])
+    rig.driver.host_room = no_room  # type: ignore[method-assign]
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     ctl.sleep(1)
-    calls = [c.call for c in sim.calls]
+    calls = [c.call for c in rig.driver.calls]
     assert asked and asked[0] >= 16 * G  # the chunks' bytes (and the ring's) were asked for
     assert "host_copy" not in calls and "host_register" not in calls and calls.count("host_alloc") == 2
-    assert alloc.stager.copied == 0
+    assert rig.allocator.stager.copied == 0
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
 
 
-def test_a_slot_whose_event_cannot_be_recorded_is_not_unpinned_before_the_stream_is_synchronized() -> None:
+def test_a_slot_whose_event_cannot_be_recorded_is_not_unpinned_before_the_stream_is_synchronized(
+    make_rig: RigMaker,
+) -> None:
     """A failed event record fails the sleep; the ring is unpinned only after the copy stream is synchronized."""
-    sim, alloc, ctl = make()
-    data = fill(alloc, "weights", [8 * G, 8 * G])
-    sim.fail("record", nth=2)  # the second slot's event
+    rig = make_rig("staged")
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
+    rig.driver.fail("record", nth=2)  # the second slot's event
     with pytest.raises(TorporError):
         ctl.sleep(1)
-    assert ctl.state is State.AWAKE and intact(alloc, data) and not stage_threads()
-    calls = [c.call for c in sim.calls]
-    failed = next(i for i, c in enumerate(sim.calls) if c.call == "record" and c.failed)
+    assert ctl.state is State.AWAKE and intact(rig.allocator, data) and not stage_threads()
+    calls = [c.call for c in rig.driver.calls]
+    failed = next(i for i, c in enumerate(rig.driver.calls) if c.call == "record" and c.failed)
     frees = [i for i, c in enumerate(calls) if c == "host_free" and i > failed]
     assert frees and "synchronize" in calls[failed : frees[0]]
-    alloc.close()
+    rig.allocator.close()
 
 
-def test_a_ring_whose_copies_cannot_be_waited_for_stays_pinned(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_ring_whose_copies_cannot_be_waited_for_stays_pinned(
+    caplog: pytest.LogCaptureFixture, make_rig: RigMaker
+) -> None:
     """A failed event and a failed synchronize: the ring's slots are leaked (logged), never unpinned under a copy."""
-    sim, alloc, ctl = make()
-    data = fill(alloc, "weights", [8 * G, 8 * G])
-    sim.fail("record", nth=2)
-    sim.fail("synchronize", nth=2)  # the first is the sleep's own, before its copies
+    rig = make_rig("staged")
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
+    rig.driver.fail("record", nth=2)
+    rig.driver.fail("synchronize", nth=2)  # the first is the sleep's own, before its copies
     with caplog.at_level(logging.ERROR, logger="torpor.allocator"), pytest.raises(TorporError):
         ctl.sleep(1)
-    assert "stay pinned" in caplog.text and ctl.state is State.AWAKE and intact(alloc, data)
-    assert sim.count("host_free") == 0 and not stage_threads()
-    alloc.close()
+    assert "stay pinned" in caplog.text and ctl.state is State.AWAKE and intact(rig.allocator, data)
+    assert rig.driver.count("host_free") == 0 and not stage_threads()
+    rig.allocator.close()
 
 
 class Fatal(BaseException):
@@ -409,20 +426,23 @@ def sleep_outcome(ctl: SleepController, timeout: float) -> list[BaseException | 
 
 
 @pytest.mark.parametrize("where", ["prepare_thread", "host_alloc"])
-def test_a_staging_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_hanging_it(where: str) -> None:
+def test_a_staging_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_hanging_it(
+    where: str, make_rig: RigMaker
+) -> None:
     """A BaseException in a staging thread's setup or slot pin reaches the sleep (refused, resident); it never hangs."""
     sim = FatalIn(where)
-    _, alloc, ctl = make(sim)
-    data = fill(alloc, "weights", [8 * G, 8 * G])
+    rig = make_rig("staged", driver=sim)
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     outcome = sleep_outcome(ctl, 10)
     assert outcome != ["hung"], "the sleep waits forever for a staging thread that died"
     assert outcome and isinstance(outcome[0], TorporError) and where in str(outcome[0])
-    assert ctl.state is State.AWAKE and intact(alloc, data) and not stage_threads()
+    assert ctl.state is State.AWAKE and intact(rig.allocator, data) and not stage_threads()
     sim.where = ""
     ctl.sleep(1)
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
 
 
 class FatalPin(SimDriver):
@@ -439,17 +459,20 @@ class FatalPin(SimDriver):
 
 
 @pytest.mark.parametrize("prepin", [False, True])
-def test_a_pinning_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_hanging_it(prepin: bool) -> None:
+def test_a_pinning_thread_that_hits_a_base_exception_fails_the_sleep_instead_of_hanging_it(
+    prepin: bool, make_rig: RigMaker
+) -> None:
     """Unstaged pins (a sleep's own threads, or pinning ahead) that hit a BaseException reach the sleep as a torpor error; it never hangs."""
     sim = FatalPin()
-    _, alloc, ctl = make(sim, staged=False, prepin=prepin)
-    data = fill(alloc, "weights", [8 * G, 8 * G])
+    rig = make_rig("staged", driver=sim, host_options={"staged": False, "prepin": prepin})
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     outcome = sleep_outcome(ctl, 15)
     assert outcome != ["hung"], "the sleep waits forever for a pinning thread that died"
     assert outcome and isinstance(outcome[0], TorporError) and "host_alloc" in str(outcome[0]), outcome
-    assert ctl.state is State.AWAKE and intact(alloc, data)
+    assert ctl.state is State.AWAKE and intact(rig.allocator, data)
     sim.armed = False
     ctl.sleep(1)
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()

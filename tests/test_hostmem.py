@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import RigMaker
 
 from torpor import HostBudgetExceeded, SleepController, State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
@@ -16,106 +17,104 @@ from torpor.statemachine.log.reader import read_events, replay
 from torpor.statemachine.machine.hostmem import HostSide, budget_refusal
 from torpor.statemachine.projection.view import Projection
 from torpor.testing import FakeMemory
-from torpor.testrig import fill, sim_rig
+from torpor.testrig import fill
 
 G = 64 * 1024
 MiB = 1 << 20
 OVERHEAD = 3 * MiB
 
 
-def rig(host: HostMemoryPolicy, tmp_path: Path | None = None) -> tuple[SimDriver, TaggedAllocator, SleepController]:
-    """torpor.testrig's rig: a device with a 3 MiB 'context', an allocator pinning in 256 KiB chunks, and a controller."""
-    made = sim_rig(
-        64 * MiB, granularity=G, overhead=OVERHEAD, host=HostPolicy(chunk_bytes=4 * G, threads=2), slab_bytes=0
-    )
-    log = tmp_path / "events.jsonl" if tmp_path is not None else None
-    return made.driver, made.allocator, made.control(log=log, policy=Policy(host=host))
-
-
-def test_default_pins_nothing_until_the_first_sleep_and_keeps_it_after_wake() -> None:
+def test_default_pins_nothing_until_the_first_sleep_and_keeps_it_after_wake(make_rig: RigMaker) -> None:
     """At-sleep + keep: no pinned bytes while awake before the first sleep, the backup's bytes after it, kept after wake."""
-    _, alloc, ctl = rig(HostMemoryPolicy())
-    data = fill(alloc, "weights", [4 * G] * 4)
-    assert alloc.wait_host_ready(5) and alloc.pinned_bytes() == 0
+    rig = make_rig("with_context")
+    ctl = rig.control(policy=Policy(host=HostMemoryPolicy()))
+    data = fill(rig.allocator, "weights", [4 * G] * 4)
+    assert rig.allocator.wait_host_ready(5) and rig.allocator.pinned_bytes() == 0
     ctl.sleep(1)
-    assert ctl.projection.pinned_bytes == alloc.pinned_bytes() == 16 * G
+    assert ctl.projection.pinned_bytes == rig.allocator.pinned_bytes() == 16 * G
     ctl.wake()
-    assert all(alloc.read(a, len(b)) == b for a, b in data.items())
-    assert alloc.pinned_bytes() == 16 * G and ctl.projection.pinned_bytes == 16 * G
+    assert all(rig.allocator.read(a, len(b)) == b for a, b in data.items())
+    assert rig.allocator.pinned_bytes() == 16 * G and ctl.projection.pinned_bytes == 16 * G
 
 
-def test_ahead_pins_before_the_first_sleep() -> None:
+def test_ahead_pins_before_the_first_sleep(make_rig: RigMaker) -> None:
     """Pin-ahead: the controller turns pinning ahead on, and tagged memory is pinned before any sleep."""
-    sim, alloc, _ = rig(HostMemoryPolicy(pin=PinWhen.AHEAD))
-    fill(alloc, "weights", [4 * G] * 4)
-    assert alloc.wait_host_ready(10)
-    assert alloc.pinned_bytes() == 16 * G == sim.host_used
+    rig = make_rig("with_context")
+    rig.control(policy=Policy(host=HostMemoryPolicy(pin=PinWhen.AHEAD)))
+    fill(rig.allocator, "weights", [4 * G] * 4)
+    assert rig.allocator.wait_host_ready(10)
+    assert rig.allocator.pinned_bytes() == 16 * G == rig.driver.host_used
 
 
-def test_release_gives_host_memory_back_after_wake() -> None:
+def test_release_gives_host_memory_back_after_wake(make_rig: RigMaker) -> None:
     """Release after wake: the wake's event says what it gives back, and nothing stays pinned once that is done."""
-    sim, alloc, ctl = rig(HostMemoryPolicy(after_wake=AfterWake.RELEASE))
-    data = fill(alloc, "weights", [4 * G] * 4)
+    rig = make_rig("with_context")
+    ctl = rig.control(policy=Policy(host=HostMemoryPolicy(after_wake=AfterWake.RELEASE)))
+    data = fill(rig.allocator, "weights", [4 * G] * 4)
     for _ in range(2):
         ctl.sleep(1)
-        assert alloc.pinned_bytes() == 16 * G
+        assert rig.allocator.pinned_bytes() == 16 * G
         ctl.wake()
-        assert all(alloc.read(a, len(b)) == b for a, b in data.items())
+        assert all(rig.allocator.read(a, len(b)) == b for a, b in data.items())
         woke = [e for e in ctl.events() if e.kind is EventKind.WAKE_COMPLETED][-1]
         assert woke.data["host_released"] == 16 * G and woke.data["pinned"] == 0
-        assert alloc.host.wait_unpinned(10)
-        assert sim.host_used == 0 and sim.host_reserved == 0
+        assert rig.allocator.host.wait_unpinned(10)
+        assert rig.driver.host_used == 0 and rig.driver.host_reserved == 0
 
 
-def test_over_budget_sleep_is_refused_before_anything_is_touched(tmp_path: Path) -> None:
+def test_over_budget_sleep_is_refused_before_anything_is_touched(tmp_path: Path, make_rig: RigMaker) -> None:
     """A sleep whose backups pass the budget raises HostBudgetExceeded naming bytes and budget; nothing is copied or released."""
-    sim, alloc, ctl = rig(HostMemoryPolicy(budget_bytes=8 * G), tmp_path)
-    data = fill(alloc, "weights", [4 * G] * 4)
-    calls = len(sim.calls)
+    rig = make_rig("with_context")
+    ctl = rig.control(log=tmp_path / "events.jsonl", policy=Policy(host=HostMemoryPolicy(budget_bytes=8 * G)))
+    data = fill(rig.allocator, "weights", [4 * G] * 4)
+    calls = len(rig.driver.calls)
     with pytest.raises(HostBudgetExceeded, match=r"need 1048576 bytes .* host budget is 524288 bytes") as err:
         ctl.sleep(1)
     assert err.value.needed == 16 * G and err.value.budget == 8 * G
     assert "weights to offload: 1048576 bytes" in err.value.holders
     assert ctl.state is State.AWAKE
-    assert sim.calls[calls:] == []  # no driver call at all
-    assert alloc.usage()["weights"].resident == 16 * G and alloc.pinned_bytes() == 0
-    assert all(alloc.read(a, len(b)) == b for a, b in data.items())
+    assert rig.driver.calls[calls:] == []  # no driver call at all
+    assert rig.allocator.usage()["weights"].resident == 16 * G and rig.allocator.pinned_bytes() == 0
+    assert all(rig.allocator.read(a, len(b)) == b for a, b in data.items())
     refused = [e for e in ctl.events() if e.kind is EventKind.REFUSED][-1]
     assert refused.data["error"] == "HostBudgetExceeded" and refused.data["holders"]
     assert replay(tmp_path / "events.jsonl").state is State.AWAKE
 
 
-def test_budget_counts_backups_of_tags_still_asleep() -> None:
+def test_budget_counts_backups_of_tags_still_asleep(make_rig: RigMaker) -> None:
     """Partially awake, a second sleep's budget includes the backup of the tag left asleep, and the error names it."""
-    _, alloc, ctl = rig(HostMemoryPolicy(budget_bytes=20 * G))
-    fill(alloc, "weights", [4 * G] * 4)
-    fill(alloc, "runtime", [4 * G])
+    rig = make_rig("with_context")
+    ctl = rig.control(policy=Policy(host=HostMemoryPolicy(budget_bytes=20 * G)))
+    fill(rig.allocator, "weights", [4 * G] * 4)
+    fill(rig.allocator, "runtime", [4 * G])
     ctl.sleep(1)
     ctl.wake(["runtime"])  # weights stay asleep on the host
     assert ctl.state is State.PARTIALLY_AWAKE
-    fill(alloc, "runtime", [4 * G])
+    fill(rig.allocator, "runtime", [4 * G])
     with pytest.raises(HostBudgetExceeded, match="backups already hold 1048576") as err:
         ctl.sleep(1)
     assert "backup of weights (asleep): 1048576 bytes" in err.value.holders
     assert ctl.state is State.PARTIALLY_AWAKE
 
 
-def test_level_two_fits_a_budget_level_one_does_not() -> None:
+def test_level_two_fits_a_budget_level_one_does_not(make_rig: RigMaker) -> None:
     """Level 2 discards weights, so it needs only the small tags' backups and fits where level 1 was refused."""
-    _, alloc, ctl = rig(HostMemoryPolicy(budget_bytes=4 * G))
-    fill(alloc, "weights", [4 * G] * 4)
-    fill(alloc, "runtime", [4 * G])
+    rig = make_rig("with_context")
+    ctl = rig.control(policy=Policy(host=HostMemoryPolicy(budget_bytes=4 * G)))
+    fill(rig.allocator, "weights", [4 * G] * 4)
+    fill(rig.allocator, "runtime", [4 * G])
     with pytest.raises(HostBudgetExceeded):
         ctl.sleep(1)
     ctl.sleep(2)
-    assert ctl.state is State.ASLEEP_L2 and alloc.pinned_bytes() <= 4 * G
+    assert ctl.state is State.ASLEEP_L2 and rig.allocator.pinned_bytes() <= 4 * G
 
 
-def test_sleep_records_what_stays_on_the_device() -> None:
+def test_sleep_records_what_stays_on_the_device(make_rig: RigMaker) -> None:
     """sleep_completed carries device memory in use while asleep, split into torpor's tags and the rest."""
-    _, alloc, ctl = rig(HostMemoryPolicy())
-    fill(alloc, "weights", [4 * G] * 4)
-    fill(alloc, "kv_cache", [4 * G] * 2)
+    rig = make_rig("with_context")
+    ctl = rig.control(policy=Policy(host=HostMemoryPolicy()))
+    fill(rig.allocator, "weights", [4 * G] * 4)
+    fill(rig.allocator, "kv_cache", [4 * G] * 2)
     ctl.sleep(1)
     done = [e for e in ctl.events() if e.kind is EventKind.SLEEP_COMPLETED][-1]
     assert done.data["device"] == {"total": 64 * MiB, "in_use": OVERHEAD, "tagged": 0, "untagged": OVERHEAD}
@@ -123,21 +122,23 @@ def test_sleep_records_what_stays_on_the_device() -> None:
     assert Projection.from_dict(ctl.projection.to_dict()).device_asleep == ctl.projection.device_asleep
 
 
-def test_workspace_is_discarded_by_default() -> None:
+def test_workspace_is_discarded_by_default(make_rig: RigMaker) -> None:
     """The workspace tag is discarded at level 1 (not copied to the host) and comes back mapped, fresh."""
-    _, alloc, ctl = rig(HostMemoryPolicy())
-    fill(alloc, "workspace", [4 * G] * 2)
+    rig = make_rig("with_context")
+    ctl = rig.control(policy=Policy(host=HostMemoryPolicy()))
+    fill(rig.allocator, "workspace", [4 * G] * 2)
     ctl.sleep(1)
     released = [e for e in ctl.events() if e.kind is EventKind.TAG_RELEASED]
     assert [(e.data["tag"], e.data["action"]) for e in released] == [("workspace", "discard")]
-    assert alloc.pinned_bytes() == 0
+    assert rig.allocator.pinned_bytes() == 0
     ctl.wake()
-    assert alloc.usage()["workspace"].resident == 8 * G
+    assert rig.allocator.usage()["workspace"].resident == 8 * G
 
 
-def test_opened_event_records_the_host_policy() -> None:
+def test_opened_event_records_the_host_policy(make_rig: RigMaker) -> None:
     """The controller records its host-memory policy when it opens; the projection keeps it."""
-    _, _, ctl = rig(HostMemoryPolicy(pin=PinWhen.AHEAD, budget_bytes=MiB))
+    rig = make_rig("with_context")
+    ctl = rig.control(policy=Policy(host=HostMemoryPolicy(pin=PinWhen.AHEAD, budget_bytes=MiB)))
     assert ctl.projection.host_policy == {"pin": "ahead", "after_wake": "keep", "budget_bytes": MiB}
 
 
@@ -293,19 +294,28 @@ def test_sleep_on_the_gpu_reports_the_untagged_memory_that_stays() -> None:
     alloc.close()
 
 
-def test_release_mode_unpins_after_an_aborted_sleep_and_a_discard() -> None:
+def test_release_mode_unpins_after_an_aborted_sleep_and_a_discard(make_rig: RigMaker) -> None:
     """In release mode, host memory pinned for a sleep that aborted, or for backups a discard dropped, is given back."""
-    sim, alloc, ctl = rig(HostMemoryPolicy(after_wake=AfterWake.RELEASE))
-    fill(alloc, "weights", [4 * G] * 4)
-    sim.fail("unmap")  # phase 2 fails: the sleep rolls back after the backup was made
+    rig = make_rig("with_context")
+    ctl = rig.control(policy=Policy(host=HostMemoryPolicy(after_wake=AfterWake.RELEASE)))
+    fill(rig.allocator, "weights", [4 * G] * 4)
+    rig.driver.fail("unmap")  # phase 2 fails: the sleep rolls back after the backup was made
     with pytest.raises(Exception, match="unmap"):
         ctl.sleep(1)
     assert ctl.state is State.AWAKE  # the staged chunks may still be pinning in the background: wait for them
-    assert alloc.host.wait_ready(10) and alloc.host.wait_unpinned(10) and alloc.pinned_bytes() == 0 == sim.host_used
+    assert (
+        rig.allocator.host.wait_ready(10)
+        and rig.allocator.host.wait_unpinned(10)
+        and rig.allocator.pinned_bytes() == 0 == rig.driver.host_used
+    )
     ctl.sleep(1)
-    assert alloc.pinned_bytes() == 16 * G
+    assert rig.allocator.pinned_bytes() == 16 * G
     ctl.discard(["weights"])  # the staged sleep's chunks may still be pinning in the background: wait for them
-    assert alloc.host.wait_ready(10) and alloc.host.wait_unpinned(10) and alloc.pinned_bytes() == 0 == sim.host_used
+    assert (
+        rig.allocator.host.wait_ready(10)
+        and rig.allocator.host.wait_unpinned(10)
+        and rig.allocator.pinned_bytes() == 0 == rig.driver.host_used
+    )
 
 
 class SettlingSim(SimDriver):
@@ -319,13 +329,13 @@ class SettlingSim(SimDriver):
         return super().host_reserve(nbytes)
 
 
-def test_a_failed_pin_never_lets_two_backups_share_host_memory() -> None:
+def test_a_failed_pin_never_lets_two_backups_share_host_memory(make_rig: RigMaker) -> None:
     """A chunk whose pin failed keeps its address until its backup lets go: the sleep fails, no bytes are mixed."""
     sim = SettlingSim(64 * MiB, granularity=G, reuse_host=True)
     # pinned as the sleep copies (not staged): the first host_alloc is the first tag's chunk
-    alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=4 * G, threads=1, staged=False), slab_bytes=0)
-    sim.alloc = alloc
-    ctl = SleepController(alloc)
+    rig = make_rig(driver=sim, host=HostPolicy(chunk_bytes=4 * G, threads=1, staged=False), slab_bytes=0)
+    alloc = sim.alloc = rig.allocator
+    ctl = rig.control()
     data = {**fill(alloc, "cudagraph", [4 * G]), **fill(alloc, "weights", [4 * G])}  # two tags: two takes in one backup
     sim.fail("host_alloc")  # the first tag's chunk; the second tag's reservation comes after it failed
     failed = None
@@ -341,24 +351,24 @@ def test_a_failed_pin_never_lets_two_backups_share_host_memory() -> None:
     assert sim.host_used == 0 and sim.host_reserved == 0
 
 
-def test_pinning_ahead_leaves_out_the_tags_the_policy_never_backs_up() -> None:
+def test_pinning_ahead_leaves_out_the_tags_the_policy_never_backs_up(make_rig: RigMaker) -> None:
     """The allocator excludes nothing itself; the controller passes the tags every level discards (kv_cache, workspace)."""
     assert HostPolicy().prepin_exclude == frozenset()
-    _, alloc, _ = rig(HostMemoryPolicy(pin=PinWhen.AHEAD))
-    assert alloc.host.policy.prepin_exclude == {"kv_cache", "workspace"}
-    fill(alloc, "weights", [4 * G] * 2)
-    fill(alloc, "kv_cache", [4 * G] * 4)
-    fill(alloc, "workspace", [4 * G])
-    assert alloc.wait_host_ready(10)
-    assert alloc.pinned_bytes() == 8 * G
+    rig = make_rig("with_context")
+    rig.control(policy=Policy(host=HostMemoryPolicy(pin=PinWhen.AHEAD)))
+    assert rig.allocator.host.policy.prepin_exclude == {"kv_cache", "workspace"}
+    fill(rig.allocator, "weights", [4 * G] * 2)
+    fill(rig.allocator, "kv_cache", [4 * G] * 4)
+    fill(rig.allocator, "workspace", [4 * G])
+    assert rig.allocator.wait_host_ready(10)
+    assert rig.allocator.pinned_bytes() == 8 * G
 
 
-def test_a_policy_that_offloads_kv_cache_pins_ahead_for_it() -> None:
+def test_a_policy_that_offloads_kv_cache_pins_ahead_for_it(make_rig: RigMaker) -> None:
     """With kv_cache offloaded at level 1, its growth pins ahead too (the exclusion follows the policy)."""
-    sim = SimDriver(64 * MiB, granularity=G)
-    alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=4 * G, threads=2), slab_bytes=0)
+    rig = make_rig("with_context", overhead=0)
     levels = {1: {"kv_cache": Action.OFFLOAD}, 2: {"kv_cache": Action.DISCARD}}
-    SleepController(alloc, policy=Policy(levels=levels, host=HostMemoryPolicy(pin=PinWhen.AHEAD)))
-    fill(alloc, "kv_cache", [4 * G] * 2)
-    assert alloc.wait_host_ready(10)
-    assert alloc.pinned_bytes() == 8 * G
+    rig.control(policy=Policy(levels=levels, host=HostMemoryPolicy(pin=PinWhen.AHEAD)))
+    fill(rig.allocator, "kv_cache", [4 * G] * 2)
+    assert rig.allocator.wait_host_ready(10)
+    assert rig.allocator.pinned_bytes() == 8 * G

@@ -1,10 +1,11 @@
-"""Tests of torpor.testrig: the simulated-device rig (driver, allocator, controller), fill() and intact()."""
+"""Tests of torpor.testrig: the simulated-device rig (driver, allocator, controller), fill() and intact(); the tests' make_rig fixture over it."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from support import RIG_PRESETS, G, RigMaker
 
 from torpor import State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
@@ -142,3 +143,40 @@ def test_intact_is_false_once_one_byte_changed() -> None:
         last = max(data)
         rig.allocator.write(last + 5, bytes([data[last][5] ^ 0xFF]))
         assert not intact(rig.allocator, data)
+
+
+# -- the make_rig fixture (tests/conftest.py) and its presets (tests/support.py) --------------------------------
+
+
+def test_make_rig_builds_a_preset_with_the_changes_named(make_rig: RigMaker) -> None:
+    """make_rig(preset, **changes, host_options=...): the preset's device and allocator, the named keywords and policy fields replaced."""
+    rig = make_rig("staged", capacity=16 * MiB, host_options={"stage_threads": 1})
+    assert rig.driver.mem_info(0) == (16 * MiB, 16 * MiB)
+    policy = rig.allocator.host.policy
+    assert (policy.chunk_bytes, policy.stage_slot_bytes, policy.stage_ring_bytes) == (8 * G, G, 4 * G)
+    assert policy.stage_threads == 1 and RIG_PRESETS["staged"]["host"].stage_threads == 3
+    rig.allocator.allocate(G, "w")
+    assert rig.allocator.slabs.count() == 0
+
+
+def test_make_rig_refuses_an_unknown_preset_naming_the_presets(make_rig: RigMaker) -> None:
+    """A preset that does not exist is a KeyError that lists the ones that do."""
+    with pytest.raises(KeyError, match="no rig preset 'stagged'; the presets are default, batched, "):
+        make_rig("stagged")
+
+
+def test_make_rig_closes_every_rig_at_teardown_with_faults_still_armed() -> None:
+    """RigMaker.close (the fixture's teardown): each rig's controller closed, its device and pinned host freed, armed faults disarmed."""
+    maker = RigMaker()
+    one, two = maker("with_context"), maker("small_batches")
+    ctl = one.control()
+    fill(one.allocator, "weights", [4 * G])
+    ctl.sleep(1)
+    ctl.wake()  # pinned host memory kept after the wake
+    fill(two.allocator, "w", [GRANULE])
+    two.driver.fail("unmap")
+    two.driver.fail("host_free")
+    maker.close()
+    assert ctl.closed and not maker.made
+    assert one.driver.used == 0 == one.driver.host_used
+    assert two.driver.used == 0 == two.driver.host_used
