@@ -16,9 +16,10 @@ import triton.language as tl
 #: A chunk's row in the chunk table the pack and unpack kernels read.
 INFO_FIELDS = ("coded", "payload_at", "groups", "codes_at", "high_at", "low_at", "escaped_at", "first_group")
 INFO = len(INFO_FIELDS)
-KEY = 0x9E3779B97F4A7C15
-MIX1 = 0xFF51AFD7ED558CCD
-MIX2 = 0xC4CEB9FE1A85EC53
+#: sum64's key multiplier and fmix64's multipliers (:mod:`.sum64`), as constants a kernel may read.
+KEY = tl.constexpr(0x9E3779B97F4A7C15)
+MIX1 = tl.constexpr(0xFF51AFD7ED558CCD)
+MIX2 = tl.constexpr(0xC4CEB9FE1A85EC53)
 
 
 @triton.jit
