@@ -1219,6 +1219,91 @@ def test_the_raise_check_catches_a_standard_exception(tmp_path: Path) -> None:
     ]
 
 
+def _torpor_constants(tree: ast.Module) -> dict[str, str]:
+    """A module's own constants that name a ``TORPOR_*`` variable: ``NAME = "TORPOR_..."`` -> the variable."""
+    return {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        and node.value.value.startswith("TORPOR_")
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
+
+
+def _torpor_variable(arg: ast.expr, known: dict[str, str]) -> str | None:
+    """The ``TORPOR_*`` variable ``arg`` names: a ``"TORPOR_..."`` literal, or a constant in ``known`` bound to one."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("TORPOR_"):
+        return arg.value
+    return known.get(arg.id) if isinstance(arg, ast.Name) else None
+
+
+def environment_reads(found: dict[str, Path]) -> list[str]:
+    """Each read of a ``TORPOR_*`` variable from an environment outside torpor/switches.py: ``file:line VARIABLE``.
+
+    A read is ``os.environ.get(X)``, ``os.getenv(X)``, ``os.environ[X]``, ``X in os.environ`` (of any mapping:
+    ``env.get(X)`` of a mapping passed in is one too), where X is a ``"TORPOR_..."`` literal or a constant bound to one (in the module, or
+    imported from the torpor module that binds it). Writes (``os.environ[X] = ...``, ``pop``) are not reads.
+    """
+    trees = {module: ast.parse(path.read_text()) for module, path in found.items()}
+    constants = {module: _torpor_constants(tree) for module, tree in trees.items()}
+    hits = []
+    for module, tree in sorted(trees.items()):
+        if module == "torpor.switches":
+            continue
+        known = dict(constants[module])
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module in constants:
+                known |= {
+                    a.asname or a.name: constants[node.module][a.name]
+                    for a in node.names
+                    if a.name in constants[node.module]
+                }
+
+        path = found[module]
+        where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+        for node in ast.walk(tree):
+            read: ast.expr | None = None
+            if isinstance(node, ast.Call) and node.args:
+                name = ast.unparse(node.func)
+                if name in ("os.getenv", "getenv") or (
+                    isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                ):
+                    read = node.args[0]
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                read = node.slice
+            elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.In | ast.NotIn):
+                read = node.left
+            if read is not None and (var := _torpor_variable(read, known)):
+                hits.append(f"{where}:{node.lineno} {var}")
+    return hits
+
+
+def test_torpor_variables_are_read_only_through_torpor_switches() -> None:
+    """No module but torpor.switches reads a ``TORPOR_*`` environment variable itself: one reading, one refusal each."""
+    offenders = environment_reads(modules())
+    assert not offenders, f"{len(offenders)} reads of TORPOR_* variables outside torpor.switches:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_environment_check_catches_a_direct_read(tmp_path: Path) -> None:
+    """``os.environ.get("TORPOR_X")``, ``environ[ENV]`` and ``os.getenv(ENV)`` are named; a write and ``HOME`` are not."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        'import os\nENV = "TORPOR_Y"\nos.environ.get("TORPOR_X")\nenviron[ENV]\nos.getenv(ENV)\n'
+        'os.environ[ENV] = "1"\nos.environ.get("HOME")\nENV in os.environ\n'
+    )
+    assert environment_reads({"probe": source}) == [
+        "probe.py:3 TORPOR_X",
+        "probe.py:4 TORPOR_Y",
+        "probe.py:5 TORPOR_Y",
+        "probe.py:8 TORPOR_Y",
+    ]
+
+
 if __name__ == "__main__":
     DOC.write_text(rendered_doc(DOC.read_text()))
     sys.stdout.write(f"wrote {DOC.relative_to(ROOT)}\n")

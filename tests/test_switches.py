@@ -1,10 +1,13 @@
-"""Tests of torpor.switches: how an on/off environment variable reads."""
+"""Tests of torpor.switches: how an environment variable reads (on/off, rank, seconds, text, path)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from torpor.switches import env_rank, env_switch
+from torpor.errors import BadSetting, TorporError
+from torpor.switches import env_path, env_rank, env_seconds, env_switch, env_text
 
 
 @pytest.mark.parametrize(
@@ -59,3 +62,27 @@ def test_a_rank_that_is_no_decimal_count_is_refused_naming_the_variable(value: s
     """A negative, a superscript, an underscore, hex, a word, a float or a non-ASCII digit is refused naming RANK."""
     with pytest.raises(ValueError, match=r"^RANK=.* is not a rank \(a whole number, 0 or more\)"):
         env_rank("RANK", {"RANK": value})
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 7.5), ("", 7.5), (" 0 ", 0.0), ("2.5", 2.5)])
+def test_seconds_read_finite_and_not_negative(value: str | None, expected: float) -> None:
+    """Seconds: unset or blank is the default; a finite number 0 or more (spaces around) is read as it is."""
+    environ = {} if value is None else {"TORPOR_WAIT": value}
+    assert env_seconds("TORPOR_WAIT", environ, default=7.5) == expected
+
+
+@pytest.mark.parametrize("value", ["soon", "nan", "inf", "-1"])
+def test_seconds_that_are_no_number_of_seconds_are_refused_naming_the_variable(value: str) -> None:
+    """``nan``, ``inf``, a negative or no number is a BadSetting (a TorporError and a ValueError) naming the variable."""
+    with pytest.raises(BadSetting, match=f"TORPOR_WAIT='{value}' is not a number of seconds") as caught:
+        env_seconds("TORPOR_WAIT", {"TORPOR_WAIT": value}, default=1.0)
+    assert isinstance(caught.value, TorporError) and isinstance(caught.value, ValueError)
+    assert (caught.value.name, caught.value.value) == ("TORPOR_WAIT", value)
+
+
+def test_text_and_paths_are_none_when_unset_or_empty() -> None:
+    """Text and paths: None when unset or empty; the value as set (a path as a Path) otherwise."""
+    assert env_text("TORPOR_T", {}) is None and env_text("TORPOR_T", {"TORPOR_T": ""}) is None
+    assert env_text("TORPOR_T", {"TORPOR_T": " a b "}) == " a b "
+    assert env_path("TORPOR_P", {"TORPOR_P": ""}) is None
+    assert env_path("TORPOR_P", {"TORPOR_P": "/tmp/x"}) == Path("/tmp/x")

@@ -34,6 +34,7 @@ from typing import Any
 from torpor.bench.checksums import module_checksums
 from torpor.statemachine import read_events
 from torpor.statemachine.core.events import EventKind
+from torpor.switches import env_path
 
 PROMPTS = ["Hello, how are you today?", "The capital of France is", "def add(a, b):", "Once upon a time"]
 #: Full CUDA graphs of decode without torch.compile (a shorter start), as the vLLM kit's llm_smoke.py runs them.
@@ -256,8 +257,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         a.log(
             f"{a.backend} cycle {i}: L{level} sleep {sleep_s:.3f} s freed {freed / 1e9:.1f} GB wake {wake['wake_s']:.3f} s {'same' if same else 'DIFFERENT'}{changed}"
         )
-    if a.backend == "torpor" and os.environ.get("TORPOR_LOG_DIR"):  # before the profiled cycle: timing rows only
-        res["torpor_phases"] = torpor_phases(Path(os.environ["TORPOR_LOG_DIR"]))
+    log_dir = env_path("TORPOR_LOG_DIR")
+    if a.backend == "torpor" and log_dir is not None:  # before the profiled cycle: timing rows only
+        res["torpor_phases"] = torpor_phases(log_dir)
     if a.profile:
         res["profile"] = llm.collective_rpc(here.profiled_cycle, args=(1,))[0]
         res["identical_after_profile"] = generate() == baseline

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.errors import BadMessage, WireClosed
+from torpor.switches import env_path
 
 __all__ = ["MAX_FDS", "MAX_MESSAGE", "SOCKET_ENV", "peer", "receive", "send", "socket_path"]
 
@@ -71,9 +72,9 @@ def socket_path(path: str | os.PathLike[str] | None = None) -> Path:
     (the keeper makes it 0700; one another user made first is refused, never used)."""
     if path is not None:
         return Path(path)
-    env = os.environ.get(SOCKET_ENV)
-    if env:
-        return Path(env)
+    named = env_path(SOCKET_ENV)
+    if named is not None:
+        return named
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     base = Path(runtime) / "torpor-keeper" if runtime else Path(tempfile.gettempdir()) / f"torpor-keeper-{os.getuid()}"
     return base / "keeper.sock"

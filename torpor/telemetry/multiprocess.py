@@ -51,6 +51,7 @@ from torpor.statemachine.core.events import (
 )
 from torpor.statemachine.core.protocol import TagUsage
 from torpor.statemachine.core.states import State
+from torpor.switches import env_text
 from torpor.telemetry.prometheus import BASE_LABELS, LAST_GAUGES, METRICS
 from torpor.telemetry.rankstats import DURATION_BUCKETS
 from torpor.telemetry.tracker import HostBacking, Observation, Tracker, host_backing, keeper_figures
@@ -63,7 +64,7 @@ GAUGE_MODE: Literal["livemostrecent"] = "livemostrecent"
 
 def directory() -> str | None:
     """Where this process's metric files go: ``PROMETHEUS_MULTIPROC_DIR``, else ``TORPOR_METRICS_DIR``, else None."""
-    return os.environ.get(ENV) or os.environ.get(ENV.lower()) or os.environ.get(TORPOR_ENV) or None
+    return os.environ.get(ENV) or os.environ.get(ENV.lower()) or env_text(TORPOR_ENV)
 
 
 def enabled() -> bool:
@@ -104,7 +105,7 @@ def withdraw_directory(registry: CollectorRegistry = REGISTRY) -> None:
             return
         if _provided.collector is not None:
             registry.unregister(_provided.collector)
-        if os.environ.get(TORPOR_ENV) == _provided.tmp.name:
+        if env_text(TORPOR_ENV) == _provided.tmp.name:
             os.environ.pop(TORPOR_ENV, None)
         _provided.tmp.cleanup()
         _provided.tmp = _provided.collector = None

@@ -29,7 +29,7 @@ from torpor.hooks.predicate import cudagraph_pool_decision
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.states import State
 from torpor.statemachine.machine.controller import SleepController
-from torpor.switches import env_rank, env_switch
+from torpor.switches import env_rank, env_switch, env_text
 from torpor.telemetry.session import attach
 from torpor.tms.preload import PreloadHook, preloaded
 from torpor.tms.switch import active
@@ -128,8 +128,8 @@ class TmsEngine:
         self.rank = _rank()
         self.telemetry = env_switch(TELEMETRY_ENV) if telemetry is None else telemetry
         self.allocator = allocator if allocator is not None else cuda_allocator()
-        self.log_dir = log if log is not None else (os.environ.get(LOG_DIR_ENV) or None)
-        self.engine = engine or os.environ.get(ENGINE_ENV, "tms")
+        self.log_dir = log if log is not None else env_text(LOG_DIR_ENV)
+        self.engine = engine or env_text(ENGINE_ENV) or "tms"
         self.retain_cpu_backup = self.settings.retain_cpu_backup
         self.cpu_backup_backend = self.settings.cpu_backup_backend
         self.disk_backup_dir = self.settings.disk_backup_dir

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import operator
-import os
 import threading
 from pathlib import Path
 from typing import Any, SupportsIndex
 
 from torpor.errors import AllocatorArgumentError, AllocatorError, AllocatorOutOfMemory
+from torpor.switches import env_path
 
 LIB_NAME = "libtorpor_alloc.so"
 ACTIVE, FROZEN, RELEASED = 0, 1, 2
@@ -131,8 +131,7 @@ _load_lock = threading.Lock()
 
 def library_path() -> Path:
     """Where the library is looked for: ``$TORPOR_NATIVE_LIB``, else next to this module."""
-    override = os.environ.get("TORPOR_NATIVE_LIB")
-    return Path(override) if override else Path(__file__).with_name(LIB_NAME)
+    return env_path("TORPOR_NATIVE_LIB") or Path(__file__).with_name(LIB_NAME)
 
 
 def lib() -> ctypes.CDLL:

@@ -45,6 +45,7 @@ from torpor.hooks.vllm.facade import get_instance
 from torpor.hooks.vllm.process import ENV_ACTIVE, Activation, _lock, _process
 from torpor.hooks.vllm.settings import DEFAULT_ENGINE, ENV_ENGINE
 from torpor.hooks.vllm.vllmpredicate import BACKEND, decision_for, extended_predicate, selects_torpor
+from torpor.switches import env_switch, env_text
 
 logger = logging.getLogger("torpor.vllm")
 
@@ -63,11 +64,11 @@ def _vllm_config_class() -> Any:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register the backend, install the probe, activate if told to."""
     register_backend()
-    if os.environ.get(ENV_KEEPER_ENGINE):  # the keeper's load format (docs/keeper.md); loads the allocator
+    if env_text(ENV_KEEPER_ENGINE):  # the keeper's load format (docs/keeper.md); loads the allocator
         importlib.import_module("torpor.hooks.vllm.keeperloader").register()
-    if os.environ.get(ENV_PROBE, "1") != "0":
+    if env_switch(ENV_PROBE):
         install_probe()
-    if os.environ.get(ENV_ACTIVE) == "1":
+    if env_switch(ENV_ACTIVE, default=False):
         activate()
 
 
@@ -136,7 +137,7 @@ def activate() -> Activation:
         cls = _vllm_config_class()
         original = cls.__dict__["use_cumem_cudagraph_pool"]
         allocator = get_instance()
-        state = Activation(predicate=original, allocator=allocator, env_previous=os.environ.get(ENV_ACTIVE))
+        state = Activation(predicate=original, allocator=allocator, env_previous=env_text(ENV_ACTIVE))
         try:
             cumem = importlib.import_module("vllm.device_allocator.cumem")
         except ImportError as exc:  # vLLM's CUDA extension cannot load: no CUDA here, nothing will allocate
@@ -156,7 +157,7 @@ def activate() -> Activation:
             cumem.CuMemAllocator.instance = allocator
         cls.use_cumem_cudagraph_pool = property(extended_predicate(original.fget), doc=original.__doc__)
         os.environ[ENV_ACTIVE] = "1"
-        state.engine_previous = os.environ.get(ENV_ENGINE)
+        state.engine_previous = env_text(ENV_ENGINE)
         if not state.engine_previous:
             # One name per engine, shared by its ranks (they inherit the environment), never by two engines on a
             # host: the process that selects torpor first (the API server, or the LLM's process) names the engine.

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 from torpor.hooks.vllm.facade import get_instance, require_controller
 from torpor.statemachine.core.states import State
 from torpor.statemachine.machine.group import GroupMember, as_agreement, parse_timeout
+from torpor.switches import env_switch, env_text
 
 if TYPE_CHECKING:
     from torpor.statemachine.machine.controller import SleepController
@@ -87,12 +87,12 @@ def engine_group() -> Any | None:
 
 def join_engine_group(controller: SleepController) -> bool:
     """Put ``controller`` in a group over the engine's ranks when there is more than one; True when it joined."""
-    if controller.group is not None or os.environ.get(ENV_GROUP, "1") == "0":
+    if controller.group is not None or not env_switch(ENV_GROUP):
         return False
     coordinator = engine_group()
     if coordinator is None or int(getattr(coordinator, "world_size", 1)) <= 1:
         return False
-    timeout = parse_timeout(os.environ.get(ENV_GROUP_TIMEOUT), ENV_GROUP_TIMEOUT)  # ValueError naming it
+    timeout = parse_timeout(env_text(ENV_GROUP_TIMEOUT), ENV_GROUP_TIMEOUT)  # ValueError naming it
     group = coordinator.cpu_group
     if type(group).__module__.startswith("torch"):
         from torpor.torchgroup import TorchGroup

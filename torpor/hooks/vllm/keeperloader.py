@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 from torpor.allocator.tagged import TaggedAllocator
@@ -34,6 +33,7 @@ from torpor.keeper.adoption import adopt, track_model
 from torpor.keeper.backing import KeeperBacking, attach
 from torpor.keeper.prefetching import prefetch
 from torpor.statemachine.machine.controller import SleepController
+from torpor.switches import env_text
 
 __all__ = ["ENV_ENGINE", "LOAD_FORMAT", "engine_for_rank", "register", "source_of"]
 
@@ -49,7 +49,7 @@ _backings: list[KeeperBacking] = []  # this process's backing (kept alive with t
 
 def engine_for_rank(rank: int | None = None) -> str:
     """``$TORPOR_KEEPER_ENGINE-rank<N>``: a keeper engine name per worker, the same in the next process."""
-    base = os.environ.get(ENV_ENGINE, "vllm")
+    base = env_text(ENV_ENGINE) or "vllm"
     return f"{base}-rank{worker_rank() if rank is None else rank}"
 
 

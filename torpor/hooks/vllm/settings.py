@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torpor.statemachine.core.enginename import check_engine_name
 from torpor.statemachine.core.policy import HostMemoryPolicy, PinWhen
-from torpor.switches import env_rank, env_switch
+from torpor.switches import env_path, env_rank, env_switch, env_text
 
 __all__ = [
     "DEFAULT_ENGINE",
@@ -62,7 +62,7 @@ def worker_host_policy(environ: dict[str, str] | None = None) -> HostMemoryPolic
     ``at_sleep`` (docs/allocator.md, "Host pinning by default").
     """
     env = dict(os.environ if environ is None else environ)
-    if not env.get(ENV_HOST_PIN, "").strip():
+    if not (env_text(ENV_HOST_PIN, env) or "").strip():
         env[ENV_HOST_PIN] = PinWhen.AHEAD.value
     return HostMemoryPolicy.from_env(env)
 
@@ -96,7 +96,7 @@ def default_log_dir() -> Path:
     shared ``/tmp/torpor`` belongs to whoever made it first, and torpor refuses
     a log directory that belongs to someone else).
     """
-    return Path(os.environ.get(ENV_LOG_DIR) or Path(tempfile.gettempdir()) / f"torpor-{os.geteuid()}")
+    return env_path(ENV_LOG_DIR) or Path(tempfile.gettempdir()) / f"torpor-{os.geteuid()}"
 
 
 def _group_attr(name: str, attr: str) -> int | None:
@@ -131,9 +131,10 @@ def engine_name() -> str:
     A name outside the engine-name rule (:mod:`torpor.statemachine.core.enginename`) is a ``ValueError``
     naming the variable, before a controller or the keeper sees it.
     """
-    name = os.environ.get(ENV_ENGINE) or DEFAULT_ENGINE
+    given = env_text(ENV_ENGINE)
+    name = given or DEFAULT_ENGINE
     dp_size = _group_attr("_DP", "world_size")
     dp_rank = _group_attr("_DP", "rank_in_group")
     if dp_size is not None and dp_size > 1 and dp_rank is not None:
         name = f"{name}-dp{dp_rank}"
-    return check_engine_name(name, source=f"${ENV_ENGINE}" if os.environ.get(ENV_ENGINE) else "")
+    return check_engine_name(name, source=f"${ENV_ENGINE}" if given else "")

@@ -24,6 +24,7 @@ from torpor.hooks.predicate import CudagraphPoolDecision
 from torpor.hooks.vllm.process import current
 from torpor.hooks.vllm.vllmpredicate import decision_for
 from torpor.statemachine.core.events import EventKind
+from torpor.switches import env_text
 
 if TYPE_CHECKING:
     from torpor.statemachine.machine.controller import SleepController
@@ -84,7 +85,7 @@ def record_when_known(controller: SleepController) -> bool:
 
 def attach_telemetry(controller: SleepController) -> Any:
     """Attach torpor's telemetry when a metrics directory is named (see the module doc); the handle, or None."""
-    if not (os.environ.get(MULTIPROC_ENV) or os.environ.get(TORPOR_METRICS_ENV)):
+    if not (os.environ.get(MULTIPROC_ENV) or env_text(TORPOR_METRICS_ENV)):
         logger.info(
             "torpor: neither %s nor %s is set, so this worker's metrics do not reach the API server's /metrics",
             MULTIPROC_ENV,

@@ -15,12 +15,12 @@ applies it, the allocator only obeys.
 from __future__ import annotations
 
 import enum
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from torpor.errors import BadArgument, InvalidLevel
+from torpor.switches import env_text
 
 
 class Action(enum.StrEnum):
@@ -107,10 +107,9 @@ class HostMemoryPolicy:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HostMemoryPolicy:
         """The policy ``TORPOR_HOST_PIN`` (ahead|at_sleep), ``TORPOR_HOST_AFTER_WAKE`` (keep|release) and ``TORPOR_HOST_BUDGET`` (64GiB) say; defaults otherwise."""
-        env = os.environ if environ is None else environ
-        pin = env.get("TORPOR_HOST_PIN", "").strip() or PinWhen.AT_SLEEP.value
-        after = env.get("TORPOR_HOST_AFTER_WAKE", "").strip() or AfterWake.KEEP.value
-        budget = env.get("TORPOR_HOST_BUDGET", "").strip()
+        pin = (env_text("TORPOR_HOST_PIN", environ) or "").strip() or PinWhen.AT_SLEEP.value
+        after = (env_text("TORPOR_HOST_AFTER_WAKE", environ) or "").strip() or AfterWake.KEEP.value
+        budget = (env_text("TORPOR_HOST_BUDGET", environ) or "").strip()
         try:
             return cls(PinWhen(pin), AfterWake(after), parse_bytes(budget) if budget else None)
         except ValueError as exc:

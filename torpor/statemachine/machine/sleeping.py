@@ -9,17 +9,16 @@ cannot be written) rolls the sleep back through
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 
-from torpor.errors import BadSetting, InvalidLevel, TorporError
+from torpor.errors import InvalidLevel, TorporError
 from torpor.statemachine.core.events import SleepCompleted, SleepRequested, TagBackedUp, TagReleased
 from torpor.statemachine.core.policy import Action
 from torpor.statemachine.core.states import ASLEEP, State
 from torpor.statemachine.machine.context import Context
 from torpor.statemachine.machine.rollback import SleepProgress, abort_sleep
 from torpor.statemachine.projection.view import Projection
+from torpor.switches import env_seconds
 
 logger = logging.getLogger("torpor")
 
@@ -31,16 +30,7 @@ BLOCK_WAIT_DEFAULT = 10.0
 
 def block_wait() -> float:
     """How long a sleep waits for open allocation blocks: ``TORPOR_BLOCK_WAIT`` seconds (finite, >= 0; default 10)."""
-    raw = os.environ.get(BLOCK_WAIT_ENV, "").strip()
-    if not raw:
-        return BLOCK_WAIT_DEFAULT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise BadSetting(BLOCK_WAIT_ENV, raw, "a number of seconds (finite, 0 or more)")
-    return value
+    return env_seconds(BLOCK_WAIT_ENV, default=BLOCK_WAIT_DEFAULT)
 
 
 def sleep(ctx: Context, level: int, idempotent: bool) -> Projection:
