@@ -1,15 +1,13 @@
 """The import contract: the layer table, the direction between layers, no cycles, no hidden imports.
 
-The flow has one direction: command -> guard -> plan -> allocator -> events -> projections.
-This file holds the one layer table (docs/architecture.md is generated from it:
-``python tests/test_architecture.py`` rewrites the doc) and checks every module under
-``torpor/`` by reading its source (``ast``), not by importing it.
+scripts/architecture.py holds the one layer table and reads every module under ``torpor/`` by its
+source (``ast``), not by importing it; docs/architecture.md's layer table and module map are
+generated from it (``python scripts/architecture.py``). This file checks the imports against the
+table and that the doc is current.
 
-An import ``from a.b import c`` where ``a.b.c`` is a module counts as importing ``a.b.c``. For the
-layers, importing ``a.b.c`` is not counted as importing the packages ``a`` and ``a.b`` (the same rule
-import-linter uses), so a package's ``__init__`` is a facade placed in its own layer. For cycles it
-is: Python runs ``a/__init__`` and ``a/b/__init__`` before ``a.b.c`` for an importer outside them, so a
-loop through a package's ``__init__`` is a loop (:func:`import_graph`).
+For cycles, an import ``from a.b import c`` also counts the packages ``a`` and ``a.b``: Python runs
+``a/__init__`` and ``a/b/__init__`` before ``a.b.c`` for an importer outside them, so a loop through
+a package's ``__init__`` is a loop (:func:`import_graph`).
 """
 
 from __future__ import annotations
@@ -25,83 +23,26 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
+from scripts.architecture import (
+    BEGIN,
+    DOC,
+    END,
+    LAYERS,
+    MAP_BEGIN,
+    MAP_END,
+    PACKAGE,
+    ROOT,
+    SUBPACKAGES,
+    Import,
+    all_imports,
+    imports,
+    is_torpor,
+    layer_of,
+    modules,
+    rendered_doc,
+)
 from torpor.statemachine import HostMemoryPolicy, Policy, SleepController
 from torpor.testrig import fill, sim_rig
-
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "torpor"
-DOC = ROOT / "docs" / "architecture.md"
-
-#: The layers, lowest first. A module imports only from its own layer or a lower one.
-#: Each entry is a module name or a package prefix ending in ``.*`` (the package and all
-#: below it); the most specific entry wins.
-LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    (
-        "core",
-        "the machine's vocabulary (events, states, tag policy, the memory protocol), the "
-        "projection as a fold, every error class: no I/O, no threads, no torch",
-        (
-            "torpor._version",
-            "torpor.errors.*",
-            "torpor.units",
-            "torpor.extras",
-            "torpor.switches",
-            "torpor.statemachine.core.*",
-            "torpor.statemachine.projection.*",
-        ),
-    ),
-    (
-        "log",
-        "the event store: payload checks, the line codec, the files on disk, the writer, the one "
-        "tailer every reader uses, and the subscriber fan-out",
-        ("torpor.statemachine.log.*",),
-    ),
-    (
-        "controller",
-        "the guard and the plan: commands checked against the projection, memory calls, "
-        "events appended, rollback, TP groups",
-        ("torpor.statemachine", "torpor.statemachine.machine.*"),
-    ),
-    (
-        "mechanism and subscribers",
-        "the allocator (mechanism, no policy), telemetry and the hooks/integrations "
-        "(subscribers, torch_memory_saver's API among them), the capture vocabulary the allocator and "
-        "the hooks share, the read model over several ranks' logs, the HTTP client and the test helpers",
-        (
-            "torpor.allocator.*",
-            "torpor.graphcapture",
-            "torpor.readmodel.*",
-            "torpor.torchgroup",
-            "torpor.telemetry.*",
-            "torpor.hooks.*",
-            "torpor.tms.*",
-            "torpor.keeper.*",
-            "torpor.client",
-            "torpor.testing",
-            "torpor.testrig",
-        ),
-    ),
-    (
-        "entry points",
-        "the package facade, the CLI and its commands, the demo and the benchmark harness",
-        (
-            "torpor",
-            "torpor.__main__",
-            "torpor.cli",
-            "torpor.commands.*",
-            "torpor.demo.*",
-            "torpor.bench.*",
-            "torpor.textout",
-        ),
-    ),
-)
-
-#: Inside a package, its parts (subpackages or modules), lowest first: a part imports only
-#: from itself or a part before it; the package's own ``__init__`` is its facade, above all.
-SUBPACKAGES: dict[str, tuple[str, ...]] = {
-    "torpor.statemachine": ("core", "projection", "log", "machine"),
-    "torpor.allocator": ("failures", "squeeze", "native", "host", "sleepwake", "keep", "torchside", "tagged"),
-}
 
 #: Function-level imports of torpor modules allowed, with the reason (module, imported) -> why.
 #: Function-level imports of optional third-party packages (torch, cuda-bindings, ...) are allowed.
@@ -157,130 +98,6 @@ CORE_FORBIDDEN = (
 )
 
 
-@dataclass(frozen=True)
-class Import:
-    """One import statement's target, where it is, and how it runs."""
-
-    module: str  # the importing module
-    target: str  # the imported module (or name's module)
-    where: str  # file:line
-    late: bool  # inside a function
-    typing_only: bool  # under ``if TYPE_CHECKING:``
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def modules() -> dict[str, Path]:
-    """Every module under torpor/, by dotted name."""
-    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
-    """The imports of one module, targets resolved to modules where they are modules."""
-    tree = ast.parse(path.read_text(), str(path))
-    is_package = path.name == "__init__.py"
-    where_file = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
-    found: list[Import] = []
-
-    def visit(node: ast.AST, late: bool, typing_only: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            child_late = late or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
-                for stmt in child.body:
-                    visit_stmt(stmt, late, True)
-                for stmt in child.orelse:
-                    visit_stmt(stmt, late, typing_only)
-                continue
-            visit_stmt(child, child_late, typing_only)
-
-    def add(target: str, node: ast.stmt | ast.expr, late: bool, typing_only: bool) -> None:
-        found.append(Import(name, target, f"{where_file}:{node.lineno}", late, typing_only))
-
-    def visit_stmt(node: ast.AST, late: bool, typing_only: bool) -> None:
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                add(alias.name, node, late, typing_only)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".") if is_package else name.split(".")[:-1]
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            for alias in node.names:
-                candidate = f"{base}.{alias.name}"
-                add(candidate if candidate in known else base, node, late, typing_only)
-        else:
-            dynamic = _dynamic_import(node)
-            if dynamic is not None:
-                add(dynamic, node, late, typing_only)
-            visit(node, late, typing_only)
-
-    visit(tree, False, False)
-    return found
-
-
-def _dynamic_import(node: ast.AST) -> str | None:
-    """The module an ``importlib.import_module("...")`` or ``__import__("...")`` call loads (None: not one).
-
-    A name that is not a string literal is not followed (``cli``'s command table, the
-    package's lazy ``__getattr__``): those load modules that the table of names spells out.
-    """
-    if not isinstance(node, ast.Call) or not node.args:
-        return None
-    func = node.func
-    named = (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
-        isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
-    )
-    first = node.args[0]
-    if named and isinstance(first, ast.Constant) and isinstance(first.value, str):
-        return first.value
-    return None
-
-
-def layer_of(module: str) -> int:
-    """The index in LAYERS of a torpor module (the most specific entry wins)."""
-    best: tuple[int, int] | None = None  # (specificity, layer)
-    for index, (_, _, entries) in enumerate(LAYERS):
-        for entry in entries:
-            if entry.endswith(".*"):
-                prefix = entry[:-2]
-                if module == prefix or module.startswith(prefix + "."):
-                    score = len(prefix)
-                else:
-                    continue
-            elif module == entry:
-                score = len(entry) + 1_000
-            else:
-                continue
-            if best is None or score > best[0]:
-                best = (score, index)
-    if best is None:
-        msg = f"{module} is in no layer of tests/test_architecture.py's LAYERS: add it"
-        raise LookupError(msg)
-    return best[1]
-
-
-def all_imports() -> list[Import]:
-    """Every import of every torpor module."""
-    known = modules()
-    return [imp for name, path in known.items() for imp in imports(name, path, known)]
-
-
-def _torpor(target: str) -> bool:
-    return target == "torpor" or target.startswith("torpor.")
-
-
 def _in(target: str, prefixes: tuple[str, ...]) -> bool:
     return any(target == p or target.startswith(p + ".") for p in prefixes)
 
@@ -289,7 +106,7 @@ def layer_violations() -> list[str]:
     """Imports of a higher layer, as 'file:line module (layer) imports target (layer)'."""
     out = []
     for imp in all_imports():
-        if not _torpor(imp.target):
+        if not is_torpor(imp.target):
             continue
         mine, theirs = layer_of(imp.module), layer_of(imp.target)
         if theirs > mine:
@@ -326,7 +143,7 @@ def late_imports() -> list[str]:
     found = [
         f"{imp.where}: {imp.module} imports {imp.target} inside a function"
         for imp in all_imports()
-        if imp.late and not imp.typing_only and _torpor(imp.target) and imp.target != imp.module
+        if imp.late and not imp.typing_only and is_torpor(imp.target) and imp.target != imp.module
         if (imp.module, imp.target) not in LATE_IMPORT_EXCEPTIONS
     ]
     return list(dict.fromkeys(found))
@@ -351,7 +168,7 @@ def import_graph(found: Iterable[Import], known: Iterable[str]) -> dict[str, dic
     names = set(known)
     graph: dict[str, dict[str, str]] = {}
     for imp in found:
-        if not _torpor(imp.target) or imp.target == imp.module:
+        if not is_torpor(imp.target) or imp.target == imp.module:
             continue
         for target in (*_packages_run(imp.module, imp.target, names), imp.target):
             graph.setdefault(imp.module, {}).setdefault(target, imp.where)
@@ -391,74 +208,6 @@ def cycles(graph: dict[str, dict[str, str]] | None = None) -> list[str]:
         if node not in state:
             walk(node)
     return found
-
-
-def render_table() -> str:
-    """The layer table as markdown (docs/architecture.md holds it between markers)."""
-    lines = ["| layer | what | modules |", "|---|---|---|"]
-    known = modules()
-    for index, (title, what, _) in enumerate(LAYERS):
-        members = sorted(m for m in known if layer_of(m) == index)
-        names = ", ".join(f"`{m}`" for m in members)
-        lines.append(f"| {index} {title} | {what} | {names} |")
-    return "\n".join(lines) + "\n"
-
-
-BEGIN = "<!-- layers: generated by `python tests/test_architecture.py`; do not edit by hand -->\n"
-END = "<!-- /layers -->\n"
-
-
-MAP_BEGIN = "<!-- module map: generated by `python tests/test_architecture.py`; do not edit by hand -->\n"
-MAP_END = "<!-- /module map -->\n"
-
-
-def unit_of(module: str, known: dict[str, Path]) -> str:
-    """The room a module belongs to in the module map: its package, or itself for a module directly under torpor/."""
-    path = known.get(module)
-    if path is None:
-        return module
-    if path.name == "__init__.py" or path.parent == PACKAGE:
-        return module
-    return module.rpartition(".")[0]
-
-
-def render_module_map() -> str:
-    """Each room (a package, or a top-level module) with its modules and the rooms it imports, lowest layer first."""
-    known = modules()
-    edges: dict[str, set[str]] = {}
-    members: dict[str, list[str]] = {}
-    for name in known:
-        members.setdefault(unit_of(name, known), []).append(name.rpartition(".")[2] or name)
-    for imp in all_imports():
-        if not _torpor(imp.target):
-            continue
-        src, dst = unit_of(imp.module, known), unit_of(imp.target, known)
-        if src != dst:
-            edges.setdefault(src, set()).add(dst)
-    rooms = sorted(members, key=lambda u: (layer_of(u), u))
-    lines = ["```"]
-    for room in rooms:
-        parts = sorted(m for m in members[room] if f"{room}" != m and not room.endswith("." + m) and m != room)
-        inside = f" ({', '.join(parts)})" if parts else ""
-        out = sorted(edges.get(room, ()), key=lambda u: (layer_of(u), u))
-        lines.append(f"{room}{inside}")
-        if out:
-            lines.append("    -> " + ", ".join(out))
-    lines.append("```")
-    return "\n".join(lines) + "\n"
-
-
-def _replace(text: str, begin: str, end: str, body: str) -> str:
-    head, found, rest = text.partition(begin)
-    if not found:
-        return text
-    _, _, tail = rest.partition(end)
-    return head + begin + body + end + tail
-
-
-def rendered_doc(text: str) -> str:
-    """``text`` with the layer table and the module map between their markers replaced by what the code gives."""
-    return _replace(_replace(text, BEGIN, END, render_table()), MAP_BEGIN, MAP_END, render_module_map())
 
 
 def test_every_module_is_in_a_layer() -> None:
@@ -659,7 +408,7 @@ def test_no_function_level_torpor_imports() -> None:
 
 def test_every_late_import_exception_is_still_needed() -> None:
     """Each entry of LATE_IMPORT_EXCEPTIONS names a function-level import that exists."""
-    late = {(i.module, i.target) for i in all_imports() if i.late and _torpor(i.target)}
+    late = {(i.module, i.target) for i in all_imports() if i.late and is_torpor(i.target)}
     stale = sorted(set(LATE_IMPORT_EXCEPTIONS) - late)
     assert not stale, f"LATE_IMPORT_EXCEPTIONS lists imports that are gone: {stale}"
 
@@ -690,7 +439,7 @@ def test_allocator_imports_no_controller_telemetry_or_hooks() -> None:
         f"{imp.where}: {imp.module} imports {imp.target}"
         for imp in all_imports()
         if _in(imp.module, ("torpor.allocator",))
-        and _torpor(imp.target)
+        and is_torpor(imp.target)
         and (layer_of(imp.target) == 2 or _in(imp.target, ALLOCATOR_FORBIDDEN[1:]))
     ]
     assert not offenders, "the allocator imports policy or subscribers:\n" + "\n".join(offenders)
@@ -713,7 +462,7 @@ def test_the_capture_vocabulary_imports_no_allocator_controller_telemetry_or_hoo
         f"{imp.where}: {imp.module} imports {imp.target}"
         for imp in all_imports()
         if imp.module == "torpor.graphcapture"
-        and _torpor(imp.target)
+        and is_torpor(imp.target)
         and (layer_of(imp.target) == 2 or _in(imp.target, forbidden))
     ]
     assert "torpor.graphcapture" in modules(), "torpor.graphcapture is gone: update this test"
@@ -724,11 +473,11 @@ def test_the_contract_catches_an_upward_import(tmp_path: Path) -> None:
     """A core module importing the controller is named with its file and line."""
     path = PACKAGE / "statemachine" / "core" / "events.py"
     fake = imports("torpor.statemachine.core.events", path, modules())
-    assert all(layer_of(i.target) == 0 for i in fake if _torpor(i.target))
+    assert all(layer_of(i.target) == 0 for i in fake if is_torpor(i.target))
     source = tmp_path / "probe.py"
     source.write_text("import os\n\ndef f():\n    from torpor.statemachine.machine import controller\n")
     found = imports("torpor.statemachine.core.events", source, modules())
-    (late,) = [i for i in found if _torpor(i.target)]
+    (late,) = [i for i in found if is_torpor(i.target)]
     assert late.late and late.target == "torpor.statemachine.machine.controller" and late.where.endswith("probe.py:4")
     assert layer_of(late.target) > layer_of(late.module)
 
@@ -741,7 +490,7 @@ def test_the_contract_counts_type_checking_and_importlib_edges(tmp_path: Path) -
         "    from torpor.statemachine.machine import controller\n\n"
         "def f():\n    return importlib.import_module('torpor.torchgroup')\n"
     )
-    found = [i for i in imports("torpor.statemachine.machine.group", source, modules()) if _torpor(i.target)]
+    found = [i for i in imports("torpor.statemachine.machine.group", source, modules()) if is_torpor(i.target)]
     typing_edge, dynamic = found
     assert typing_edge.typing_only and typing_edge.target == "torpor.statemachine.machine.controller"
     assert dynamic.late and dynamic.target == "torpor.torchgroup" and dynamic.where.endswith("probe.py:8")
@@ -1105,7 +854,7 @@ def test_docs_architecture_has_the_layer_table() -> None:
     """docs/architecture.md's layer table is the one LAYERS generates."""
     text = DOC.read_text()
     assert BEGIN in text and END in text, "docs/architecture.md lost its layer markers"
-    assert text == rendered_doc(text), "docs/architecture.md is stale: run python tests/test_architecture.py"
+    assert text == rendered_doc(text), "docs/architecture.md is stale: run python scripts/architecture.py"
 
 
 def test_docs_architecture_module_map_is_the_codes() -> None:
@@ -1113,7 +862,7 @@ def test_docs_architecture_module_map_is_the_codes() -> None:
     text = DOC.read_text()
     assert MAP_BEGIN in text and MAP_END in text, "docs/architecture.md lost its module-map markers"
     assert "](img/architecture" not in text, "the module map is text generated from the code, not a picture"
-    assert text == rendered_doc(text), "docs/architecture.md is stale: run python tests/test_architecture.py"
+    assert text == rendered_doc(text), "docs/architecture.md is stale: run python scripts/architecture.py"
 
 
 #: Standard exceptions torpor raises for a protocol's sake, each with its reason: (module, exception) -> why.
@@ -1302,8 +1051,3 @@ def test_the_environment_check_catches_a_direct_read(tmp_path: Path) -> None:
         "probe.py:5 TORPOR_Y",
         "probe.py:8 TORPOR_Y",
     ]
-
-
-if __name__ == "__main__":
-    DOC.write_text(rendered_doc(DOC.read_text()))
-    sys.stdout.write(f"wrote {DOC.relative_to(ROOT)}\n")
