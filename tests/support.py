@@ -23,12 +23,12 @@ from torpor.statemachine.core.events import Event
 from torpor.statemachine.core.policy import DEFAULT_POLICY
 from torpor.statemachine.core.states import TRIGGER_EVENTS, destination
 from torpor.statemachine.projection.view import Projection
+from torpor.testrig import GRANULE as G  # the granularity of every rig preset but small_batches (64 KiB)
 from torpor.testrig import SimRig, sim_rig
+from torpor.units import KiB, MiB
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
-#: The granularity of every rig preset but ``small_batches``: 64 KiB.
-G = 64 * 1024
 
 #: The simulated devices tests build, by name: ``torpor.testrig.sim_rig``'s keywords (what is not named is its default).
 RIG_PRESETS: dict[str, Mapping[str, Any]] = {
@@ -37,18 +37,16 @@ RIG_PRESETS: dict[str, Mapping[str, Any]] = {
     # 64 MiB; copy batches of 4 granules, pieces of 2, slabs of 8; pinned ahead in 1 MiB chunks by 2 threads,
     # except the tags the default policy never backs up (as the controller passes them)
     "batched": {
-        "capacity": 64 << 20,
+        "capacity": 64 * MiB,
         "granularity": G,
-        "host": HostPolicy(
-            prepin=True, chunk_bytes=1 << 20, threads=2, prepin_exclude=DEFAULT_POLICY.never_backed_up()
-        ),
+        "host": HostPolicy(prepin=True, chunk_bytes=MiB, threads=2, prepin_exclude=DEFAULT_POLICY.never_backed_up()),
         "group_bytes": 4 * G,
         "piece_bytes": 2 * G,
         "slab_bytes": 8 * G,
     },
     # 256 MiB, batched as "batched", the allocator's own host policy (room for threads allocating at once)
     "batched_large": {
-        "capacity": 256 << 20,
+        "capacity": 256 * MiB,
         "granularity": G,
         "group_bytes": 4 * G,
         "piece_bytes": 2 * G,
@@ -56,34 +54,34 @@ RIG_PRESETS: dict[str, Mapping[str, Any]] = {
     },
     # 64 MiB, no slabs (each allocation its own mapping); pinned at the first sleep in 1 MiB chunks by 2 threads
     "unslabbed": {
-        "capacity": 64 << 20,
+        "capacity": 64 * MiB,
         "granularity": G,
-        "host": HostPolicy(prepin=False, chunk_bytes=1 << 20, threads=2),
+        "host": HostPolicy(prepin=False, chunk_bytes=MiB, threads=2),
         "slab_bytes": 0,
     },
     # 64 MiB, no slabs; a sleep copies through a ring of 4 one-granule slots (3 threads) into chunks of 8 granules
     "staged": {
-        "capacity": 64 << 20,
+        "capacity": 64 * MiB,
         "granularity": G,
         "host": HostPolicy(chunk_bytes=8 * G, threads=2, stage_slot_bytes=G, stage_ring_bytes=4 * G, stage_threads=3),
         "slab_bytes": 0,
     },
     # 64 MiB with 3 MiB taken before any allocation (a CUDA context), no slabs; chunks of 4 granules, 2 threads
     "with_context": {
-        "capacity": 64 << 20,
+        "capacity": 64 * MiB,
         "granularity": G,
-        "overhead": 3 << 20,
+        "overhead": 3 * MiB,
         "host": HostPolicy(chunk_bytes=4 * G, threads=2),
         "slab_bytes": 0,
     },
     # 8 MiB of 16 KiB granules, one copy batch per granule; pinned ahead in 128 KiB chunks by one thread;
     # host ranges given back are handed out again (as mmap after munmap may)
     "small_batches": {
-        "capacity": 8 << 20,
-        "granularity": 16 * 1024,
+        "capacity": 8 * MiB,
+        "granularity": 16 * KiB,
         "reuse_host": True,
-        "host": HostPolicy(prepin=True, chunk_bytes=128 * 1024, threads=1),
-        "group_bytes": 16 * 1024,
+        "host": HostPolicy(prepin=True, chunk_bytes=128 * KiB, threads=1),
+        "group_bytes": 16 * KiB,
     },
 }
 

@@ -22,8 +22,7 @@ from torpor.allocator.native.cuda_driver import (
     transparent_huge_pages,
 )
 from torpor.errors import AllocatorError, OutOfMemory
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def test_host_pages_are_writable_huge_page_aligned_and_freed() -> None:

@@ -7,8 +7,8 @@ from cachingmodel import ModelStream, Tensor, model_allocator
 
 from torpor import SleepController
 from torpor.allocator import TaggedAllocator
+from torpor.testrig import GRANULE as G
 
-G = 64 * 1024
 TAGS = ("weights", "kv_cache")
 
 

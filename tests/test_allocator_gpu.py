@@ -18,9 +18,9 @@ import torch
 from torpor import SleepController, State, TorporError
 from torpor.allocator import AllocatorOutOfMemory, TaggedAllocator
 from torpor.errors import PoolBusy
+from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
-MiB = 1 << 20
 
 
 @dataclass

@@ -11,8 +11,7 @@ from torpor.allocator.native.table import NativeTable
 from torpor.allocator.sleepwake.tagbook import TagBook
 from torpor.allocator.torchside.graphstate import GraphPoolState
 from torpor.errors import PoolBusy
-
-G = 64 * 1024
+from torpor.testrig import GRANULE as G
 
 
 class Graph:

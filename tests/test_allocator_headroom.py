@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 
 from torpor.allocator.native.headroom import Headroom, host_headroom
-
-MiB = 1 << 20
-GiB = 1 << 30
+from torpor.units import GiB, MiB
 
 
 def fake_host(root: Path, available_kib: int, cgroup: str = "0::/user.slice/job\n") -> None:

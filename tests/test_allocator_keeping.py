@@ -16,8 +16,7 @@ from torpor.allocator.keep.keeping import merged
 from torpor.allocator.keep.ranges import KeptRange
 from torpor.statemachine import replay
 from torpor.telemetry import attach
-
-G = 64 * 1024
+from torpor.testrig import GRANULE as G
 
 
 class Ranges:

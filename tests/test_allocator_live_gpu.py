@@ -8,9 +8,9 @@ import torch
 from torpor import SleepController
 from torpor.allocator import TaggedAllocator
 from torpor.statemachine.core.events import EventKind
+from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
-MiB = 1 << 20
 
 
 def test_sleep_moves_only_the_live_half_of_each_segment() -> None:

@@ -16,9 +16,9 @@ from support import RigMaker
 
 from torpor.allocator import AllocatorError, AllocatorOutOfMemory, TaggedAllocator
 from torpor.allocator.native import library as native
+from torpor.testrig import GRANULE as G
+from torpor.units import MiB
 
-G = 64 * 1024
-MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
 MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)

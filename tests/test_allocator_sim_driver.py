@@ -7,8 +7,7 @@ from simvmm import SimVmm
 
 from torpor.allocator import Driver, DriverError, DriverOutOfMemory, SimDriver
 from torpor.errors import OutOfMemory
-
-G = 64 * 1024
+from torpor.testrig import GRANULE as G
 
 
 def mapped(sim: SimDriver, nbytes: int = G) -> int:

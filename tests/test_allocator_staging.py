@@ -13,10 +13,9 @@ from support import RigMaker
 from torpor import HostMemoryPolicy, Policy, SleepController, State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import TorporError
+from torpor.testrig import GRANULE as G
 from torpor.testrig import fill, intact
-
-G = 64 * 1024
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def stage_threads() -> list[threading.Thread]:

@@ -10,8 +10,7 @@ from torpor import SleepController
 from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.allocator.native.table import NativeTable
 from torpor.allocator.sleepwake.tagbook import TagBook
-
-G = 64 * 1024
+from torpor.testrig import GRANULE as G
 
 
 def book() -> TagBook:

@@ -12,10 +12,9 @@ from torpor import SleepController, State
 from torpor.allocator import AllocatorError, HostPolicy, SimDriver
 from torpor.errors import MemoryOperationFailed, OutOfMemory, PoolBusy, TorporError, UnknownTag
 from torpor.statemachine.core.protocol import GraphPoolMemory, Memory, TagUsage
+from torpor.testrig import GRANULE as G
 from torpor.testrig import fill, intact
-
-G = 64 * 1024
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def test_meets_the_memory_protocols(make_rig: RigMaker) -> None:

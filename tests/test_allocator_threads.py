@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from torpor import SleepController, State, TorporError
 from torpor.allocator import TaggedAllocator
+from torpor.testrig import GRANULE as G
 
-G = 64 * 1024
 TAGS = ("weights", "kv_cache", "extra")
 THREADS = 3
 #: (operation, thread, argument): what one step of a schedule does.

@@ -22,9 +22,9 @@ import torch
 
 from torpor import SleepController, State, TorporError
 from torpor.allocator import TaggedAllocator
+from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
-MiB = 1 << 20
 SIZES = [512, 4096, 65536, 1 * MiB, 3 * MiB, 9 * MiB, 24 * MiB]
 
 

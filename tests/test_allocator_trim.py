@@ -9,8 +9,7 @@ import pytest
 
 from torpor.allocator import AllocatorError
 from torpor.allocator.torchside.trim import BlockPools, trim_enabled
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 class FakePool:

@@ -7,9 +7,9 @@ import torch
 
 from torpor import SleepController
 from torpor.allocator import TaggedAllocator
+from torpor.units import GiB, MiB
 
 pytestmark = pytest.mark.gpu
-MiB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
@@ -141,9 +141,6 @@ def test_a_block_of_a_sleeping_tag_is_refused_and_after_the_wake_its_cached_segm
     assert alloc.usage()["scratch"].resident >= 64 * MiB
     del u
     alloc.close()
-
-
-GiB = 1 << 30
 
 
 def _fill_device_leaving(room: int) -> torch.Tensor:

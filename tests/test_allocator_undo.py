@@ -9,8 +9,8 @@ from support import RigMaker
 
 from torpor.errors import AllocatorError
 from torpor.testrig import SimRig, fill, intact
+from torpor.units import KiB
 
-KiB = 1 << 10
 G = 16 * KiB
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from torpor.bench import Result, markdown
 from torpor.bench.host import HOST_MODES, host_markdown
 from torpor.statemachine.core.policy import AfterWake, HostMemoryPolicy, PinWhen
-
-GiB = 1 << 30
+from torpor.units import GiB
 
 
 def test_the_modes_cover_every_pin_and_after_wake_choice_with_the_default_among_them() -> None:

@@ -16,8 +16,7 @@ from keeper_engine import ROOT, running_keeper
 from torpor.cli import build_parser, main
 from torpor.commands.keeper import format_status
 from torpor.keeper import KeeperLink
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 @pytest.fixture

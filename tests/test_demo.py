@@ -16,8 +16,7 @@ from torpor.demo import CYCLE_KINDS, DemoOptions, pick_device, run_cycle, run_de
 from torpor.demo import run as demo_run
 from torpor.demo.cycles import render
 from torpor.statemachine import EventKind, SleepController, State, read_events, replay
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def _torpor() -> list[str]:

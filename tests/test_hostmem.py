@@ -17,10 +17,10 @@ from torpor.statemachine.log.reader import read_events, replay
 from torpor.statemachine.machine.hostmem import HostSide, budget_refusal
 from torpor.statemachine.projection.view import Projection
 from torpor.testing import FakeMemory
+from torpor.testrig import GRANULE as G
 from torpor.testrig import fill
+from torpor.units import MiB
 
-G = 64 * 1024
-MiB = 1 << 20
 OVERHEAD = 3 * MiB
 
 

@@ -22,8 +22,7 @@ from torpor.allocator.native.sim_driver import SimDriver
 from torpor.keeper import KeeperBacking, KeeperLink, ModelIdentity, TensorSpec, attach
 from torpor.keeper.keepermetrics import KeeperCollector
 from torpor.statemachine.core.events import Event
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 @pytest.fixture

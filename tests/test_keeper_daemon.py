@@ -21,11 +21,11 @@ import pytest
 from keeper_engine import ROOT, start_keeper
 
 from torpor.cli import main
+from torpor.errors import KeeperPathRefused
 from torpor.keeper import Keeper, KeeperBudgetExceeded, KeeperError, KeeperLink, ModelIdentity, TensorSpec, wire
 from torpor.keeper.listening import socket_directory
-from torpor.errors import KeeperPathRefused
+from torpor.units import MiB
 
-MiB = 1 << 20
 NOBODY = 65534
 
 

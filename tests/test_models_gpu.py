@@ -15,10 +15,10 @@ from torpor.allocator import TaggedAllocator
 from torpor.allocator.keep.modules import ModuleTracker, NotReloaded
 from torpor.bench import realmodel as rm
 from torpor.bench.checksums import module_checksums
+from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
-MiB = 1 << 20
 #: TORPOR_TEST_NO_TRACK=1 runs the level-2 steps without ctl.track (they must then fail: the check of the check).
 NO_TRACK = os.environ.get("TORPOR_TEST_NO_TRACK") == "1"
 

@@ -30,9 +30,8 @@ from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import replay
 from torpor.statemachine.machine.controller import SleepController
 from torpor.testing import FakeMemory
+from torpor.units import KiB, MiB
 
-MiB = 1 << 20
-KiB = 1 << 10
 SIM_GRANULARITY = 16 * KiB
 SIM_CHUNK = 128 * KiB  # pinned host chunk: small, so a backup spans several chunks
 TAGS = {"weights": 192 * KiB, "kv_cache": 256 * KiB, "runtime": 64 * KiB, "cudagraph": 128 * KiB}

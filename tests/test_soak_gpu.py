@@ -29,10 +29,10 @@ import torch
 from torpor import SleepController, State
 from torpor.allocator import TaggedAllocator
 from torpor.statemachine.log.reader import replay
+from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
 
-MiB = 1 << 20
 CYCLES = 50
 KINDS = ("l1-full", "l1-weights-first", "l1-kv-first", "l2-reload")
 DEVICE_TOLERANCE = 2 * MiB

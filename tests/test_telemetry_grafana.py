@@ -25,10 +25,10 @@ from torpor.telemetry import METRICS, Server, serve
 from torpor.telemetry.grafana import STATE_CODES, dashboard, render_dashboard
 from torpor.telemetry.timeline import STATE_COLOURS
 from torpor.testing import FakeMemory
+from torpor.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "dashboards" / "torpor.json"
-GiB = 1024**3
 LINK = 55e9  # bytes per second the simulated host link copies at
 
 

@@ -16,6 +16,7 @@ from torpor.errors import InvalidTransition, MemoryOperationFailed
 from torpor.statemachine.core.events import SleepRequested
 from torpor.telemetry import METRICS, attach
 from torpor.testing import FakeMemory
+from torpor.units import MiB
 
 TAGS = {"weights": 4000, "kv_cache": 8000, "cudagraph": 300, "runtime": 50}
 
@@ -347,8 +348,6 @@ def test_host_budget_and_what_stays_on_the_device_while_asleep() -> None:
 
 
 # -- a keeper backing the allocator's host memory (torpor.keeper) -------------------------------------------------
-
-MiB = 1 << 20
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ from torpor import State
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.errors import AllocatorError, OutOfMemory
 from torpor.testrig import CAPACITY, GRANULE, fill, intact, sim_rig
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def test_the_default_rig_is_a_64_mib_device_of_64_kib_granules() -> None:

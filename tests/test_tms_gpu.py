@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from torpor.units import GiB, MiB
+
 pytestmark = pytest.mark.gpu
 
-GiB = 1 << 30
-MiB = 1 << 20
 HOOK_MODES = ("torch", "preload")
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.tms.hostcopy import backup_spans, not_found, owning_tag, read_spans
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 class Paused:

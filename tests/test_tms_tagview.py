@@ -6,8 +6,7 @@ from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.statemachine.core.policy import Action
 from torpor.statemachine.core.protocol import Doors, GraphPoolMemory, Memory
 from torpor.tms.tagview import TagView, TmsTag, action_of, mode_of
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def test_modes_and_actions() -> None:

@@ -14,14 +14,12 @@ import pytest
 
 from torpor import State
 from torpor.allocator import SimDriver, TaggedAllocator
-from torpor.errors import TorporError
+from torpor.errors import TagStateError, TmsUsageError, TorporError
 from torpor.statemachine.core.policy import Action
 from torpor.tms.tagview import TagView
 from torpor.tms.tmsengine import DISABLED_TAG, TmsEngine, check_alloc_conf
 from torpor.tms.tmsenv import TmsSettings
-from torpor.errors import TagStateError, TmsUsageError
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def engine(log: str | None = None, settings: TmsSettings | None = None) -> TmsEngine:

@@ -22,11 +22,10 @@ from torpor.errors import InvalidTransition  # noqa: E402
 from torpor.hooks import fleet, reset_warnings  # noqa: E402
 from torpor.hooks.vllm import activation, facade, process, settings, vllmpredicate  # noqa: E402
 from torpor.statemachine import EventKind, read_events  # noqa: E402
+from torpor.units import MiB  # noqa: E402
 
 # vLLM's GPU worker module, imported before any test makes the platform answer as CUDA (its import runs CUDA ops then).
 gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
-
-MiB = 1 << 20
 
 
 def import_cumem() -> Any:

@@ -28,11 +28,11 @@ from torpor.allocator import SimDriver, TaggedAllocator  # noqa: E402
 from torpor.errors import OutOfMemory  # noqa: E402
 from torpor.hooks.vllm import facade  # noqa: E402
 from torpor.statemachine import EventKind, read_events, replay  # noqa: E402
+from torpor.units import MiB  # noqa: E402
 
 gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
 engine = test_vllm_backend.engine  # the fixture: torpor active on a simulated device, vLLM's platform as CUDA
 
-MiB = 1 << 20
 RANKS = 2
 
 

@@ -10,8 +10,7 @@ from torpor import SleepController
 from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.hooks.vllm.facade import TorporMemAllocator
 from torpor.statemachine.core.policy import PinWhen
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def _facade(tmp_path: Path) -> TorporMemAllocator:

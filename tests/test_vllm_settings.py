@@ -10,8 +10,7 @@ from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.hooks.vllm.facade import TorporMemAllocator
 from torpor.hooks.vllm.settings import ENV_LOG_FSYNC, worker_discard_first, worker_host_policy, worker_rank
 from torpor.statemachine.core.policy import PinWhen
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def test_log_fsync_follows_torpor_log_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
