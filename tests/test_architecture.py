@@ -1051,3 +1051,39 @@ def test_the_environment_check_catches_a_direct_read(tmp_path: Path) -> None:
         "probe.py:5 TORPOR_Y",
         "probe.py:8 TORPOR_Y",
     ]
+
+
+#: The byte units torpor/units.py defines, and no other module.
+UNIT_NAMES = ("KiB", "MiB", "GiB", "TiB")
+
+
+def unit_definitions(found: dict[str, Path]) -> list[str]:
+    """Each module-level ``MiB = ...`` (any of UNIT_NAMES) outside torpor/units.py: ``file:line NAME``."""
+    hits = []
+    for module, path in sorted(found.items()):
+        if module == "torpor.units":
+            continue
+        where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+        for node in ast.parse(path.read_text()).body:
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
+            hits += [f"{where}:{node.lineno} {t.id}" for t in targets if isinstance(t, ast.Name) and t.id in UNIT_NAMES]
+    return hits
+
+
+def test_byte_units_have_one_home() -> None:
+    """KiB, MiB, GiB and TiB are defined in torpor/units.py only; every other module imports them from there."""
+    offenders = unit_definitions(modules())
+    assert not offenders, f"{len(offenders)} byte units defined outside torpor/units.py:\n" + "\n".join(offenders)
+
+
+def test_the_unit_check_catches_a_second_definition(tmp_path: Path) -> None:
+    """``MiB = 1 << 20`` at module level is named; an import of MiB and a local inside a function are not."""
+    source = tmp_path / "probe.py"
+    source.write_text("from torpor.units import GiB\nMiB = 1 << 20\ndef f():\n    KiB = 1024\n")
+    assert unit_definitions({"probe": source}) == ["probe.py:2 MiB"]

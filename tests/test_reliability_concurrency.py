@@ -25,7 +25,8 @@ from torpor.statemachine.core.protocol import Transfer
 from torpor.statemachine.core.states import State
 from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import read_events, replay
-from torpor.statemachine.machine.controller import SleepController, _clip
+from torpor.statemachine.machine.controller import SleepController
+from torpor.statemachine.machine.identity import _clip
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4096, "kv_cache": 8192, "runtime": 1024, "workspace": 512, "cudagraph": 0}

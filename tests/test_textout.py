@@ -1,8 +1,6 @@
-"""torpor.textout: the CLI's and the demo's text output (byte sizes, the progress line)."""
+"""torpor.textout: the CLI's and the demo's text output (the progress line)."""
 
 from __future__ import annotations
-
-import pytest
 
 
 def test_progress_rewrites_one_line_on_a_terminal_only() -> None:
@@ -27,14 +25,3 @@ def test_progress_rewrites_one_line_on_a_terminal_only() -> None:
     pipe = io.StringIO()
     Progress(pipe, total=4).step("sleep level 1")
     assert pipe.getvalue() == ""
-
-
-@pytest.mark.parametrize(
-    ("nbytes", "text"),
-    [(0, "0 B"), (1023, "1023 B"), (1536, "1.50 KiB"), (912 << 20, "912.00 MiB"), (3 << 30, "3.00 GiB")],
-)
-def test_fmt_bytes(nbytes: int, text: str) -> None:
-    """Byte counts print in binary units with two decimals."""
-    from torpor.textout import fmt_bytes
-
-    assert fmt_bytes(nbytes) == text

@@ -1,4 +1,4 @@
-"""Text output of the CLI and the demo: byte sizes, seconds, rates, tables and the progress line."""
+"""Text output of the CLI and the demo: seconds, rates, tables and the progress line (byte sizes: :func:`torpor.units.byte_size`)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,6 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import TextIO
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def fmt_bytes(nbytes: float) -> str:
-    """``1536`` -> ``1.50 KiB``; zero is ``0 B``."""
-    value = float(nbytes)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} {_UNITS[-1]}"  # pragma: no cover - the loop always returns
 
 
 def fmt_seconds(seconds: float) -> str:

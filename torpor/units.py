@@ -11,7 +11,7 @@ GiB = 1 << 30
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
-def byte_size(nbytes: int) -> str:
+def byte_size(nbytes: float) -> str:
     """A byte count as the keeper's messages and ``torpor keeper status`` print it: ``8.00 MiB``, ``512 B``."""
     value = float(nbytes)
     for unit in _UNITS[:-1]:

@@ -34,9 +34,9 @@ from torpor.errors import AllocatorError, DriverError, TagNotAwake
 from torpor.graphcapture import CaptureHandle, CaptureObserver, PoolId
 from torpor.statemachine.core.policy import CUDAGRAPH, DEFAULT_TAG
 from torpor.statemachine.core.protocol import DeviceMemory, TagUsage, Transfer
+from torpor.units import MiB
 
 logger = logging.getLogger("torpor.allocator")
-MiB = 1 << 20
 GRAPH_TAG = CUDAGRAPH  # the graph pool's tag (the name lives in torpor.statemachine.core.policy)
 
 

@@ -10,7 +10,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from torpor.bench.result import GiB, Result
+from torpor.bench.result import Result
+from torpor.units import GiB
 
 
 class _Raw:

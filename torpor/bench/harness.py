@@ -14,8 +14,9 @@ from torpor.bench.host import HOST_MODES, measure_pageable
 from torpor.bench.interference import measure_pinning_interference
 from torpor.bench.realmodel import run_real_model
 from torpor.bench.report import pins_text, row_line
-from torpor.bench.result import GiB, MiB, Result
+from torpor.bench.result import Result
 from torpor.bench.systems import run_baseline_raw, run_tms_raw, run_torpor_graphs, run_torpor_raw
+from torpor.units import GiB, MiB
 
 
 def run(

@@ -12,9 +12,7 @@ import time
 from typing import Any
 
 from torpor.statemachine.core.policy import AfterWake, HostMemoryPolicy, PinWhen
-
-GiB = 1 << 30
-
+from torpor.units import GiB
 
 HOST_MODES: tuple[HostMemoryPolicy, ...] = (
     HostMemoryPolicy(PinWhen.AHEAD, AfterWake.KEEP),

@@ -9,7 +9,7 @@ from typing import Any
 
 from torpor.allocator.host.offload import HostArena, HostPolicy
 from torpor.allocator.native.cuda_driver import CudaDriver
-from torpor.bench.result import GiB
+from torpor.units import GiB
 
 
 def engine_step() -> Callable[[], float]:

@@ -25,9 +25,10 @@ from typing import Any
 from torpor.allocator.tagged import TaggedAllocator
 from torpor.bench.device import free_device, measure_floor, run_record, tensor_at
 from torpor.bench.report import row_line
-from torpor.bench.result import GiB, MiB, Result
+from torpor.bench.result import Result
 from torpor.bench.systems import VllmStyle, timed_sleep_wake, torch_mode_saver
 from torpor.statemachine.machine.controller import SleepController
+from torpor.units import GiB, MiB
 
 #: A Qwen3-1.7B shape: 28 layers, hidden 2048, tied embeddings (1.7 B parameters, 3.4 GB in bf16).
 DENSE: dict[str, Any] = {

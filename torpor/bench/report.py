@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from torpor.bench.host import host_markdown
-from torpor.bench.result import GiB, Result
+from torpor.bench.result import Result
+from torpor.units import GiB
 
 
 def pins_text(r: Result) -> str:

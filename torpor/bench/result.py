@@ -6,8 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-GiB = 1 << 30
-MiB = 1 << 20
+from torpor.units import GiB
 
 
 @dataclass

@@ -14,10 +14,11 @@ from typing import Any
 from torpor import tms as torpor_tms  # a lazy package: its saver is made on first use
 from torpor.allocator.tagged import TaggedAllocator
 from torpor.bench.device import fill, free_device, same
-from torpor.bench.result import MiB, Result
+from torpor.bench.result import Result
 from torpor.errors import BenchError
 from torpor.statemachine.core.policy import HostMemoryPolicy, Policy
 from torpor.statemachine.machine.controller import SleepController
+from torpor.units import MiB
 
 # -- torpor -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from torpor.errors import KeeperUnavailable
 from torpor.keeper.daemon import Keeper
 from torpor.keeper.keeperclient import KeeperLink
 from torpor.statemachine.core.timeouts import timeout_seconds
-from torpor.textout import fmt_bytes
+from torpor.units import byte_size
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 #: The largest budget (the largest byte count the keeper's replies and the event log carry).
@@ -111,7 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
     keeper = Keeper(args.socket, args.budget)
     keeper.bind()
     signal.signal(signal.SIGTERM, lambda *_: keeper.close())
-    print(f"torpor keeper: pid {keeper.status()['keeper_pid']} serving {keeper.path}, budget {fmt_bytes(args.budget)}")
+    print(f"torpor keeper: pid {keeper.status()['keeper_pid']} serving {keeper.path}, budget {byte_size(args.budget)}")
     sys.stdout.flush()
     try:
         keeper.serve()
@@ -143,7 +143,7 @@ def format_status(state: dict[str, Any]) -> str:
     lines = [
         f"keeper pid {state['keeper_pid']} at {shown(state['socket'])} (uid {state['uid']}, "
         f"up {_age(state['uptime_s'])})",
-        f"holds {fmt_bytes(state['used'])} of {fmt_bytes(state['budget'])} in {state['regions']} regions",
+        f"holds {byte_size(state['used'])} of {byte_size(state['budget'])} in {state['regions']} regions",
     ]
     now = time.time()
     engines = state["engines"]
@@ -158,12 +158,12 @@ def format_status(state: dict[str, Any]) -> str:
         tags = ",".join(shown(t) for t in b["tags"]) or "-"
         lines.append(
             f"  {shown(b['backup'])}: engine {shown(b['engine'])}, pid {b['pid']}, tags {tags}, "
-            f"{fmt_bytes(b['bytes'])}, age {_age(b['age_s'])}, model {shown(b['model'])}{adopter}"
+            f"{byte_size(b['bytes'])}, age {_age(b['age_s'])}, model {shown(b['model'])}{adopter}"
         )
     for a in state["adoptions"]:
         lines.append(
             f"adopted: {shown(a['backup'])} (engine {shown(a['engine'])}) from dead pid {a['from_pid']} by pid "
-            f"{a['by_pid']}, {fmt_bytes(a['bytes'])} in {a['seconds']:.3f} s"
+            f"{a['by_pid']}, {byte_size(a['bytes'])} in {a['seconds']:.3f} s"
         )
     return "\n".join(lines)
 
@@ -188,5 +188,5 @@ def run_drop(args: argparse.Namespace) -> int:
     """Drop a dead engine's backup."""
     with KeeperLink(args.socket) as link:
         dropped = link.drop(args.engine)
-    print(f"dropped backup {shown(dropped['dropped'])} ({fmt_bytes(dropped['bytes'])})")
+    print(f"dropped backup {shown(dropped['dropped'])} ({byte_size(dropped['bytes'])})")
     return 0

@@ -17,7 +17,8 @@ from torpor.statemachine import Event, EventKind, Projection, read_events
 from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.logsource import wall_problem
 from torpor.statemachine.projection.view import project
-from torpor.textout import fmt_bytes, fmt_seconds, table
+from torpor.textout import fmt_seconds, table
+from torpor.units import byte_size
 
 #: What a directory holding several logs asks of the user (the log commands take no --engine or --rank).
 _PICK_ONE = "name one of them"
@@ -126,12 +127,12 @@ def _usage() -> int:
 
 def _sizes_in(text: str) -> str:
     """``text`` with each byte count it quotes (``8388608 bytes``, ``8388608 B``) as a size (``8.00 MiB``)."""
-    return _QUOTED_BYTES.sub(lambda m: fmt_bytes(int(m.group(1))), text)
+    return _QUOTED_BYTES.sub(lambda m: byte_size(int(m.group(1))), text)
 
 
 def _value(name: str, value: Any) -> str:
     if name in _BYTES_FIELDS and isinstance(value, int):
-        return fmt_bytes(value)
+        return byte_size(value)
     if name in _TEXT_WITH_BYTES and isinstance(value, str):
         return _sizes_in(value)
     if name == "seconds" and isinstance(value, int | float):
@@ -168,7 +169,7 @@ def describe(event: Event) -> str:
         parts.append(f"{name}={text}")
     if isinstance(usage, Mapping):
         total = sum(int(v) for v in usage.values())
-        parts.append(f"resident={fmt_bytes(total)} in {len(usage)} tag(s)")
+        parts.append(f"resident={byte_size(total)} in {len(usage)} tag(s)")
     return " ".join(parts)
 
 
@@ -317,7 +318,7 @@ def replay_text(path: Path, proj: Projection, running: bool | None = None) -> st
         f"engine      {proj.engine or '-'} rank {proj.rank} (pid {proj.pid})",
         f"events      {proj.last_seq} (last: #{proj.last_seq} {proj.last_kind or '-'}; last step: {proj.last_step or '-'})",
         f"state       {_state_line(proj)}",
-        f"transitions {proj.transitions}, refusals {proj.refusals}, pinned host backup {fmt_bytes(proj.pinned_bytes)}",
+        f"transitions {proj.transitions}, refusals {proj.refusals}, pinned host backup {byte_size(proj.pinned_bytes)}",
         f"graph pool  {proj.pool or 'none'}"
         + (f", {proj.graph_count} graph(s): {', '.join(proj.graphs)}" if proj.graphs else "")
         + (f" (the last {len(proj.graphs)} shown)" if proj.graph_count > len(proj.graphs) else ""),
@@ -326,7 +327,7 @@ def replay_text(path: Path, proj: Projection, running: bool | None = None) -> st
     rows = []
     for tag, u in sorted(proj.residency.items()):
         where = "asleep" if tag in proj.asleep_tags() else "awake"
-        rows.append([tag, where, fmt_bytes(u.resident), fmt_bytes(u.host), fmt_bytes(u.discarded)])
+        rows.append([tag, where, byte_size(u.resident), byte_size(u.host), byte_size(u.discarded)])
     if rows:
         lines.append(table(["tag", "now", "resident", "on host", "discarded"], rows, indent=""))
     else:

@@ -11,7 +11,7 @@ from torpor.commands.writer import writer_running
 from torpor.errors import FleetError
 from torpor.readmodel.ranklogs import MAX_WORLD_SIZE, EngineView, FleetView, RankView, fleet, wait_fleet
 from torpor.statemachine.core.states import TRANSITIONAL
-from torpor.textout import fmt_bytes
+from torpor.units import byte_size
 
 #: The states a rank's log can end in only inside a command (or when its writer died in one).
 _MID_COMMAND = frozenset(s.value for s in TRANSITIONAL)
@@ -77,11 +77,11 @@ def _tags(engine: EngineView, rank: int) -> str:
     parts = []
     for tag, u in sorted(engine.rank(rank).residency.items()):
         if u.resident:
-            parts.append(f"{tag} {fmt_bytes(u.resident)} resident")
+            parts.append(f"{tag} {byte_size(u.resident)} resident")
         elif u.host:
-            parts.append(f"{tag} {fmt_bytes(u.host)} on host")
+            parts.append(f"{tag} {byte_size(u.host)} on host")
         elif u.discarded:
-            parts.append(f"{tag} {fmt_bytes(u.discarded)} discarded")
+            parts.append(f"{tag} {byte_size(u.discarded)} discarded")
     return ", ".join(parts)
 
 
@@ -91,13 +91,13 @@ def memory_line(r: RankView) -> str:
     budget = r.host_policy.get("budget_bytes")
     if r.pinned_bytes or budget is not None or r.device_asleep:
         pin, after = r.host_policy.get("pin", "?"), r.host_policy.get("after_wake", "?")
-        limit = "no budget" if budget is None else f"budget {fmt_bytes(budget)}"
-        parts.append(f"host pinned {fmt_bytes(r.pinned_bytes)} ({limit}; pinned {pin}, {after} after wake)")
+        limit = "no budget" if budget is None else f"budget {byte_size(budget)}"
+        parts.append(f"host pinned {byte_size(r.pinned_bytes)} ({limit}; pinned {pin}, {after} after wake)")
     d = r.device_asleep
     if d:
         parts.append(
-            f"at the last sleep the GPU kept {fmt_bytes(d.get('in_use', 0))} in use: torpor tags {fmt_bytes(d.get('tagged', 0))}, "
-            f"untagged {fmt_bytes(d.get('untagged', 0))} (CUDA context, NCCL/cuBLAS, torch's default pool)"
+            f"at the last sleep the GPU kept {byte_size(d.get('in_use', 0))} in use: torpor tags {byte_size(d.get('tagged', 0))}, "
+            f"untagged {byte_size(d.get('untagged', 0))} (CUDA context, NCCL/cuBLAS, torch's default pool)"
         )
     return "; ".join(parts)
 

@@ -10,7 +10,8 @@ from torpor.demo.workload import DEMO_TAGS, Check, Workload
 from torpor.errors import InvalidTransition
 from torpor.statemachine import Event, SleepController
 from torpor.statemachine.core.events import SleepCompleted, TagReleased, TagRestored, WakeCompleted
-from torpor.textout import fmt_bytes, fmt_rate, fmt_seconds, table
+from torpor.textout import fmt_rate, fmt_seconds, table
+from torpor.units import byte_size
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,9 @@ def stays_line(result: CycleResult) -> str:
     """What stayed on the device while asleep (torpor's tags and the rest), and the pinned host memory."""
     d = result.device_asleep
     return (
-        f"  asleep: the device kept {fmt_bytes(d.get('in_use', 0))} in use: torpor tags {fmt_bytes(d.get('tagged', 0))}, "
-        f"untagged {fmt_bytes(d.get('untagged', 0))} ({result.untagged or 'not torpor tags'}); "
-        f"host pinned {fmt_bytes(result.pinned)}"
+        f"  asleep: the device kept {byte_size(d.get('in_use', 0))} in use: torpor tags {byte_size(d.get('tagged', 0))}, "
+        f"untagged {byte_size(d.get('untagged', 0))} ({result.untagged or 'not torpor tags'}); "
+        f"host pinned {byte_size(result.pinned)}"
     )
 
 
@@ -161,15 +162,15 @@ def render(result: CycleResult, total: int) -> str:
         rows.append(
             [
                 tag,
-                fmt_bytes(r.released),
-                fmt_bytes(off),
-                fmt_bytes(disc),
-                fmt_bytes(r.restored),
+                byte_size(r.released),
+                byte_size(off),
+                byte_size(disc),
+                byte_size(r.restored),
                 r.source or "-",
                 r.check,
             ]
         )
-    rows.append(["total", *(fmt_bytes(s) for s in sums), "", ""])
+    rows.append(["total", *(byte_size(s) for s in sums), "", ""])
     grid = table(["tag", "released", "offloaded", "discarded", "restored", "from", "check"], rows)
     timing = (
         f"  sleep {fmt_seconds(result.sleep_seconds)} ({fmt_rate(result.offloaded, result.sleep_seconds)} to host)"

@@ -26,7 +26,8 @@ from torpor.statemachine import SleepController, log_path_for
 from torpor.telemetry.grafana import render_dashboard
 from torpor.telemetry.server import serve
 from torpor.telemetry.timeline import plot
-from torpor.textout import Progress, fmt_bytes
+from torpor.textout import Progress
+from torpor.units import byte_size
 
 DEVICES = ("auto", "cuda", "sim")
 GRAFANA_CURL = (
@@ -201,8 +202,8 @@ def run_demo(opts: DemoOptions) -> int:
         progress.advance()
         usage = controller.projection.residency
         total = sum(u.resident for u in usage.values())
-        tags = ", ".join(f"{t} {fmt_bytes(u.resident)}" for t, u in sorted(usage.items()))
-        say(f"awake: {fmt_bytes(total)} tagged ({tags}); set up in {time.perf_counter() - start:.2f} s")
+        tags = ", ".join(f"{t} {byte_size(u.resident)}" for t, u in sorted(usage.items()))
+        say(f"awake: {byte_size(total)} tagged ({tags}); set up in {time.perf_counter() - start:.2f} s")
         say()
         exact = True
         for i, kind in enumerate(kinds):
@@ -252,7 +253,7 @@ def _release_pool(controller: SleepController, workload: Workload, say: Callable
     except TorporError as exc:
         say(f"graph pool: not released after dropping the graphs: {exc}")
         return
-    say(f"graph pool: released {fmt_bytes(freed)} once the graphs were dropped; the next capture starts a fresh pool")
+    say(f"graph pool: released {byte_size(freed)} once the graphs were dropped; the next capture starts a fresh pool")
     say("")
 
 

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
 from torpor.demo.workload import BATCH_SIZES, Check
 from torpor.statemachine import Memory, SleepController
-from torpor.textout import fmt_bytes
+from torpor.units import MiB, byte_size
 
-MiB = 1 << 20
 #: The simulated sizes are the GPU demo's divided by this.
 SCALE = 64
 #: GPU demo sizes per allocation, before scaling (see torpor.demo.gpu).
@@ -75,12 +74,12 @@ class SimWorkload:
     def describe(self) -> list[str]:
         """What runs where."""
         gpu_total = sum(n for _, _, n in GPU_LAYOUT)  # the graphs' pool on a GPU is what capture takes: not scaled
-        granule = fmt_bytes(self.driver.granularity(0)).replace(".00 ", " ")
+        granule = byte_size(self.driver.granularity(0)).replace(".00 ", " ")
         return [
             "device     simulated (torpor.allocator.SimDriver: device memory is real bytes in host RAM)",
-            f"workload   the GPU demo's weights, kv_cache and runtime ({fmt_bytes(gpu_total)}) scaled 1/{self.scale}, "
+            f"workload   the GPU demo's weights, kv_cache and runtime ({byte_size(gpu_total)}) scaled 1/{self.scale}, "
             f"plus one {granule} granule of graph memory per batch size",
-            f"           ({fmt_bytes(self.tagged_bytes())} tagged, each allocation rounded up to the granule) "
+            f"           ({byte_size(self.tagged_bytes())} tagged, each allocation rounded up to the granule) "
             "to stay small in RAM; timings are host-memory copies, not a GPU link",
             f"graphs     one per batch size {', '.join(map(str, BATCH_SIZES))} in the cudagraph pool",
             "check      SHA-256 of every allocation after each wake vs the bytes written before the first sleep",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from torpor.errors import TmsConfigError
+from torpor.units import MiB
 
 CpuBackupBackend = Literal["mmap", "pinned"]
 
@@ -34,7 +35,6 @@ BACKENDS: tuple[CpuBackupBackend, ...] = ("mmap", "pinned")
 DEFAULT_BACKEND: CpuBackupBackend = "pinned"
 DEFAULT_DISK_DIR = "/tmp"  # noqa: S108 -- TMS's own default, kept as it is
 DEFAULT_CHUNK_MB = 256
-MiB = 1 << 20
 
 
 def parse_bool(name: str, environ: Mapping[str, str] | None = None) -> bool:

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 from torpor.errors import AllocatorError, AllocatorOutOfMemory
 from torpor.switches import env_switch
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 def _default_threads() -> int:

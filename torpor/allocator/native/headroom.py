@@ -20,9 +20,10 @@ import os
 import threading
 import time
 
+from torpor.units import MiB
+
 __all__ = ["Headroom", "host_headroom"]
 
-MiB = 1 << 20
 _DEFAULT_MARGIN = 512 * MiB
 
 

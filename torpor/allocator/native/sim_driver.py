@@ -22,8 +22,7 @@ from typing import Any
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
 from torpor.errors import BadArgument, DriverError, DriverOutOfMemory
-
-MiB = 1 << 20
+from torpor.units import MiB
 
 
 @dataclass

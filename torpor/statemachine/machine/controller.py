@@ -53,16 +53,15 @@ from torpor.statemachine.core.states import State
 from torpor.statemachine.core.timeouts import timeout_seconds
 from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.machine import discarding, graphs, recovery, sleeping, tracking, waking
-from torpor.statemachine.machine.context import Context, _tag_list
+from torpor.statemachine.machine.context import Context
 from torpor.statemachine.machine.gate import Gate
 from torpor.statemachine.machine.group import DEFAULT_TIMEOUT, GroupMember, as_agreement
 from torpor.statemachine.machine.hostmem import HostSide
-from torpor.statemachine.machine.identity import _clip, check_identity, log_path_for, names_a_directory, open_log
+from torpor.statemachine.machine.identity import check_identity, log_path_for, names_a_directory, open_log
 from torpor.statemachine.machine.recorder import Recorder, Subscriber
-from torpor.statemachine.machine.sleeping import GiB
 from torpor.statemachine.projection.view import Projection
 
-__all__ = ["GiB", "SleepController", "Subscriber", "_clip", "_tag_list", "log_path_for"]
+__all__ = ["SleepController", "Subscriber", "log_path_for"]
 
 R = TypeVar("R")
 

@@ -19,10 +19,10 @@ from torpor.statemachine.machine.context import Context
 from torpor.statemachine.machine.rollback import SleepProgress, abort_sleep
 from torpor.statemachine.projection.view import Projection
 from torpor.switches import env_seconds
+from torpor.units import GiB
 
 logger = logging.getLogger("torpor")
 
-GiB = 1024**3
 #: Seconds a sleep waits for the allocation blocks of its tags open in other threads (then refused).
 BLOCK_WAIT_ENV = "TORPOR_BLOCK_WAIT"
 BLOCK_WAIT_DEFAULT = 10.0
