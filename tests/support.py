@@ -25,7 +25,7 @@ from torpor.statemachine.core.states import TRIGGER_EVENTS, destination
 from torpor.statemachine.projection.view import Projection
 from torpor.testrig import GRANULE as G  # the granularity of every rig preset but small_batches (64 KiB)
 from torpor.testrig import SimRig, sim_rig
-from torpor.units import KiB, MiB
+from torpor.units import GiB, KiB, MiB
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -83,6 +83,8 @@ RIG_PRESETS: dict[str, Mapping[str, Any]] = {
         "host": HostPolicy(prepin=True, chunk_bytes=128 * KiB, threads=1),
         "group_bytes": 16 * KiB,
     },
+    # SimDriver's own defaults: 1 GiB of 2 MiB granules (CUDA's granularity), the allocator's own defaults
+    "cuda_like": {"capacity": GiB, "granularity": 2 * MiB},
 }
 
 

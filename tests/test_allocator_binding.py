@@ -5,14 +5,15 @@ from __future__ import annotations
 import threading
 
 import pytest
+from support import RigMaker
 
-from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.allocator.torchside.binding import TorchBinding
+from torpor.units import MiB
 
 
-def test_nothing_is_made_before_the_first_use() -> None:
+def test_nothing_is_made_before_the_first_use(make_rig: RigMaker) -> None:
     """Off CUDA no torch pools exist: every byte counts as live, close has nothing to do."""
-    alloc = TaggedAllocator(SimDriver(16 << 20))
+    alloc = make_rig("cuda_like", capacity=16 * MiB).allocator
     with alloc.use_memory_pool("weights"):
         alloc.allocate(1 << 16)
     binding = alloc.torch_binding
@@ -22,10 +23,10 @@ def test_nothing_is_made_before_the_first_use() -> None:
     alloc.close()
 
 
-def test_the_pools_are_made_once_whichever_thread_asks_first() -> None:
+def test_the_pools_are_made_once_whichever_thread_asks_first(make_rig: RigMaker) -> None:
     """Threads asking at once get one TorchPools; the graph pool's ranges stay unknown (it is backed up whole)."""
     pytest.importorskip("torch")
-    alloc = TaggedAllocator(SimDriver(16 << 20))
+    alloc = make_rig("cuda_like", capacity=16 * MiB).allocator
     binding = TorchBinding(alloc)
     made: list[object] = []
     start = threading.Barrier(4)

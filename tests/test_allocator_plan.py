@@ -6,7 +6,8 @@ import itertools
 import random
 from collections import deque
 
-from torpor.allocator import SimDriver, TaggedAllocator
+from support import RigMaker
+
 from torpor.allocator.host.offload import Extent
 from torpor.allocator.sleepwake.plan import Piece, clip, clip_each, take_front
 
@@ -77,11 +78,10 @@ def test_clip_each_equals_clip_per_range() -> None:
         assert clip_each(shuffled, ranges) == expected
 
 
-def test_wake_reads_each_backed_up_piece_a_bounded_number_of_times() -> None:
+def test_wake_reads_each_backed_up_piece_a_bounded_number_of_times(make_rig: RigMaker) -> None:
     """A wake of 2048 one-granule allocations in 128 spans reads the backup's pieces O(pieces + spans) times, not per span."""
     g = 64 << 10
-    sim = SimDriver(256 << 20, granularity=g)
-    alloc = TaggedAllocator(sim, group_bytes=16 * g)
+    alloc = make_rig(capacity=256 << 20, granularity=g, group_bytes=16 * g).allocator
     addresses = [alloc.allocate(g, "weights") for _ in range(2048)]
     for i, a in enumerate(addresses[::97]):
         alloc.write(a, bytes([i % 251]) * 64)

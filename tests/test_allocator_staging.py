@@ -297,19 +297,20 @@ def test_small_copies_share_a_slot_with_one_event_per_slot(make_rig: RigMaker) -
     rig.allocator.close()
 
 
-def test_torpor_staged_sleep_0_turns_staging_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torpor_staged_sleep_0_turns_staging_off_by_default(
+    monkeypatch: pytest.MonkeyPatch, make_rig: RigMaker
+) -> None:
     """TORPOR_STAGED_SLEEP=0 makes HostPolicy's default unstaged: the first sleep pins its chunks, no ring."""
     monkeypatch.setenv("TORPOR_STAGED_SLEEP", "0")
     assert HostPolicy().staged is False
-    sim = SimDriver(64 * MiB, granularity=G)
-    alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=8 * G), slab_bytes=0)
-    ctl = SleepController(alloc)
-    data = fill(alloc, "weights", [8 * G])
+    rig = make_rig(host=HostPolicy(chunk_bytes=8 * G), slab_bytes=0)
+    ctl = rig.control()
+    data = fill(rig.allocator, "weights", [8 * G])
     ctl.sleep(1)
-    assert sim.count("host_copy") == 0 == sim.count("host_register")
+    assert rig.driver.count("host_copy") == 0 == rig.driver.count("host_register")
     ctl.wake()
-    assert intact(alloc, data)
-    alloc.close()
+    assert intact(rig.allocator, data)
+    rig.allocator.close()
     monkeypatch.setenv("TORPOR_STAGED_SLEEP", "1")
     assert HostPolicy().staged is True
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+from support import RigMaker
 
-from torpor import SleepController
-from torpor.allocator import SimDriver, TaggedAllocator
+from torpor.allocator import SimDriver
 from torpor.allocator.native.table import NativeTable
 from torpor.allocator.sleepwake.tagbook import TagBook
 from torpor.testrig import GRANULE as G
+from torpor.testrig import SimRig
 
 
 def book() -> TagBook:
@@ -63,54 +64,58 @@ def test_routing_nests_per_thread_and_unwinds_on_error() -> None:
 # -- the doors: use_memory_pool blocks and sleeps (issue 26) ----------------------------------------------------
 
 
-def _engine() -> tuple[TaggedAllocator, SleepController]:
-    """A sim allocator with weights and kv_cache and a controller over it."""
-    alloc = TaggedAllocator(SimDriver(64 * G * 64, granularity=G))
-    with alloc.use_memory_pool("weights"):
-        alloc.allocate(2 * G)
-    with alloc.use_memory_pool("kv_cache"):
-        alloc.allocate(2 * G)
-    return alloc, SleepController(alloc)
+def _engine(make_rig: RigMaker) -> SimRig:
+    """A rig of 256 MiB whose allocator holds weights and kv_cache (two granules each)."""
+    rig = make_rig(capacity=64 * G * 64)
+    with rig.allocator.use_memory_pool("weights"):
+        rig.allocator.allocate(2 * G)
+    with rig.allocator.use_memory_pool("kv_cache"):
+        rig.allocator.allocate(2 * G)
+    return rig
 
 
-def test_a_block_of_a_sleeping_tag_is_refused_at_its_start_naming_the_tag_its_state_and_the_sleep() -> None:
+def test_a_block_of_a_sleeping_tag_is_refused_at_its_start_naming_the_tag_its_state_and_the_sleep(
+    make_rig: RigMaker,
+) -> None:
     """use_memory_pool of a tag asleep raises TagNotAwake (state 'asleep', the sleep's event) before anything is routed; an awake tag's block still opens."""
     from torpor import TagNotAwake
 
-    alloc, ctl = _engine()
+    rig = _engine(make_rig)
+    ctl = rig.control()
     ctl.sleep(1)
     with (
         pytest.raises(
             TagNotAwake, match=r"tag 'weights' is asleep \(sleep level 1, event #\d+ \(sleep_requested\)\)"
         ) as info,
-        alloc.use_memory_pool("weights"),
+        rig.allocator.use_memory_pool("weights"),
     ):
         pytest.fail("the block must not open")
     assert info.value.tag == "weights" and info.value.state == "asleep"
-    assert alloc.book.open_blocks() == []
+    assert rig.allocator.book.open_blocks() == []
     ctl.wake(["weights"])
-    with alloc.use_memory_pool("weights"):
-        alloc.allocate(G)
-    with pytest.raises(TagNotAwake, match="kv_cache"), alloc.use_memory_pool("kv_cache"):
+    with rig.allocator.use_memory_pool("weights"):
+        rig.allocator.allocate(G)
+    with pytest.raises(TagNotAwake, match="kv_cache"), rig.allocator.use_memory_pool("kv_cache"):
         pass
 
 
-def test_a_sleep_waits_for_a_block_open_in_another_thread_and_refuses_new_ones_meanwhile() -> None:
+def test_a_sleep_waits_for_a_block_open_in_another_thread_and_refuses_new_ones_meanwhile(make_rig: RigMaker) -> None:
     """A sleep finds a block open in another thread: new blocks of its tags are refused 'going to sleep' while it waits; it goes on once the block ends."""
     from torpor import State, TagNotAwake
 
-    alloc, ctl = _engine()
+    rig = _engine(make_rig)
+    ctl = rig.control()
     inside, release, seen = threading.Event(), threading.Event(), []
 
     def worker() -> None:
-        with alloc.use_memory_pool("weights"):
+        with rig.allocator.use_memory_pool("weights"):
             inside.set()
             release.wait(10)
-            alloc.allocate(G)  # still awake: the sleep waits for this block
+            rig.allocator.allocate(G)  # still awake: the sleep waits for this block
 
     def late() -> None:
         try:
-            with alloc.use_memory_pool("weights"):
+            with rig.allocator.use_memory_pool("weights"):
                 seen.append("opened")
         except TagNotAwake as exc:
             seen.append(exc.state)
@@ -126,50 +131,53 @@ def test_a_sleep_waits_for_a_block_open_in_another_thread_and_refuses_new_ones_m
     timer.join(10)
     assert seen == ["going to sleep"]
     assert ctl.state is State.ASLEEP_L1
-    assert alloc.usage()["weights"].host == 3 * G  # the block's allocation was backed up
+    assert rig.allocator.usage()["weights"].host == 3 * G  # the block's allocation was backed up
 
 
 def test_a_sleep_refuses_when_a_block_stays_open_past_its_wait_and_touches_nothing(
     monkeypatch: pytest.MonkeyPatch,
+    make_rig: RigMaker,
 ) -> None:
     """A block open in another thread past TORPOR_BLOCK_WAIT: BlocksOpen names the tag and the thread; still awake, no byte moved, blocks open again."""
     from torpor import BlocksOpen, State
 
     monkeypatch.setenv("TORPOR_BLOCK_WAIT", "0.1")
-    alloc, ctl = _engine()
+    rig = _engine(make_rig)
+    ctl = rig.control()
     inside, release = threading.Event(), threading.Event()
 
     def worker() -> None:
-        with alloc.use_memory_pool("kv_cache"):
+        with rig.allocator.use_memory_pool("kv_cache"):
             inside.set()
             release.wait(10)
 
     t = threading.Thread(target=worker, name="loader")
     t.start()
     inside.wait(10)
-    before = alloc.usage()
+    before = rig.allocator.usage()
     with pytest.raises(BlocksOpen, match=r"tag 'kv_cache' in thread 'loader'") as info:
         ctl.sleep(1)
     release.set()
     t.join(10)
     assert info.value.holders == ("tag 'kv_cache' in thread 'loader'",)
-    assert ctl.state is State.AWAKE and alloc.usage() == before
+    assert ctl.state is State.AWAKE and rig.allocator.usage() == before
     assert ctl.projection.last_kind == "refused"
-    with alloc.use_memory_pool("weights"):  # the doors are open again
+    with rig.allocator.use_memory_pool("weights"):  # the doors are open again
         pass
     assert ctl.sleep(1).state is State.ASLEEP_L1
 
 
-def test_a_sleep_from_inside_a_block_of_its_own_tag_is_refused_at_once() -> None:
+def test_a_sleep_from_inside_a_block_of_its_own_tag_is_refused_at_once(make_rig: RigMaker) -> None:
     """ctl.sleep() inside use_memory_pool('weights') in the same thread cannot wait for itself: refused at once, naming the block."""
     import time
 
     from torpor import BlocksOpen
 
-    alloc, ctl = _engine()
+    rig = _engine(make_rig)
+    ctl = rig.control()
     start = time.monotonic()
     with (
-        alloc.use_memory_pool("weights"),
+        rig.allocator.use_memory_pool("weights"),
         pytest.raises(BlocksOpen, match="this thread is inside a block of 'weights'"),
     ):
         ctl.sleep(1)
