@@ -10,10 +10,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support import RigMaker
 
 import torpor.tms
-from torpor.allocator import SimDriver, TaggedAllocator
+from torpor.allocator import TaggedAllocator
+from torpor.testrig import SimRig
 from torpor.tms import TmsUsageError, TorchMemorySaver, configure_subprocess, torch_memory_saver
+from torpor.units import MiB
 
 WHEEL = Path(__file__).resolve().parent.parent / ".whl" / "torch_memory_saver-0.0.10-cp39-abi3-manylinux2014_x86_64.whl"
 METHODS = ("region", "cuda_graph", "disable", "pause", "resume", "get_cpu_backup", "set_disk_backup_dir")
@@ -26,12 +29,11 @@ def shape(fn: object) -> list[tuple[str, str, object]]:
     return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
 
 
-def saver() -> tuple[TorchMemorySaver, TaggedAllocator]:
-    """A saver bound to a simulated device, telemetry off."""
+def saver(rig: SimRig) -> TorchMemorySaver:
+    """A saver bound to the rig's allocator, telemetry off."""
     s = TorchMemorySaver()
-    alloc = TaggedAllocator(SimDriver(64 << 20))
-    s.bind(alloc, telemetry=False)
-    return s, alloc
+    s.bind(rig.allocator, telemetry=False)
+    return s
 
 
 def test_the_module_exports_tms_names() -> None:
@@ -100,9 +102,10 @@ def test_signatures_match_the_real_tms(tmp_path: Path) -> None:
         assert name in real["all"] and hasattr(torpor.tms, name)
 
 
-def test_write_only_properties() -> None:
+def test_write_only_properties(make_rig: RigMaker) -> None:
     """hook_mode and memory_margin_bytes are write-only; enabled is True; retain_cpu_backup reads back."""
-    s, _ = saver()
+    rig = make_rig("cuda_like", capacity=64 * MiB)
+    s = saver(rig)
     assert s.enabled is True
     with pytest.raises(AttributeError):
         _ = s.hook_mode
@@ -115,9 +118,10 @@ def test_write_only_properties() -> None:
     assert s.retain_cpu_backup is True
 
 
-def test_hook_mode_after_initialization_is_refused() -> None:
+def test_hook_mode_after_initialization_is_refused(make_rig: RigMaker) -> None:
     """hook_mode (and bind) after the first call is refused, as TMS's assert does."""
-    s, _ = saver()
+    rig = make_rig("cuda_like", capacity=64 * MiB)
+    s = saver(rig)
     s.pause("kv_cache")
     with pytest.raises(TmsUsageError, match="Cannot configure after initialization"):
         s.hook_mode = "torch"
@@ -125,9 +129,10 @@ def test_hook_mode_after_initialization_is_refused() -> None:
         s.bind(None)
 
 
-def test_bad_arguments() -> None:
+def test_bad_arguments(make_rig: RigMaker) -> None:
     """A bad hook mode, a backend without a CPU backup, CPU and disk together: ValueErrors, as in TMS."""
-    s, _ = saver()
+    rig = make_rig("cuda_like", capacity=64 * MiB)
+    s = saver(rig)
     with pytest.raises(ValueError, match="hook_mode"):
         s.hook_mode = "ld_preload"
     with pytest.raises(ValueError, match="requires enable_cpu_backup=True"), s.region("w", cpu_backup_backend="mmap"):
@@ -141,33 +146,36 @@ def test_bad_arguments() -> None:
         s.memory_margin_bytes = -1
 
 
-def test_set_disk_backup_dir_creates_it(tmp_path: Path) -> None:
+def test_set_disk_backup_dir_creates_it(tmp_path: Path, make_rig: RigMaker) -> None:
     """set_disk_backup_dir creates the directory, as TMS does."""
-    s, _ = saver()
+    rig = make_rig("cuda_like", capacity=64 * MiB)
+    s = saver(rig)
     target = tmp_path / "a" / "b"
     s.set_disk_backup_dir(str(target))
     assert target.is_dir()
 
 
-def test_get_cpu_backup_refuses_a_host_tensor() -> None:
+def test_get_cpu_backup_refuses_a_host_tensor(make_rig: RigMaker) -> None:
     """get_cpu_backup takes a GPU tensor (TMS asserts it)."""
     torch = pytest.importorskip("torch")
-    s, _ = saver()
+    rig = make_rig("cuda_like", capacity=64 * MiB)
+    s = saver(rig)
     with pytest.raises(TmsUsageError, match="on the GPU"):
         s.get_cpu_backup(torch.zeros(4))
 
 
-def test_region_routes_allocations_and_pause_frees_them() -> None:
+def test_region_routes_allocations_and_pause_frees_them(make_rig: RigMaker) -> None:
     """Allocations inside region() are the tag's; pause frees them, resume maps them back at the same address."""
-    s, alloc = saver()
+    rig = make_rig("cuda_like", capacity=64 * MiB)
+    s = saver(rig)
     with s.region("weights", enable_cpu_backup=True):
-        w = alloc.allocate(2 << 20)
-    alloc.write(w, b"\x5a" * 64)
+        w = rig.allocator.allocate(2 << 20)
+    rig.allocator.write(w, b"\x5a" * 64)
     s.pause("weights")
-    assert alloc.usage()["weights"].resident == 0
+    assert rig.allocator.usage()["weights"].resident == 0
     s.resume("weights")
-    assert alloc.usage()["weights"].resident == 2 << 20
-    assert alloc.read(w, 64) == b"\x5a" * 64
+    assert rig.allocator.usage()["weights"].resident == 2 << 20
+    assert rig.allocator.read(w, 64) == b"\x5a" * 64
 
 
 class FakeCudaTensor:
@@ -201,15 +209,16 @@ class FakeCudaTensor:
         return torch.frombuffer(raw, dtype=torch.float32)
 
 
-def test_get_cpu_backup_reads_the_pause_backup() -> None:
+def test_get_cpu_backup_reads_the_pause_backup(make_rig: RigMaker) -> None:
     """While paused, get_cpu_backup gives the bytes as they were (copy and zero-copy); after a resume without retain, None."""
     torch = pytest.importorskip("torch")
-    s, alloc = saver()
+    rig = make_rig("cuda_like", capacity=64 * MiB)
+    s = saver(rig)
     with s.region("weights", enable_cpu_backup=True):
-        w = alloc.allocate(2 << 20)
+        w = rig.allocator.allocate(2 << 20)
     ref = torch.arange(1024, dtype=torch.float32)
-    alloc.write(w, ref.numpy().tobytes())
-    x = FakeCudaTensor(alloc, w)
+    rig.allocator.write(w, ref.numpy().tobytes())
+    x = FakeCudaTensor(rig.allocator, w)
     assert s.get_cpu_backup(x) is None  # awake, never paused
     s.pause("weights")
     assert torch.equal(s.get_cpu_backup(x), ref)
@@ -220,14 +229,15 @@ def test_get_cpu_backup_reads_the_pause_backup() -> None:
     assert s.get_cpu_backup(x) is None
 
 
-def test_get_cpu_backup_of_a_discarded_region_and_of_foreign_memory() -> None:
+def test_get_cpu_backup_of_a_discarded_region_and_of_foreign_memory(make_rig: RigMaker) -> None:
     """A region without backup gives None; memory no region holds is an error (TMS exits)."""
     pytest.importorskip("torch")
-    s, alloc = saver()
+    rig = make_rig("cuda_like", capacity=64 * MiB)
+    s = saver(rig)
     with s.region("kv_cache"):
-        kv = alloc.allocate(2 << 20)
-    other = alloc.allocate(2 << 20, tag="elsewhere")
+        kv = rig.allocator.allocate(2 << 20)
+    other = rig.allocator.allocate(2 << 20, tag="elsewhere")
     s.pause("kv_cache")
-    assert s.get_cpu_backup(FakeCudaTensor(alloc, kv)) is None
+    assert s.get_cpu_backup(FakeCudaTensor(rig.allocator, kv)) is None
     with pytest.raises(TmsUsageError, match="no region of the saver"):
-        s.get_cpu_backup(FakeCudaTensor(alloc, other))
+        s.get_cpu_backup(FakeCudaTensor(rig.allocator, other))
