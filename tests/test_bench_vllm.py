@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import RigMaker
 
 from torpor.bench import vllm as vllm_bench
 from torpor.bench import vllm_engine
@@ -108,13 +109,12 @@ def test_table_shows_torpor_tags_and_one_profile_per_backend() -> None:
     assert "| `torpor` | 0.040 s | 0.032 s | 0.020 s | 0.040 s |" in table
 
 
-def test_torpor_phases_reads_sleeps_and_wakes_with_per_tag_seconds(tmp_path: Path) -> None:
+def test_torpor_phases_reads_sleeps_and_wakes_with_per_tag_seconds(tmp_path: Path, make_rig: RigMaker) -> None:
     """A controller's log on the simulated device gives one phase per sleep and wake, with each tag's steps."""
-    from torpor.allocator import SimDriver, TaggedAllocator
     from torpor.statemachine.machine.controller import SleepController
 
     MiB = 1 << 20
-    memory = TaggedAllocator(SimDriver(capacity=64 * MiB))
+    memory = make_rig("cuda_like", capacity=64 * MiB).allocator
     controller = SleepController(memory, log=tmp_path / "bench0.rank0.jsonl", engine="bench0", rank=0)
     memory.allocate(4 * MiB, "weights")
     memory.allocate(8 * MiB, "kv_cache")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import RigMaker
 
 from torpor.cli import build_parser, main
 from torpor.statemachine import SleepController, read_events, replay
@@ -496,12 +497,13 @@ def test_bench_progress_goes_to_stderr(
     assert (tmp_path / "bench.md").read_text() == "| workload | sleep |\n"
 
 
-def test_show_formats_every_byte_count_even_nested_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_show_formats_every_byte_count_even_nested_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make_rig: RigMaker
+) -> None:
     """`log show` prints device={in_use: ...}, host_budget, budget_bytes and host_released as sizes, never raw bytes."""
     from torpor import HostMemoryPolicy, Policy
-    from torpor.allocator import SimDriver, TaggedAllocator
 
-    alloc = TaggedAllocator(SimDriver(64 << 20))
+    alloc = make_rig("cuda_like", capacity=64 << 20).allocator
     alloc.allocate(8 << 20, "weights")
     policy = Policy(host=HostMemoryPolicy(budget_bytes=1 << 30, after_wake="release"))
     ctrl = SleepController(alloc, log=tmp_path / "logs", policy=policy, fsync=False)

@@ -7,8 +7,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from support import RigMaker
 
-from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.errors import InvalidTransition
 from torpor.hooks import (
     CaptureRoutingError,
@@ -189,12 +189,11 @@ def test_pool_is_shared_by_every_routed_capture(controller: SleepController) -> 
     assert controller.projection.graphs == ["full bs=1", "full bs=8", "piecewise", "after wake"]
 
 
-def test_routing_with_the_real_allocator_on_the_simulated_device(nccl: list[object]) -> None:
+def test_routing_with_the_real_allocator_on_the_simulated_device(nccl: list[object], make_rig: RigMaker) -> None:
     """With TaggedAllocator (simulated driver) the route yields its capture handle, NCCL gets it, and a graph holds it."""
-    from torpor.allocator import SimDriver, TaggedAllocator
     from torpor.errors import PoolBusy
 
-    allocator = TaggedAllocator(SimDriver(64 << 20))
+    allocator = make_rig("cuda_like", capacity=64 << 20).allocator
     with allocator.use_memory_pool("weights"):
         allocator.allocate(4 << 20)
     ctl = SleepController(allocator)
@@ -218,9 +217,11 @@ def test_routing_with_the_real_allocator_on_the_simulated_device(nccl: list[obje
     assert ctl.release_cudagraph_pool() == 2 << 20
 
 
-def test_a_tagged_allocator_capture_points_nccl_once_at_the_plain_pool_id(nccl: list[object]) -> None:
+def test_a_tagged_allocator_capture_points_nccl_once_at_the_plain_pool_id(
+    nccl: list[object], make_rig: RigMaker
+) -> None:
     """Routed into a TaggedAllocator, the NCCL hook gets the pool id once, as a plain tuple (what NCCL takes)."""
-    alloc = TaggedAllocator(SimDriver(16 << 20, granularity=1 << 16))
+    alloc = make_rig(capacity=16 << 20).allocator
     observed: list[tuple[int, int]] = []
     alloc.on_capture(observed.append)
     controller = SleepController(alloc)
@@ -259,10 +260,10 @@ def test_further_hooks_run_for_every_route_and_a_failing_one_is_contained(
     assert len(failed) == 2 and {r.name for r in failed} == {"torpor.hooks"}
 
 
-def test_a_direct_allocator_capture_tells_only_its_own_observers(nccl: list[object]) -> None:
+def test_a_direct_allocator_capture_tells_only_its_own_observers(nccl: list[object], make_rig: RigMaker) -> None:
     """The NCCL hook is the integration's: capturing into an allocator directly calls that allocator's observers only."""
-    first = TaggedAllocator(SimDriver(16 << 20, granularity=1 << 16))
-    second = TaggedAllocator(SimDriver(16 << 20, granularity=1 << 16))
+    first = make_rig(capacity=16 << 20).allocator
+    second = make_rig(capacity=16 << 20).allocator
     told: list[tuple[int, int]] = []
     first.on_capture(told.append)
     with second.capture_into_pool("other"):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support import RigMaker
 from test_readmodel_ranklogs import CORRUPTIONS, _corrupt
 
 from torpor.cli import main
@@ -120,13 +121,12 @@ def test_sizes_are_formatted_like_the_other_commands(tmp_path: Path, capsys: pyt
 
 
 def test_shows_pinned_host_memory_budget_and_what_stayed_on_the_device(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make_rig: RigMaker
 ) -> None:
     """Each rank's second line gives pinned host bytes, the budget and the device memory kept at the last sleep."""
     from torpor import HostMemoryPolicy, Policy
-    from torpor.allocator import SimDriver, TaggedAllocator
 
-    alloc = TaggedAllocator(SimDriver(1 << 30, overhead=1 << 28), slab_bytes=0)
+    alloc = make_rig("cuda_like", overhead=1 << 28, slab_bytes=0).allocator
     alloc.allocate(1 << 28, "weights")
     alloc.allocate(1 << 28, "kv_cache")
     ctl = SleepController(

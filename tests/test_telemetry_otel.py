@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support import RigMaker
 
 from torpor import HostMemoryPolicy, Policy, SleepController
-from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.errors import InvalidTransition, MemoryOperationFailed
 from torpor.telemetry import METRICS, attach
 from torpor.telemetry.otel import OTEL_INSTRUMENTS, otel_instrument
@@ -207,7 +207,7 @@ def test_collector_naming_rules_reproduce_the_reported_names() -> None:
     assert collector_label("torpor.engine") == "torpor_engine"
 
 
-def _run_both_paths(otel: Any) -> tuple[CollectorRegistry, Any]:
+def _run_both_paths(make_rig: RigMaker, otel: Any) -> tuple[CollectorRegistry, Any]:
     """One controller feeding torpor's Prometheus collector and the OTel SDK at once, through sleeps, wakes, a failure."""
     tracer_provider, _, meter_provider, _ = otel
     registry = CollectorRegistry()
@@ -225,8 +225,7 @@ def _run_both_paths(otel: Any) -> tuple[CollectorRegistry, Any]:
         controller.wake()
     controller.wake()
     # A second rank on the simulated device with a host budget: what stays on the device while asleep.
-    sim = SimDriver(64 << 20, granularity=1 << 16, overhead=3 << 20)
-    alloc = TaggedAllocator(sim, slab_bytes=0)
+    alloc = make_rig(overhead=3 << 20, slab_bytes=0).allocator
     alloc.allocate(2 << 20, "weights")
     budgeted = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(budget_bytes=8 << 20)), engine="both", rank=4)
     attach(budgeted, registry=registry, tracer_provider=tracer_provider, meter_provider=meter_provider)
@@ -243,9 +242,9 @@ def _finite_families(registry: CollectorRegistry) -> set[str]:
     }
 
 
-def test_instruments_translate_to_torpor_s_prometheus_names_and_labels(otel: Any) -> None:
+def test_instruments_translate_to_torpor_s_prometheus_names_and_labels(otel: Any, make_rig: RigMaker) -> None:
     """Every OTel metric torpor records, named by the Collector's rules, is a torpor Prometheus family with its labels."""
-    registry, _ = _run_both_paths(otel)
+    registry, _ = _run_both_paths(make_rig, otel)
     reader = otel[3]
     data = reader.get_metrics_data()
     seen: set[str] = set()
@@ -287,7 +286,7 @@ def _samples(text: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]
     return out
 
 
-def test_sdk_prometheus_exporter_gives_the_same_series_as_torpor_s_own(otel: Any) -> None:
+def test_sdk_prometheus_exporter_gives_the_same_series_as_torpor_s_own(otel: Any, make_rig: RigMaker) -> None:
     """Through the SDK's PrometheusMetricReader, the same run gives the same torpor_* samples, labels and values."""
     prometheus_exporter = pytest.importorskip("opentelemetry.exporter.prometheus")
     otel_registry = CollectorRegistry()
@@ -295,7 +294,7 @@ def test_sdk_prometheus_exporter_gives_the_same_series_as_torpor_s_own(otel: Any
     tracer_provider = otel[0]
     meter_provider = MeterProvider(metric_readers=[reader])
     try:
-        registry, _ = _run_both_paths((tracer_provider, None, meter_provider, None))
+        registry, _ = _run_both_paths(make_rig, (tracer_provider, None, meter_provider, None))
         ours = _samples(generate_latest(registry))
         theirs = _samples(generate_latest(otel_registry))
     finally:
@@ -310,13 +309,13 @@ def test_sdk_prometheus_exporter_gives_the_same_series_as_torpor_s_own(otel: Any
     assert any(name == "torpor_last_wake_duration_seconds" for name, _ in ours)
 
 
-def test_a_keepers_fallbacks_are_an_otel_counter(otel: Any, tmp_path: Any) -> None:
+def test_a_keepers_fallbacks_are_an_otel_counter(otel: Any, tmp_path: Any, make_rig: RigMaker) -> None:
     """A keeper absent at attach: OpenTelemetry shows it down and counts the host ranges kept in-process, as Prometheus does."""
     from torpor.allocator.host.offload import HostPolicy
     from torpor.keeper import attach as keep
 
     tracer_provider, _, meter_provider, reader = otel
-    alloc = TaggedAllocator(SimDriver(64 << 20), host=HostPolicy(chunk_bytes=2 << 20))
+    alloc = make_rig("cuda_like", capacity=64 << 20, host=HostPolicy(chunk_bytes=2 << 20)).allocator
     controller = SleepController(alloc, engine="ok")
     attach(controller, tracer_provider=tracer_provider, meter_provider=meter_provider, prometheus=False)
     backing = keep(alloc, controller, keeper=tmp_path / "nobody" / "keeper.sock", engine="ok-keep")

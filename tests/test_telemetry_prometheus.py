@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from support import samples, value
+from support import RigMaker, samples, value
 
 from torpor import EventKind, SleepController, State
 from torpor.errors import InvalidTransition, MemoryOperationFailed
@@ -323,13 +323,11 @@ def test_a_second_controller_with_the_same_rank_is_refused() -> None:
     assert value(samples(registry), "torpor_state", torpor_engine="dup", torpor_rank="0", state="awake") == 1
 
 
-def test_host_budget_and_what_stays_on_the_device_while_asleep() -> None:
+def test_host_budget_and_what_stays_on_the_device_while_asleep(make_rig: RigMaker) -> None:
     """torpor_host_budget_bytes shows the budget (+Inf without one); torpor_asleep_device_bytes splits what stayed at sleep."""
     from torpor import HostMemoryPolicy, Policy
-    from torpor.allocator import SimDriver, TaggedAllocator
 
-    sim = SimDriver(64 << 20, granularity=1 << 16, overhead=3 << 20)
-    alloc = TaggedAllocator(sim, slab_bytes=0)
+    alloc = make_rig(overhead=3 << 20, slab_bytes=0).allocator
     alloc.allocate(2 << 20, "weights")
     registry = CollectorRegistry()
     controller = SleepController(alloc, policy=Policy(host=HostMemoryPolicy(budget_bytes=8 << 20)), engine="e")
@@ -360,14 +358,15 @@ def keeper_sock(tmp_path: Path) -> Iterator[Path]:
         yield sock
 
 
-def _kept_engine(engine: str, sock: Path | None, registry: CollectorRegistry) -> tuple[SleepController, Any]:
+def _kept_engine(
+    make_rig: RigMaker, engine: str, sock: Path | None, registry: CollectorRegistry
+) -> tuple[SleepController, Any]:
     """Telemetry attached first (as vLLM's wiring does), then a keeper backing; 3 MiB of tracked weights."""
-    from torpor.allocator import SimDriver, TaggedAllocator
     from torpor.allocator.host.offload import HostPolicy
     from torpor.keeper import ModelIdentity, TensorSpec
     from torpor.keeper import attach as keep
 
-    alloc = TaggedAllocator(SimDriver(256 * MiB), host=HostPolicy(chunk_bytes=2 * MiB))
+    alloc = make_rig("cuda_like", capacity=256 * MiB, host=HostPolicy(chunk_bytes=2 * MiB)).allocator
     controller = SleepController(alloc, engine=engine)
     attach(controller, registry=registry, otel=False, multiprocess=False)
     address = alloc.allocate(3 * MiB, tag="weights")
@@ -379,10 +378,10 @@ def _kept_engine(engine: str, sock: Path | None, registry: CollectorRegistry) ->
     return controller, backing
 
 
-def test_keeper_bytes_are_on_the_registry_after_a_sleep(keeper_sock: Path) -> None:
+def test_keeper_bytes_are_on_the_registry_after_a_sleep(keeper_sock: Path, make_rig: RigMaker) -> None:
     """With a keeper backing the allocator, the registry shows its host bytes, the backup published and that it is up."""
     registry = CollectorRegistry()
-    controller, backing = _kept_engine("kp", keeper_sock, registry)
+    controller, backing = _kept_engine(make_rig, "kp", keeper_sock, registry)
     labels = {"torpor_engine": "kp", "torpor_rank": "0", "keeper_engine": "kp-keep"}
     controller.sleep(1)
     got = samples(registry)
@@ -395,20 +394,20 @@ def test_keeper_bytes_are_on_the_registry_after_a_sleep(keeper_sock: Path) -> No
     assert "# TYPE torpor_keeper_fallbacks_total counter" in generate_latest(registry).decode()
 
 
-def test_no_keeper_series_without_a_keeper() -> None:
+def test_no_keeper_series_without_a_keeper(make_rig: RigMaker) -> None:
     """An allocator without a keeper backing has no torpor_keeper_* samples (the families are empty)."""
     registry = CollectorRegistry()
-    controller, _ = _kept_engine("nk", None, registry)
+    controller, _ = _kept_engine(make_rig, "nk", None, registry)
     controller.sleep(1)
     got = samples(registry)
     assert value(got, "torpor_pinned_host_bytes", torpor_engine="nk", torpor_rank="0") >= 3 * MiB
     assert not [k for k in got if k[0].startswith("torpor_keeper_")]
 
 
-def test_a_keeper_absent_at_attach_shows_as_down_with_its_fallbacks(tmp_path: Path) -> None:
+def test_a_keeper_absent_at_attach_shows_as_down_with_its_fallbacks(tmp_path: Path, make_rig: RigMaker) -> None:
     """A keeper configured but not answering at attach: torpor_keeper_up 0, each range kept in-process counted."""
     registry = CollectorRegistry()
-    controller, backing = _kept_engine("ka", tmp_path / "nobody" / "keeper.sock", registry)
+    controller, backing = _kept_engine(make_rig, "ka", tmp_path / "nobody" / "keeper.sock", registry)
     controller.sleep(1)
     got = samples(registry)
     labels = {"torpor_engine": "ka", "torpor_rank": "0", "keeper_engine": "ka-keep"}

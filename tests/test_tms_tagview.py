@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from torpor.allocator import SimDriver, TaggedAllocator
+from support import RigMaker
+
 from torpor.statemachine.core.policy import Action
 from torpor.statemachine.core.protocol import Doors, GraphPoolMemory, Memory
 from torpor.tms.tagview import TagView, TmsTag, action_of, mode_of
@@ -39,9 +40,9 @@ def test_the_policy_reads_the_tag_live() -> None:
     assert policy.wake_set([], ["w"]) == ["w"]  # nothing deferred: a resume restores all of the tag
 
 
-def test_the_view_shows_and_moves_only_its_tags() -> None:
+def test_the_view_shows_and_moves_only_its_tags(make_rig: RigMaker) -> None:
     """usage() lists the view's tags only; release of another tag through the view touches nothing."""
-    alloc = TaggedAllocator(SimDriver(64 * MiB))
+    alloc = make_rig("cuda_like", capacity=64 * MiB).allocator
     mine, other = TmsTag("a"), TmsTag("b")
     for t in (mine, other):
         alloc.allocate(2 * MiB, tag=t.torpor_tag("discard"))
@@ -55,9 +56,9 @@ def test_the_view_shows_and_moves_only_its_tags() -> None:
     assert list(view.tags()) == ["a"]
 
 
-def test_the_view_meets_the_protocols_the_controller_asks_for() -> None:
+def test_the_view_meets_the_protocols_the_controller_asks_for(make_rig: RigMaker) -> None:
     """The view is a Memory, has doors and a graph pool, as the allocator is."""
-    view = TagView(TaggedAllocator(SimDriver(16 * MiB)), TmsTag("a"))
+    view = TagView(make_rig("cuda_like", capacity=16 * MiB).allocator, TmsTag("a"))
     assert isinstance(view, Memory)
     assert isinstance(view, Doors)
     assert isinstance(view, GraphPoolMemory)
