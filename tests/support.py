@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 from torpor.allocator import HostPolicy
-from torpor.statemachine.core.events import Event
+from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.core.policy import DEFAULT_POLICY
 from torpor.statemachine.core.states import TRIGGER_EVENTS, destination
 from torpor.statemachine.projection.view import Projection
@@ -275,3 +276,9 @@ def count_log_calls(
     monkeypatch.setattr(os, name, counter.real)
     ctrl.close()
     return int(counter.calls)
+
+
+def raw_event(kind: EventKind, seq: int, engine: str, rank: int, data: Mapping[str, Any]) -> Event:
+    """An event of ``kind`` whose data is ``data`` as given, stamped now: for tests that feed readers, codecs and
+    checks events as a log holds them (torpor itself builds events from typed payloads only, with ``stamp``)."""
+    return Event(kind, seq, time.time(), time.monotonic(), os.getpid(), engine, rank, data)

@@ -8,9 +8,10 @@ import zlib
 from pathlib import Path
 
 import pytest
+from support import raw_event
 
 from torpor.errors import LogCorrupted
-from torpor.statemachine.core.events import PAYLOADS, Event, EventKind, make_event, thaw
+from torpor.statemachine.core.events import PAYLOADS, Event, EventKind, thaw
 from torpor.statemachine.log import codec
 from torpor.statemachine.log.codec import decode_line, decode_lines, encode_line
 from torpor.statemachine.projection.view import Projection
@@ -45,7 +46,7 @@ def test_typed_fields_read_what_the_old_lines_hold() -> None:
 
 def test_a_field_of_the_wrong_type_is_named_with_file_and_line() -> None:
     """A checksummed line whose declared field has the wrong type raises LogCorrupted naming it."""
-    event = make_event(EventKind.TAG_RESTORED, 1, "e", 0, {"tag": "w", "bytes": 1, "lost": "yes"})
+    event = raw_event(EventKind.TAG_RESTORED, 1, "e", 0, {"tag": "w", "bytes": 1, "lost": "yes"})
     with pytest.raises(LogCorrupted, match=r"f\.jsonl:4: .*'lost' must be true or false"):
         list(decode_lines([encode_line(event)[:-1]], "f.jsonl", 3))
 
@@ -59,7 +60,7 @@ def test_the_codec_uses_no_private_json_api() -> None:
 
 def test_encode_then_decode_is_the_same_event() -> None:
     """Every kind's event survives encode_line then decode_line unchanged, and is an Event."""
-    event = make_event(
+    event = raw_event(
         EventKind.GROUP_AGREED,
         4,
         "e",
@@ -136,7 +137,7 @@ def test_the_fast_check_agrees_with_payload_problem_on_every_field() -> None:
 
 def test_a_bad_envelope_on_the_fast_path_is_refused_like_decode_line() -> None:
     """A line whose sequence number, pid, rank or time is out of range gets decode_line's error, not an event."""
-    good = json.loads(encode_line(make_event(EventKind.OPENED, 1, "e", 0, {}))[:-1])
+    good = json.loads(encode_line(raw_event(EventKind.OPENED, 1, "e", 0, {}))[:-1])
     for field, value in (("seq", -1), ("pid", 2**63), ("rank", -2), ("wall", float("inf")), ("mono", float("nan"))):
         raw = {k: v for k, v in good.items() if k != "crc"}
         raw[field] = value
@@ -159,7 +160,7 @@ def _signed(raw: dict[str, object]) -> bytes:
 @pytest.mark.parametrize("wall", [1e20, -1.0, 253402300800.0, 1.7976931348623157e308])
 def test_a_wall_time_no_clock_can_show_is_corruption(wall: float) -> None:
     """A checksummed line whose wall time is finite but outside 1970..9999 is LogCorrupted naming it, on both paths."""
-    raw = json.loads(encode_line(make_event(EventKind.OPENED, 1, "e", 0, {}))[:-1])
+    raw = json.loads(encode_line(raw_event(EventKind.OPENED, 1, "e", 0, {}))[:-1])
     raw["wall"] = wall
     line = _signed(raw)
     with pytest.raises(LogCorrupted, match="wall"):
@@ -174,7 +175,7 @@ def test_a_snapshot_whose_state_began_at_no_date_is_corruption() -> None:
     """A snapshot whose projection's since_wall is finite but no date (1e20) is LogCorrupted naming it, on both paths."""
     projection = Projection().to_dict()
     projection["since_wall"] = 1e20
-    line = encode_line(make_event(EventKind.SNAPSHOT, 1, "e", 0, {"projection": projection}))[:-1]
+    line = encode_line(raw_event(EventKind.SNAPSHOT, 1, "e", 0, {"projection": projection}))[:-1]
     with pytest.raises(LogCorrupted, match="since_wall"):
         list(decode_lines([line], "x.jsonl"))
     with pytest.raises(LogCorrupted, match="since_wall"):

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 import support
+from support import raw_event
 
 from torpor.errors import LogWriteFailed, TorporError
-from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.states import TRANSITIONAL, State
 from torpor.statemachine.log import tail
 from torpor.statemachine.log.eventlog import EventLog
@@ -40,8 +41,8 @@ def test_a_rotation_reads_only_the_first_line_of_the_active_file(
         monkeypatch.setattr(tail, "batches", whole_file)
         for _ in range(3):
             for _ in range(10):
-                log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
-            log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, snapshot))
+                log.append(raw_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
+            log.rotate(raw_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, snapshot))
         monkeypatch.undo()
     assert len(segments(path)) == 4
     assert [e.seq for e in read_events(path)] == list(range(1, 34))
@@ -85,12 +86,12 @@ def test_a_forked_child_cannot_write_the_parents_log(tmp_path: Path) -> None:
     """In a forked child the parent's EventLog refuses to append (LogWriteFailed: it is not the writer) and leaves the file alone."""
     path = tmp_path / "e.rank0.jsonl"
     with EventLog(path, fsync=False) as log:
-        log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
+        log.append(raw_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
         pid = os.fork()
         if pid == 0:  # the child: report through the exit status only
             code = 3
             try:
-                log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 2}}))
+                log.append(raw_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 2}}))
             except LogWriteFailed as exc:
                 code = 0 if "forked child" in str(exc) else 4
             except BaseException:
@@ -98,7 +99,7 @@ def test_a_forked_child_cannot_write_the_parents_log(tmp_path: Path) -> None:
             os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 3}}))
+        log.append(raw_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 3}}))
     assert [e.data["usage"]["weights"] for e in read_events(path)] == [1, 3]
 
 
@@ -113,10 +114,10 @@ def test_an_event_that_would_not_read_back_is_refused_and_nothing_is_written(
     path = tmp_path / "e.rank0.jsonl"
     data = {"level": 1, "seconds": 0.1, "freed": 0, "offloaded": 0, "discarded": 0, "pinned": 0, field: value}
     with EventLog(path, fsync=False) as log:
-        log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
+        log.append(raw_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
         with pytest.raises(LogWriteFailed, match=field):
-            log.append(make_event(EventKind.SLEEP_COMPLETED, log.next_seq(), "e", 0, data))
-        log.append(make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 2}}))
+            log.append(raw_event(EventKind.SLEEP_COMPLETED, log.next_seq(), "e", 0, data))
+        log.append(raw_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 2}}))
     assert [e.seq for e in read_events(path)] == [1, 2]
 
 

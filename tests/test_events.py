@@ -11,16 +11,17 @@ from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
 import pytest
+from support import raw_event
 
 from torpor.errors import LogCorrupted
-from torpor.statemachine.core.events import PAYLOADS, SCHEMA_VERSION, Event, EventKind, make_event
+from torpor.statemachine.core.events import PAYLOADS, SCHEMA_VERSION, Event, EventKind
 from torpor.statemachine.core.fields import REQUIRED
 from torpor.statemachine.log.codec import decode_line, decode_lines, encode_line
 
 
 def test_event_is_frozen() -> None:
     """An event's fields and payload cannot be changed after it is made."""
-    event = make_event(EventKind.SLEEP_REQUESTED, 1, "e", 0, {"level": 1, "plan": {"weights": "offload"}})
+    event = raw_event(EventKind.SLEEP_REQUESTED, 1, "e", 0, {"level": 1, "plan": {"weights": "offload"}})
     with pytest.raises(dataclasses.FrozenInstanceError):
         event.seq = 2  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -31,7 +32,7 @@ def test_event_is_frozen() -> None:
 
 def test_event_round_trips_through_dict() -> None:
     """to_dict then from_dict gives an equal event, schema version included."""
-    event = make_event(EventKind.TAG_RELEASED, 7, "eng", 3, {"tag": "weights", "bytes": 10, "action": "offload"})
+    event = raw_event(EventKind.TAG_RELEASED, 7, "eng", 3, {"tag": "weights", "bytes": 10, "action": "offload"})
     again = Event.from_dict(event.to_dict())
     assert again == event
     assert again.schema == SCHEMA_VERSION
@@ -40,7 +41,7 @@ def test_event_round_trips_through_dict() -> None:
 
 def test_unknown_kind_is_rejected() -> None:
     """from_dict refuses a kind this torpor does not know, naming it."""
-    raw = make_event(EventKind.OPENED, 1, "e", 0, {}).to_dict()
+    raw = raw_event(EventKind.OPENED, 1, "e", 0, {}).to_dict()
     raw["kind"] = "exploded"
     with pytest.raises(ValueError, match="exploded"):
         Event.from_dict(raw)
@@ -48,7 +49,7 @@ def test_unknown_kind_is_rejected() -> None:
 
 def test_bad_field_type_is_rejected() -> None:
     """from_dict names a field of the wrong type."""
-    raw = make_event(EventKind.OPENED, 1, "e", 0, {}).to_dict()
+    raw = raw_event(EventKind.OPENED, 1, "e", 0, {}).to_dict()
     raw["seq"] = "one"
     with pytest.raises(ValueError, match="seq"):
         Event.from_dict(raw)
@@ -56,7 +57,7 @@ def test_bad_field_type_is_rejected() -> None:
 
 def test_parsed_event_is_an_ordinary_frozen_event() -> None:
     """An event built from its log form is of class Event, equal to the original, and frozen."""
-    event = make_event(EventKind.SLEEP_REQUESTED, 3, "e", 1, {"level": 1, "usage": {"weights": 5}, "tags": ["a"]})
+    event = raw_event(EventKind.SLEEP_REQUESTED, 3, "e", 1, {"level": 1, "usage": {"weights": 5}, "tags": ["a"]})
     again = Event.from_dict(event.to_dict())
     assert type(again) is Event
     assert again == event
@@ -68,7 +69,7 @@ def test_parsed_event_is_an_ordinary_frozen_event() -> None:
 
 def test_from_dict_does_not_share_the_callers_objects() -> None:
     """from_dict copies nested objects: changing the caller's dict afterwards leaves the event as it was."""
-    raw = make_event(EventKind.OPENED, 1, "e", 0, {"usage": {"weights": 5}, "tags": ["a"]}).to_dict()
+    raw = raw_event(EventKind.OPENED, 1, "e", 0, {"usage": {"weights": 5}, "tags": ["a"]}).to_dict()
     event = Event.from_dict(raw)
     raw["data"]["usage"]["weights"] = 6
     raw["data"]["tags"].append("b")
@@ -78,7 +79,7 @@ def test_from_dict_does_not_share_the_callers_objects() -> None:
 
 def test_missing_data_is_an_empty_payload() -> None:
     """A log form without "data" gives an empty, read-only payload."""
-    raw = make_event(EventKind.CLOSED, 1, "e", 0, {}).to_dict()
+    raw = raw_event(EventKind.CLOSED, 1, "e", 0, {}).to_dict()
     del raw["data"]
     event = Event.from_dict(raw)
     assert dict(event.data) == {}
@@ -88,7 +89,7 @@ def test_missing_data_is_an_empty_payload() -> None:
 
 def test_data_that_is_not_an_object_is_rejected() -> None:
     """from_dict names the type of a payload that is not a JSON object."""
-    raw = make_event(EventKind.OPENED, 1, "e", 0, {}).to_dict()
+    raw = raw_event(EventKind.OPENED, 1, "e", 0, {}).to_dict()
     raw["data"] = [1]
     with pytest.raises(ValueError, match="'data' must be an object, got list"):
         Event.from_dict(raw)
@@ -96,7 +97,7 @@ def test_data_that_is_not_an_object_is_rejected() -> None:
 
 def test_plain_and_other_log_forms_build_the_same_event() -> None:
     """The codec's fast path builds what decode_line builds for the plain form; other forms go to decode_line."""
-    event = make_event(EventKind.WAKE_COMPLETED, 9, "e", 2, {"tags": ["w"], "usage": {"w": 1}, "seconds": 0.5})
+    event = raw_event(EventKind.WAKE_COMPLETED, 9, "e", 2, {"tags": ["w"], "usage": {"w": 1}, "seconds": 0.5})
     line = encode_line(event)[:-1]
     fast = next(decode_lines([line], "p"))
     assert fast == decode_line(line, "p", 1) == Event.from_dict(json.loads(event.to_json())) == event

@@ -7,8 +7,9 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from support import raw_event
 
-from torpor.statemachine.core.events import Event, EventKind, make_event
+from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.fanout import Fanout
 
 log = logging.getLogger("torpor.test.fanout")
@@ -17,7 +18,7 @@ Callback = Callable[[Event], object]
 
 def _event(seq: int, kind: EventKind = EventKind.USAGE_OBSERVED) -> Event:
     data = {"usage": {"weights": 1}} if kind is EventKind.USAGE_OBSERVED else {}
-    return make_event(kind, seq, "e", 0, data)
+    return raw_event(kind, seq, "e", 0, data)
 
 
 def test_every_subscriber_gets_every_event_in_order() -> None:

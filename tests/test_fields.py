@@ -8,14 +8,15 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 import pytest
+from support import raw_event
 
-from torpor.statemachine.core.events import PAYLOADS, EventKind, TagReleased, TagRestored, make_event
+from torpor.statemachine.core.events import PAYLOADS, EventKind, TagReleased, TagRestored
 from torpor.statemachine.core.fields import REQUIRED, Payload, freeze, thaw
 
 
 def test_fields_are_typed_attributes_with_defaults() -> None:
     """A payload reads its declared fields as attributes; an optional field not given reads as its default."""
-    data = make_event(EventKind.TAG_RELEASED, 1, "e", 0, {"tag": "w", "bytes": 3}).data
+    data = raw_event(EventKind.TAG_RELEASED, 1, "e", 0, {"tag": "w", "bytes": 3}).data
     assert isinstance(data, TagReleased)
     assert (data.tag, data.bytes, data.action, data.seconds) == ("w", 3, "", 0.0)
     assert dict(data) == {"tag": "w", "bytes": 3}  # only what was given is written
@@ -30,7 +31,7 @@ def test_a_required_field_that_is_missing_raises_key_error() -> None:
 
 def test_a_payload_refuses_every_change() -> None:
     """Every mapping method that would change a payload raises TypeError; so does setting an attribute."""
-    data = make_event(EventKind.TAG_RELEASED, 1, "e", 0, {"tag": "w", "bytes": 3}).data
+    data = raw_event(EventKind.TAG_RELEASED, 1, "e", 0, {"tag": "w", "bytes": 3}).data
     changes = [
         lambda: data.__setitem__("tag", "x"),
         lambda: data.__delitem__("tag"),
@@ -52,7 +53,7 @@ def test_a_payload_refuses_every_change() -> None:
 def test_nested_values_are_frozen_in_an_event_and_thaw_back() -> None:
     """An event's payload holds read-only mappings and tuples; thaw gives plain dicts and lists back."""
     usage = {"weights": 1, "nested": {"a": [1, {"b": 2}]}}
-    event = make_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": usage})
+    event = raw_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": usage})
     usage["weights"] = 9  # the caller's dict is not shared
     assert event.data["usage"]["weights"] == 1
     assert isinstance(event.data["usage"], MappingProxyType)
@@ -63,14 +64,14 @@ def test_nested_values_are_frozen_in_an_event_and_thaw_back() -> None:
 
 def test_a_payload_pickles_and_copies_as_its_class() -> None:
     """pickle and copy rebuild a payload of the same class with the same fields."""
-    data = make_event(EventKind.TAG_RELEASED, 1, "e", 0, {"tag": "w", "bytes": 3, "action": "offload"}).data
+    data = raw_event(EventKind.TAG_RELEASED, 1, "e", 0, {"tag": "w", "bytes": 3, "action": "offload"}).data
     for again in (pickle.loads(pickle.dumps(data)), copy.copy(data), copy.deepcopy(data)):  # noqa: S301  # our own bytes
         assert type(again) is TagReleased and again == data and again.action == "offload"
 
 
 def test_undeclared_fields_are_kept_and_written() -> None:
     """A field a kind does not declare (a newer writer's) is kept in the mapping and written back."""
-    event = make_event(EventKind.CLOSED, 1, "e", 0, {"state": "awake", "future": [1]})
+    event = raw_event(EventKind.CLOSED, 1, "e", 0, {"state": "awake", "future": [1]})
     assert event.data["future"] == (1,) and event.to_dict()["data"] == {"state": "awake", "future": [1]}
 
 

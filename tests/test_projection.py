@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from support import raw_event
+
 from torpor import SleepController, State, replay
-from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.projection.view import Projection, follow_on, project
 from torpor.testing import FakeMemory
 
@@ -42,7 +44,7 @@ def test_snapshot_event_replaces_history() -> None:
     """A snapshot event sets the projection to its content, whatever came before."""
     ctl = SleepController(FakeMemory(SIZES))
     ctl.sleep(1)
-    snap = make_event(EventKind.SNAPSHOT, 1, "e", 0, {"projection": ctl.projection.to_dict()})
+    snap = raw_event(EventKind.SNAPSHOT, 1, "e", 0, {"projection": ctl.projection.to_dict()})
     assert project([snap]).state is State.ASLEEP_L1
     assert project([snap]).asleep_tags() == ["cudagraph", "kv_cache", "weights"]
 
@@ -77,7 +79,7 @@ def test_every_kind_has_a_step_and_no_state_kinds_change_nothing_else() -> None:
     last_event_fields = ("last_seq", "last_kind", "last_wall", "engine", "rank", "pid", "last_step")
     for kind in sorted(_NO_STATE):
         proj = Projection.from_dict(before)
-        proj.apply(make_event(kind, before["last_seq"] + 1, "x", 7, {"tag": "weights", "bytes": 1, "state": "awake"}))
+        proj.apply(raw_event(kind, before["last_seq"] + 1, "x", 7, {"tag": "weights", "bytes": 1, "state": "awake"}))
         after = proj.to_dict()
         assert (after["last_kind"], after["engine"], after["rank"]) == (kind.value, "x", 7)
         derived = ("state", "closed") if kind is EventKind.CLOSED else ()  # a closed log reads closed
@@ -90,10 +92,10 @@ def test_every_kind_has_a_step_and_no_state_kinds_change_nothing_else() -> None:
 
 def test_residency_stays_exact_past_the_shared_usage_bound() -> None:
     """Replaying more distinct byte counts than the shared-usage bound still gives each tag its own figures."""
-    events = [make_event(EventKind.OPENED, 1, "e", 0, {"usage": {}})]
+    events = [raw_event(EventKind.OPENED, 1, "e", 0, {"usage": {}})]
     for i in range(5000):
         usage = {"weights": 1000 + i, "kv_cache": 2 * i}
-        events.append(make_event(EventKind.USAGE_OBSERVED, len(events) + 1, "e", 0, {"usage": usage}))
+        events.append(raw_event(EventKind.USAGE_OBSERVED, len(events) + 1, "e", 0, {"usage": usage}))
     proj = project(events)
     assert (proj.residency["weights"].resident, proj.residency["kv_cache"].resident) == (5999, 9998)
     assert proj.residency["weights"] != proj.residency["kv_cache"]
@@ -103,11 +105,11 @@ def test_follow_on_starts_afresh_when_the_log_starts_anew() -> None:
     """A followed log whose event #1 comes again (not a snapshot) folds into a fresh projection; the next event continues it."""
     proj = Projection()
     for seq in (1, 2):
-        proj = follow_on(proj, make_event(EventKind.USAGE_OBSERVED, seq, "e", 0, {"usage": {"weights": 5}}))
+        proj = follow_on(proj, raw_event(EventKind.USAGE_OBSERVED, seq, "e", 0, {"usage": {"weights": 5}}))
     assert proj.last_seq == 2
-    again = follow_on(proj, make_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": {"weights": 7}}))
+    again = follow_on(proj, raw_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": {"weights": 7}}))
     assert again is not proj and again.last_seq == 1
-    assert follow_on(again, make_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {}})) is again
+    assert follow_on(again, raw_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {}})) is again
 
 
 def test_a_closed_log_reads_closed_and_keeps_the_machine_state() -> None:
@@ -135,7 +137,7 @@ def test_an_event_after_closed_opens_the_log_again() -> None:
     """A controller reopened on a closed log appends 'opened': the log no longer reads closed."""
     proj = Projection()
     for seq, kind in enumerate([EventKind.OPENED, EventKind.CLOSED, EventKind.OPENED], start=1):
-        proj.apply(make_event(kind, seq, "e", 0, {"usage": {}} if kind is EventKind.OPENED else {}))
+        proj.apply(raw_event(kind, seq, "e", 0, {"usage": {}} if kind is EventKind.OPENED else {}))
         assert proj.closed is (kind is EventKind.CLOSED)
 
 
@@ -157,5 +159,5 @@ def test_allocation_counts_come_from_the_events_as_the_memory_reports_them() -> 
 
 def test_a_log_written_before_allocation_counts_reads_zero() -> None:
     """Events without the allocations field (older logs) fold as before: counts 0, bytes as recorded."""
-    proj = project([make_event(EventKind.OPENED, 1, "e", 0, {"usage": {"weights": 64}})])
+    proj = project([raw_event(EventKind.OPENED, 1, "e", 0, {"usage": {"weights": 64}})])
     assert proj.residency["weights"].allocations == 0 and proj.residency["weights"].resident == 64

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import raw_event
 
 import torpor.statemachine.log.codec as codec_module
 import torpor.statemachine.log.reader as log_module
 from torpor.errors import EventTooLarge, LogCorrupted, UnknownSchemaVersion
-from torpor.statemachine.core.events import Event, EventKind, make_event
+from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.reader import decode_line, encode_line, read_events, read_events_file, segments
 from torpor.statemachine.projection.view import Projection
@@ -27,7 +28,7 @@ _EMPTY_PROJECTION = Projection().to_dict()  # what a snapshot of a fresh rank ho
 
 def _fill(log: EventLog, n: int, kind: EventKind = EventKind.USAGE_OBSERVED) -> None:
     for _ in range(n):
-        log.append(make_event(kind, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
+        log.append(raw_event(kind, log.next_seq(), "e", 0, {"usage": {"weights": 1}}))
 
 
 def test_lines_are_json_with_checksum(tmp_path: Path) -> None:
@@ -55,7 +56,7 @@ def test_out_of_order_append_refused(tmp_path: Path) -> None:
     with EventLog(tmp_path / "l.jsonl") as log:
         _fill(log, 1)
         with pytest.raises(ValueError, match="follow on"):
-            log.append(make_event(EventKind.OPENED, 5, "e", 0, {}))
+            log.append(raw_event(EventKind.OPENED, 5, "e", 0, {}))
     assert len(list(read_events(tmp_path / "l.jsonl"))) == 1
 
 
@@ -65,7 +66,7 @@ def test_torn_last_line_tolerated_with_warning(tmp_path: Path, caplog: pytest.Lo
     with EventLog(path) as log:
         _fill(log, 2)
     with open(path, "ab") as fh:
-        fh.write(encode_line(make_event(EventKind.OPENED, 3, "e", 0, {}))[:20])
+        fh.write(encode_line(raw_event(EventKind.OPENED, 3, "e", 0, {}))[:20])
     with caplog.at_level(logging.WARNING):
         assert [e.seq for e in read_events(path)] == [1, 2]
     assert "torn last line" in caplog.text
@@ -90,7 +91,7 @@ def test_corrupt_middle_line_names_file_and_line(tmp_path: Path) -> None:
 def test_unknown_schema_version_is_clear(tmp_path: Path) -> None:
     """An event from another schema version raises UnknownSchemaVersion naming it."""
     path = tmp_path / "l.jsonl"
-    event = make_event(EventKind.OPENED, 1, "e", 0, {})
+    event = raw_event(EventKind.OPENED, 1, "e", 0, {})
     object.__setattr__(event, "schema", 99)
     path.write_bytes(encode_line(event))
     with pytest.raises(UnknownSchemaVersion, match="99"):
@@ -101,7 +102,7 @@ def test_oversized_event_refused(tmp_path: Path) -> None:
     """An event over the line limit raises EventTooLarge and is not written."""
     with EventLog(tmp_path / "l.jsonl", max_line=512) as log:
         with pytest.raises(EventTooLarge, match="512"):
-            log.append(make_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": {"x" * 600: 1}}))
+            log.append(raw_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": {"x" * 600: 1}}))
         assert log.next_seq() == 1
     assert (tmp_path / "l.jsonl").read_bytes() == b""
 
@@ -110,8 +111,8 @@ def test_sequence_gap_is_corruption(tmp_path: Path) -> None:
     """A log whose sequence numbers skip raises LogCorrupted."""
     path = tmp_path / "l.jsonl"
     path.write_bytes(
-        encode_line(make_event(EventKind.OPENED, 1, "e", 0, {}))
-        + encode_line(make_event(EventKind.OPENED, 3, "e", 0, {}))
+        encode_line(raw_event(EventKind.OPENED, 1, "e", 0, {}))
+        + encode_line(raw_event(EventKind.OPENED, 3, "e", 0, {}))
     )
     with pytest.raises(LogCorrupted, match="jumps"):
         list(read_events(path))
@@ -132,7 +133,7 @@ def test_rotation_keeps_replay_correct(tmp_path: Path) -> None:
     with EventLog(path, max_bytes=600) as log:
         _fill(log, 5)
         assert log.needs_rotation()
-        log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": _EMPTY_PROJECTION}))
+        log.rotate(raw_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": _EMPTY_PROJECTION}))
         _fill(log, 2)
     files = segments(path)
     assert len(files) == 2 and files[-1] == path
@@ -146,7 +147,7 @@ def test_pruned_segments_replay_from_snapshot(tmp_path: Path) -> None:
     with EventLog(path, max_bytes=300, keep=1) as log:
         for _ in range(3):
             _fill(log, 3)
-            log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": _EMPTY_PROJECTION}))
+            log.rotate(raw_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": _EMPTY_PROJECTION}))
     assert len(segments(path)) == 2
     events = list(read_events(path))
     assert events[0].kind is EventKind.SNAPSHOT
@@ -241,7 +242,7 @@ def test_well_formed_lines_never_reach_decode_line(tmp_path: Path, monkeypatch: 
     path = tmp_path / "l.jsonl"
     with EventLog(path, fsync=False) as log:
         for kind, data in _PAYLOADS:
-            log.append(make_event(kind, log.next_seq(), "e", 0, data))
+            log.append(raw_event(kind, log.next_seq(), "e", 0, data))
     calls: list[int] = []
 
     def counting(line: bytes, where: str, lineno: int, max_line: int = log_module.DEFAULT_MAX_LINE) -> Event:
@@ -265,9 +266,9 @@ def test_read_events_equals_decode_line_over_a_whole_log(tmp_path: Path) -> None
     with EventLog(path, fsync=False, max_bytes=2000) as log:
         for i in range(60):
             kind, data = _PAYLOADS[i % len(_PAYLOADS)]
-            log.append(make_event(kind, log.next_seq(), "e", 0, data))
+            log.append(raw_event(kind, log.next_seq(), "e", 0, data))
             if log.needs_rotation():
-                log.rotate(make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": _EMPTY_PROJECTION}))
+                log.rotate(raw_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": _EMPTY_PROJECTION}))
     reference = [
         decode_line(line, str(file), n)
         for file in segments(path)

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import raw_event
 
 from torpor.cli import main
 from torpor.errors import LogCorrupted
 from torpor.statemachine import SleepController, replay
-from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.follow import Follower, follow
 from torpor.statemachine.log.logsource import LogSource
@@ -37,12 +38,12 @@ from torpor.testing import FakeMemory
 
 
 def _snapshot(log: EventLog, proj: Projection) -> Any:
-    return make_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": proj.to_dict()})
+    return raw_event(EventKind.SNAPSHOT, log.next_seq(), "e", 0, {"projection": proj.to_dict()})
 
 
 def _append(log: EventLog, proj: Projection, n: int) -> None:
     for _ in range(n):
-        event = make_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1 << 20}})
+        event = raw_event(EventKind.USAGE_OBSERVED, log.next_seq(), "e", 0, {"usage": {"weights": 1 << 20}})
         log.append(event)
         proj.apply(event)
 
@@ -167,10 +168,10 @@ def _signed(raw: dict[str, Any]) -> bytes:
 def bad_log(path: Path, which: str) -> Path:
     """A log of two good events and a checksummed third line with the malformed payload ``which``."""
     with EventLog(path, fsync=False) as log:
-        log.append(make_event(EventKind.OPENED, 1, "demo", 0, {"usage": {"weights": 10}}))
-        log.append(make_event(EventKind.USAGE_OBSERVED, 2, "demo", 0, {"usage": {"weights": 10}}))
+        log.append(raw_event(EventKind.OPENED, 1, "demo", 0, {"usage": {"weights": 10}}))
+        log.append(raw_event(EventKind.USAGE_OBSERVED, 2, "demo", 0, {"usage": {"weights": 10}}))
     kind, data, fields = _BAD[which]
-    raw = make_event(kind, 3, "demo", 0, {}).to_dict()
+    raw = raw_event(kind, 3, "demo", 0, {}).to_dict()
     raw.update(data=data, **fields)
     with open(path, "ab") as fh:
         fh.write(_signed(raw))
@@ -256,7 +257,7 @@ def test_a_sidecar_stuck_at_a_bad_line_says_so(tmp_path: Path) -> None:
         status, _, body = fetch(server.url + "/state")
         assert status == 200 and json.loads(body)["state"] == "closed"  # the log ends with 'closed'
         assert json.loads(body)["machine_state"] == "asleep_l1"
-        raw = make_event(EventKind.TAG_RELEASED, controller.last_seq + 1, "demo", 0, {"bytes": 5}).to_dict()
+        raw = raw_event(EventKind.TAG_RELEASED, controller.last_seq + 1, "demo", 0, {"bytes": 5}).to_dict()
         with open(path, "ab") as fh:
             fh.write(_signed(raw))
         wait_until(lambda: fetch(server.url + "/state")[0] == 503, "/state never said it was stuck")
@@ -267,7 +268,7 @@ def test_a_sidecar_stuck_at_a_bad_line_says_so(tmp_path: Path) -> None:
         assert answer["state"]["machine_state"] == "asleep_l1"
         status, _, body = fetch(f"{server.url}/events?after={controller.last_seq}&wait=5")
         assert status == 503 and "stuck" in json.loads(body)["error"]
-        good = make_event(EventKind.USAGE_OBSERVED, controller.last_seq + 1, "demo", 0, {"usage": {"weights": 10}})
+        good = raw_event(EventKind.USAGE_OBSERVED, controller.last_seq + 1, "demo", 0, {"usage": {"weights": 10}})
         text = path.read_bytes()
         path.write_bytes(text[: text.rstrip(b"\n").rfind(b"\n") + 1] + encode_line(good))  # repaired in place
         wait_until(lambda: fetch(server.url + "/state")[0] == 200, "a repaired line was never read")
@@ -385,7 +386,7 @@ def test_a_line_longer_than_the_limit_is_refused_holding_only_a_window(tmp_path:
     """A 64 MiB line without a newline: LogCorrupted naming the limit, with a few MiB of memory, not twice the file."""
     path = tmp_path / "e.jsonl"
     with EventLog(path, fsync=False) as log:
-        log.append(make_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": {"weights": 1}}))
+        log.append(raw_event(EventKind.USAGE_OBSERVED, 1, "e", 0, {"usage": {"weights": 1}}))
     with path.open("ab") as fh:
         fh.write(b"x" * (64 << 20))
     tracemalloc.start()

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import raw_event
 
 from torpor.errors import EventTooLarge, LogLocked, LogWriteFailed, NotAnEventLog, UnsafeLogPath
-from torpor.statemachine.core.events import EventKind, make_event
+from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.states import State
 from torpor.statemachine.log import reader as log_module
 from torpor.statemachine.log.eventlog import EventLog
@@ -246,16 +247,16 @@ def test_short_write_is_completed_and_enospc_cut_back(tmp_path: Path, monkeypatc
         return real(fd, bytes(data[: max(1, len(data) // 2)]))
 
     monkeypatch.setattr(log_module.os, "write", short)
-    log.append(make_event(EventKind.OPENED, 1, "e", 0, {"usage": {}}))
+    log.append(raw_event(EventKind.OPENED, 1, "e", 0, {"usage": {}}))
     assert len(calls) > 1  # continued, not abandoned
     disk = DiskFull(room=10)
     monkeypatch.setattr(log_module.os, "write", disk)
     with pytest.raises(LogWriteFailed):
-        log.append(make_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {"weights": 1}}))
+        log.append(raw_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {"weights": 1}}))
     assert [e.seq for e in read_events(path)] == [1]
     assert path.read_bytes().endswith(b"\n")
     disk.full = False
-    log.append(make_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {"weights": 1}}))
+    log.append(raw_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {"weights": 1}}))
     log.close()
     assert [e.seq for e in read_events(path)] == [1, 2]
 

@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import off_table_moves
+from support import off_table_moves, raw_event
 
 from torpor import SleepController
 from torpor.errors import InvalidTransition, NotRecovered, PoolBusy, TorporError
 from torpor.statemachine.core import states
-from torpor.statemachine.core.events import EventKind, SleepRequested, make_event
+from torpor.statemachine.core.events import EventKind, SleepRequested
 from torpor.statemachine.core.states import (
     COMMANDS,
     GUARD,
@@ -184,9 +184,9 @@ def test_off_table_moves_catches_a_move_the_table_lacks() -> None:
     """The checker is not vacuous: a wake_completed straight from awake to partially_awake is reported."""
     ctl = SleepController(FakeMemory({"weights": 4096}))
     opened = ctl.events()[0]
-    wrong = make_event(EventKind.DISCARD_COMPLETED, 2, "default", 0, {"tags": []})
-    released = make_event(EventKind.TAG_RELEASED, 2, "default", 0, {"tag": "weights", "bytes": 1, "action": "discard"})
-    moved = make_event(EventKind.WAKE_COMPLETED, 3, "default", 0, {"tags": None, "seconds": 0.0, "restored": 0})
+    wrong = raw_event(EventKind.DISCARD_COMPLETED, 2, "default", 0, {"tags": []})
+    released = raw_event(EventKind.TAG_RELEASED, 2, "default", 0, {"tag": "weights", "bytes": 1, "action": "discard"})
+    moved = raw_event(EventKind.WAKE_COMPLETED, 3, "default", 0, {"tags": None, "seconds": 0.0, "restored": 0})
     assert off_table_moves([opened, wrong]) == []
     assert off_table_moves([opened, released, moved]) == [
         "#3 wake_completed: awake -> partially_awake, the table says None"

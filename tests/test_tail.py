@@ -10,9 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import raw_event
 
 from torpor.errors import LogCorrupted
-from torpor.statemachine.core.events import Event, EventKind, make_event
+from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.follow import Follower, follow
 from torpor.statemachine.log.logsource import LogSource
@@ -34,11 +35,11 @@ class Writer:
 
     def append(self, n: int = 1) -> None:
         for _ in range(n):
-            event = make_event(EventKind.USAGE_OBSERVED, self.log.next_seq(), "e", 0, {"usage": {"weights": 1}})
+            event = raw_event(EventKind.USAGE_OBSERVED, self.log.next_seq(), "e", 0, {"usage": {"weights": 1}})
             self.log.append(event)
             self.proj.apply(event)
             if self.log.needs_rotation():
-                snap = make_event(EventKind.SNAPSHOT, self.log.next_seq(), "e", 0, {"projection": self.proj.to_dict()})
+                snap = raw_event(EventKind.SNAPSHOT, self.log.next_seq(), "e", 0, {"projection": self.proj.to_dict()})
                 self.log.rotate(snap)
                 self.proj.apply(snap)
 
@@ -120,8 +121,8 @@ def test_a_held_file_rotated_and_pruned_is_read_to_its_end(tmp_path: Path) -> No
 def test_a_line_written_a_few_bytes_at_a_time_comes_out_once_whole(tmp_path: Path) -> None:
     """A line appended in pieces across many reads comes out once, when its newline arrives."""
     path = tmp_path / "t.jsonl"
-    path.write_bytes(encode_line(make_event(EventKind.OPENED, 1, "e", 0, {})))
-    line = encode_line(make_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {"weights": 7}}))
+    path.write_bytes(encode_line(raw_event(EventKind.OPENED, 1, "e", 0, {})))
+    line = encode_line(raw_event(EventKind.USAGE_OBSERVED, 2, "e", 0, {"usage": {"weights": 7}}))
     tail = _tail(path)
     assert _seqs(tail.read_available()) == [1]
     got: list[Event] = []
@@ -157,7 +158,7 @@ def test_a_file_truncated_and_rewritten_is_read_again_without_repeats(tmp_path: 
     path = tmp_path / "t.jsonl"
     with EventLog(path, fsync=False) as log:
         for seq in range(1, 6):
-            log.append(make_event(EventKind.USAGE_OBSERVED, seq, "e", 0, {"usage": {"weights": seq}}))
+            log.append(raw_event(EventKind.USAGE_OBSERVED, seq, "e", 0, {"usage": {"weights": seq}}))
     text = path.read_bytes()
     tail = _tail(path)
     assert _seqs(tail.read_available()) == [1, 2, 3, 4, 5]
@@ -165,7 +166,7 @@ def test_a_file_truncated_and_rewritten_is_read_again_without_repeats(tmp_path: 
         fh.truncate(sum(len(x) + 1 for x in text.split(b"\n")[:3]))
     with open(path, "ab") as fh:
         for seq in (4, 5, 6):  # longer lines than before: the old end of line 5 falls inside the new line 5
-            fh.write(encode_line(make_event(EventKind.USAGE_OBSERVED, seq, "e", 0, {"usage": {"weights": 10**9}})))
+            fh.write(encode_line(raw_event(EventKind.USAGE_OBSERVED, seq, "e", 0, {"usage": {"weights": 10**9}})))
     assert os.path.getsize(path) > len(text)  # the size alone does not show the cut
     got = tail.read_available()
     tail.close()
@@ -175,7 +176,7 @@ def test_a_file_truncated_and_rewritten_is_read_again_without_repeats(tmp_path: 
 def test_a_shrunk_file_is_read_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A file that became shorter than what was read is read from its start, with a warning."""
     path = tmp_path / "t.jsonl"
-    lines = [encode_line(make_event(EventKind.USAGE_OBSERVED, s, "e", 0, {"usage": {"w": s}})) for s in range(1, 5)]
+    lines = [encode_line(raw_event(EventKind.USAGE_OBSERVED, s, "e", 0, {"usage": {"w": s}})) for s in range(1, 5)]
     path.write_bytes(b"".join(lines))
     tail = _tail(path)
     assert _seqs(tail.read_available()) == [1, 2, 3, 4]
@@ -186,7 +187,7 @@ def test_a_shrunk_file_is_read_again(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert "shrank" in caplog.text
     with open(path, "ab") as fh:
         fh.write(b"".join(lines[1:]))
-        fh.write(encode_line(make_event(EventKind.CLOSED, 5, "e", 0, {})))
+        fh.write(encode_line(raw_event(EventKind.CLOSED, 5, "e", 0, {})))
     assert _seqs(tail.read_available()) == [5]
     tail.close()
 
@@ -195,12 +196,12 @@ def test_a_log_replaced_by_a_new_one_is_followed_from_its_start(tmp_path: Path) 
     """A log file replaced (a new file renamed over it) by a new log is followed from its event #1."""
     path = tmp_path / "t.jsonl"
     path.write_bytes(
-        b"".join(encode_line(make_event(EventKind.USAGE_OBSERVED, s, "e", 0, {"usage": {"w": s}})) for s in (1, 2, 3))
+        b"".join(encode_line(raw_event(EventKind.USAGE_OBSERVED, s, "e", 0, {"usage": {"w": s}})) for s in (1, 2, 3))
     )
     tail = _tail(path)
     assert _seqs(tail.read_available()) == [1, 2, 3]
     fresh = tmp_path / "fresh.jsonl"
-    fresh.write_bytes(b"".join(encode_line(make_event(EventKind.OPENED, s, "e", 0, {})) for s in (1, 2)))
+    fresh.write_bytes(b"".join(encode_line(raw_event(EventKind.OPENED, s, "e", 0, {})) for s in (1, 2)))
     os.replace(fresh, path)
     got = tail.read_available()
     tail.close()

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from support import raw_event
 
 from torpor import EventKind, SleepController, State
 from torpor.errors import InvalidTransition
-from torpor.statemachine.core.events import make_event
 from torpor.telemetry.tracker import HOST_TO_DEVICE, Observation, Tracker, interpret, woken_label
 from torpor.testing import FakeMemory
 
@@ -36,7 +36,7 @@ def test_woken_label_is_all_or_sorted_tags() -> None:
 
 def test_interpret_counts_a_transition_only_when_the_state_changes() -> None:
     """A state change yields one transition observation; an event that keeps the state yields none."""
-    event = make_event(EventKind.WAKE_REQUESTED, 5, "e", 0, {"tags": None, "restoring": []})
+    event = raw_event(EventKind.WAKE_REQUESTED, 5, "e", 0, {"tags": None, "restoring": []})
     changed = list(interpret(event, State.ASLEEP_L1, State.RESUMING))
     same = list(interpret(event, State.AWAKE, State.AWAKE))
     assert Observation("transition", ("asleep_l1", "resuming"), 1.0) in changed
@@ -45,8 +45,8 @@ def test_interpret_counts_a_transition_only_when_the_state_changes() -> None:
 
 def test_interpret_restore_from_host_is_a_transfer_but_fresh_is_not() -> None:
     """A tag restored from the host counts bytes and seconds host_to_device; one mapped fresh counts none."""
-    host = make_event(EventKind.TAG_RESTORED, 7, "e", 0, {"tag": "w", "bytes": 10, "source": "host", "seconds": 0.5})
-    fresh = make_event(EventKind.TAG_RESTORED, 8, "e", 0, {"tag": "k", "bytes": 10, "source": "fresh", "seconds": 0.1})
+    host = raw_event(EventKind.TAG_RESTORED, 7, "e", 0, {"tag": "w", "bytes": 10, "source": "host", "seconds": 0.5})
+    fresh = raw_event(EventKind.TAG_RESTORED, 8, "e", 0, {"tag": "k", "bytes": 10, "source": "fresh", "seconds": 0.1})
     got = list(interpret(host, State.RESUMING, State.RESUMING))
     assert Observation("transfer_bytes", ("w", HOST_TO_DEVICE), 10.0) in got
     assert Observation("transfer_seconds", ("w", HOST_TO_DEVICE), 0.5) in got

@@ -257,7 +257,8 @@ def test_worker_records_hook_decisions_and_release_closes(engine: Any) -> None:
 
 def test_restarted_worker_recovers_an_interrupted_log(engine: Any) -> None:
     """A log left mid-sleep by a dead process is recovered by the next worker on that rank, not refused forever."""
-    from torpor.statemachine.core.events import make_event
+    from support import raw_event
+
     from torpor.statemachine.log.eventlog import EventLog
 
     path = engine.logs / "vllm.rank0.jsonl"
@@ -266,7 +267,7 @@ def test_restarted_worker_recovers_an_interrupted_log(engine: Any) -> None:
     for seq, (kind, data) in enumerate(
         [(EventKind.OPENED, {"usage": {}}), (EventKind.SLEEP_REQUESTED, {"level": 1, "plan": {}, "usage": {}})], 1
     ):
-        event = make_event(kind, seq, "vllm", 0, data)
+        event = raw_event(kind, seq, "vllm", 0, data)
         object.__setattr__(event, "pid", 1)  # a process that is gone
         log.append(event)
     log.close()

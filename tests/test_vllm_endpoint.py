@@ -199,7 +199,9 @@ def test_state_reads_only_what_was_appended(monkeypatch: pytest.MonkeyPatch, tmp
 
 def test_state_names_a_bad_line_and_heals_when_it_is_repaired(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A rank log that grows a bad line is unreadable (naming file and line) until the line is repaired in place."""
-    from torpor.statemachine.core.events import EventKind, make_event
+    from support import raw_event
+
+    from torpor.statemachine.core.events import EventKind
     from torpor.statemachine.log.reader import encode_line
 
     (controller,) = ranks(tmp_path, 1)
@@ -212,7 +214,7 @@ def test_state_names_a_bad_line_and_heals_when_it_is_repaired(monkeypatch: pytes
     path.write_bytes(good + b'{"crc":"00000000","schema":1}\n')
     rank = client.get("/torpor/state").json()["engines"][0]["ranks"][0]
     assert rank["state"] == "unreadable" and f"{path}:{lines + 1}:" in rank["error"]
-    repaired = make_event(EventKind.USAGE_OBSERVED, lines + 1, "vllm", 0, {"usage": {"weights": 1}})
+    repaired = raw_event(EventKind.USAGE_OBSERVED, lines + 1, "vllm", 0, {"usage": {"weights": 1}})
     path.write_bytes(good + encode_line(repaired))  # the bad line repaired in place
     rank = client.get("/torpor/state").json()["engines"][0]["ranks"][0]
     assert rank["state"] == "awake" and rank["last_seq"] == lines + 1

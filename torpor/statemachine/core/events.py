@@ -173,13 +173,11 @@ def _float_field(name: str, value: Any) -> float:
     raise BadEvent(msg)
 
 
-def make_event(kind: EventKind, seq: int, engine: str, rank: int, data: Mapping[str, Any]) -> Event:
-    """Stamp a new event with the current wall and monotonic time and pid."""
-    return Event(kind, seq, time.time(), time.monotonic(), os.getpid(), engine, rank, data)
-
-
 def stamp(payload: Payload, seq: int, engine: str, rank: int) -> Event:
-    """A typed payload (``TagReleased(tag=..., bytes=...)``) as a new event of its kind, stamped as :func:`make_event` does."""
+    """A typed payload (``TagReleased(tag=..., bytes=...)``) as a new event of its kind: the one way torpor builds one.
+
+    Stamped with the current wall and monotonic time and the pid.
+    """
     return Event(KIND_NAMED[payload.kind], seq, time.time(), time.monotonic(), os.getpid(), engine, rank, payload)
 
 
@@ -222,7 +220,6 @@ __all__ = [
     "WakeFailed",
     "WakeRequested",
     "freeze",
-    "make_event",
     "stamp",
     "thaw",
 ]
