@@ -142,3 +142,25 @@ def test_executor_and_torpor_agree_after_a_failed_wake_and_the_retry_succeeds(en
     ex.wake_up(["kv_cache"])
     assert not ex.is_sleeping
     assert [c.state for c in engine.ctls] == [State.AWAKE] * 2
+
+
+@pytest.mark.parametrize("value", ["off", "false", " OFF "])
+def test_torpor_group_off_reads_as_every_switch(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """TORPOR_GROUP=off or false keeps the controller out of the group as 0 does (only 0 did; off read as on)."""
+    ctl = SleepController(FakeMemory(TAGS))
+    monkeypatch.setattr(backend, "engine_group", lambda: SimpleNamespace(world_size=2, cpu_group=LocalGroup.make(2)[0]))
+    monkeypatch.setenv(backend.ENV_GROUP, value)
+    assert not backend.join_engine_group(ctl)
+    assert ctl.group is None
+
+
+def test_a_torpor_group_typo_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORPOR_GROUP=maybe is a BadSetting naming the variable, not read as on; no group is joined."""
+    from torpor.errors import BadSetting
+
+    ctl = SleepController(FakeMemory(TAGS))
+    monkeypatch.setattr(backend, "engine_group", lambda: SimpleNamespace(world_size=2, cpu_group=LocalGroup.make(2)[0]))
+    monkeypatch.setenv(backend.ENV_GROUP, "maybe")
+    with pytest.raises(BadSetting, match="TORPOR_GROUP='maybe' is not a switch"):
+        backend.join_engine_group(ctl)
+    assert ctl.group is None
