@@ -128,8 +128,8 @@ def _sim_available() -> bool:
     return True
 
 
-class SimRig:
-    """TaggedAllocator on SimDriver: keys are driver call names; content is the real bytes of each allocation."""
+class SimMatrixRig:
+    """The fault matrix on torpor.testrig's rig (TaggedAllocator on SimDriver): keys are driver call names; content is the real bytes of each allocation."""
 
     def __init__(
         self, seed: int = 0, *, prepin: bool = True, host_capacity: int = 64 * MiB, group_bytes: int = 64 * MiB
@@ -151,6 +151,7 @@ class SimRig:
             host=policy,
             group_bytes=group_bytes,
         )
+        self.rig = made
         self.driver, self.allocator = made.driver, made.allocator
         self.memory = self.allocator
         self.rng = random.Random(seed)
@@ -165,8 +166,7 @@ class SimRig:
 
     def close(self) -> None:
         """Free everything (device, pinned host, the pinning thread; the handles a failed release left)."""
-        self.allocator.close()
-        self.driver.drop_handles()
+        self.rig.close()
 
     def calls(self) -> list[Hashable]:
         """Driver call names, in order."""
@@ -213,7 +213,7 @@ def _rig(kind: str) -> Rig:
     """
     if kind == "fake":
         return FakeRig()
-    return SimRig(prepin=kind != "sim-nopin", group_bytes=SIM_GRANULARITY if kind == "sim-split" else 64 * MiB)
+    return SimMatrixRig(prepin=kind != "sim-nopin", group_bytes=SIM_GRANULARITY if kind == "sim-split" else 64 * MiB)
 
 
 # -- running a scenario -------------------------------------------------------------------
@@ -486,7 +486,7 @@ def test_host_oom_while_backing_up_fake(tmp_path: Path) -> None:
 @pytest.mark.parametrize("level", [1, 2])
 def test_host_oom_while_backing_up_sim(tmp_path: Path, level: int, prepin: bool) -> None:
     """SimDriver with too little pinned host memory: sleep aborted, still awake, every byte resident, device use unchanged."""
-    rig = SimRig(prepin=prepin, host_capacity=SIM_CHUNK)
+    rig = SimMatrixRig(prepin=prepin, host_capacity=SIM_CHUNK)
     try:
         path = tmp_path / "e.jsonl"
         ctrl = SleepController(rig.memory, EventLog(path, fsync=False))
@@ -553,7 +553,7 @@ def test_failed_pool_release_is_logged_and_keeps_the_pool(tmp_path: Path) -> Non
 @pytest.mark.skipif(not _sim_available(), reason="TaggedAllocator not built yet")
 def test_wake_succeeds_after_a_rollback_that_could_not_unmap(tmp_path: Path) -> None:
     """A wake fails, and undoing it fails too (an unmap): once the faults are gone, the next wake restores every byte."""
-    rig = SimRig()
+    rig = SimMatrixRig()
     try:
         path = tmp_path / "e.jsonl"
         ctrl = SleepController(rig.memory, EventLog(path, fsync=False))
@@ -629,7 +629,7 @@ def _doubles(kind: str) -> list[Double]:
     return out
 
 
-def _check_double_on(rig: SimRig, cell: Double, tmp_path: Path) -> None:
+def _check_double_on(rig: SimMatrixRig, cell: Double, tmp_path: Path) -> None:
     """Both faults armed before the command: whatever it does, it never lies, loses no backed-up byte, and the engine goes on."""
     case = cell.first
     ctrl, path, commands, level, original, state, seq = _arm(rig, case, tmp_path)
@@ -664,14 +664,14 @@ def _check_double_on(rig: SimRig, cell: Double, tmp_path: Path) -> None:
     _agree(ctrl, path)
 
 
-def _check_offloaded_resident(rig: SimRig, cell: Double, level: int, original: dict[str, Any]) -> None:
+def _check_offloaded_resident(rig: SimMatrixRig, cell: Double, level: int, original: dict[str, Any]) -> None:
     """After an aborted sleep every offloaded tag holds its bytes (the discarded ones may be fresh)."""
     now = rig.content()
     for tag in _offloaded(level):
         assert now[tag] == original[tag], f"an aborted sleep changed {tag!r} ({cell})"
 
 
-def _agree_with_memory(ctrl: SleepController, rig: SimRig) -> None:
+def _agree_with_memory(ctrl: SleepController, rig: SimMatrixRig) -> None:
     """A tag the controller calls resident is mapped and readable in the device, all of it; one it calls asleep is not mapped."""
     usage = rig.allocator.usage()
     for tag, u in ctrl.projection.residency.items():
@@ -713,7 +713,7 @@ def _check_doubles(kind: str, cells: list[Double], tmp_path: Path) -> None:
     failures = []
     for i, cell in enumerate(cells):
         rig = _rig(kind)
-        assert isinstance(rig, SimRig)
+        assert isinstance(rig, SimMatrixRig)
         try:
             _check_double_on(rig, cell, tmp_path / str(i))
         except Exception as exc:  # collect, then report every failing cell at once
@@ -738,7 +738,7 @@ def test_double_fault_matrix_sim_driver_pinning_in_backup(tmp_path: Path, cells:
 @pytest.mark.skipif(not _sim_available(), reason="TaggedAllocator not built yet")
 def test_a_sleep_whose_second_unmap_and_first_create_fail_loses_nothing(tmp_path: Path) -> None:
     """The issue's cell: the second unmap and the map back's create fail; the sleep is aborted, every tag resident and intact."""
-    rig = SimRig()
+    rig = SimMatrixRig()
     try:
         path = tmp_path / "e.jsonl"
         ctrl = SleepController(rig.memory, EventLog(path, fsync=False))
@@ -768,7 +768,7 @@ def test_a_sleep_whose_second_unmap_and_first_create_fail_loses_nothing(tmp_path
 @pytest.mark.skipif(not _sim_available(), reason="TaggedAllocator not built yet")
 def test_a_discard_whose_unmap_and_map_back_fail_records_the_tag_released(tmp_path: Path) -> None:
     """discard(kv_cache) whose second unmap and the map back fail: the log says kv_cache went, as the memory does."""
-    rig = SimRig()
+    rig = SimMatrixRig()
     try:
         path = tmp_path / "e.jsonl"
         ctrl = SleepController(rig.memory, EventLog(path, fsync=False))
@@ -802,7 +802,7 @@ def test_a_wake_rollback_that_cannot_map_a_tag_back_loses_nothing(
 ) -> None:
     """A wake fails, its rollback's release of a tag fails half-way, and mapping that tag back fails: the next wake restores every byte."""
     rig = _rig("sim-split")
-    assert isinstance(rig, SimRig)
+    assert isinstance(rig, SimMatrixRig)
     try:
         path = tmp_path / "e.jsonl"
         ctrl = SleepController(rig.memory, EventLog(path, fsync=False))

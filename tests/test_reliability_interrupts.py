@@ -24,7 +24,7 @@ import support
 from support import hold_call
 from test_reliability_faults import (
     Case,
-    SimRig,
+    SimMatrixRig,
     _agree,
     _arm,
     _cases,
@@ -95,7 +95,7 @@ class _Interrupting:
         return call
 
 
-class InterruptRig(SimRig):
+class InterruptRig(SimMatrixRig):
     """The simulated device, where Ctrl-C arrives during an armed driver call."""
 
     def arm(self, key: Hashable, nth: int) -> None:
