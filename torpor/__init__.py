@@ -5,6 +5,9 @@ from __future__ import annotations
 from torpor import errors
 from torpor._version import __version__
 from torpor.errors import (
+    BadArgument,
+    BadArgumentType,
+    BadSetting,
     BlocksOpen,
     CommandInFlight,
     ControllerClosed,
@@ -18,6 +21,7 @@ from torpor.errors import (
     LogWriteFailed,
     MemoryOperationFailed,
     MissingExtra,
+    NoEventLog,
     NoTagsNamed,
     NotAnEventLog,
     NotRecovered,
@@ -138,6 +142,9 @@ def __dir__() -> list[str]:
 __all__ = [
     "Action",
     "AfterWake",
+    "BadArgument",
+    "BadArgumentType",
+    "BadSetting",
     "BlocksOpen",
     "Client",
     "CommandInFlight",
@@ -160,6 +167,7 @@ __all__ = [
     "Memory",
     "MemoryOperationFailed",
     "MissingExtra",
+    "NoEventLog",
     "NoTagsNamed",
     "NotAnEventLog",
     "NotRecovered",
