@@ -103,7 +103,7 @@ import ctypes, threading
 fake = ctypes.CDLL("libcuda.so.1")
 fake.fake_log.restype = ctypes.c_char_p
 from torpor.allocator import CudaDriver, DriverError
-MiB = 1 << 20
+from torpor.units import MiB
 d = CudaDriver()
 d.prepare_device(0)
 host = d.host_alloc(3 * MiB + 5)

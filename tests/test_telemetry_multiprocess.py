@@ -172,8 +172,8 @@ from torpor.allocator.host.offload import HostPolicy
 from torpor.keeper import ModelIdentity, TensorSpec
 from torpor.keeper import attach as keep
 from torpor.telemetry import attach
+from torpor.units import MiB
 
-MiB = 1 << 20
 rank, sock = int(sys.argv[1]), sys.argv[2]
 alloc = TaggedAllocator(SimDriver(256 * MiB), host=HostPolicy(chunk_bytes=2 * MiB))
 controller = SleepController(alloc, engine="mpk", rank=rank)
