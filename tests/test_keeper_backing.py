@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 from keeper_process import NOBODY, needs_root, running_keeper, shared_tmp, squatter
 from prometheus_client import CollectorRegistry
+from support import RigMaker
 
-from torpor import EventKind, SleepController
-from torpor.allocator import TaggedAllocator
+from torpor import EventKind
 from torpor.allocator.host.offload import HostPolicy
-from torpor.allocator.native.sim_driver import SimDriver
 from torpor.keeper import KeeperBacking, KeeperLink, ModelIdentity, TensorSpec, attach
 from torpor.keeper.keepermetrics import KeeperCollector
 from torpor.statemachine.core.events import Event
@@ -36,10 +35,13 @@ def keeper(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
 class Engine:
     """Tensors on the simulated device, a controller, and a keeper backing tracking them."""
 
-    def __init__(self, sock: Path, engine: str = "e", *, reuse_host: bool = False, keep: bool = True) -> None:
-        sim = SimDriver(512 * MiB, reuse_host=reuse_host)
-        self.alloc = TaggedAllocator(sim, host=HostPolicy(chunk_bytes=2 * MiB, keep_after_wake=keep))
-        self.ctl = SleepController(self.alloc)
+    def __init__(
+        self, make_rig: RigMaker, sock: Path, engine: str = "e", *, reuse_host: bool = False, keep: bool = True
+    ) -> None:
+        host = HostPolicy(chunk_bytes=2 * MiB, keep_after_wake=keep)
+        rig = make_rig("cuda_like", capacity=512 * MiB, reuse_host=reuse_host, host=host)
+        self.alloc = rig.allocator
+        self.ctl = rig.control()
         self.backing: KeeperBacking = attach(self.alloc, self.ctl, keeper=sock, engine=engine)
         self.data: dict[str, tuple[int, bytes]] = {}
         self.rng = random.Random(1)
@@ -57,10 +59,12 @@ class Engine:
             assert self.alloc.read(address, len(data)) == data, name
 
 
-def test_a_sleep_backs_up_into_keeper_memory_and_a_wake_retracts(keeper: tuple[Path, subprocess.Popen[str]]) -> None:
+def test_a_sleep_backs_up_into_keeper_memory_and_a_wake_retracts(
+    keeper: tuple[Path, subprocess.Popen[str]], make_rig: RigMaker
+) -> None:
     """Every host byte the sleep holds is a keeper region (no copy beside it); the wake retracts the backup."""
     sock, _ = keeper
-    e = Engine(sock)
+    e = Engine(make_rig, sock)
     e.add("a", 3 * MiB + 5)
     e.add("b", 6 * MiB)
     e.ctl.sleep(1)
@@ -80,11 +84,11 @@ def test_a_sleep_backs_up_into_keeper_memory_and_a_wake_retracts(keeper: tuple[P
 
 
 def test_the_keeper_killed_mid_sleep_leaves_the_engine_correct(
-    keeper: tuple[Path, subprocess.Popen[str]], caplog: pytest.LogCaptureFixture
+    keeper: tuple[Path, subprocess.Popen[str]], caplog: pytest.LogCaptureFixture, make_rig: RigMaker
 ) -> None:
     """SIGKILL to the keeper as a sleep begins: old regions stay mapped, new backups use the engine's memory; no byte lost."""
     sock, proc = keeper
-    e = Engine(sock)
+    e = Engine(make_rig, sock)
     e.add("a", 4 * MiB)
     e.ctl.sleep(1)
     e.ctl.wake()
@@ -108,11 +112,13 @@ def test_the_keeper_killed_mid_sleep_leaves_the_engine_correct(
         e.check()
 
 
-def test_a_keeper_over_budget_leaves_the_backup_in_the_engine(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_keeper_over_budget_leaves_the_backup_in_the_engine(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, make_rig: RigMaker
+) -> None:
     """A sleep the keeper's budget cannot hold completes in the engine's own memory, and says the backup is not kept."""
     sock = tmp_path / "k" / "keeper.sock"
     with running_keeper(sock, budget="4M"):
-        e = Engine(sock)
+        e = Engine(make_rig, sock)
         e.add("a", 6 * MiB)
         with caplog.at_level(logging.WARNING, logger="torpor.keeper"):
             e.ctl.sleep(1)
@@ -123,10 +129,12 @@ def test_a_keeper_over_budget_leaves_the_backup_in_the_engine(tmp_path: Path, ca
         e.check()
 
 
-def test_no_keeper_changes_nothing_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_no_keeper_changes_nothing_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, make_rig: RigMaker
+) -> None:
     """attach() to a socket nobody serves: backups in the engine's own memory, each range counted, the log says why."""
     with caplog.at_level(logging.WARNING, logger="torpor.keeper"):
-        e = Engine(tmp_path / "nobody" / "keeper.sock")
+        e = Engine(make_rig, tmp_path / "nobody" / "keeper.sock")
     assert e.backing.gone is not None and "no keeper answers" in e.backing.gone
     assert "host backups stay in this process's memory" in caplog.text
     assert e.alloc.host.provider is e.backing  # backing nothing, so that telemetry sees the keeper down
@@ -138,11 +146,11 @@ def test_no_keeper_changes_nothing_and_says_so(tmp_path: Path, caplog: pytest.Lo
 
 
 @needs_root
-def test_a_sleep_never_writes_into_another_users_keeper(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_sleep_never_writes_into_another_users_keeper(caplog: pytest.LogCaptureFixture, make_rig: RigMaker) -> None:
     """Another user listens where the engine looks for its keeper: attach() refuses it, the sleep stays in-process."""
     with shared_tmp() as base, squatter(base / f"torpor-keeper-{os.getuid()}") as squat:
         with caplog.at_level(logging.WARNING, logger="torpor.keeper"):
-            e = Engine(squat.path)
+            e = Engine(make_rig, squat.path)
         e.add("a", 3 * MiB)
         e.ctl.sleep(1)
         e.ctl.wake()
@@ -155,10 +163,11 @@ def test_a_sleep_never_writes_into_another_users_keeper(caplog: pytest.LogCaptur
 
 def test_ranges_given_back_are_cut_out_even_where_addresses_are_reused(
     keeper: tuple[Path, subprocess.Popen[str]],
+    make_rig: RigMaker,
 ) -> None:
     """Chunks unpinned after each wake leave the keeper's records at once; reused addresses never confuse a region."""
     sock, _ = keeper
-    e = Engine(sock, reuse_host=True, keep=False)
+    e = Engine(make_rig, sock, reuse_host=True, keep=False)
     e.add("a", 5 * MiB)
     e.add("b", 3 * MiB)
     with KeeperLink(sock) as link:
@@ -176,10 +185,10 @@ def test_ranges_given_back_are_cut_out_even_where_addresses_are_reused(
         assert link.status()["used"] == e.backing.kept_bytes
 
 
-def test_metrics_count_keeper_bytes(keeper: tuple[Path, subprocess.Popen[str]]) -> None:
+def test_metrics_count_keeper_bytes(keeper: tuple[Path, subprocess.Popen[str]], make_rig: RigMaker) -> None:
     """KeeperCollector exports the bytes in keeper regions, the backup published, and that the keeper is up."""
     sock, _ = keeper
-    e = Engine(sock, engine="m")
+    e = Engine(make_rig, sock, engine="m")
     e.add("a", 3 * MiB)
     registry = CollectorRegistry()
     registry.register(KeeperCollector(e.backing))
@@ -192,12 +201,14 @@ def test_metrics_count_keeper_bytes(keeper: tuple[Path, subprocess.Popen[str]]) 
     assert registry.get_sample_value("torpor_keeper_backup_bytes", {"engine": "m"}) == 0
 
 
-def test_keeper_collector_beside_torpors_telemetry_is_refused(keeper: tuple[Path, subprocess.Popen[str]]) -> None:
+def test_keeper_collector_beside_torpors_telemetry_is_refused(
+    keeper: tuple[Path, subprocess.Popen[str]], make_rig: RigMaker
+) -> None:
     """KeeperCollector on a registry where torpor's telemetry exposes the controller is refused: one source per series."""
     from torpor.telemetry import attach as expose
 
     sock, _ = keeper
-    e = Engine(sock, engine="dup")
+    e = Engine(make_rig, sock, engine="dup")
     registry = CollectorRegistry()
     expose(e.ctl, registry=registry, otel=False, multiprocess=False)
     with pytest.raises(ValueError, match="torpor_keeper_host_bytes"):
