@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from torpor.errors import TorporError
-from torpor.errors import TagStateError, TmsConfigError, TmsError, TmsUsageError
+from torpor.errors import TagStateError, TmsConfigError, TmsError, TmsUsageError, TorporError
 
 
 def test_tag_state_error_names_tag_state_and_the_way_out() -> None:

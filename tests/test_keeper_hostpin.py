@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from torpor.errors import PinningUnavailable
 from torpor.keeper import hostpin
 from torpor.keeper.hostpin import HostPinning
-from torpor.errors import PinningUnavailable
 
 
 class FakeCuda:

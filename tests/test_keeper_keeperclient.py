@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from keeper_process import NOBODY, needs_root, shared_tmp, squatter
 
+from torpor.errors import KeeperPathRefused
 from torpor.keeper import Keeper, KeeperLink, KeeperUnavailable, KeeperUntrusted
 from torpor.keeper.listening import socket_directory
-from torpor.errors import KeeperPathRefused
 from torpor.keeper.wire import SOCKET_ENV
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from keeper_engine import SOURCE, running_keeper, start_engine, tiny_model
 
+from torpor.errors import PinningUnavailable
 from torpor.keeper import AdoptionRefused, KeeperLink, adopt, claim_backup, prefetch, wait_released
 from torpor.keeper import prefetching as prefetch_module
 from torpor.keeper.prefetching import Pinned, taken
-from torpor.errors import PinningUnavailable
 
 
 @pytest.fixture
