@@ -171,9 +171,9 @@ class _Instruments:
             out: list[metrics.Observation] = []
             for tracker in trackers:
                 for sample in rank_samples(tracker, RankStats(), self.version):
-                    if sample[0] == family and math.isfinite(sample[3]):  # OTel has no +Inf (no host budget)
-                        attrs = {attribute(k): _attribute_value(k, v) for k, v in sample[2]}
-                        out.append(metrics.Observation(sample[3], attrs))
+                    if sample.family == family and math.isfinite(sample.value):  # OTel has no +Inf (no host budget)
+                        attrs = {attribute(k): _attribute_value(k, v) for k, v in sample.labels}
+                        out.append(metrics.Observation(sample.value, attrs))
             return out
 
         return observe

@@ -21,6 +21,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
@@ -140,8 +141,17 @@ LAST_GAUGES = {
     "wake_seconds": "torpor_last_wake_duration_seconds",
 }
 
-#: One sample: family, sample name, sorted (label, value) pairs, value, and its ``name{labels} `` text.
-Sample = tuple[str, str, tuple[tuple[str, str], ...], float, str]
+
+class Sample(NamedTuple):
+    """One sample of a rank, as :func:`rank_samples` computes it."""
+
+    family: str  #: the metric family it belongs to (a key of :data:`METRICS`)
+    name: str  #: the sample's own name (``<family>_bucket``, ``_count``, ``_sum`` for a histogram)
+    labels: tuple[tuple[str, str], ...]  #: sorted (label, value) pairs, the engine and rank among them
+    value: float
+    prefix: str  #: its ``name{labels} `` text, the line before the value
+
+
 #: Per-rank memo of each series' labels and line prefix, keyed by (sample name, extra labels).
 SeriesCache = dict[tuple[str, tuple[tuple[str, str], ...]], tuple[tuple[tuple[str, str], ...], str]]
 
@@ -205,7 +215,7 @@ def rank_samples(tracker: Tracker, stats: RankStats, version: str, series: Serie
             labels = tuple(sorted(base + extra))
             text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
             known = memo[(name, extra)] = (labels, f"{name}{{{text}}} ")
-        out.append((family, name, known[0], value, known[1]))
+        out.append(Sample(family, name, known[0], value, known[1]))
 
     add("torpor_info", "torpor_info", (("driver", tracker.driver), ("version", version)), 1.0)
     current = proj.state
@@ -324,7 +334,7 @@ class TorporCollector:
             if render and not cached.text:
                 text: dict[str, list[str]] = defaultdict(list)
                 for sample in cached.samples:
-                    text[sample[0]].append(sample[4] + _number(sample[3]) + "\n")
+                    text[sample.family].append(sample.prefix + _number(sample.value) + "\n")
                 cached.text = {family: "".join(lines) for family, lines in text.items()}
             out.append(cached)
         return out
@@ -338,8 +348,8 @@ class TorporCollector:
         """Every family, from the projections and the accumulated counts."""
         families = {name: _family(name) for name in METRICS}
         for cached in self._ranks(render=False):
-            for family, name, labels, value, _ in cached.samples:
-                families[family].add_sample(name, dict(labels), value)
+            for sample in cached.samples:
+                families[sample.family].add_sample(sample.name, dict(sample.labels), sample.value)
         yield from families.values()
 
     def exposition(self) -> bytes:
