@@ -11,7 +11,7 @@ from torpor.errors import MemoryOperationFailed, NotRecovered, TorporError
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.core.policy import Action
 from torpor.statemachine.core.protocol import Transfer
-from torpor.statemachine.machine.rollback import SleepProgress, discard_failed
+from torpor.statemachine.machine.rollback import SleepPhase, SleepProgress, discard_failed
 from torpor.testing import FakeMemory
 
 SIZES = {"weights": 4096, "kv_cache": 8192, "cudagraph": 1024, "runtime": 512}
@@ -31,6 +31,13 @@ def test_lost_names_tags_released_without_a_backup() -> None:
     assert progress.lost() == ["kv_cache", "workspace"]
     progress.failed = "weights"  # an offloaded tag has its backup: nothing lost
     assert progress.lost() == ["kv_cache"]
+
+
+def test_sleep_phases_are_an_enum_written_as_the_words_logs_hold() -> None:
+    """A sleep's phases are SleepPhase members, starting at backup, each written as the word sleep_aborted's reason opens with."""
+    assert [str(p) for p in SleepPhase] == ["backup", "release", "group", "recording"]
+    assert SleepProgress(1, {}, 0.0).phase is SleepPhase.BACKUP
+    assert f"{SleepPhase.RELEASE} failed" == "release failed"
 
 
 def test_abort_sleep_maps_back_newest_first_then_records_the_abort() -> None:

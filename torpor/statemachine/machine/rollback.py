@@ -31,6 +31,7 @@ the first event that cannot be written: the log then ends mid-transition and
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -55,6 +56,15 @@ from torpor.statemachine.machine.context import Context
 logger = logging.getLogger("torpor")
 
 
+class SleepPhase(enum.StrEnum):
+    """What a sleep had under way when it failed; its value opens ``sleep_aborted``'s reason (``"release failed: ..."``)."""
+
+    BACKUP = "backup"  #: copying the offloaded tags to the host
+    RELEASE = "release"  #: releasing tags' device memory
+    GROUP = "group"  #: waiting for the group: another rank failed
+    RECORDING = "recording"  #: recording ``sleep_completed``
+
+
 @dataclass
 class SleepProgress:
     """What a sleep has done so far: what :func:`abort_sleep` undoes."""
@@ -62,7 +72,7 @@ class SleepProgress:
     level: int
     plan: Mapping[str, Action]
     start: float
-    phase: str = "backup"  # what was under way: backup, release, group (another rank failed), recording
+    phase: SleepPhase = SleepPhase.BACKUP  # what was under way
     backed_up: list[str] = field(default_factory=list)  # backups this sleep made (dropped again on abort)
     released: list[Transfer] = field(default_factory=list)  # in release order
     failed: str | None = None  # the tag whose release was under way (it may be partly released)

@@ -16,7 +16,7 @@ from torpor.statemachine.core.events import SleepCompleted, SleepRequested, TagB
 from torpor.statemachine.core.policy import Action
 from torpor.statemachine.core.states import ASLEEP, State
 from torpor.statemachine.machine.context import Context
-from torpor.statemachine.machine.rollback import SleepProgress, abort_sleep
+from torpor.statemachine.machine.rollback import SleepPhase, SleepProgress, abort_sleep
 from torpor.statemachine.projection.view import Projection
 from torpor.switches import env_seconds
 from torpor.units import GiB
@@ -84,11 +84,11 @@ def _sleep_planned(
     def undo_group(exc: TorporError) -> None:  # another rank failed: roll back here, then raise
         nonlocal undone
         undone = True
-        progress.phase = "group"
+        progress.phase = SleepPhase.GROUP
         abort_sleep(ctx, progress, exc)
 
     def release(tags: list[str]) -> None:
-        progress.phase = "release"
+        progress.phase = SleepPhase.RELEASE
         for tag in tags:
             if plan[tag] is Action.DISCARD:  # with a group: every rank agrees before anything is discarded
                 ctx.hold(undo_group)
@@ -108,7 +108,7 @@ def _sleep_planned(
     try:
         memory.drop_backup(discard)  # a stale backup must never come back as a discarded tag's content
         release(first)
-        progress.phase = "backup"
+        progress.phase = SleepPhase.BACKUP
         backed = memory.backup(offload)
         progress.backed_up = offload
         for tag in offload:
@@ -116,7 +116,7 @@ def _sleep_planned(
             ctx.recorder.record(TagBackedUp(tag=tag, bytes=t.bytes, seconds=t.seconds))
         release(offload + [t for t in discard if t not in first])
         ctx.hold(undo_group)
-        progress.phase = "recording"
+        progress.phase = SleepPhase.RECORDING
         seconds = time.perf_counter() - start
         offloaded = sum(t.bytes for t in progress.released if plan[t.tag] is Action.OFFLOAD)
         discarded = sum(t.bytes for t in progress.released if plan[t.tag] is Action.DISCARD)
