@@ -511,7 +511,7 @@ FOREIGN_STATE_EXCEPTIONS: dict[tuple[str, str], str] = {
 PUBLIC_RECORD_CALLERS: dict[str, str] = {
     "torpor.hooks._record": "a hook's decision, through the public record() API (hook_decision)",
     "torpor.hooks.vllm.wiring": "the vLLM wiring's hook decisions, through the public record() API",
-    "torpor.tms.tmsengine": "torch_memory_saver's hook decision, through the public record() API",
+    "torpor.tms.pausing": "torch_memory_saver's hook decision, through the public record() API",
     "torpor.keeper.kept": "a keeper's backup adopted, through the public record() API (backup_adopted)",
 }
 

@@ -13,9 +13,9 @@ import pytest
 
 from torpor.allocator import SimDriver, TaggedAllocator
 from torpor.tms import preload
+from torpor.tms.envsettings import TmsSettings
+from torpor.tms.pausing import TmsEngine
 from torpor.tms.preload import PRELOAD_NAME, PreloadHook, configure_subprocess, prepended
-from torpor.tms.tmsengine import TmsEngine
-from torpor.tms.tmsenv import TmsSettings
 
 
 def test_prepended_as_tms() -> None:
@@ -162,8 +162,8 @@ def test_on_ld_preload_the_engine_binds_and_raw_calls_reach_the_table(tmp_path: 
         "import ctypes\n"
         "from torpor.allocator import SimDriver, TaggedAllocator\n"
         "from torpor.tms import preload\n"
-        "from torpor.tms.tmsengine import TmsEngine\n"
-        "from torpor.tms.tmsenv import TmsSettings\n"
+        "from torpor.tms.pausing import TmsEngine\n"
+        "from torpor.tms.envsettings import TmsSettings\n"
         f"preload.preload_library = lambda: preload.Path({str(lib)!r})\n"
         "e = TmsEngine('preload', allocator=TaggedAllocator(SimDriver(64 << 20)), settings=TmsSettings(), telemetry=False)\n"
         "api = ctypes.CDLL(None)\n"
@@ -196,8 +196,8 @@ SHADOW_PROBE = (
     "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
     "from torpor.allocator import SimDriver, TaggedAllocator\n"
     "from torpor.tms import preload\n"
-    "from torpor.tms.tmsengine import TmsEngine\n"
-    "from torpor.tms.tmsenv import TmsSettings\n"
+    "from torpor.tms.pausing import TmsEngine\n"
+    "from torpor.tms.envsettings import TmsSettings\n"
     "preload.preload_library = lambda: preload.Path({lib!r})\n"
     "e = TmsEngine('preload', allocator=TaggedAllocator(SimDriver(64 << 20)), settings=TmsSettings(), telemetry=False)\n"
     "print('BOUND', e.preload is not None)\n"

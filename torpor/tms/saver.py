@@ -6,7 +6,7 @@ and ``memory_margin_bytes``, ``retain_cpu_backup``, ``get_cpu_backup``,
 ``set_disk_backup_dir``. As in TMS the state is made at the first call
 (``hook_mode`` must be set before it); torpor's one addition, :meth:`bind`,
 hands it an allocator (a simulated one in tests) or a log directory first.
-What the calls do is :class:`~torpor.tms.tmsengine.TmsEngine`'s.
+What the calls do is :class:`~torpor.tms.pausing.TmsEngine`'s.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, cast
 
 from torpor.allocator import CaptureHandle, TaggedAllocator
 from torpor.errors import TmsArgumentError, TmsNotReadable, TmsUsageError, TmsWriteOnly
+from torpor.tms.envsettings import CpuBackupBackend
 from torpor.tms.hostcopy import backup_spans, not_found, owning_tag, read_spans
-from torpor.tms.tmsengine import HOOK_MODES
-from torpor.tms.tmsenv import CpuBackupBackend
-from torpor.tms.tmsimpl import TmsImpl
+from torpor.tms.internals import TmsImpl
+from torpor.tms.pausing import HOOK_MODES
 
 logger = logging.getLogger("torpor.tms")
 

@@ -42,8 +42,8 @@ ALIASES: dict[str, str] = {
     f"{TMS}.entrypoint": "torpor.tms.saver",
     f"{TMS}.hooks": "torpor.tms",
     f"{TMS}.hooks.mode_preload": "torpor.tms.preload",
-    f"{TMS}.testing_utils": "torpor.tms.tmstesting",
-    f"{TMS}.utils": "torpor.tms.tmsutils",
+    f"{TMS}.testing_utils": "torpor.tms.testingutils",
+    f"{TMS}.utils": "torpor.tms.utils",
 }
 
 _said = False

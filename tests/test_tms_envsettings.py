@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torpor.errors import TmsConfigError
-from torpor.tms.tmsenv import MiB, TmsSettings, parse_backend, parse_bool, parse_chunk_bytes
+from torpor.tms.envsettings import MiB, TmsSettings, parse_backend, parse_bool, parse_chunk_bytes
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "YES"])

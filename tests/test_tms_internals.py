@@ -1,4 +1,4 @@
-"""torpor.tms.tmsimpl: TMS's _impl surface (C settings per region, _mem_pools, retain, mmap and disk backups) on the simulated device."""
+"""torpor.tms.internals: TMS's _impl surface (C settings per region, _mem_pools, retain, mmap and disk backups) on the simulated device."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from test_tms_binarywrapper import wrapper
 from torpor.allocator import TaggedAllocator
 from torpor.errors import DiskBackupRefused
 from torpor.statemachine.core.states import State
-from torpor.tms.tmsenv import TmsSettings
-from torpor.tms.tmsimpl import TmsImpl, adopt_context
+from torpor.tms.envsettings import TmsSettings
+from torpor.tms.internals import TmsImpl, adopt_context
 from torpor.units import MiB
 
 

@@ -1,4 +1,4 @@
-"""torpor.tms.tmsutils: torch_memory_saver.utils's names that TMS's test suite imports."""
+"""torpor.tms.utils: torch_memory_saver.utils's names that TMS's test suite imports."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from torpor.tms.tmsutils import change_env, is_xpu
+from torpor.tms.utils import change_env, is_xpu
 
 
 def test_change_env_sets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:

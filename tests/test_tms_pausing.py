@@ -16,9 +16,9 @@ from support import RigMaker
 from torpor import State
 from torpor.errors import TagStateError, TmsUsageError, TorporError
 from torpor.statemachine.core.policy import Action
+from torpor.tms.envsettings import TmsSettings
+from torpor.tms.pausing import DISABLED_TAG, TmsEngine, check_alloc_conf
 from torpor.tms.tagview import TagView
-from torpor.tms.tmsengine import DISABLED_TAG, TmsEngine, check_alloc_conf
-from torpor.tms.tmsenv import TmsSettings
 from torpor.units import MiB
 
 

@@ -31,10 +31,10 @@ from torpor.statemachine.core.states import State
 from torpor.statemachine.machine.controller import SleepController
 from torpor.switches import env_rank, env_switch, env_text
 from torpor.telemetry.session import attach
+from torpor.tms.envsettings import BACKENDS, TmsSettings
 from torpor.tms.preload import PreloadHook, preloaded
 from torpor.tms.switch import active
 from torpor.tms.tagview import DISCARD_MODE, TagView, TmsTag, mode_of
-from torpor.tms.tmsenv import BACKENDS, TmsSettings
 
 logger = logging.getLogger("torpor.tms")
 

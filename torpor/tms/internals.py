@@ -1,4 +1,4 @@
-"""``TmsImpl``: :class:`~torpor.tms.tmsengine.TmsEngine` with the parts of TMS's ``_TorchMemorySaverImpl`` its users reach.
+"""``TmsImpl``: :class:`~torpor.tms.pausing.TmsEngine` with the parts of TMS's ``_TorchMemorySaverImpl`` its users reach.
 
 TMS's own tests (and code written against them) read the saver's state
 through ``_impl``: ``_binary_wrapper.cdll`` (the C configuration and entry
@@ -20,9 +20,9 @@ from typing import Any
 
 from torpor.allocator import TaggedAllocator
 from torpor.tms.binarywrapper import BinaryWrapper, process_wrapper
+from torpor.tms.pausing import DISABLED_TAG, TmsEngine
 from torpor.tms.shadows import DISK, ShadowStore
 from torpor.tms.tagview import mode_of
-from torpor.tms.tmsengine import DISABLED_TAG, TmsEngine
 
 logger = logging.getLogger("torpor.tms")
 

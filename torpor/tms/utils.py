@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from torpor.tms.tmstesting import is_xpu
+from torpor.tms.testingutils import is_xpu
 
 
 @contextmanager
