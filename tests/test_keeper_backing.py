@@ -19,7 +19,7 @@ from support import RigMaker
 from torpor import EventKind
 from torpor.allocator.host.offload import HostPolicy
 from torpor.keeper import KeeperBacking, KeeperLink, ModelIdentity, TensorSpec, attach
-from torpor.keeper.keepermetrics import KeeperCollector
+from torpor.keeper.collector import KeeperCollector
 from torpor.statemachine.core.events import Event
 from torpor.units import MiB
 

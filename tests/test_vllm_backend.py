@@ -20,7 +20,7 @@ from support import TINY_LLAMA, model_less_worker  # noqa: E402
 from torpor.allocator import SimDriver, TaggedAllocator  # noqa: E402
 from torpor.errors import InvalidTransition  # noqa: E402
 from torpor.hooks import fleet, reset_warnings  # noqa: E402
-from torpor.hooks.vllm import activation, facade, process, settings, vllmpredicate  # noqa: E402
+from torpor.hooks.vllm import activation, facade, pooldecision, process, settings  # noqa: E402
 from torpor.statemachine import EventKind, read_events  # noqa: E402
 from torpor.units import MiB  # noqa: E402
 
@@ -66,7 +66,7 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
     monkeypatch.setattr(current_platform, "is_rocm", lambda: False)
     monkeypatch.setattr(cumem, "cumem_available", True)  # the C extension is absent on this CPU machine
-    vllmpredicate.forget_decisions()
+    pooldecision.forget_decisions()
     reset_warnings()
     driver = SimDriver(capacity=256 * MiB)
     allocator = facade.TorporMemAllocator(
@@ -88,7 +88,7 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         SleepModeBackendFactory._registry.update(saved[2])
         cumem.CuMemAllocator.instance = saved[3]
         pynccl_allocator._graph_pool_id = saved[4]
-        vllmpredicate.forget_decisions()
+        pooldecision.forget_decisions()
 
 
 def torpor_model_config(tmp: Path) -> Any:
@@ -242,7 +242,7 @@ def test_worker_records_hook_decisions_and_release_closes(engine: Any) -> None:
     )
     state = process.current()
     assert state is not None
-    state.decisions.append(vllmpredicate.decision_for(config))  # what the probe keeps when a config selects torpor
+    state.decisions.append(pooldecision.decision_for(config))  # what the probe keeps when a config selects torpor
     with engine.allocator.cudagraph_pool():
         pass
     engine.allocator.release_pools()

@@ -21,7 +21,7 @@ from support import TINY_LLAMA as SHARED_TINY_LLAMA  # noqa: E402
 
 from torpor.errors import ActivationError  # noqa: E402
 from torpor.hooks import register_graph_buffers, reset_warnings  # noqa: E402
-from torpor.hooks.vllm import activation, facade, process, vllmpredicate  # noqa: E402
+from torpor.hooks.vllm import activation, facade, pooldecision, process  # noqa: E402
 from torpor.testing import FakeMemory  # noqa: E402
 
 TINY_LLAMA = {**SHARED_TINY_LLAMA, "torch_dtype": "float32", "rms_norm_eps": 1e-5}
@@ -65,7 +65,7 @@ def sandbox(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     # Not the default <tempdir>/torpor: another user's (or another run's) logs there are not ours to write.
     monkeypatch.setenv("TORPOR_LOG_DIR", str(tmp_path / "torpor-logs"))
     monkeypatch.setattr(current_platform, "device_type", "cpu")  # vLLM's DeviceConfig needs one here
-    vllmpredicate.forget_decisions()
+    pooldecision.forget_decisions()
     reset_warnings()
     try:
         yield SimpleNamespace(cumem=cumem, platform=current_platform)
@@ -81,7 +81,7 @@ def sandbox(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         current = facade.configure(saved["facade"])
         if current is not None:
             current.release_pools()
-        vllmpredicate.forget_decisions()
+        pooldecision.forget_decisions()
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,7 @@ def set_platform(platform: Any, monkeypatch: pytest.MonkeyPatch, name: str) -> N
     monkeypatch.setattr(platform, "is_cuda", lambda: cuda)
     monkeypatch.setattr(platform, "is_cuda_alike", lambda: cuda)
     monkeypatch.setattr(platform, "is_rocm", lambda: False)
-    vllmpredicate.forget_decisions()
+    pooldecision.forget_decisions()
 
 
 PREDICATE_CASES = [
@@ -255,7 +255,7 @@ def test_extended_predicate_answers_each_flag_combination(
         assert answer == vllm_answer
     else:
         assert vllm_answer is False  # vLLM alone never routes a non-cumem backend
-        decision = vllmpredicate.decision_for(config)
+        decision = pooldecision.decision_for(config)
         assert decision.active is expected
         assert register_graph_buffers(decision) is (not answer)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from torpor.errors import KeeperUnavailable
 from torpor.keeper.daemon import Keeper
-from torpor.keeper.keeperclient import KeeperLink
+from torpor.keeper.link import KeeperLink
 from torpor.statemachine.core.timeouts import timeout_seconds
 from torpor.units import byte_size
 

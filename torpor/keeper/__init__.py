@@ -25,8 +25,8 @@ from torpor.keeper.adoption import adopt, identity_of, track_model
 from torpor.keeper.backing import KeeperBacking, attach
 from torpor.keeper.daemon import Keeper
 from torpor.keeper.fingerprint import ModelIdentity, TensorSpec, mismatch
-from torpor.keeper.keeperclient import KeeperLink
 from torpor.keeper.kept import Adopted, KeptBackup, claim_backup, open_backup
+from torpor.keeper.link import KeeperLink
 from torpor.keeper.prefetching import Pinned, prefetch, wait_released
 from torpor.keeper.wire import socket_path
 

@@ -33,7 +33,7 @@ from torpor.allocator.tagged import TaggedAllocator
 from torpor.errors import BadArgument, KeeperBudgetExceeded, KeeperError
 from torpor.keeper import shmem
 from torpor.keeper.fingerprint import ModelIdentity
-from torpor.keeper.keeperclient import KeeperLink
+from torpor.keeper.link import KeeperLink
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.machine.controller import SleepController
 

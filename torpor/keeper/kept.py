@@ -24,7 +24,7 @@ from typing import Any
 from torpor.errors import KeeperError
 from torpor.keeper import shmem
 from torpor.keeper.fingerprint import ModelIdentity
-from torpor.keeper.keeperclient import KeeperLink
+from torpor.keeper.link import KeeperLink
 from torpor.statemachine.core.events import EventKind
 from torpor.statemachine.machine.controller import SleepController
 
@@ -32,7 +32,7 @@ __all__ = ["ADOPTED", "Adopted", "KeptBackup", "claim_backup", "open_backup"]
 
 logger = logging.getLogger("torpor.keeper")
 
-#: Statistics of this process's adoptions (read by :mod:`torpor.keeper.keepermetrics`).
+#: Statistics of this process's adoptions (read by :mod:`torpor.keeper.collector`).
 ADOPTED = {"adoptions": 0, "bytes": 0, "fallbacks": 0}
 
 

@@ -31,9 +31,9 @@ from torpor.hooks.vllm.facade import (
     current_controller,
     get_instance,
 )
+from torpor.hooks.vllm.pooldecision import BACKEND, decision_for, extended_predicate, selects_torpor
 from torpor.hooks.vllm.process import ENV_ACTIVE, Activation, is_active
 from torpor.hooks.vllm.settings import DEFAULT_ENGINE, ENV_ENGINE, ENV_LOG_DIR, ENV_RANK, default_log_dir
-from torpor.hooks.vllm.vllmpredicate import BACKEND, decision_for, extended_predicate, selects_torpor
 
 __all__ = [
     "BACKEND",

@@ -42,9 +42,9 @@ from torpor.errors import (
 )
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER, apply_nccl_defaults
 from torpor.hooks.vllm.facade import get_instance
+from torpor.hooks.vllm.pooldecision import BACKEND, decision_for, extended_predicate, selects_torpor
 from torpor.hooks.vllm.process import ENV_ACTIVE, Activation, _lock, _process
 from torpor.hooks.vllm.settings import DEFAULT_ENGINE, ENV_ENGINE
-from torpor.hooks.vllm.vllmpredicate import BACKEND, decision_for, extended_predicate, selects_torpor
 from torpor.switches import env_switch, env_text
 
 logger = logging.getLogger("torpor.vllm")

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torpor.hooks.allreduce import register_graph_buffers
 from torpor.hooks.nccl import NCCL_GRAPH_REGISTER
 from torpor.hooks.predicate import CudagraphPoolDecision
+from torpor.hooks.vllm.pooldecision import decision_for
 from torpor.hooks.vllm.process import current
-from torpor.hooks.vllm.vllmpredicate import decision_for
 from torpor.statemachine.core.events import EventKind
 from torpor.switches import env_text
 
