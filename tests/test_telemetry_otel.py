@@ -21,8 +21,8 @@ from torpor import HostMemoryPolicy, Policy, SleepController
 from torpor.errors import InvalidTransition, MemoryOperationFailed
 from torpor.telemetry import METRICS, attach
 from torpor.telemetry.otel import OTEL_INSTRUMENTS, otel_instrument
-from torpor.telemetry.prometheus import BASE_LABELS
 from torpor.telemetry.rankstats import DURATION_BUCKETS
+from torpor.telemetry.samples import BASE_LABELS
 from torpor.testing import FakeMemory
 
 TAGS = {"weights": 4000, "kv_cache": 8000, "cudagraph": 300, "runtime": 50}

@@ -14,9 +14,7 @@ from support import RigMaker, samples, value
 from torpor import EventKind, SleepController, State
 from torpor.errors import InvalidTransition, MemoryOperationFailed
 from torpor.statemachine.core.events import SleepRequested
-from torpor.telemetry import METRICS, Tracker, attach
-from torpor.telemetry.prometheus import rank_samples
-from torpor.telemetry.rankstats import RankStats
+from torpor.telemetry import METRICS, attach
 from torpor.testing import FakeMemory
 from torpor.units import MiB
 
@@ -429,13 +427,3 @@ def test_an_adoption_in_the_log_is_counted() -> None:
     labels = {"torpor_engine": "ad", "torpor_rank": "0", "keeper_engine": "ad-keep"}
     assert value(got, "torpor_keeper_adopted_bytes_total", **labels) == 5000
     assert value(got, "torpor_keeper_adoptions_total", **labels) == 1
-
-
-def test_rank_samples_are_records_read_by_name() -> None:
-    """A rank's samples name their family, sample name, sorted labels, value and line prefix (its name and labels)."""
-    controller = SleepController(FakeMemory(TAGS), engine="e", rank=0)
-    got = rank_samples(Tracker(controller), RankStats(), "1.0")
-    awake = [s for s in got if s.family == "torpor_state" and ("state", "awake") in s.labels]
-    assert [(s.name, s.value) for s in awake] == [("torpor_state", 1.0)]
-    assert awake[0].prefix == 'torpor_state{state="awake",torpor_engine="e",torpor_rank="0"} '
-    assert all(s.labels == tuple(sorted(s.labels)) for s in got)

@@ -12,7 +12,7 @@ import pytest
 
 from torpor.telemetry import METRICS
 from torpor.telemetry.grafana import UID
-from torpor.telemetry.prometheus import BASE_LABELS
+from torpor.telemetry.samples import BASE_LABELS
 
 yaml = pytest.importorskip("yaml")
 

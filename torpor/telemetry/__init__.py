@@ -13,7 +13,8 @@ from torpor.statemachine.log.logsource import LogSource
 from torpor.telemetry.grafana import dashboard, render_dashboard
 from torpor.telemetry.multiprocess import MultiprocessSink, mark_process_dead, multiprocess_registry
 from torpor.telemetry.otel import OtelSink
-from torpor.telemetry.prometheus import METRICS, TorporCollector, exposition
+from torpor.telemetry.prometheus import TorporCollector, exposition
+from torpor.telemetry.samples import METRICS
 from torpor.telemetry.server import Server, serve
 from torpor.telemetry.session import Telemetry, attach
 from torpor.telemetry.tracker import Observation, Source, Tracker, interpret

@@ -52,8 +52,8 @@ from torpor.statemachine.core.events import (
 from torpor.statemachine.core.protocol import TagUsage
 from torpor.statemachine.core.states import State
 from torpor.switches import env_text
-from torpor.telemetry.prometheus import BASE_LABELS, LAST_GAUGES, METRICS
 from torpor.telemetry.rankstats import DURATION_BUCKETS
+from torpor.telemetry.samples import BASE_LABELS, LAST_GAUGES, METRICS
 from torpor.telemetry.tracker import HostBacking, Observation, Tracker, host_backing, keeper_figures
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -37,20 +37,14 @@ from torpor.statemachine.core.events import (
     WakeFailed,
     WakeRequested,
 )
-from torpor.telemetry.prometheus import (
-    _COUNTERS,
-    _HISTOGRAMS,
-    BASE_LABELS,
-    METRICS,
-    rank_samples,
-)
 from torpor.telemetry.rankstats import DURATION_BUCKETS, RankStats
+from torpor.telemetry.samples import BASE_LABELS, COUNTERS, HISTOGRAMS, METRICS, rank_samples
 from torpor.telemetry.tracker import Observation, Tracker, woken_label
 
 SCOPE = "torpor"
 
 #: Counter families no event counts: a total read from the rank's state (the keeper's fallbacks), observed.
-OBSERVED_COUNTERS = tuple(f for f, (kind, _, _) in METRICS.items() if kind == "counter" and f not in _COUNTERS.values())
+OBSERVEDCOUNTERS = tuple(f for f, (kind, _, _) in METRICS.items() if kind == "counter" and f not in COUNTERS.values())
 
 
 def _ns(wall: float) -> int:
@@ -134,7 +128,7 @@ class _Instruments:
 
     Gauges read the same samples Prometheus does (:func:`rank_samples` of the live projection),
     so every gauge family has its instrument, and so do the counters no event counts
-    (:data:`OBSERVED_COUNTERS`); the other counters and the histograms record the tracker's
+    (:data:`OBSERVEDCOUNTERS`); the other counters and the histograms record the tracker's
     observations as they come.
     """
 
@@ -148,7 +142,7 @@ class _Instruments:
                 name, unit = otel_instrument(family)
                 meter.create_observable_gauge(name, [self._gauge(family)], unit=unit, description=doc)
         self.histograms: dict[str, metrics.Histogram] = {}
-        for metric, family in _HISTOGRAMS.items():
+        for metric, family in HISTOGRAMS.items():
             name, unit = otel_instrument(family)
             self.histograms[metric] = meter.create_histogram(
                 name,
@@ -157,10 +151,10 @@ class _Instruments:
                 explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
             )
         self.counters: dict[str, metrics.Counter] = {}
-        for metric, family in _COUNTERS.items():
+        for metric, family in COUNTERS.items():
             name, unit = otel_instrument(family)
             self.counters[metric] = meter.create_counter(name, unit=unit, description=METRICS[family][2])
-        for family in OBSERVED_COUNTERS:  # read from the rank's state at each collection, as the gauges are
+        for family in OBSERVEDCOUNTERS:  # read from the rank's state at each collection, as the gauges are
             name, unit = otel_instrument(family)
             meter.create_observable_counter(name, [self._gauge(family)], unit=unit, description=METRICS[family][2])
 
@@ -269,11 +263,11 @@ class OtelSink:
         for obs in observations:
             histogram = inst.histograms.get(obs.metric)
             if histogram is not None:
-                histogram.record(obs.value, {**self.metric_base, **_attributes(_HISTOGRAMS[obs.metric], obs.labels)})
+                histogram.record(obs.value, {**self.metric_base, **_attributes(HISTOGRAMS[obs.metric], obs.labels)})
                 continue
             counter = inst.counters.get(obs.metric)
             if counter is not None:
-                counter.add(obs.value, {**self.metric_base, **_attributes(_COUNTERS[obs.metric], obs.labels)})
+                counter.add(obs.value, {**self.metric_base, **_attributes(COUNTERS[obs.metric], obs.labels)})
 
     def _open(self, name: str, when: int, attrs: dict[str, Any]) -> None:
         if self.span is not None:  # a transition the events never closed (a crash): end it as unknown
