@@ -14,7 +14,8 @@ at most ``max_waiters`` at once (fewer than ``max_connections``; 503 with
 blocked in a write, a client that does not read, is the first dropped to make
 room for a newcomer, so scrapes keep answering). A bad or unknown query
 parameter gets a 400 naming it. A client that hangs up costs nothing: its
-long-poll ends (and frees its slot) at once, and nothing is printed.
+long-poll ends (and frees its slot) at once (:mod:`torpor.telemetry.longpoll`),
+and nothing is printed.
 
 Serving costs the engine as little as it can: ``/events`` reads the
 endpoint's own copy of the recent events with each event's JSON encoded once
@@ -35,11 +36,9 @@ import json
 import logging
 import math
 import os
-import select
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -61,6 +60,7 @@ from torpor.telemetry.feed import (
     parse_query,
     seconds_param,
 )
+from torpor.telemetry.longpoll import wait_for_event
 from torpor.telemetry.session import attach
 from torpor.telemetry.tracker import Source
 
@@ -69,7 +69,6 @@ logger = logging.getLogger("torpor.telemetry")
 MAX_URL = 4096
 #: Events the endpoint keeps for ``/events`` (at least; more when ``max_events`` is larger): a controller's default window.
 KEEP_EVENTS = 10_000
-_POLLRDHUP: int = getattr(select, "POLLRDHUP", 0)  # Linux: the peer closed its end; elsewhere a peek tells
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 __all__ = ["BadRequest", "Server", "int_param", "parse_query", "seconds_param", "serve"]
@@ -132,16 +131,6 @@ class _Handler(BoundedHandler):
         self._error(405, f"{self.command} refused: this endpoint is read-only", {"Allow": "GET, HEAD"})
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _read_only
-
-    def hung_up(self) -> bool:
-        """True when the client closed its end (a readable socket with nothing to read)."""
-        try:
-            peeked: bytes = self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
-        return peeked == b""
 
 
 class Server:
@@ -271,7 +260,7 @@ class Server:
             with self._count_lock:
                 self.waiting += 1
             try:
-                if not self._wait(handler, feed, q.after, q.wait):
+                if not wait_for_event(feed, q.after, q.wait, handler.connection, self._stuck):
                     handler.close_connection = True
                     return  # the client hung up: nobody to answer
             finally:
@@ -287,29 +276,8 @@ class Server:
         rank = getattr(self.source, "rank", self.source.projection.rank)
         handler._send(200, batch.body, NDJSON, events_headers(batch, engine, rank))
 
-    def _wait(self, handler: _Handler, feed: EventFeed, after: int, wait: float) -> bool:
-        """Wait for an event above ``after`` (or ``wait`` seconds); False when the client hung up meanwhile."""
-        deadline = time.monotonic() + wait
-        watch_client = True
-        while (waker := feed.waker(after)) is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return True
-            poller = select.poll()  # not select(): a busy server's descriptors pass FD_SETSIZE
-            poller.register(waker.fd, select.POLLIN)
-            client = handler.connection.fileno()
-            if watch_client:
-                poller.register(client, select.POLLIN | _POLLRDHUP)
-            ready = dict(poller.poll(remaining * 1000.0))
-            if client in ready and watch_client:
-                if ready[client] & (_POLLRDHUP | select.POLLHUP | select.POLLERR) or handler.hung_up():
-                    return False
-                watch_client = False  # it sent more (a pipelined request): stop watching, it is not a hang-up
-            if not ready:
-                return True
-            if source_error(self.source) is not None:
-                return True
-        return True
+    def _stuck(self) -> bool:
+        return source_error(self.source) is not None
 
     def close(self) -> None:
         """Stop serving, wake long-polls, and detach what :func:`serve` attached."""
