@@ -18,7 +18,8 @@ from torpor.statemachine.log.eventlog import EventLog
 from torpor.statemachine.log.follow import Follower, follow
 from torpor.statemachine.log.logsource import LogSource
 from torpor.statemachine.log.reader import DEFAULT_MAX_LINE, decode_lines, encode_line, read_events
-from torpor.statemachine.log.tail import Tail, rotated, segments
+from torpor.statemachine.log.segments import rotated, segments
+from torpor.statemachine.log.tail import Tail
 from torpor.statemachine.projection.view import Projection
 
 
@@ -357,23 +358,3 @@ def test_an_empty_active_file_after_a_crash_mid_rotation_reads_the_segments(tmp_
     with Follower(path) as follower:
         assert _seqs(follower.read_available()) == list(range(1, writer.last + 1))
     assert _seqs(list(read_events(path))) == list(range(1, writer.last + 1))
-
-
-def test_segments_never_comes_back_empty_while_a_rotation_renames_the_active_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A rotation renaming the active file while segments() looks still leaves it a file (no 'no event log')."""
-    from torpor.statemachine.log import tail
-
-    path = tmp_path / "e.jsonl"
-    path.write_bytes(b"")
-    real = tail.rotated
-
-    def rename_after_the_glob(active: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-        found = real(active)  # the glob saw no segment yet ...
-        if path.exists():
-            os.replace(path, path.with_name(f"{path.name}.{1:012d}"))  # ... then the writer renamed the active file
-        return found
-
-    monkeypatch.setattr(tail, "rotated", rename_after_the_glob)
-    assert tail.segments(path) != []

@@ -47,7 +47,7 @@ from torpor.hooks.vllm.settings import default_log_dir
 from torpor.readmodel.ranklogs import FleetError, FleetView, fleet, rank_follower, rank_logs
 from torpor.statemachine.log.follow import Follower
 from torpor.statemachine.log.logsource import LogSource
-from torpor.statemachine.log.tail import segments
+from torpor.statemachine.log.segments import segments
 from torpor.statemachine.projection.view import Projection, follow_on
 from torpor.telemetry.feed import NDJSON, EventFeed, events_headers, events_query
 from torpor.telemetry.server import source_error

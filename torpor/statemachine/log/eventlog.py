@@ -35,7 +35,7 @@ from torpor.statemachine.log.reader import (
     read_current,
     segments,
 )
-from torpor.statemachine.log.tail import rotated
+from torpor.statemachine.log.segments import rotated, segment_path
 
 logger = logging.getLogger("torpor.statemachine.log")
 
@@ -325,7 +325,7 @@ class EventLog:
             if self.fsync:
                 os.fsync(fd)
             first = self._first_seq()
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.{first:012d}"))
+            os.replace(self.path, segment_path(self.path, first))
         except BaseException as exc:
             os.close(fd)
             try:

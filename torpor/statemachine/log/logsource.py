@@ -32,7 +32,7 @@ from torpor.errors import BadArgument, NoEventLog, TorporError
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.fanout import Fanout
 from torpor.statemachine.log.follow import Follower
-from torpor.statemachine.log.tail import segments
+from torpor.statemachine.log.segments import segments
 from torpor.statemachine.projection.view import Projection, follow_on
 
 logger = logging.getLogger("torpor.telemetry")

@@ -25,7 +25,8 @@ from pathlib import Path
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.codec import DEFAULT_MAX_LINE, decode_line, decode_lines, encode_line
 from torpor.statemachine.log.framing import open_regular
-from torpor.statemachine.log.tail import Tail, read_file, read_log, rotated, segments
+from torpor.statemachine.log.segments import rotated, segments
+from torpor.statemachine.log.tail import Tail, read_file, read_log
 from torpor.statemachine.projection.view import Projection, project
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024

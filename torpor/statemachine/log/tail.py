@@ -48,6 +48,7 @@ from typing import Self
 from torpor.errors import LogCorrupted, NoEventLog, TorporError
 from torpor.statemachine.core.events import Event, EventKind
 from torpor.statemachine.log.framing import batches, open_regular, read_lines, too_long, warn_torn
+from torpor.statemachine.log.segments import rotated, segments
 
 #: The codec's reader of complete lines: ``decode(lines, path, lineno before the first, max_line)``.
 Decode = Callable[[Iterable[bytes], str, int, int], Iterator[Event]]
@@ -55,35 +56,6 @@ Decode = Callable[[Iterable[bytes], str, int, int], Iterator[Event]]
 logger = logging.getLogger("torpor.statemachine.log")
 
 _SNAPSHOT = EventKind.SNAPSHOT
-
-
-def rotated(active: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """The rotated segments ``NAME.<first seq>`` of the log at ``active``, oldest first, with their first seq."""
-    active = Path(active)
-    found: list[tuple[int, Path]] = []
-    if active.parent.is_dir():
-        for candidate in active.parent.glob(active.name + ".*"):
-            suffix = candidate.name[len(active.name) + 1 :]
-            if suffix.isascii() and suffix.isdigit():
-                found.append((int(suffix), candidate))
-    found.sort()
-    return found
-
-
-def segments(path: str | os.PathLike[str]) -> list[Path]:
-    """The log's files in order: rotated segments (oldest first), then the active file.
-
-    The active file is looked at first: a rotation renames it to a segment
-    before the next one takes its name, so a log either has its active file at
-    that look or the segment in the listing made after it (the other order read
-    an empty log in the middle of a rotation).
-    """
-    active = Path(path)
-    present = active.exists()
-    files = [p for _, p in rotated(path)]
-    if present:  # may be renamed meanwhile: readers treat a vanished active file as mid-rotation
-        files.append(active)
-    return files
 
 
 def read_file(file: str | os.PathLike[str], decode: Decode, max_line: int) -> Iterator[Event]:
@@ -379,4 +351,4 @@ def read_log(path: str | os.PathLike[str], decode: Decode, max_line: int) -> Ite
     return Tail(path, decode, max_line=max_line, strict=True).events()
 
 
-__all__ = ["Decode", "Tail", "read_file", "read_log", "rotated", "segments"]
+__all__ = ["Decode", "Tail", "read_file", "read_log"]
