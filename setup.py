@@ -64,7 +64,7 @@ PTH = os.path.join("torpor", "tms", "torpor-tms.pth")
 class BuildPyWithPth(build_py):
     """build_py that also puts torpor-tms.pth at the wheel's top (site-packages), where ``site`` runs it at start.
 
-    The file turns torpor.tms's switch on only when TORPOR_TMS=1 (docs/tms.md).
+    The file turns torpor.tms's switch on only when TORPOR_TMS is on (1, true or on; docs/tms.md).
     """
 
     def run(self) -> None:
