@@ -403,7 +403,14 @@ def _starve(pid: int) -> tuple[int, int]:
     Only the soft limit moves (raising a hard one takes a capability); the limits before are returned.
     """
     before = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    # the keeper closes an ended connection's descriptor on that connection's thread: wait until they settle
     taken = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    for _ in range(50):
+        time.sleep(0.1)
+        now = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+        if now == taken:
+            break
+        taken = now
     lowest = min(set(range(len(taken) + 1)) - taken)
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest, before[1]))
     return before
