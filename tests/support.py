@@ -282,3 +282,17 @@ def raw_event(kind: EventKind, seq: int, engine: str, rank: int, data: Mapping[s
     """An event of ``kind`` whose data is ``data`` as given, stamped now: for tests that feed readers, codecs and
     checks events as a log holds them (torpor itself builds events from typed payloads only, with ``stamp``)."""
     return Event(kind, seq, time.time(), time.monotonic(), os.getpid(), engine, rank, data)
+
+
+#: pytest with torch unimportable (a finder that refuses it), as on a machine where torch is not installed.
+WITHOUT_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, NoTorch())
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""

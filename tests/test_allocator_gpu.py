@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from torpor import SleepController, State, TorporError
 from torpor.allocator import AllocatorOutOfMemory, TaggedAllocator
@@ -21,6 +20,7 @@ from torpor.errors import PoolBusy
 from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="needs torch (the cuda extra) and a CUDA GPU")
 
 
 @dataclass

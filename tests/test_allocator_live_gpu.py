@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from torpor import SleepController
 from torpor.allocator import TaggedAllocator
@@ -11,6 +10,7 @@ from torpor.statemachine.core.events import EventKind
 from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="needs torch (the cuda extra) and a CUDA GPU")
 
 
 def test_sleep_moves_only_the_live_half_of_each_segment() -> None:

@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
 from torpor import SleepController, State, TorporError
 from torpor.allocator import TaggedAllocator
 from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="needs torch (the cuda extra) and a CUDA GPU")
 SIZES = [512, 4096, 65536, 1 * MiB, 3 * MiB, 9 * MiB, 24 * MiB]
 
 

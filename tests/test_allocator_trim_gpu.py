@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from torpor import SleepController
 from torpor.allocator import TaggedAllocator
 from torpor.units import GiB, MiB
 
 pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="needs torch (the cuda extra) and a CUDA GPU")
 
 
 @pytest.fixture(autouse=True)

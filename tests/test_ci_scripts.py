@@ -6,9 +6,11 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from support import WITHOUT_TORCH
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = [ROOT / ".ci" / "run", *sorted(p for p in (ROOT / "scripts").iterdir() if p.is_file())]
@@ -183,3 +185,18 @@ def test_the_test_script_without_a_c_compiler_fails_at_once_saying_so(tmp_path: 
     assert done.returncode == 1
     assert "scripts/test: no C compiler" in done.stderr
     assert not [c for c in calls.read_text().splitlines() if "build_ext" in c or c.startswith("ruff")]
+
+
+GPU_TEST_FILES = sorted(p.name for p in (ROOT / "tests").glob("test_*gpu*.py"))
+
+
+@pytest.mark.parametrize("name", GPU_TEST_FILES)
+def test_every_gpu_test_file_collects_and_skips_where_torch_is_missing(name: str) -> None:
+    """Where torch is not installed, a GPU test file is collected and its tests skipped, never an error at collection."""
+    argv = ["-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-rs", "-m", "gpu or gpu2 or not gpu", f"tests/{name}"]
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    tail = done.stdout[-2000:] + done.stderr[-1000:]
+    assert "error" not in done.stdout.splitlines()[-1], tail
+    assert done.returncode in (0, 5), tail

@@ -22,6 +22,7 @@ import pytest
 import vllm_gpu_support as support
 from keeper_process import running_keeper, start_keeper
 from keeper_vllm_engine import MARK
+from support import WITHOUT_TORCH
 from test_vllm_serve_gpu import serve
 
 from torpor.keeper import KeeperLink
@@ -145,20 +146,6 @@ def _published(sock: Path, engine: str, timeout: float = 60) -> dict[str, Any]:
             return found
         time.sleep(0.2)
     raise AssertionError(f"no backup of {engine} published within {timeout} s of the sleep")
-
-
-#: pytest with torch unimportable (a finder that refuses it), as on a machine where torch is not installed.
-WITHOUT_TORCH = """
-import importlib.abc, sys
-class NoTorch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-sys.meta_path.insert(0, NoTorch())
-import pytest
-sys.exit(pytest.main(sys.argv[1:]))
-"""
 
 
 def test_without_torch_the_gpu_tests_are_skipped_not_errors() -> None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import torch
 
 from torpor import EventKind, SleepController, State
 from torpor.allocator import TaggedAllocator
@@ -18,6 +17,7 @@ from torpor.bench.checksums import module_checksums
 from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="needs torch (the cuda extra) and a CUDA GPU")
 transformers = pytest.importorskip("transformers")
 #: TORPOR_TEST_NO_TRACK=1 runs the level-2 steps without ctl.track (they must then fail: the check of the check).
 NO_TRACK = os.environ.get("TORPOR_TEST_NO_TRACK") == "1"

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from torpor import SleepController, State
 from torpor.allocator import TaggedAllocator
@@ -32,6 +31,7 @@ from torpor.statemachine.log.reader import replay
 from torpor.units import MiB
 
 pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="needs torch (the cuda extra) and a CUDA GPU")
 
 CYCLES = 50
 KINDS = ("l1-full", "l1-weights-first", "l1-kv-first", "l2-reload")

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from torpor.allocator.squeeze.decoder import decode
 from torpor.allocator.squeeze.encoder import encode
 from torpor.allocator.squeeze.faults import ChecksumMismatch, CorruptChunk
 from torpor.allocator.squeeze.layout import read_index
 from torpor.allocator.squeeze.sum64 import sum64
+
+torch = pytest.importorskip("torch", reason="needs torch (the cuda extra) and a CUDA GPU")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECIAL = [0x7FC0, 0x7FC1, 0xFFFF, 0x7F80, 0xFF80, 0x0001, 0x8000, 0x0000, 0x7C00, 0xFC00, 0x7E01]
