@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,30 @@ FILL = 0x5A
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: the other user is a child process that drops to uid 65534 (os.setuid)"
 )
+
+
+def as_nobody(act: Callable[[], str]) -> str:
+    """What ``act()`` says in a forked child that drops to uid :data:`NOBODY` first (an exception: its type and text)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: another user from here on
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                said = act()
+            except Exception as exc:
+                said = f"{type(exc).__name__}: {exc}"
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        said = f.read()
+    os.waitpid(pid, 0)
+    return said
 
 
 def start_keeper(sock: Path, budget: str = "1G") -> subprocess.Popen[str]:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from keeper_process import NOBODY, needs_root, shared_tmp, squatter
+from keeper_process import NOBODY, as_nobody, needs_root, shared_tmp, squatter
 
 from torpor.errors import KeeperPathRefused
 from torpor.keeper import Keeper, KeeperLink, KeeperUnavailable, KeeperUntrusted
@@ -88,26 +88,7 @@ def test_an_engine_of_another_user_does_not_trust_roots_keeper() -> None:
 
 def _as_nobody(path: Path) -> str:
     """What ``KeeperLink(path).status()`` gives a process of uid 65534 (a fork that drops to that uid)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                said = f"served: {sorted(KeeperLink(path).status())}"
-            except Exception as exc:
-                said = f"{type(exc).__name__}: {exc}"
-            os.write(write, said.encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        said = f.read()
-    os.waitpid(pid, 0)
-    return said
+    return as_nobody(lambda: f"served: {sorted(KeeperLink(path).status())}")
 
 
 @pytest.mark.parametrize("mode", [0o770, 0o707, 0o1777], ids=["0770", "0707", "1777"])
