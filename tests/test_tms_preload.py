@@ -107,6 +107,39 @@ def test_raw_cuda_malloc_in_a_region_is_tagged_and_freed_while_paused(tmp_path: 
     assert engine.allocator.usage()["raw"].allocations == 0
 
 
+def test_cuda_free_of_torpors_memory_waits_for_the_device_before_it_unmaps(tmp_path: Path) -> None:
+    """cudaFree of a tagged segment synchronizes the device before the unmap, as cudaFree does (TMS's free too)."""
+    engine, lib = hooked(tmp_path)
+    ptr = ctypes.c_void_p()
+    with engine.region("raw", False, False, None):
+        assert lib.cudaMalloc(ctypes.byref(ptr), 3 << 20) == 0
+    driver = engine.allocator.driver
+    before = len(driver.calls)
+    assert lib.cudaFree(ptr) == 0
+    calls = [c.call for c in driver.calls[before:]]
+    assert "synchronize" in calls and "unmap" in calls, calls
+    assert calls.index("synchronize") < calls.index("unmap"), calls
+
+
+def test_a_cuda_free_whose_synchronize_fails_keeps_the_memory_mapped_and_says_so(tmp_path: Path) -> None:
+    """A failed synchronize at cudaFree returns an error and leaves the segment mapped; the next pause unmaps it."""
+    engine, lib = hooked(tmp_path)
+    ptr = ctypes.c_void_p()
+    with engine.region("raw", True, False, None):
+        assert lib.cudaMalloc(ctypes.byref(ptr), 3 << 20) == 0
+    driver = engine.allocator.driver
+    assert ptr.value is not None
+    driver.fail("synchronize", reason="an illegal memory access was encountered")
+    assert lib.cudaFree(ptr) != 0
+    assert any(s <= ptr.value < s + n for s, n in driver.mapped_ranges())
+    assert engine.preload is not None and engine.preload.live() == 0
+    assert any("illegal memory access" in str(err) for err in engine.allocator.table.errors())
+    engine.pause("raw")
+    assert not any(s <= ptr.value < s + n for s, n in driver.mapped_ranges())
+    engine.resume("raw")
+    assert engine.allocator.usage()["raw"].allocations == 0
+
+
 def test_thread_tags_follow_regions_and_disable(tmp_path: Path) -> None:
     """A region sets this thread's tag, disable() turns it off, leaving restores what was there."""
     engine, lib = hooked(tmp_path)

@@ -181,7 +181,7 @@ class PreloadHook:
         self.lib = lib
         self.table = table
         alloc = ctypes.cast(table.lib.tp_alloc_raw, ctypes.c_void_p)
-        free = ctypes.cast(table.lib.tp_free_raw, ctypes.c_void_p)
+        free = ctypes.cast(table.lib.tp_free_synchronized, ctypes.c_void_p)  # cudaFree waits for the device
         lib.tmsp_bind(ctypes.c_void_p(table.ctx), alloc, free)
         logger.info("torpor.tms: preload mode: raw cudaMalloc inside regions goes to torpor's table")
 

@@ -67,6 +67,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "tp_granularity": (_int, [_p, _int, _U, _E]),
     "tp_alloc_raw": (_int, [_p, _int, _int, _u64, _U, _E]),
     "tp_free_raw": (_int, [_p, _u64, _E]),
+    "tp_free_synchronized": (_int, [_p, _u64, _E]),
     "tp_trim": (_int, [_p, _u64, _E]),
     "tp_untrim": (_int, [_p, _u64, _E]),
     "tp_pend": (_int, [_p, _u64, _p, _E]),

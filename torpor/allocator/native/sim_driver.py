@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
@@ -43,6 +43,8 @@ class SimDriver(Driver):
     """
 
     name = "sim"
+    RECORDED_IN_LIBRARY: ClassVar[frozenset[str]] = frozenset({"granularity", "synchronize"})
+    """Calls the library itself records and fails (the others are recorded by :meth:`invoke` before they run)."""
 
     def __init__(
         self,
@@ -171,12 +173,13 @@ class SimDriver(Driver):
     def invoke(self, call: str, *args: Any) -> Any:
         """Record the call and fail it if armed, then run it.
 
-        ``granularity`` records and fails itself in the library (as the table's calls do); the others are
-        recorded and failed by a library call of their own before they run, so a Ctrl-C between the two
-        (raised when a library call returns to Python) lands before the call has any effect.
+        ``granularity`` and ``synchronize`` record and fail themselves in the library (as the table's calls
+        do: the table synchronizes too, before a free, as ``cudaFree`` does); the others are recorded and
+        failed by a library call of their own before they run, so a Ctrl-C between the two (raised when a
+        library call returns to Python) lands before the call has any effect.
         """
         index = self.CALLS.index(call)
-        if index != 0:
+        if call not in self.RECORDED_IN_LIBRARY:
             why = ctypes.create_string_buffer(128)
             hit = int(self.lib.tp_sim_hit(self.native_sim, index, why, 128))
             if hit == 2:

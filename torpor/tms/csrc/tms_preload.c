@@ -21,7 +21,8 @@
  *
  * Plain C: no Python, no GIL, no CUDA headers or link-time dependency. cudaMalloc and cudaFree never
  * call back into Python; only tms_pause, tms_resume and tms_get_cpu_backup_pointer do.
- * Lock order: g_mu -> tp_ctx.mu (inside tp_alloc_raw/tp_free_raw) -> the driver's own locks.
+ * Lock order: g_mu -> tp_ctx.mu (inside tp_alloc_raw) -> the driver's own locks; cudaFree calls the table
+ * (tp_free_synchronized, which waits for the device) after it let go of g_mu.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -169,7 +170,7 @@ static void open_early_once(void) {
   tp_configure_fn configure = (tp_configure_fn)dlsym(h, "tp_configure");
   tp_tag_id_fn tag_id = (tp_tag_id_fn)dlsym(h, "tp_tag_id");
   tp_alloc_fn alloc = (tp_alloc_fn)dlsym(h, "tp_alloc_raw");
-  tp_free_fn free_fn = (tp_free_fn)dlsym(h, "tp_free_raw");
+  tp_free_fn free_fn = (tp_free_fn)dlsym(h, "tp_free_synchronized"); /* cudaFree waits for the device */
   if (!open || !configure || !tag_id || !alloc || !free_fn) return;
   unsigned char err[512];
   void *ctx = open(err);
@@ -221,20 +222,24 @@ TMSP_EXPORT int cudaMalloc(void **ptr, size_t n) {
   return CUDA_SUCCESS;
 }
 
+/* Torpor's memory goes back to the table, which synchronizes the device first as cudaFree does
+ * (tp_free_synchronized): outside g_mu, so other threads' cudaMalloc and cudaFree do not wait on the device. The
+ * address leaves this library's list first, so it is not "mine" twice while the table frees it. */
 TMSP_EXPORT int cudaFree(void *ptr) {
   if (!ptr) return call_real_free(ptr);
   unsigned char err[512];
   pthread_mutex_lock(&g_mu);
-  int mine = g_ctx && take((uint64_t)(uintptr_t)ptr);
-  int rc = mine ? g_free(g_ctx, (uint64_t)(uintptr_t)ptr, err) : 0;
+  void *ctx = g_ctx;
+  tp_free_fn free_fn = g_free;
+  int mine = ctx && take((uint64_t)(uintptr_t)ptr);
   pthread_mutex_unlock(&g_mu);
   if (!mine) return call_real_free(ptr);
-  return rc == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+  return free_fn(ctx, (uint64_t)(uintptr_t)ptr, err) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* -- torpor.tms's side (ctypes) --------------------------------------------------------------- */
 
-/* Serve tagged cudaMalloc from `ctx` through libtorpor_alloc's tp_alloc_raw/tp_free_raw. */
+/* Serve tagged cudaMalloc from `ctx` through libtorpor_alloc's tp_alloc_raw/tp_free_synchronized. */
 TMSP_EXPORT void tmsp_bind(void *ctx, void *alloc_fn, void *free_fn) {
   pthread_mutex_lock(&g_mu);
   g_ctx = ctx;

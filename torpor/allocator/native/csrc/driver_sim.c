@@ -23,7 +23,7 @@
 
 static const char *call_names[TP_NCALLS] = {"granularity", "reserve", "unreserve", "create",
                                             "map",         "set_access", "unmap",   "release",
-                                            [TP_WAIT] = "wait"};
+                                            [TP_WAIT] = "wait", [TP_SYNCHRONIZE] = "synchronize"};
 
 void *sim_grow(void *p, int *cap, int need, size_t each) {
   if (need <= *cap) return p;
@@ -435,6 +435,15 @@ static int sim_wait_stream(void *self, int dev, void *stream, tp_err *e) {
   SIM_DONE();
 }
 
+/* A device synchronize (the Python view's, or the table's before a free, as cudaFree waits): logged and failable here,
+ * for both callers alike; the simulated device runs nothing, so there is nothing to wait for. */
+static int sim_synchronize_logged(void *self, int dev, tp_err *e) {
+  const char *call_name = "synchronize";
+  SIM_ENTER(TP_SYNCHRONIZE);
+  if (!check_dev(s, dev)) SIM_FAIL(101, "no simulated device %d (have %d)", dev, s->ndev);
+  SIM_DONE();
+}
+
 static int sim_capturing(void *self, int dev, void *stream, int *out, tp_err *e) {
   (void)self, (void)dev, (void)stream, (void)e;
   *out = 0; /* the simulated device captures no graph */
@@ -455,6 +464,7 @@ void tp_sim_driver(tp_sim *sim, tp_driver *out) {
   out->wait_stream = sim_wait_stream;
   out->capturing = sim_capturing;
   sim_host_calls(sim, out);
+  out->synchronize = sim_synchronize_logged;
 }
 
 /* The simulated VMM calls, for tests of the simulator's VMM rules (tests/simvmm.py; each returns 0, or -1 with *e

@@ -1,4 +1,4 @@
-/* The simulated device's host side: pinned host memory with a capacity, copies, events, synchronize, mem info.
+/* The simulated device's host side: pinned host memory with a capacity, copies, events, mem info.
  *
  * Host memory is plain memory at simulated addresses (0x2000_0000_0000 up): never reused unless reuse_host asks
  * for what mmap does (a piece of a reservation given back is unmapped at once and the next reservation that fits
@@ -331,8 +331,6 @@ static int sim_wait_event(void *self, uint64_t event, tp_err *e) {
   return 0;
 }
 
-static int sim_synchronize(void *self, int dev, tp_err *e) { return check_dev(self, dev, e); }
-
 static int sim_mem_info(void *self, int dev, int64_t *free_bytes, int64_t *total, tp_err *e) {
   tp_sim *s = self;
   if (check_dev(s, dev, e)) return -1;
@@ -393,7 +391,6 @@ void sim_host_calls(tp_sim *s, tp_driver *out) {
   out->copy_h2d = sim_copy_h2d;
   out->record = sim_record;
   out->wait_event = sim_wait_event;
-  out->synchronize = sim_synchronize;
   out->mem_info = sim_mem_info;
   out->read = sim_read;
   out->write = sim_write;

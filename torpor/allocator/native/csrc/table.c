@@ -469,6 +469,34 @@ TP_EXPORT int tp_free_raw(tp_ctx *c, uint64_t addr, tp_err *e) {
   return rc;
 }
 
+/* cudaFree's contract for memory torpor handed out as cudaMalloc (the preload library): the device is synchronized
+ * first, as cudaFree does implicitly (torch's caching allocator frees a cached segment right after the kernels that
+ * used it were queued, counting on that wait; cuMemUnmap does not wait). Waited for outside the mutex. A failed
+ * synchronize drops the record but keeps its mapping (a kernel may still use it; the tag's next sleep or the close
+ * unmaps it) and returns -1 with the reason, as cudaFree returns the error. */
+TP_EXPORT int tp_free_synchronized(tp_ctx *c, uint64_t addr, tp_err *e) {
+  pthread_mutex_lock(&c->mu);
+  int k = alloc_lower(c, addr), dev = -1, tag = -1, closed = c->closed;
+  if (k < c->na && c->a[k].addr == addr) dev = c->a[k].dev, tag = c->a[k].tag;
+  pthread_mutex_unlock(&c->mu);
+  if (closed || dev < 0) return tp_free_raw(c, addr, e); /* closed: nothing is unmapped; unknown: its refusal */
+  tp_err waited;
+  memset(&waited, 0, sizeof waited);
+  int stuck = c->drv.ensure_context(c->drv.self, dev, &waited) || c->drv.synchronize(c->drv.self, dev, &waited);
+  pthread_mutex_lock(&c->mu);
+  int rc = free_locked(c, addr, stuck, e);
+  if (stuck) {
+    driver_fail(&waited, tag, "free");
+    ring_push(c, &waited);
+    if (!rc) {
+      *e = waited;
+      rc = -1;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
 /* -- the torch side: one malloc/free pair per slot, each slot bound to (context, tag) ----------------
  *
  * torch keeps the function pointers of a slot for the process, so a slot is
