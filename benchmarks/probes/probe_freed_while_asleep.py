@@ -4,7 +4,7 @@ Run on a GPU machine: ``python benchmarks/probes/probe_freed_while_asleep.py mix
 tensors of the variant's sizes under three tags, sleeps at level 1, deletes them while asleep and wakes; it prints the
 growth over the first wake's usage before and after ``torch.cuda.empty_cache()`` and each tag's table stats. The
 promise (docs/allocator.md): after ``empty_cache()`` the growth over 10 cycles is at most one granule per tag touched.
-Not yet run on a GPU since the fix (no device time was left in the session that wrote it).
+Run on an H100 on 2026-12-07 after the fix: +0.0 MiB before and after empty_cache over ten cycles (mixed).
 """
 import sys, torch
 from torpor import SleepController
