@@ -33,6 +33,7 @@ from torpor.errors import (
     UnknownSchemaVersion,
     UnknownTag,
     UnsafeLogPath,
+    WakeCheckFailed,
 )
 from torpor.statemachine import (
     Action,
@@ -101,7 +102,7 @@ _LAZY = {
     "fleet": "torpor.hooks",
     "Client": "torpor.client",
     "TrackRefused": "torpor.statemachine.machine.tracking",
-    "NotReloaded": "torpor.allocator.keep.modules",
+    "NotReloaded": "torpor.errors",
 }
 
 
@@ -190,6 +191,7 @@ __all__ = [
     "UnknownSchemaVersion",
     "UnknownTag",
     "UnsafeLogPath",
+    "WakeCheckFailed",
     "__version__",
     "apply_nccl_defaults",
     "attach",

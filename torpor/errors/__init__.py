@@ -85,6 +85,7 @@ from torpor.errors.memory import (
     MemoryOperationFailed,
     OutOfMemory,
     TagNotAwake,
+    WakeCheckFailed,
 )
 from torpor.errors.serving import (
     BadRequest,
@@ -193,5 +194,6 @@ __all__ = [
     "UnknownSchemaVersion",
     "UnknownTag",
     "UnsafeLogPath",
+    "WakeCheckFailed",
     "WireClosed",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "MemoryOperationFailed",
     "OutOfMemory",
     "TagNotAwake",
+    "WakeCheckFailed",
 ]
 
 
@@ -73,3 +74,25 @@ class BlocksOpen(AllocatorError):
     def __init__(self, reason: str, holders: Sequence[str]) -> None:
         self.holders = tuple(holders)
         super().__init__("sleep", None, reason)
+
+
+class WakeCheckFailed(AllocatorError):
+    """A wake's restored bytes differ from what its sleep backed up (every wake is checked, issue 53).
+
+    ``address`` and ``nbytes``: the first chunk that differs; ``chunk``: its index in the backed-up
+    piece at ``piece``; ``recorded`` and ``found``: the chunk's sum64 at sleep and after the wake;
+    ``count``: how many chunks of the tag differ. The wake is rolled back: the tag stays asleep with
+    its backup kept, and nothing of it is reported awake.
+    """
+
+    def __init__(
+        self, tag: str, *, address: int, nbytes: int, piece: int, chunk: int, recorded: int, found: int, count: int
+    ) -> None:
+        self.address, self.nbytes, self.piece, self.chunk = address, nbytes, piece, chunk
+        self.recorded, self.found, self.count = recorded, found, count
+        reason = (
+            f"the restored bytes {address:#x}..{address + nbytes:#x} (chunk {chunk} of the piece backed up at "
+            f"{piece:#x}) do not match the checksum taken at sleep (sum64 {recorded:#018x}, found {found:#018x}); "
+            f"{count} chunk(s) of the tag differ; the wake was rolled back: the tag stays asleep, its backup kept"
+        )
+        super().__init__("restore", tag, reason, call="wake check")
