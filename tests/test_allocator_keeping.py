@@ -1,4 +1,4 @@
-"""Tests of torpor.allocator.keep.keeping on SimDriver: ranges of a tag kept across a discard, counted, replayed, rolled back."""
+"""Tests of torpor.allocator.kept_ranges.keeping on SimDriver: ranges of a tag kept across a discard, counted, replayed, rolled back."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 from tests.support import RigMaker, samples, value
 from torpor import EventKind, State
 from torpor.allocator import AllocatorError, TaggedAllocator
-from torpor.allocator.keep.keeping import merged
-from torpor.allocator.keep.ranges import KeptRange
+from torpor.allocator.kept_ranges.keeping import merged
+from torpor.allocator.kept_ranges.ranges import KeptRange
 from torpor.statemachine import replay
 from torpor.telemetry import attach
 from torpor.testrig import GRANULE as G

@@ -1,4 +1,4 @@
-"""Tests of torpor.allocator.keep.modules on CPU modules: what a state_dict reload cannot restore, and the reload check."""
+"""Tests of torpor.allocator.kept_ranges.modules on CPU modules: what a state_dict reload cannot restore, and the reload check."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torpor.allocator.keep.modules import ModuleTracker, NotReloaded, unrestorable  # noqa: E402
+from torpor.allocator.kept_ranges.modules import ModuleTracker, NotReloaded, unrestorable  # noqa: E402
 
 
 class Rotary(torch.nn.Module):

@@ -11,7 +11,7 @@ import pytest
 
 from torpor import EventKind, SleepController, State
 from torpor.allocator import TaggedAllocator
-from torpor.allocator.keep.modules import ModuleTracker, NotReloaded
+from torpor.allocator.kept_ranges.modules import ModuleTracker, NotReloaded
 from torpor.bench import realmodel as rm
 from torpor.bench.checksums import module_checksums
 from torpor.units import MiB

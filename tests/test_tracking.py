@@ -6,7 +6,7 @@ import pytest
 
 from torpor import SleepController, TrackRefused
 from torpor.allocator import HostPolicy, SimDriver, TaggedAllocator
-from torpor.allocator.keep.ranges import KeptRange
+from torpor.allocator.kept_ranges.ranges import KeptRange
 from torpor.testing import FakeMemory
 
 

@@ -8,7 +8,7 @@ injection. Importing this package touches neither CUDA, torch, nor the library.
 
 Its parts, lowest first, each importing only those before it: :mod:`.native`
 (the C library, its table and drivers), :mod:`.host` (pinned host memory),
-:mod:`.sleepwake` (backup, release, restore), :mod:`.keep` (ranges kept across a
+:mod:`.sleepwake` (backup, release, restore), :mod:`.kept_ranges` (ranges kept across a
 discard), :mod:`.torchside` (torch's pools) and :mod:`.tagged` (``TaggedAllocator``).
 """
 

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 
 from torpor.allocator.host.offload import HostArena, HostPolicy
 from torpor.allocator.host.staging import Stager
-from torpor.allocator.keep.keeping import KeepBook
-from torpor.allocator.keep.ranges import KeepSource
+from torpor.allocator.kept_ranges.keeping import KeepBook
+from torpor.allocator.kept_ranges.ranges import KeepSource
 from torpor.allocator.native.cuda_driver import CudaDriver
 from torpor.allocator.native.driver import Driver
 from torpor.allocator.native.table import NativeTable

@@ -5,7 +5,7 @@ holds; what it does not hold (non-persistent buffers such as rotary
 ``inv_freq``, tensors kept as plain attributes) must survive the discard. The
 policy decides when a tag is discarded; :func:`track` says which
 module lives in the tag, and the memory (mechanism:
-``torpor.allocator.keep.keeping``) keeps that module's unrestorable ranges on the host
+``torpor.allocator.kept_ranges.keeping``) keeps that module's unrestorable ranges on the host
 whenever it releases the tag without a backup, and copies them back at the
 wake. The bytes kept are recorded as ``kept`` on ``tag_released`` and
 ``tag_restored``. Nothing here imports torch: the memory finds the ranges.

@@ -11,7 +11,7 @@ module holds in device memory, each storage once:
   in a list, tuple or dict (caches such as ``cos_cached``), unless they share
   storage with something the reload writes.
 
-:class:`~torpor.allocator.keep.keeping.KeepBook` asks for these ranges at each discard
+:class:`~torpor.allocator.kept_ranges.keeping.KeepBook` asks for these ranges at each discard
 and keeps them on the host. After a wake without a backup it calls
 :meth:`ModuleTracker.fresh`, which (with ``check``) fills every reloadable
 tensor inside the tag with 0xFF bytes (NaN in floating point) so that one the
@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torpor.allocator.keep.ranges import KeptRange
+from torpor.allocator.kept_ranges.ranges import KeptRange
 from torpor.errors import NotReloaded
 
 POISON = 0xFF
@@ -90,7 +90,7 @@ def unrestorable(module: Any) -> list[tuple[str, Any]]:
 
 
 class ModuleTracker:
-    """A :class:`~torpor.allocator.keep.keeping.KeepSource` for one module (held weakly), with the reload check."""
+    """A :class:`~torpor.allocator.kept_ranges.keeping.KeepSource` for one module (held weakly), with the reload check."""
 
     def __init__(self, module: Any, tag: str, *, check: bool = True) -> None:
         self.tag = tag

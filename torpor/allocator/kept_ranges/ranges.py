@@ -1,4 +1,4 @@
-"""What a keep source names: ranges of a tag to keep across a discard (:mod:`torpor.allocator.keep.keeping`)."""
+"""What a keep source names: ranges of a tag to keep across a discard (:mod:`torpor.allocator.kept_ranges.keeping`)."""
 
 from __future__ import annotations
 

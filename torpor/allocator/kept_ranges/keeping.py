@@ -4,7 +4,7 @@ A level-2 sleep discards ``weights`` and the engine reloads its parameters (a
 ``state_dict``) after the wake. What no reload restores (a module's
 non-persistent buffers such as rotary ``inv_freq``, tensors held as plain
 attributes) lives at addresses inside that same tag. A *keep source* names
-those ranges (:mod:`torpor.allocator.keep.modules` finds them for a torch module);
+those ranges (:mod:`torpor.allocator.kept_ranges.modules` finds them for a torch module);
 :class:`KeepBook` copies them to pinned host memory when the tag is released
 without a backup, and back into the fresh mapping when the tag is restored
 without one, before the wake returns. Mechanism only: which tags are
@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from torpor.allocator.failures import wrap
-from torpor.allocator.keep.modules import ModuleTracker
-from torpor.allocator.keep.ranges import KeepSource, KeptRange
+from torpor.allocator.kept_ranges.modules import ModuleTracker
+from torpor.allocator.kept_ranges.ranges import KeepSource, KeptRange
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
 from torpor.allocator.native.table import NativeTable
