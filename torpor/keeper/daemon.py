@@ -43,7 +43,7 @@ from typing import Any
 from torpor.errors import BadArgument, BadMessage, RequestRefused
 from torpor.keeper import wire
 from torpor.keeper.holdings import Session
-from torpor.keeper.ledger import Ledger
+from torpor.keeper.ledger import Ledger, process_start
 from torpor.keeper.listening import Listening
 from torpor.keeper.operations import OPS, Reply
 from torpor.units import byte_size
@@ -179,6 +179,8 @@ class Keeper:
         try:
             pid, uid, _ = wire.peer(conn)
             session.pid = pid
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                session.started = process_start(pid)
             if uid != self.uid:
                 logger.warning("refused pid %d of uid %d (this keeper serves uid %d only)", pid, uid, self.uid)
                 reason = "SO_PEERCRED says another user"

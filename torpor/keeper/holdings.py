@@ -45,10 +45,11 @@ class Backup:
 
 @dataclass
 class Engine:
-    """An engine the keeper has heard from: its name, its process and since when, whether it is alive."""
+    """An engine the keeper has heard from: its name, its process (and when that started) and since when, whether it is alive."""
 
     name: str
     pid: int
+    started: int | None = None  # the process's start time (clock ticks after boot) at connect; None: not known
     since: float = field(default_factory=time.time)
     alive: bool = True
     ended: float | None = None
@@ -57,7 +58,7 @@ class Engine:
 
 @dataclass
 class Session:
-    """One connection: its number, the peer's pid (``SO_PEERCRED``), the engine it speaks for, the backups it holds.
+    """One connection: its number, the peer's pid (``SO_PEERCRED``) and its start time, its engine, the backups it holds.
 
     ``grants`` maps each backup this connection claimed or adopts to whether its
     identity was checked (``adopt``) or only claimed; all of them are let go
@@ -66,5 +67,6 @@ class Session:
 
     id: int
     pid: int
+    started: int | None = None  # the peer's start time at connect (:func:`torpor.keeper.ledger.process_start`)
     engine: str | None = None
     grants: dict[str, bool] = field(default_factory=dict)

@@ -4,6 +4,17 @@ Every method runs under the keeper's one lock (:class:`~torpor.keeper.daemon.Kee
 holds it around each operation and each connection's end); none blocks on a
 peer. :meth:`Ledger.collect` closes each region that no live engine uses and no
 backup needs.
+
+An engine dies with its process's last connection; the keeper learns that when
+it reads the connection's end, on that connection's thread, which may come after
+a new process's ``claim``, ``adopt``, ``hello`` or an operator's ``drop`` (the
+writer was killed a moment before), or never, while another process (a child
+it forked) holds its socket open. So before any of those is refused because the
+writer is alive, :meth:`Ledger.alive` asks the kernel: a process that has exited
+(a zombie too) or whose pid now names a process that started at another time
+(:func:`gone`; the start time is taken at connect, :func:`process_start`) ends
+its engine there, as its connection's end would. No descriptor is held per
+engine for this (a pidfd would be one more to run out of).
 """
 
 from __future__ import annotations
@@ -16,9 +27,37 @@ from typing import Any
 
 from torpor.keeper.holdings import Backup, Engine, Region, Session
 
-__all__ = ["Ledger"]
+__all__ = ["Ledger", "gone", "process_start"]
 
 logger = logging.getLogger("torpor.keeper")
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat``); None once it has exited (a zombie too).
+
+    Other errors reading it (OSError) are raised.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # the name, in parentheses, may hold spaces and parentheses
+    if fields[0] in (b"Z", b"X"):  # state: exited, not (yet) reaped
+        return None
+    return int(fields[19])  # field 22 of stat(5), the 20th after the state
+
+
+def gone(pid: int, started: int | None) -> bool:
+    """Whether process ``pid``, which started at ``started`` (None: not known), has exited or its pid names another.
+
+    What cannot be read is taken as alive (the keeper refuses as it would have).
+    """
+    try:
+        now = process_start(pid)
+    except (OSError, ValueError, IndexError):
+        return False
+    return now is None or (started is not None and now != started)
 
 
 class Ledger:
@@ -66,15 +105,26 @@ class Ledger:
         if engine is not None and engine.pid == session.pid and engine.alive:
             engine.connections -= 1
             if engine.connections <= 0:
-                engine.alive = False
-                engine.ended = time.time()
-                for r in self.regions.values():
-                    if r.pid == engine.pid:
-                        r.in_use = False
-                kept = self.backups.get(engine.name)
-                if kept is not None:
-                    logger.info("engine %r (pid %d) ended; its backup %s is kept", name, engine.pid, kept.id)
+                self._end(engine, "ended")
         self.collect()
+
+    def alive(self, engine: Engine) -> bool:
+        """Whether ``engine``'s process lives; one found gone (:func:`gone`) ends it here, as its last connection's end would."""
+        if engine.alive and gone(engine.pid, engine.started):
+            self._end(engine, "exited before the keeper read its connection's end")
+            self.collect()
+        return engine.alive
+
+    def _end(self, engine: Engine, how: str) -> None:
+        """``engine``'s process is gone: its regions are used no more (a backup keeps those it needs)."""
+        engine.alive = False
+        engine.ended = time.time()
+        for r in self.regions.values():
+            if r.pid == engine.pid:
+                r.in_use = False
+        kept = self.backups.get(engine.name)
+        if kept is not None:
+            logger.info("engine %r (pid %d) %s; its backup %s is kept", engine.name, engine.pid, how, kept.id)
 
     def close(self) -> None:
         """Close every region (the backups are lost)."""

@@ -83,13 +83,13 @@ def _hello(ledger: Ledger, session: Session, name: str) -> Reply:
     if session.engine is not None and session.engine != name:
         raise RequestRefused("usage", f"this connection speaks for engine {session.engine!r} already, not {name!r}")
     held = ledger.engines.get(name)
-    if held is not None and held.alive and held.pid != session.pid:
+    if held is not None and held.pid != session.pid and ledger.alive(held):
         raise RequestRefused("busy", f"engine {name!r} is held by pid {held.pid}, which is alive", pid=held.pid)
     if session.engine is None:
         if held is not None and held.alive:
             held.connections += 1
         else:
-            ledger.engines[name] = Engine(name, session.pid)
+            ledger.engines[name] = Engine(name, session.pid, session.started)
         session.engine = name
     return {"keeper_pid": os.getpid(), "budget": ledger.budget, "used": ledger.used()}, []
 
@@ -234,7 +234,7 @@ def _claimable(ledger: Ledger, session: Session, engine: str) -> Backup:
     owner = ledger.engines.get(engine)
     if backup.pid == session.pid:
         raise RequestRefused("refused", "it is this process's own backup (wake instead)", engine=engine)
-    if owner is not None and owner.alive and owner.pid == backup.pid:
+    if owner is not None and owner.pid == backup.pid and ledger.alive(owner):
         raise RequestRefused("refused", f"pid {backup.pid}, which wrote it, is alive", engine=engine)
     if backup.adopter is not None and backup.adopter != session.pid:
         raise RequestRefused("refused", f"pid {backup.adopter} is adopting it", engine=engine)
@@ -321,7 +321,7 @@ def _drop(ledger: Ledger, session: Session, engine: str) -> Reply:
     owner = ledger.engines.get(engine)
     if backup is None:
         raise RequestRefused("drop", f"nothing to drop: the keeper holds no backup of engine {engine!r}", engine=engine)
-    if owner is not None and owner.alive and owner.pid == backup.pid:
+    if owner is not None and owner.pid == backup.pid and ledger.alive(owner):
         message = (
             f"engine {engine!r}'s backup {backup.id} was not dropped: pid {backup.pid}, which wrote it, is alive "
             "(it retracts its own backup when it wakes)"
