@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import resource
 import shutil
@@ -437,6 +438,70 @@ def test_running_out_of_descriptors_refuses_and_keeps_every_backup(tmp_path: Pat
     finally:
         proc.kill()
         proc.wait()
+
+
+def _nulls(pid: int) -> int:
+    """How many of process ``pid``'s descriptors name /dev/null (the keeper's reserve is one)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") == os.devnull
+    return count
+
+
+def test_a_connection_on_the_reserve_is_served_once_descriptors_are_back(tmp_path: Path) -> None:
+    """Accepted on its reserve's slot after the limit rose again, a connection is served, not refused, and the reserve is back."""
+    sock = tmp_path / "k" / "keeper.sock"
+    proc = start_keeper(sock)
+    try:
+        reserve = _nulls(proc.pid)
+        limits = _starve(proc.pid)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:  # the accept under way had its number
+            conn.settimeout(30)
+            conn.connect(str(sock))
+            assert "error" not in _exchange(conn, _frame(b'{"op":"status"}'))
+        deadline = time.monotonic() + 30
+        while _nulls(proc.pid) >= reserve:  # the next accept failed: the keeper let its reserve go to accept on it
+            assert time.monotonic() < deadline, "the keeper never let its reserve go"
+            time.sleep(0.01)
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, limits)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(30)
+            conn.connect(str(sock))
+            reply = _exchange(conn, _frame(b'{"op":"status"}'))
+            assert "error" not in reply, reply
+            assert _nulls(proc.pid) == reserve  # it took its reserve back before it served
+        assert proc.poll() is None, "the keeper died"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_refused_connections_descriptor_becomes_the_reserve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of descriptors, each waiting connection is refused in turn: a refusal hands its slot back, opening none."""
+    keeper = Keeper(tmp_path / "k" / "keeper.sock", budget_bytes=8 * MiB)
+    keeper.bind()  # no serve loop: this test plays it, as if every accept failed with EMFILE
+    real_open = os.open
+
+    def no_descriptor_for_a_reserve(path: Any, flags: int, mode: int = 0o777, **kwargs: Any) -> int:
+        if path == os.devnull:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, flags, mode, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_descriptor_for_a_reserve)
+    short = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+    try:
+        for _ in range(3):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(10)
+                conn.connect(str(keeper.path))
+                conn.sendall(_frame(b'{"op":"status"}'))
+                keeper._shed(keeper._listener, short)  # type: ignore[arg-type]
+                reply, _ = wire.receive(conn)
+                assert reply.get("error") == "resources" and "out of file descriptors" in reply["message"], reply
+                assert conn.recv(1) == b""  # one refusal, then the end
+    finally:
+        keeper.close()
 
 
 def test_a_second_connection_of_a_live_engine_closing_leaves_it_alive(keeper: Keeper) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -44,7 +45,7 @@ from torpor.errors import BadArgument, BadMessage, RequestRefused
 from torpor.keeper import wire
 from torpor.keeper.holdings import Session
 from torpor.keeper.ledger import Ledger, process_start
-from torpor.keeper.listening import Listening
+from torpor.keeper.listening import Listening, Reserve
 from torpor.keeper.operations import OPS, Reply
 from torpor.units import byte_size
 
@@ -76,7 +77,7 @@ class Keeper:
         self._closing = False
         self._sessions = itertools.count(1)
         self._connections = 0
-        self._reserve = -1  # a descriptor held back to answer a connection when every other one is taken
+        self._reserve = Reserve()  # a descriptor held back to answer a connection when every other one is taken
         self._warned = 0.0
         self.started = self._ledger.started
         _more_descriptors()
@@ -87,7 +88,7 @@ class Keeper:
         """Take the socket's path (:class:`~torpor.keeper.listening.Listening`) and listen; :class:`KeeperPathRefused` says why not."""
         self._listening = Listening(self.path)
         self._listener = self._listening.socket
-        self._restore_reserve()
+        self._reserve.hold()
 
     def serve(self) -> None:
         """Accept connections until :meth:`close` (binds first if needed); running out of descriptors ends nothing."""
@@ -108,51 +109,56 @@ class Keeper:
                 elif exc.errno not in _TRANSIENT:
                     raise
                 continue
-            with self._lock:
-                full = self._connections >= MAX_CONNECTIONS
-                self._connections += 0 if full else 1
-            if full:
-                self._spawn(_refuse, conn, f"the keeper serves at most {MAX_CONNECTIONS} connections at once", None)
-            else:
-                self._spawn(self._serve_one, conn)
+            self._admit(conn)
 
-    def _spawn(self, target: Callable[..., None], conn: socket.socket, *args: Any) -> None:
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve ``conn`` on a thread of its own, or refuse it when :data:`MAX_CONNECTIONS` are served."""
+        with self._lock:
+            full = self._connections >= MAX_CONNECTIONS
+            self._connections += 0 if full else 1
+        if full:
+            message = f"the keeper serves at most {MAX_CONNECTIONS} connections at once"
+            self._spawn(functools.partial(_refuse, conn, message, socket.socket.close), conn.close)
+        else:
+            self._spawn(functools.partial(self._serve_one, conn), functools.partial(self._unserved, conn))
+
+    def _unserved(self, conn: socket.socket) -> None:
+        conn.close()
+        with self._lock:
+            self._connections -= 1
+
+    @staticmethod
+    def _spawn(work: Callable[[], None], undo: Callable[[], None]) -> None:
+        """Run ``work`` on a thread of its own; with no thread to be had, ``undo`` (the connection goes, the keeper stays)."""
         try:
-            threading.Thread(target=target, args=(conn, *args), name="torpor-keeper-conn", daemon=True).start()
-        except RuntimeError:  # no thread to be had: the connection goes, the keeper stays
-            conn.close()
-            if target == self._serve_one:
-                with self._lock:
-                    self._connections -= 1
+            threading.Thread(target=work, name="torpor-keeper-conn", daemon=True).start()
+        except RuntimeError:
+            undo()
 
     def _shed(self, listener: socket.socket, exc: OSError) -> None:
-        """Out of descriptors: answer the waiting connection with a refusal on the reserve descriptor's slot."""
+        """Out of descriptors: accept on the reserve's slot; serve the connection if a reserve can be had again, else refuse it."""
         now = time.monotonic()
         if now - self._warned > 10:
             self._warned = now
             logger.warning("the keeper is out of descriptors (%s): connections are refused; backups are kept", exc)
-        with self._lock:
-            reserve, self._reserve = self._reserve, -1
-        if reserve < 0:  # the reserve is in use: let the refusal under way finish
+        if not self._reserve.release():  # no reserve, none to be had: no event says when one is freed
             time.sleep(0.05)
             return
-        os.close(reserve)
         try:
             conn, _ = listener.accept()
-        except OSError:
-            self._restore_reserve()
-            time.sleep(0.05)
+        except OSError:  # the keeper stops, or the number went to another descriptor first
+            self._reserve.hold()
+            return
+        if self._reserve.hold():  # descriptors are to be had again: served as any other
+            self._admit(conn)
             return
         message = (
             f"the keeper is out of file descriptors ({exc.strerror or exc}); it serves again once some are freed, "
             "and every backup it holds is kept"
         )
-        self._spawn(_refuse, conn, message, self._restore_reserve)
-
-    def _restore_reserve(self) -> None:
-        with contextlib.suppress(OSError), self._lock:
-            if self._reserve < 0:
-                self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._reserve.lend()
+        park = self._reserve.park
+        self._spawn(functools.partial(_refuse, conn, message, park), functools.partial(park, conn))
 
     def start(self) -> Keeper:
         """Bind and serve in a daemon thread (tests, an engine that hosts its own keeper); returns self."""
@@ -168,9 +174,7 @@ class Keeper:
             self._listening.close()  # the socket and its lock file go only if they are still this keeper's
         with self._lock:
             self._ledger.close()
-            if self._reserve >= 0:
-                os.close(self._reserve)
-                self._reserve = -1
+        self._reserve.close()
 
     # -- one connection ---------------------------------------------------------------
 
@@ -235,8 +239,8 @@ class Keeper:
             return self._ledger.status()
 
 
-def _refuse(conn: socket.socket, message: str, then: Callable[[], None] | None) -> None:
-    """Read the connection's first request (2 s at most), answer it with refusal ``message``, close it; then ``then``."""
+def _refuse(conn: socket.socket, message: str, then: Callable[[socket.socket], None]) -> None:
+    """Read the connection's first request (2 s at most), answer it with refusal ``message``; then ``then(conn)`` (its end)."""
     try:
         conn.settimeout(2.0)
         with contextlib.suppress(OSError, BadMessage):
@@ -246,9 +250,7 @@ def _refuse(conn: socket.socket, message: str, then: Callable[[], None] | None) 
         with contextlib.suppress(OSError):
             wire.send(conn, {"error": "resources", "message": message})
     finally:
-        conn.close()
-        if then is not None:
-            then()
+        then(conn)
 
 
 def _more_descriptors() -> None:

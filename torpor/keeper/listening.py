@@ -17,6 +17,14 @@ answers is refused, named. The socket's device and inode are recorded at bind;
 :meth:`Listening.close` removes the path only if it still names that socket,
 then the lock file, before it lets the lock go.
 
+Out of descriptors, ``accept`` fails (EMFILE) before it takes a connection, so
+the keeper holds one descriptor back (:class:`Reserve`): it lets it go and
+accepts on its number; if it can then take a reserve again, descriptors are to
+be had and the connection is served like any other; if not, it gets one
+refusal, and its own descriptor, shut down, becomes the reserve. A descriptor
+closed and another opened in its place would leave its number free between the
+two, for the next ``accept`` to take (then no reserve is left to refuse with).
+
 A lock rather than binding to a temporary name and linking it in only if the
 path is free: the link alone would leave a window at the end (between checking
 that the path is still this keeper's and removing it) and say nothing of who
@@ -31,11 +39,12 @@ import fcntl
 import os
 import socket
 import stat
+import threading
 from pathlib import Path
 
 from torpor.errors import KeeperPathRefused
 
-__all__ = ["Listening", "socket_directory"]
+__all__ = ["Listening", "Reserve", "socket_directory"]
 
 _KINDS = (
     (stat.S_ISREG, "a regular file"),
@@ -194,6 +203,74 @@ class Listening:
                 self.lock_path.unlink()
         os.close(self._lock)
         self._lock = -1
+
+
+class Reserve:
+    """One descriptor held back so that a keeper out of descriptors can still take a connection, to refuse it.
+
+    :meth:`release` closes it so that the next descriptor made (an ``accept``'s)
+    takes its number; :meth:`hold` takes one again; :meth:`lend` says the slot
+    holds a connection being refused, and :meth:`park` makes that connection's
+    descriptor, shut down, the reserve once the refusal is sent (no instant
+    where its number is free). One refusal at a time: :meth:`release` waits for
+    the one under way.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._fd = -1
+        self._lent = False  # a connection refused on its slot has not been parked yet
+        self._closed = False
+
+    def hold(self) -> bool:
+        """Hold a reserve (one opened where none is); False where no descriptor can be had, or once closed."""
+        with self._cond:
+            if self._fd < 0 and not self._closed:
+                with contextlib.suppress(OSError):
+                    self._fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            return self._fd >= 0
+
+    def release(self, wait: float = 5.0) -> bool:
+        """Close the reserve so that its number is free; False where none is held and none can be had.
+
+        A refusal under way on its slot is waited for (``wait`` seconds at most: its
+        peer has 2 s to send its request; False after that).
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._lent, timeout=wait):
+                return False
+            if not self.hold():
+                return False
+            os.close(self._fd)
+            self._fd = -1
+            return True
+
+    def lend(self) -> None:
+        """The connection accepted on the reserve's slot is to be refused: :meth:`release` waits for its :meth:`park`."""
+        with self._cond:
+            self._lent = True
+
+    def park(self, conn: socket.socket) -> None:
+        """Refused connection ``conn`` is done: shut down (its peer sees the end), its descriptor is the reserve."""
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        with self._cond:
+            if self._fd < 0 and not self._closed:
+                self._fd = conn.detach()
+            else:
+                conn.close()
+            self._lent = False
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Close the reserve for good (the keeper stops)."""
+        with self._cond:
+            self._closed = True
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            self._lent = False
+            self._cond.notify_all()
 
 
 def _inode(path: Path) -> tuple[int, int] | None:
