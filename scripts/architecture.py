@@ -100,7 +100,19 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 #: from itself or a part before it; the package's own ``__init__`` is its facade, above all.
 SUBPACKAGES: dict[str, tuple[str, ...]] = {
     "torpor.statemachine": ("core", "projection", "log", "machine"),
-    "torpor.allocator": ("failures", "squeeze", "native", "host", "sleepwake", "kept_ranges", "torchside", "tagged"),
+    "torpor.allocator": (
+        "failures",
+        "squeeze",
+        "native",
+        "host",
+        "sleepwake",
+        "kept_ranges",
+        "torchside",
+        "views",
+        "routing",
+        "rawpath",
+        "tagged",
+    ),
 }
 
 

@@ -155,7 +155,7 @@ class ModelTorch:
                         return Tensor(pool, seg, block, 0)
             seg_size = max(self.segment_bytes, -(-size // self.segment_bytes) * self.segment_bytes)
             try:
-                address = self.alloc.table.alloc(pool.tag, 0, seg_size)  # the pluggable malloc: torpor's table
+                address = self.alloc._table.alloc(pool.tag, 0, seg_size)  # the pluggable malloc: torpor's table
             except Exception:  # NULL: torch raises its out-of-memory error
                 return None
             seg = Segment(address, seg_size, [[0, size, 1]])
@@ -226,8 +226,8 @@ class ModelPools:
         if "mark" in accepted:
             kwargs = {"mark": lambda streams: stream.queued, "done": lambda token: stream.ran >= int(token)}
         if "asleep" in accepted:  # the same model runs on the BlockPools before issue 26, which it must fail
-            kwargs["asleep"] = lambda tag: alloc.table.usage(tag)[0] != native.ACTIVE
-        self.blocks = BlockPools(ModelPool, alloc.table.trim, alloc.table.untrim, torch.snapshot, True, **kwargs)
+            kwargs["asleep"] = lambda tag: alloc._table.usage(tag)[0] != native.ACTIVE
+        self.blocks = BlockPools(ModelPool, alloc._table.trim, alloc._table.untrim, torch.snapshot, True, **kwargs)
 
     @contextmanager
     def use(self, tag: str) -> Iterator[None]:
@@ -262,5 +262,5 @@ def model_allocator(stream: ModelStream, granularity: int, capacity: int) -> tup
     driver = ModelDriver(stream, capacity=capacity, granularity=granularity)
     alloc = TaggedAllocator(driver)
     torch = ModelTorch(alloc, stream, granularity)  # one granule: torch's 2 MiB small-pool segments, on slabs
-    alloc.torch_binding._pools = ModelPools(alloc, torch)  # type: ignore[assignment]
+    alloc._torch._pools = ModelPools(alloc, torch)  # type: ignore[assignment]
     return alloc, torch

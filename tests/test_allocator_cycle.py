@@ -15,7 +15,7 @@ TAGS = ("weights", "kv_cache")
 @pytest.fixture(autouse=True)
 def _model_stands_for_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The caching model stands for torch's pools (tests/cachingmodel.py), as on CUDA."""
-    monkeypatch.setattr(TaggedAllocator, "_on_cuda", lambda self: True)
+    monkeypatch.setattr(TaggedAllocator, "on_cuda", property(lambda self: True))
     monkeypatch.setenv("TORPOR_TRIM_FREE_SEGMENTS", "1")
 
 

@@ -121,9 +121,9 @@ C_CASES = {
     ),
     "tp_host_pages_fault 2**64 - 1": ("c_call('tp_host_pages_fault', resv, ALL, 1, None)", "madvise"),
     "tp_map_span wraps": (
-        "tid = alloc.table.tag_id('r')\n"
-        "alloc.table.freeze('r'); alloc.table.mark_released('r')\n"
-        "c_call('tp_map_span', alloc.table.ctx, tid, ALL - G + 1, 2 * G, 0)",
+        "tid = alloc._table.tag_id('r')\n"
+        "alloc._table.freeze('r'); alloc._table.mark_released('r')\n"
+        "c_call('tp_map_span', alloc._table.ctx, tid, ALL - G + 1, 2 * G, 0)",
         "restore",
     ),
 }
@@ -143,7 +143,7 @@ def test_the_library_takes_no_negative_count_of_errors() -> None:
     out = isolated(
         """
         buf = (native.TpErr * 1)()
-        print("COPIED", lib.tp_errors(alloc.table.ctx, buf, -1))
+        print("COPIED", lib.tp_errors(alloc._table.ctx, buf, -1))
         """
     )
     assert "COPIED 0" in out, out

@@ -27,7 +27,7 @@ FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, c
 def slot(alloc: TaggedAllocator, tag: str) -> tuple[object, object]:
     """The malloc/free pair torch would get for ``tag``, callable from Python (ctypes drops the GIL around them)."""
     alloc.tag_state(tag)
-    m, f = alloc.table.slot(tag)
+    m, f = alloc._table.slot(tag)
     return MALLOC(m), FREE(f)
 
 
@@ -239,8 +239,8 @@ def test_trim_gives_a_segment_back_but_keeps_its_address_until_torch_frees_it(ma
     rig = make_rig("batched_large")
     a = rig.allocator.allocate(2 * G, "w")
     b = rig.allocator.allocate(2 * G, "w")
-    assert rig.allocator.table.trim(a) is True
-    assert rig.allocator.table.trim(a) is False  # idempotent: trimmed already
+    assert rig.allocator._table.trim(a) is True
+    assert rig.allocator._table.trim(a) is False  # idempotent: trimmed already
     assert (
         rig.driver.used == 2 * G
         and rig.allocator.usage()["w"].allocations == 1
@@ -256,7 +256,7 @@ def test_a_trimmed_slab_granule_is_not_handed_out_before_torch_frees_it(make_rig
     """Inside a slab a trimmed granule stays taken (torch still holds it); freed, it is spare again."""
     rig = make_rig("batched_large", slab_bytes=8 * G)
     first, second = rig.allocator.allocate(G, "w"), rig.allocator.allocate(G, "w")
-    rig.allocator.table.trim(first)
+    rig.allocator._table.trim(first)
     third = rig.allocator.allocate(G, "w")
     assert third not in (first, second) and rig.allocator.slabs.count() == 2
     rig.allocator.free(first)
@@ -268,7 +268,7 @@ def test_a_sleep_trims_nothing_torch_holds_live_and_skips_trimmed_segments(make_
     rig = make_rig("batched_large")
     a, b = rig.allocator.allocate(2 * G, "w"), rig.allocator.allocate(2 * G, "w")
     rig.allocator.write(b, b"b" * 2 * G)
-    rig.allocator.table.trim(a)
+    rig.allocator._table.trim(a)
     moved = rig.allocator.backup(["w"])["w"].bytes
     rig.allocator.release(["w"])
     rig.allocator.restore(["w"])
@@ -279,13 +279,13 @@ def test_untrim_maps_a_trimmed_segment_again_and_counts_it(make_rig: RigMaker) -
     """A trimmed segment untrimmed (its pool serves a block again) is mapped, counted and writable; untrim again says no."""
     rig = make_rig("batched_large")
     a = rig.allocator.allocate(2 * G, "w")
-    rig.allocator.table.trim(a)
+    rig.allocator._table.trim(a)
     assert rig.driver.used == 0 and rig.allocator.usage()["w"].allocations == 0
-    assert rig.allocator.table.untrim(a) is True
+    assert rig.allocator._table.untrim(a) is True
     assert rig.driver.used == 2 * G and rig.allocator.usage()["w"].resident == 2 * G
     rig.allocator.write(a, b"x" * 2 * G)
     assert rig.allocator.read(a, 2 * G) == b"x" * 2 * G
-    assert rig.allocator.table.untrim(a) is False
+    assert rig.allocator._table.untrim(a) is False
     rig.allocator.free(a)
     assert rig.driver.used == 0
 
@@ -294,8 +294,8 @@ def test_untrim_of_a_slab_granule_counts_it_on_the_live_slab(make_rig: RigMaker)
     """A trimmed granule of a slab still mapped becomes a user again: freeing its neighbour keeps the slab mapped."""
     rig = make_rig("batched_large", slab_bytes=8 * G)
     first, second = rig.allocator.allocate(G, "w"), rig.allocator.allocate(G, "w")
-    rig.allocator.table.trim(first)
-    assert rig.allocator.table.untrim(first)
+    rig.allocator._table.trim(first)
+    assert rig.allocator._table.untrim(first)
     mapped = rig.driver.used
     rig.allocator.free(second)
     assert rig.driver.used == mapped and rig.allocator.usage()["w"].allocations == 1
@@ -308,14 +308,14 @@ def test_untrim_while_asleep_is_refused_and_the_segment_stays_trimmed(make_rig: 
     rig = make_rig("batched_large")
     a, b = rig.allocator.allocate(2 * G, "w"), rig.allocator.allocate(2 * G, "w")
     rig.allocator.write(b, b"b" * 2 * G)
-    rig.allocator.table.trim(a)
+    rig.allocator._table.trim(a)
     rig.allocator.backup(["w"])
     rig.allocator.release(["w"])
     with pytest.raises(AllocatorError, match="asleep"):
-        rig.allocator.table.untrim(a)
+        rig.allocator._table.untrim(a)
     rig.allocator.restore(["w"])
     rig.allocator.drop_backup(["w"])
-    assert rig.allocator.table.untrim(a) and rig.driver.used == 4 * G
+    assert rig.allocator._table.untrim(a) and rig.driver.used == 4 * G
     assert rig.allocator.read(b, 2 * G) == b"b" * 2 * G
 
 
@@ -324,15 +324,15 @@ def test_trim_of_a_tag_going_to_sleep_waits_and_of_a_released_tag_keeps_the_wake
     rig = make_rig("batched_large")
     a = rig.allocator.allocate(2 * G, "w")
     rig.allocator.backup(["w"])
-    assert rig.allocator.table.trim(a) is False  # its backup is in flight: the release takes it
+    assert rig.allocator._table.trim(a) is False  # its backup is in flight: the release takes it
     rig.allocator.release(["w"])
     assert (
-        rig.allocator.table.trim(a) is True and rig.driver.used == 0
+        rig.allocator._table.trim(a) is True and rig.driver.used == 0
     )  # a segment torch holds free while the tag is asleep
     rig.allocator.restore(["w"])
     rig.allocator.drop_backup(["w"])
     assert rig.driver.used == 0 and rig.allocator.usage()["w"].allocations == 0
-    assert rig.allocator.table.untrim(a) is True and rig.driver.used == 2 * G  # its pool serves a block again
+    assert rig.allocator._table.untrim(a) is True and rig.driver.used == 2 * G  # its pool serves a block again
     rig.allocator.free(a)
     assert rig.driver.used == 0
 
@@ -347,15 +347,15 @@ def test_a_trim_whose_unmap_fails_is_a_trim_and_the_mapping_goes_at_the_next_sle
     rig.allocator.write(b, b"b" * 2 * G)
     rig.driver.fail("unmap", reason="the context is broken")
     with caplog.at_level("WARNING", logger="torpor.allocator"):
-        assert rig.allocator.table.trim(a) is True
+        assert rig.allocator._table.trim(a) is True
     assert "the context is broken" in caplog.text and "stays mapped" in caplog.text
-    assert rig.allocator.table.trim(a) is False and rig.allocator.usage()["w"].allocations == 1
+    assert rig.allocator._table.trim(a) is False and rig.allocator.usage()["w"].allocations == 1
     moved = rig.allocator.backup(["w"])["w"].bytes
     rig.allocator.release(["w"])
     assert moved == 2 * G and rig.driver.used == 0  # the mapping left by the trim went with the sleep
     rig.allocator.restore(["w"])
     rig.allocator.drop_backup(["w"])
-    assert rig.allocator.table.untrim(a) is True and rig.driver.used == 4 * G
+    assert rig.allocator._table.untrim(a) is True and rig.driver.used == 4 * G
     rig.allocator.write(a, b"a" * 2 * G)
     assert rig.allocator.read(a, 2 * G) == b"a" * 2 * G and rig.allocator.read(b, 2 * G) == b"b" * 2 * G
 
@@ -364,12 +364,12 @@ def test_untrim_failing_to_map_changes_nothing(make_rig: RigMaker) -> None:
     """A device full at untrim: AllocatorError (out of memory), the segment stays trimmed and uncounted."""
     rig = make_rig("batched_large")
     a = rig.allocator.allocate(2 * G, "w")
-    rig.allocator.table.trim(a)
+    rig.allocator._table.trim(a)
     rig.driver.fail("create", oom=True)
     with pytest.raises(AllocatorError):
-        rig.allocator.table.untrim(a)
+        rig.allocator._table.untrim(a)
     assert rig.driver.used == 0 and rig.allocator.usage()["w"].allocations == 0
-    assert rig.allocator.table.untrim(a)
+    assert rig.allocator._table.untrim(a)
 
 
 def test_untrim_is_all_or_nothing_when_the_table_cannot_grow(make_rig: RigMaker) -> None:
@@ -382,18 +382,18 @@ def test_untrim_is_all_or_nothing_when_the_table_cannot_grow(make_rig: RigMaker)
     rig.allocator.release(["w"])
     rig.allocator.restore(["w"])  # spans of <= 4 G in 2 G pieces: [a, x's first half], [x's second half, b]
     rig.allocator.drop_backup(["w"])
-    assert rig.allocator.table.trim(x)
+    assert rig.allocator._table.trim(x)
     rig.allocator.free(a)  # the first span goes: x lies half over nothing, half over the span it shares with b
     native.lib().tp_test_fail_growth(1)
     try:
         with pytest.raises(AllocatorError, match="out of host memory"):
-            rig.allocator.table.untrim(x)
+            rig.allocator._table.untrim(x)
     finally:
         native.lib().tp_test_fail_growth(0)
     assert (
         rig.driver.used == 3 * G and rig.allocator.usage()["w"].allocations == 1
     )  # as before: the span x shares with b
-    assert rig.allocator.table.untrim(x) and rig.driver.used == 5 * G
+    assert rig.allocator._table.untrim(x) and rig.driver.used == 5 * G
     rig.allocator.free(x)
     rig.allocator.free(b)
     assert rig.driver.used == 0 and rig.allocator.usage()["w"].allocations == 0
@@ -406,9 +406,9 @@ def test_sleep_copies_only_the_blocks_in_use_and_wake_restores_them(
     rig = make_rig("batched_large", slab_bytes=0)
 
     def half_live(tag: str) -> dict[int, list[tuple[int, int]]]:  # the torch side says half of each is in use
-        return {a: [(a, n // 2)] for a, n, _ in rig.allocator.table.allocations(tag)}
+        return {a: [(a, n // 2)] for a, n, _ in rig.allocator._table.allocations(tag)}
 
-    monkeypatch.setattr(rig.allocator.torch_binding, "live_ranges", half_live)
+    monkeypatch.setattr(rig.allocator._torch, "live_ranges", half_live)
     data = {}
     for _ in range(6):
         a = rig.allocator.allocate(4 * G, "w")
@@ -420,7 +420,7 @@ def test_sleep_copies_only_the_blocks_in_use_and_wake_restores_them(
     assert moved == 12 * G and rig.driver.used == 0 and copied >= 1
     rig.allocator.restore(["w"])
     assert all(rig.allocator.read(a, 2 * G) == b[: 2 * G] for a, b in data.items())
-    assert rig.allocator.host.used_bytes() == 12 * G
+    assert rig.allocator._host.used_bytes() == 12 * G
 
 
 def test_an_injected_failure_carries_its_reason_from_the_library_and_from_python(make_rig: RigMaker) -> None:
@@ -441,7 +441,7 @@ def test_sizes_addresses_and_devices_that_would_wrap_are_refused_by_value(make_r
     """allocate(2**64 + 4096), free(2**64 + a), device=2**32 or -1 raise ValueError naming the value; nothing changes."""
     rig = make_rig("batched_large")
     kept = rig.allocator.allocate(G, "w")
-    before = rig.allocator.table.allocations()
+    before = rig.allocator._table.allocations()
     for nbytes in (2**64 + 4096, 2**64, 2**63):
         with pytest.raises(ValueError, match=f"cannot allocate {nbytes} bytes") as caught:
             rig.allocator.allocate(nbytes, "w")
@@ -453,10 +453,10 @@ def test_sizes_addresses_and_devices_that_would_wrap_are_refused_by_value(make_r
         with pytest.raises(ValueError, match=f"address {address:#x}"):
             rig.allocator.free(address)
         with pytest.raises(ValueError, match="address"):
-            rig.allocator.table.trim(address)
+            rig.allocator._table.trim(address)
     with pytest.raises(ValueError, match="an integer"):
         rig.allocator.allocate(True, "w")  # type: ignore[arg-type]
-    assert rig.allocator.table.allocations() == before
+    assert rig.allocator._table.allocations() == before
     rig.allocator.free(kept)  # the allocation a wrapped address named is still there
     rig.allocator.close()
 
@@ -496,7 +496,7 @@ def _bind_all(make_rig: RigMaker, n_allocators: int, tags: int = 5) -> set[int]:
         rig = make_rig("batched_large", capacity=16 * MiB)
         for i in range(tags):
             rig.allocator.tag_state(f"t{i}")
-            seen.add(rig.allocator.table.slot(f"t{i}")[0])
+            seen.add(rig.allocator._table.slot(f"t{i}")[0])
         rig.allocator.close()
     return seen
 
@@ -527,7 +527,7 @@ def test_running_out_of_slots_says_who_holds_them(make_rig: RigMaker) -> None:
             rig = make_rig("batched_large", capacity=16 * MiB)
             opened.append(rig.allocator)
             rig.allocator.tag_state("t")
-            rig.allocator.table.slot("t")
+            rig.allocator._table.slot("t")
     assert "close()" in str(caught.value)
     for allocator in opened:
         allocator.close()
@@ -540,9 +540,9 @@ def test_a_closed_allocator_reaches_no_torch_pool_and_binds_no_slot(make_rig: Ri
     rig.allocator.tag_state("w")
     rig.allocator.close()
     with pytest.raises(AllocatorError, match="closed"):
-        rig.allocator.torch_binding.pools()
+        rig.allocator._torch.pools()
     with pytest.raises(AllocatorError, match="closed"):
-        rig.allocator.table.slot("w")
+        rig.allocator._table.slot("w")
 
 
 def test_torchs_free_of_a_segment_waits_for_its_stream_before_unmapping(make_rig: RigMaker) -> None:
@@ -580,7 +580,7 @@ def test_torchs_malloc_out_of_memory_reclaims_the_tags_pending_segment_after_wai
     malloc, free = slot(rig.allocator, "scratch")
     first = malloc(6 * G, 0, None)  # type: ignore[operator]
     assert first
-    assert rig.allocator.table.pend(first, 0x1234)  # freed in torch while a kernel on stream 0x1234 was queued
+    assert rig.allocator._table.pend(first, 0x1234)  # freed in torch while a kernel on stream 0x1234 was queued
     waits = rig.driver.count("wait")
     second = malloc(8 * G, 0, None)  # type: ignore[operator]
     assert second, rig.allocator.pending_errors()
@@ -588,8 +588,8 @@ def test_torchs_malloc_out_of_memory_reclaims_the_tags_pending_segment_after_wai
     data = os.urandom(8 * G)
     rig.allocator.write(second, data)
     assert rig.allocator.read(second, 8 * G) == data
-    assert rig.allocator.table.trim(first) is True  # reported to the pool's owner once: it maps it again before reuse
-    assert rig.allocator.table.unpend(first) is False
+    assert rig.allocator._table.trim(first) is True  # reported to the pool's owner once: it maps it again before reuse
+    assert rig.allocator._table.unpend(first) is False
     free(first, 6 * G, 0, None)  # type: ignore[operator]
     free(second, 8 * G, 0, None)  # type: ignore[operator]
     assert rig.allocator.pending_errors() == [] and rig.driver.used == 0
@@ -599,8 +599,8 @@ def test_an_allocation_out_of_memory_keeps_a_segment_no_longer_pending_and_raise
     """A segment unpended (its pool serves a block again) is not reclaimed: the allocation raises AllocatorOutOfMemory and the segment stays mapped."""
     rig = make_rig("batched_large", capacity=10 * G, slab_bytes=0)
     first = rig.allocator.allocate(6 * G, "scratch")
-    assert rig.allocator.table.pend(first, 0x1234)
-    assert rig.allocator.table.unpend(first) is False
+    assert rig.allocator._table.pend(first, 0x1234)
+    assert rig.allocator._table.unpend(first) is False
     with pytest.raises(AllocatorOutOfMemory, match="scratch"):
         rig.allocator.allocate(8 * G, "scratch")
     rig.allocator.write(first, b"still mapped")

@@ -29,7 +29,7 @@ def test_a_first_sleep_copies_through_the_ring_and_pins_the_chunks_after_it(make
     ctl = rig.control()
     data = fill(rig.allocator, "weights", [3 * G, 5 * G, G, 7 * G])
     ctl.sleep(1)
-    assert rig.allocator.stager.copied == 16 * G and not stage_threads() and rig.allocator.host.wait_ready(10)
+    assert rig.allocator._stager.copied == 16 * G and not stage_threads() and rig.allocator._host.wait_ready(10)
     log = [c.call for c in rig.driver.calls]
     assert max(i for i, c in enumerate(log) if c == "unmap") < log.index("host_register")  # no driver-lock fight
     calls = [c.call for c in rig.driver.calls if c.call in ("host_alloc", "host_register", "host_copy", "host_free")]
@@ -39,7 +39,7 @@ def test_a_first_sleep_copies_through_the_ring_and_pins_the_chunks_after_it(make
     assert "host_copy" not in calls[first_pin:] and calls[:first_pin].count("host_free") == 4  # the ring went first
     ctl.wake()
     assert intact(rig.allocator, data)
-    assert rig.allocator.host.pinned_bytes() == rig.allocator.pinned_bytes() == 16 * G == rig.driver.host_used
+    assert rig.allocator._host.pinned_bytes() == rig.allocator.pinned_bytes() == 16 * G == rig.driver.host_used
     rig.allocator.close()
 
 
@@ -82,7 +82,7 @@ def test_a_failed_copy_out_of_the_ring_fails_the_sleep_and_leaves_everything_res
         ctl.sleep(1)
     assert ctl.state is State.AWAKE and intact(rig.allocator, data) and not stage_threads()
     assert (
-        rig.allocator.host.wait_ready(10)
+        rig.allocator._host.wait_ready(10)
         and rig.allocator.pinned_bytes() == 0 == rig.driver.host_used == rig.driver.host_reserved
     )
     ctl.sleep(1)
@@ -115,7 +115,7 @@ def test_a_slot_that_cannot_be_pinned_leaves_a_smaller_ring(make_rig: RigMaker) 
     data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     rig.driver.fail("host_alloc")
     ctl.sleep(1)
-    assert rig.allocator.stager.copied == 16 * G and rig.driver.count("host_copy") == 16
+    assert rig.allocator._stager.copied == 16 * G and rig.driver.count("host_copy") == 16
     ctl.wake()
     assert intact(rig.allocator, data)
     rig.allocator.close()
@@ -129,8 +129,8 @@ def test_a_chunk_whose_pin_fails_after_a_staged_sleep_wakes_from_pageable_memory
     data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     rig.driver.fail("host_register")  # the first chunk's pin
     ctl.sleep(1)
-    assert rig.allocator.host.wait_ready(10)
-    assert rig.allocator.host.pinned_bytes() == 8 * G  # one of two chunks registered
+    assert rig.allocator._host.wait_ready(10)
+    assert rig.allocator._host.pinned_bytes() == 8 * G  # one of two chunks registered
     ctl.wake()
     assert intact(rig.allocator, data)
     ctl.sleep(1)  # the failed chunk stays until its extents come back, and is never handed out again
@@ -158,7 +158,9 @@ def test_a_wake_right_after_a_staged_sleep_waits_for_the_chunks_to_be_pinned(mak
     ctl = rig.control()
     data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     ctl.sleep(1)
-    assert rig.allocator.host.pinned_bytes() == 0 and rig.allocator.pinned_bytes() == 16 * G  # held, not yet registered
+    assert (
+        rig.allocator._host.pinned_bytes() == 0 and rig.allocator.pinned_bytes() == 16 * G
+    )  # held, not yet registered
     woke = threading.Event()
     t = threading.Thread(target=lambda: (ctl.wake(), woke.set()))
     t.start()
@@ -193,7 +195,7 @@ def test_ctrl_c_in_the_middle_of_a_staged_sleep_rolls_back_and_stops_every_threa
         ctl.sleep(1)
     assert ctl.state is State.AWAKE and not stage_threads() and intact(rig.allocator, data)
     assert (
-        rig.allocator.host.wait_ready(10)
+        rig.allocator._host.wait_ready(10)
         and rig.allocator.pinned_bytes() == 0 == rig.driver.host_used == rig.driver.host_reserved
     )
     ctl.sleep(1)
@@ -207,7 +209,7 @@ def test_no_room_for_the_ring_under_the_host_limit_pins_the_chunks_instead(make_
     rig = make_rig("staged")
     rig.control()
     ctl = SleepController(rig.allocator, policy=Policy(host=HostMemoryPolicy(budget_bytes=16 * G)))
-    assert rig.allocator.host.policy.limit_bytes == 16 * G
+    assert rig.allocator._host.policy.limit_bytes == 16 * G
     data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     ctl.sleep(1)
     assert rig.driver.count("host_copy") == 0 and rig.driver.host_used == 16 * G
@@ -222,10 +224,10 @@ def test_a_staged_sleep_of_two_tags_fills_chunks_both_share(make_rig: RigMaker) 
     ctl = rig.control()
     data = {**fill(rig.allocator, "weights", [5 * G]), **fill(rig.allocator, "cudagraph", [7 * G])}
     ctl.sleep(1)
-    assert rig.allocator.stager.copied == 12 * G
+    assert rig.allocator._stager.copied == 12 * G
     ctl.wake()
     assert intact(rig.allocator, data)
-    assert rig.allocator.host.pinned_bytes() == 16 * G == rig.driver.host_used  # two chunks: 8 + 8 granules, shared
+    assert rig.allocator._host.pinned_bytes() == 16 * G == rig.driver.host_used  # two chunks: 8 + 8 granules, shared
     rig.allocator.close()
 
 
@@ -241,16 +243,16 @@ def test_a_first_sleep_on_the_gpu_stages_and_wakes_bit_exact_at_once() -> None:
     refs = [t.cpu() for t in ts]
     torch.cuda.synchronize()
     ctl.sleep(1)
-    assert alloc.stager.copied >= 1024 * MiB and not stage_threads()
+    assert alloc._stager.copied >= 1024 * MiB and not stage_threads()
     ctl.wake()  # the chunks may still be registering: the wake waits for each one it copies from
     assert all(bool(torch.equal(t.cpu(), r)) for t, r in zip(ts, refs, strict=True))
-    assert alloc.host.wait_ready(60) and alloc.host.pinned_bytes() == alloc.pinned_bytes() >= 1024 * MiB
-    copied = alloc.stager.copied
+    assert alloc._host.wait_ready(60) and alloc._host.pinned_bytes() == alloc.pinned_bytes() >= 1024 * MiB
+    copied = alloc._stager.copied
     for t in ts:
         t.add_(1)
     torch.cuda.synchronize()
     ctl.sleep(1)
-    assert alloc.stager.copied == copied  # straight into the pinned chunks
+    assert alloc._stager.copied == copied  # straight into the pinned chunks
     ctl.wake()
     assert all(bool(torch.equal(t.cpu(), r + 1)) for t, r in zip(ts, refs, strict=True))
     del ts
@@ -272,7 +274,7 @@ def test_pinning_the_chunks_after_a_staged_sleep_never_writes_over_the_backup(ma
     ctl = rig.control()
     data = fill(rig.allocator, "weights", [8 * G, 8 * G])
     ctl.sleep(1)
-    assert rig.allocator.host.wait_ready(10) and rig.driver.count("host_register") == 2
+    assert rig.allocator._host.wait_ready(10) and rig.driver.count("host_register") == 2
     ctl.wake()
     assert intact(rig.allocator, data)
     rig.allocator.close()
@@ -347,7 +349,7 @@ def test_a_first_sleep_pins_its_chunks_when_the_host_has_no_clear_room_for_writi
     calls = [c.call for c in rig.driver.calls]
     assert asked and asked[0] >= 16 * G  # the chunks' bytes (and the ring's) were asked for
     assert "host_copy" not in calls and "host_register" not in calls and calls.count("host_alloc") == 2
-    assert rig.allocator.stager.copied == 0
+    assert rig.allocator._stager.copied == 0
     ctl.wake()
     assert intact(rig.allocator, data)
     rig.allocator.close()

@@ -91,7 +91,7 @@ def test_a_block_of_a_sleeping_tag_is_refused_at_its_start_naming_the_tag_its_st
     ):
         pytest.fail("the block must not open")
     assert info.value.tag == "weights" and info.value.state == "asleep"
-    assert rig.allocator.book.open_blocks() == []
+    assert rig.allocator._book.open_blocks() == []
     ctl.wake(["weights"])
     with rig.allocator.use_memory_pool("weights"):
         rig.allocator.allocate(G)

@@ -80,7 +80,7 @@ def test_sleep_wake_cycle_keeps_offloaded_bytes_and_releases_all(make_rig: RigMa
     rig.allocator.restore(["weights"])
     assert intact(rig.allocator, data)
     rig.allocator.drop_backup(["weights"])
-    assert rig.allocator.host.used_bytes() == 0
+    assert rig.allocator._host.used_bytes() == 0
 
 
 def test_release_without_backup_discards(make_rig: RigMaker) -> None:
@@ -116,9 +116,9 @@ def test_a_discarded_tag_comes_back_one_mapping_per_allocation_and_a_backed_up_o
     rig.allocator.backup(["weights"])
     rig.allocator.release(["kv_cache", "weights"])
     rig.allocator.restore(["kv_cache", "weights"])
-    assert rig.allocator.table.stats("kv_cache")[3] == 2  # two allocations, two mappings (not 4 spans of 2 pieces)
+    assert rig.allocator._table.stats("kv_cache")[3] == 2  # two allocations, two mappings (not 4 spans of 2 pieces)
     assert (
-        rig.allocator.table.stats("weights")[3] == 2
+        rig.allocator._table.stats("weights")[3] == 2
     )  # pieces of 2 granules in spans of 4, each copy enqueued at once
     assert intact(rig.allocator, data) and rig.allocator.usage()["kv_cache"].resident == 16 * G
     unmaps = rig.driver.count("unmap")
@@ -230,7 +230,7 @@ def test_free_while_asleep_frees_only_the_address_range(make_rig: RigMaker) -> N
     for a in data:
         rig.allocator.free(a)
     assert rig.driver.count("unmap") == unmaps
-    assert rig.allocator.host.used_bytes() == 0
+    assert rig.allocator._host.used_bytes() == 0
     rig.allocator.restore(["w"])  # an empty tag wakes trivially
 
 
@@ -253,7 +253,7 @@ def test_backup_failure_is_all_or_nothing(nth: int, make_rig: RigMaker) -> None:
     with pytest.raises(MemoryOperationFailed):
         rig.allocator.backup(["a", "b"])
     u = rig.allocator.usage()
-    assert u["a"].resident and u["b"].resident and rig.allocator.host.used_bytes() == 0
+    assert u["a"].resident and u["b"].resident and rig.allocator._host.used_bytes() == 0
 
 
 def test_backup_host_out_of_memory_is_clean(make_rig: RigMaker) -> None:

@@ -212,7 +212,7 @@ def run_schedule(steps: list[Step]) -> list[str]:
 def _no_block_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sleep never waits for a block here: the block's thread is parked by the schedule, so it is refused at once."""
     monkeypatch.setenv("TORPOR_BLOCK_WAIT", "0")
-    monkeypatch.setattr(TaggedAllocator, "_on_cuda", lambda self: True)  # the model stands for torch's pools
+    monkeypatch.setattr(TaggedAllocator, "on_cuda", property(lambda self: True))  # the model stands for torch's pools
 
 
 def test_ten_thousand_random_schedules_never_touch_unmapped_memory_nor_lose_a_byte() -> None:
@@ -243,9 +243,9 @@ def test_the_model_finds_a_kernel_on_a_segment_unmapped_under_it() -> None:
     executors()[0].run(lambda: s._enter(s.workers[0], "extra"))
     executors()[0].run(lambda: s._alloc(s.workers[0], 2))
     tensor = s.workers[0].tensors[0][1]
-    s.alloc.table.trim(tensor.segment.address)  # what an unguarded trim does under the queued write
+    s.alloc._table.trim(tensor.segment.address)  # what an unguarded trim does under the queued write
     s.stream.run()
     assert s.stream.faults and "not mapped" in s.stream.faults[0]
     s.stream.faults.clear()
-    s.alloc.table.untrim(tensor.segment.address)
+    s.alloc._table.untrim(tensor.segment.address)
     s.finish()

@@ -267,7 +267,7 @@ def test_four_writing_threads_and_a_matmul_loop_never_touch_unmapped_memory_whil
         torch.manual_seed(0)
         alloc = TaggedAllocator()
         ctl = SleepController(alloc)
-        assert alloc.torch_binding.pools().blocks.enabled, "trimming must be on (the default) for this test"
+        assert alloc._torch.pools().blocks.enabled, "trimming must be on (the default) for this test"
         writers = [Writer(i, [f"writer{i}"]) for i in range(4)]
         stop = threading.Event()
         threads = [threading.Thread(target=_awake_writer, args=(alloc, w, stop), daemon=True) for w in writers]
@@ -290,7 +290,7 @@ def test_four_writing_threads_and_a_matmul_loop_never_touch_unmapped_memory_whil
         print(
             f"awake writers: {seconds:.0f} s, {steps} matmuls, blocks {[w.blocks for w in writers]}, "
             f"checked {[w.checked for w in writers]}, refused {[w.refused for w in writers]}, "
-            f"memory_stats+empty_cache {stats_count[0]}, trimmed {alloc.torch_binding.pools().blocks.trimmed_bytes} B"
+            f"memory_stats+empty_cache {stats_count[0]}, trimmed {alloc._torch.pools().blocks.trimmed_bytes} B"
         )
         assert not errors, errors
         assert all(w.refused == 0 for w in writers), [w.refusals for w in writers]  # every tag is awake throughout

@@ -76,12 +76,12 @@ def test_ten_cycles_of_allocate_and_free_give_the_memory_back() -> None:
         pass
     end = _used()
     mem = alloc.device_memory()
-    counts = alloc._torch.blocks.counts()
+    counts = alloc._torch.current.blocks.counts()
     print(
         f"trim: in use at start {start / MiB:.1f} MiB, after 10 cycles {end / MiB:.1f} MiB "
         f"(+{(end - start) / MiB:.1f}); tagged {mem.tagged / MiB:.1f} MiB; torch default pool "
         f"{torch.cuda.memory_reserved() / MiB:.1f} MiB; pools (all, open) {counts}; "
-        f"trimmed {alloc._torch.blocks.trimmed_bytes / MiB:.0f} MiB in all"
+        f"trimmed {alloc._torch.current.blocks.trimmed_bytes / MiB:.0f} MiB in all"
     )
     assert alloc.usage()["scratch"].resident == 0 and alloc.usage()["scratch"].allocations == 0
     assert end - start <= 64 * MiB, f"{(end - start) / MiB:.1f} MiB more in use after 10 cycles"
@@ -125,7 +125,7 @@ def test_a_block_of_a_sleeping_tag_is_refused_and_after_the_wake_its_cached_segm
         address = t.data_ptr()
         del t
     torch.cuda.synchronize()
-    alloc.torch_binding.pools().trim(["scratch"], settled=True)
+    alloc._torch.pools().trim(["scratch"], settled=True)
     assert alloc.usage()["scratch"].resident == 0  # the free segment was trimmed
     ctl.sleep(1)
     with pytest.raises(TagNotAwake, match="'scratch' is asleep"), alloc.use_memory_pool("scratch"):
@@ -249,7 +249,7 @@ def test_tensors_deleted_while_asleep_are_freed_for_good_over_ten_cycles() -> No
     ctl.sleep(1)
     ctl.wake()
     torch.cuda.empty_cache()
-    live = alloc.table.stats()[2]  # bytes the tags map for their live tensors
+    live = alloc._table.stats()[2]  # bytes the tags map for their live tensors
     woke, emptied = [], []
     for i in range(11):  # cycle 0 loads the kernels it launches (lazy module loading takes device memory)
         made = []
@@ -259,7 +259,7 @@ def test_tensors_deleted_while_asleep_are_freed_for_good_over_ten_cycles() -> No
         ctl.sleep(1)
         del made  # deleted while asleep: every segment of them is free in its pool
         ctl.wake()
-        woke.append(alloc.table.stats()[2])  # bytes the tags map after the wake
+        woke.append(alloc._table.stats()[2])  # bytes the tags map after the wake
         emptied.append(_used())  # torch.cuda.empty_cache() inside
     gran = alloc.granularity()
     grown = [round((u - emptied[0]) / MiB, 1) for u in emptied]

@@ -469,6 +469,136 @@ def test_the_capture_vocabulary_imports_no_allocator_controller_telemetry_or_hoo
     assert not offenders, "the capture vocabulary imports its users or policy:\n" + "\n".join(offenders)
 
 
+#: The allocator's one way in: code outside torpor/allocator imports this package (its ``__init__``), nothing below.
+ALLOCATOR_SURFACE = "torpor.allocator"
+
+#: What code outside the allocator holds one under: a variable, an attribute, or the name ``getattr`` is given.
+ALLOCATOR_NAMES = frozenset({"allocator", "_allocator", "alloc", "memory", "_memory"})
+
+
+def _outside_allocator(found: dict[str, Path]) -> dict[str, Path]:
+    return {m: p for m, p in found.items() if not _in(m, (ALLOCATOR_SURFACE,))}
+
+
+def _where(path: Path, line: int) -> str:
+    return f"{path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name}:{line}"
+
+
+def allocator_internal_imports(found: dict[str, Path]) -> list[str]:
+    """Imports (and module names in tables such as ``torpor._LAZY``) of the allocator's insides from outside it.
+
+    ``file:line target`` for each ``import``/``from`` (``TYPE_CHECKING`` and ``importlib`` too) of a
+    ``torpor.allocator.*`` module, and each string that names one where a docstring does not.
+    """
+    known = {**modules(), **found}
+    inside = {m for m in known if m.startswith(ALLOCATOR_SURFACE + ".")}
+    hits = []
+    for module, path in sorted(_outside_allocator(found).items()):
+        hits += [
+            f"{_where(path, int(imp.where.rsplit(':', 1)[1]))} {imp.target}"
+            for imp in imports(module, path, known)
+            if imp.target.startswith(ALLOCATOR_SURFACE + ".")
+        ]
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        hits += [
+            f"{_where(path, node.lineno)} {node.value}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in inside and id(node) not in docstrings
+        ]
+    return sorted(set(hits))
+
+
+def allocator_parts() -> set[str]:
+    """What a ``TaggedAllocator`` holds beyond its public surface: each instance attribute, with and without its ``_``."""
+    from torpor.allocator import TaggedAllocator
+
+    with sim_rig() as rig:
+        held = set(vars(rig.allocator))
+    public = {name for name in dir(TaggedAllocator) if not name.startswith("_")}
+    return {n for name in held for n in (name, name.lstrip("_"))} - public
+
+
+def _getattr_name(node: ast.AST) -> str | None:
+    """The literal name of a ``getattr(obj, "name", ...)`` call (None: not one)."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.args[1].value
+    return None
+
+
+def _holds_allocator(node: ast.expr) -> bool:
+    """Whether ``node`` reads as an allocator: a name, attribute or ``getattr`` of one of ALLOCATOR_NAMES."""
+    if isinstance(node, ast.Name):
+        return node.id in ALLOCATOR_NAMES
+    if isinstance(node, ast.Attribute):
+        return node.attr in ALLOCATOR_NAMES
+    return _getattr_name(node) in ALLOCATOR_NAMES
+
+
+def allocator_part_reads(found: dict[str, Path], parts: set[str]) -> list[str]:
+    """Reads of an allocator's parts or private names from outside torpor/allocator: ``file:line name``.
+
+    A read is ``allocator.NAME`` or ``getattr(allocator, "NAME")`` where the allocator is held under
+    one of ALLOCATOR_NAMES and NAME is one of ``parts`` or starts with one underscore.
+    """
+    hits = []
+    for path in _outside_allocator(found).values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and _holds_allocator(node.value):
+                name = node.attr
+            elif isinstance(node, ast.Call) and (named := _getattr_name(node)) and _holds_allocator(node.args[0]):
+                name = named
+            else:
+                continue
+            if name in parts or (name.startswith("_") and not name.startswith("__")):
+                hits.append(f"{_where(path, node.lineno)} {name}")
+    return sorted(hits)
+
+
+def test_nothing_outside_the_allocator_imports_its_insides() -> None:
+    """Outside torpor/allocator, torpor imports ``torpor.allocator`` (its exports) and none of its subpackages or modules."""
+    offenders = allocator_internal_imports(modules())
+    assert not offenders, f"{len(offenders)} imports of the allocator's insides:\n" + "\n".join(offenders)
+
+
+def test_nothing_outside_the_allocator_reads_its_parts() -> None:
+    """Outside torpor/allocator, torpor reads a ``TaggedAllocator`` only through its public methods and properties."""
+    offenders = allocator_part_reads(modules(), allocator_parts())
+    assert not offenders, f"{len(offenders)} reads of an allocator's parts:\n" + "\n".join(offenders)
+
+
+def test_the_facade_checks_catch_an_internal_import_and_a_part_read(tmp_path: Path) -> None:
+    """A subpackage import, a lazy table naming a module, ``allocator.table`` and ``getattr(memory, "_book")`` are named."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        '"""torpor.allocator.native.table in a docstring is no import."""\n'
+        "from torpor.allocator import TaggedAllocator\n"
+        "from torpor.allocator.native.table import NativeTable\n"
+        '_LAZY = {"x": "torpor.allocator.tagged"}\n'
+        "self.allocator.table.allocations()\n"
+        'getattr(getattr(source, "memory", None), "_book", None)\n'
+        "allocator.usage()\n"
+    )
+    assert allocator_internal_imports({"probe": source}) == [
+        "probe.py:3 torpor.allocator.native.table",
+        "probe.py:4 torpor.allocator.tagged",
+    ]
+    assert allocator_part_reads({"probe": source}, {"table"}) == ["probe.py:5 table", "probe.py:6 _book"]
+
+
 def test_the_contract_catches_an_upward_import(tmp_path: Path) -> None:
     """A core module importing the controller is named with its file and line."""
     path = PACKAGE / "statemachine" / "core" / "events.py"
@@ -822,7 +952,8 @@ def trace_sleep() -> SleepTrace:
         controller = rig.control(policy=Policy(host=HostMemoryPolicy()))
         controller.sleep(1)
         controller.wake()
-        rig.allocator.table.lib = _Library(rig.allocator.table.lib, rig.driver.native_sim)
+        table = rig.allocator._table  # the native table, instrumented
+        table.lib = _Library(table.lib, rig.driver.native_sim)
         rig.driver.lib = _Library(rig.driver.lib, rig.driver.native_sim)
         before = sys.getprofile()
         sys.setprofile(profile)

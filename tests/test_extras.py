@@ -140,8 +140,8 @@ def test_gpu_allocator_without_the_extra_names_it(tmp_path: Path) -> None:
 
         # No CUDA driver here to build a GPU allocator on (that fails first, saying libcuda is missing):
         # a simulated one that takes the GPU path into torch's memory pools.
+        TaggedAllocator.on_cuda = property(lambda self: True)
         alloc = TaggedAllocator(SimDriver(capacity=64 << 20))
-        alloc._on_cuda = lambda: True
         try:
             with alloc.use_memory_pool("weights"):
                 pass

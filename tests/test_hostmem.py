@@ -58,7 +58,7 @@ def test_release_gives_host_memory_back_after_wake(make_rig: RigMaker) -> None:
         assert all(rig.allocator.read(a, len(b)) == b for a, b in data.items())
         woke = [e for e in ctl.events() if e.kind is EventKind.WAKE_COMPLETED][-1]
         assert woke.data["host_released"] == 16 * G and woke.data["pinned"] == 0
-        assert rig.allocator.host.wait_unpinned(10)
+        assert rig.allocator.wait_host_unpinned(10)
         assert rig.driver.host_used == 0 and rig.driver.host_reserved == 0
 
 
@@ -246,7 +246,7 @@ def test_release_after_wake_on_the_gpu_unpins_and_sleeps_again_cold() -> None:
     for _ in range(3):
         ctl.sleep(1)
         ctl.wake()
-        assert alloc.host.wait_unpinned(60)
+        assert alloc.wait_host_unpinned(60)
         assert alloc.pinned_bytes() == 0
         assert all(bool(torch.equal(t, r)) for t, r in zip(ts, refs, strict=True))
     del ts, refs
@@ -304,16 +304,16 @@ def test_release_mode_unpins_after_an_aborted_sleep_and_a_discard(make_rig: RigM
         ctl.sleep(1)
     assert ctl.state is State.AWAKE  # the staged chunks may still be pinning in the background: wait for them
     assert (
-        rig.allocator.host.wait_ready(10)
-        and rig.allocator.host.wait_unpinned(10)
+        rig.allocator._host.wait_ready(10)
+        and rig.allocator.wait_host_unpinned(10)
         and rig.allocator.pinned_bytes() == 0 == rig.driver.host_used
     )
     ctl.sleep(1)
     assert rig.allocator.pinned_bytes() == 16 * G
     ctl.discard(["weights"])  # the staged sleep's chunks may still be pinning in the background: wait for them
     assert (
-        rig.allocator.host.wait_ready(10)
-        and rig.allocator.host.wait_unpinned(10)
+        rig.allocator._host.wait_ready(10)
+        and rig.allocator.wait_host_unpinned(10)
         and rig.allocator.pinned_bytes() == 0 == rig.driver.host_used
     )
 
@@ -325,7 +325,7 @@ class SettlingSim(SimDriver):
 
     def host_reserve(self, nbytes: int) -> int:
         if self.alloc is not None:
-            self.alloc.host.wait_ready(10)
+            self.alloc._host.wait_ready(10)
         return super().host_reserve(nbytes)
 
 
@@ -356,7 +356,7 @@ def test_pinning_ahead_leaves_out_the_tags_the_policy_never_backs_up(make_rig: R
     assert HostPolicy().prepin_exclude == frozenset()
     rig = make_rig("with_context")
     rig.control(policy=Policy(host=HostMemoryPolicy(pin=PinWhen.AHEAD)))
-    assert rig.allocator.host.policy.prepin_exclude == {"kv_cache", "workspace"}
+    assert rig.allocator._host.policy.prepin_exclude == {"kv_cache", "workspace"}
     fill(rig.allocator, "weights", [4 * G] * 2)
     fill(rig.allocator, "kv_cache", [4 * G] * 4)
     fill(rig.allocator, "workspace", [4 * G])

@@ -69,7 +69,7 @@ def test_a_sleep_backs_up_into_keeper_memory_and_a_wake_retracts(
     e.add("b", 6 * MiB)
     e.ctl.sleep(1)
     assert e.backing.backup is not None and e.backing.fallbacks == 0
-    assert e.backing.kept_bytes == e.alloc.host.held_bytes() > 0
+    assert e.backing.kept_bytes == e.alloc.pinned_bytes() > 0
     with KeeperLink(sock) as link:
         state = link.status()
         assert [b["backup"] for b in state["backups"]] == [e.backing.backup]
@@ -137,7 +137,7 @@ def test_no_keeper_changes_nothing_and_says_so(
         e = Engine(make_rig, tmp_path / "nobody" / "keeper.sock")
     assert e.backing.gone is not None and "no keeper answers" in e.backing.gone
     assert "host backups stay in this process's memory" in caplog.text
-    assert e.alloc.host.provider is e.backing  # backing nothing, so that telemetry sees the keeper down
+    assert e.alloc.host_provider is e.backing  # backing nothing, so that telemetry sees the keeper down
     e.add("a", 3 * MiB)
     e.ctl.sleep(1)
     assert e.backing.fallbacks >= 1 and e.backing.kept_bytes == 0 and e.backing.backup is None
@@ -173,11 +173,11 @@ def test_ranges_given_back_are_cut_out_even_where_addresses_are_reused(
     with KeeperLink(sock) as link:
         for i in range(4):
             e.ctl.sleep(1)
-            assert e.backing.backup is not None and e.backing.kept_bytes == e.alloc.host.held_bytes()
+            assert e.backing.backup is not None and e.backing.kept_bytes == e.alloc.pinned_bytes()
             e.ctl.wake()
             e.check()
-            e.alloc.host.wait_unpinned(10)
-            assert e.backing.kept_bytes == e.alloc.host.held_bytes(), i
+            e.alloc.wait_host_unpinned(10)
+            assert e.backing.kept_bytes == e.alloc.pinned_bytes(), i
             e.add(f"c{i}", MiB)
         deadline = time.monotonic() + 10
         while link.status()["used"] != e.backing.kept_bytes and time.monotonic() < deadline:

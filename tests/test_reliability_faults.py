@@ -199,7 +199,7 @@ class SimMatrixRig:
 
     def settle(self) -> None:
         """Wait for the pins a staged sleep left to the background and for background trims (their calls are that command's)."""
-        if not self.allocator.host.wait_ready(30) or not self.allocator.host.wait_unpinned(30):
+        if not self.allocator._host.wait_ready(30) or not self.allocator.wait_host_unpinned(30):
             msg = "background pinning or unpinning still running after 30 s"
             raise TimeoutError(msg)
 

@@ -100,7 +100,7 @@ class InterruptRig(SimMatrixRig):
 
     def arm(self, key: Hashable, nth: int) -> None:
         """The ``nth`` next call ``key`` is interrupted (raised when the library returns to Python)."""
-        table = self.allocator.table
+        table = self.allocator._table
         proxy = _Interrupting(table.lib, self.driver, str(key), nth)
         table.lib = proxy
         self.driver.lib = proxy

@@ -26,7 +26,7 @@ from torpor.units import MiB
 
 def filled(rig: SimRig, tag: str, nbytes: int, seed: int) -> tuple[int, bytes]:
     """An allocation of ``nbytes`` in ``tag`` on the simulated device, filled with seeded random bytes."""
-    address = rig.allocator.table.alloc(tag, 0, nbytes)
+    address = rig.allocator._table.alloc(tag, 0, nbytes)
     data = random.Random(seed).randbytes(nbytes)
     rig.allocator.write(address, data)
     return address, data

@@ -54,13 +54,15 @@ def test_the_allocator_options_reach_the_allocator_and_none_keeps_its_defaults()
     """group_bytes, piece_bytes, slab_bytes and host are the allocator's; left out, they are TaggedAllocator's own."""
     policy = HostPolicy(prepin=False, chunk_bytes=MiB, threads=1)
     with sim_rig(host=policy, group_bytes=4 * GRANULE, piece_bytes=2 * GRANULE, slab_bytes=0) as rig:
-        assert (rig.allocator.group_bytes, rig.allocator.piece_bytes) == (4 * GRANULE, 2 * GRANULE)
-        assert rig.allocator.host.policy is policy
+        cycle = rig.allocator._cycle  # the sleep/wake cycle holds them
+        assert (cycle.group_bytes, cycle.piece_bytes) == (4 * GRANULE, 2 * GRANULE)
+        assert rig.allocator._host.policy is policy
         rig.allocator.allocate(GRANULE, "w")
         assert rig.allocator.slabs.count() == 0  # slab_bytes=0: each allocation mapped on its own
     plain = TaggedAllocator(SimDriver(CAPACITY, granularity=GRANULE))
     with sim_rig() as rig:
-        assert (rig.allocator.group_bytes, rig.allocator.piece_bytes) == (plain.group_bytes, plain.piece_bytes)
+        cycle, default = rig.allocator._cycle, plain._cycle
+        assert (cycle.group_bytes, cycle.piece_bytes) == (default.group_bytes, default.piece_bytes)
         rig.allocator.allocate(GRANULE, "w")
         assert rig.allocator.slabs.count() == 1  # the default slabs share one-granule allocations
     plain.close()
@@ -151,7 +153,7 @@ def test_make_rig_builds_a_preset_with_the_changes_named(make_rig: RigMaker) -> 
     """make_rig(preset, **changes, host_options=...): the preset's device and allocator, the named keywords and policy fields replaced."""
     rig = make_rig("staged", capacity=16 * MiB, host_options={"stage_threads": 1})
     assert rig.driver.mem_info(0) == (16 * MiB, 16 * MiB)
-    policy = rig.allocator.host.policy
+    policy = rig.allocator._host.policy
     assert (policy.chunk_bytes, policy.stage_slot_bytes, policy.stage_ring_bytes) == (8 * G, G, 4 * G)
     assert policy.stage_threads == 1 and RIG_PRESETS["staged"]["host"].stage_threads == 3
     rig.allocator.allocate(G, "w")

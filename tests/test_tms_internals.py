@@ -147,6 +147,6 @@ def test_adopt_context_sees_what_the_table_already_holds(make_rig: RigMaker) -> 
     first = make_rig("cuda_like", capacity=64 * MiB).allocator
     with first.use_memory_pool("default"):
         pass
-    a = first.table.alloc("default", 0, 1 << 20)
-    second = adopt_context(TaggedAllocator(first.driver), first.table.ctx)
-    assert [x for x, _, _ in second.table.allocations("default")] == [a]
+    a = first.allocate(1 << 20, "default")
+    second = adopt_context(TaggedAllocator(first.driver), first.native_entry.context)
+    assert [x for x, _, _ in second.allocations("default")] == [a]

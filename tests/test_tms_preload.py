@@ -76,7 +76,7 @@ def hooked(tmp_path: Path) -> tuple[TmsEngine, ctypes.CDLL]:
     engine = TmsEngine(
         "preload", allocator=TaggedAllocator(SimDriver(64 << 20)), settings=TmsSettings(), telemetry=False
     )
-    engine.preload = PreloadHook(lib, engine.allocator.table)
+    engine.preload = PreloadHook(lib, engine.allocator.native_entry)
     return engine, lib
 
 
@@ -133,7 +133,7 @@ def test_a_cuda_free_whose_synchronize_fails_keeps_the_memory_mapped_and_says_so
     assert lib.cudaFree(ptr) != 0
     assert any(s <= ptr.value < s + n for s, n in driver.mapped_ranges())
     assert engine.preload is not None and engine.preload.live() == 0
-    assert any("illegal memory access" in str(err) for err in engine.allocator.table.errors())
+    assert any("illegal memory access" in str(err) for err in engine.allocator.pending_errors())
     engine.pause("raw")
     assert not any(s <= ptr.value < s + n for s, n in driver.mapped_ranges())
     engine.resume("raw")
@@ -146,7 +146,7 @@ def test_thread_tags_follow_regions_and_disable(tmp_path: Path) -> None:
     assert lib.tmsp_get_tag() == preload.INHERIT
     with engine.region("w", True, False, None):
         inside = lib.tmsp_get_tag()
-        assert inside == engine.allocator.table.tag_id("w")
+        assert inside == engine.allocator.native_entry.tag_id("w")
         with engine.disable():
             assert lib.tmsp_get_tag() == preload.OFF
         assert lib.tmsp_get_tag() == inside

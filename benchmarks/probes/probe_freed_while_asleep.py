@@ -39,8 +39,8 @@ for i in range(10):
     ctl.wake()
     b = used(False)
     a = used(True)
-    st = {t: tuple(x // MiB if k in (1, 2) else x for k, x in enumerate(alloc.table.stats(t))) for t in tags}
+    st = {t: tuple(x // MiB if k in (1, 2) else x for k, x in enumerate(alloc._table.stats(t))) for t in tags}
     print(f"{variant} cycle {i}: +{(b - base) / MiB:.0f} MiB before empty_cache, +{(a - base) / MiB:.0f} after; "
-          f"stats(slabs,spareMiB,mappedMiB,maps) {st}; pools {alloc._torch.blocks.counts()}", flush=True)
+          f"stats(slabs,spareMiB,mappedMiB,maps) {st}; pools {alloc._torch.current.blocks.counts()}", flush=True)
 print(f"{variant} RESULT before-empty +{(b - base) / MiB:.1f} MiB, after-empty +{(a - base) / MiB:.1f} MiB", flush=True)
 alloc.close()

@@ -36,7 +36,7 @@ def main() -> None:
     for r in range(rounds):
         for threads, slot_mib in variants:
             alloc = TaggedAllocator()
-            alloc.host.configure(stage_threads=threads, stage_slot_bytes=slot_mib * MiB)
+            alloc._host.configure(stage_threads=threads, stage_slot_bytes=slot_mib * MiB)
             ctl = SleepController(alloc, policy=Policy(host=HostMemoryPolicy()))
             seg = total // 64
             ranges = [(alloc.allocate(seg, "weights"), seg) for _ in range(64)]
@@ -47,7 +47,7 @@ def main() -> None:
             dt = time.perf_counter() - t
             print(
                 f"round {r} threads {threads:2d} slot {slot_mib:2d} MiB: {dt:.3f} s = {dt / floor:.2f}x "
-                f"(floor {floor:.3f} s, staged {alloc.stager.copied / GiB:.1f} GiB)",
+                f"(floor {floor:.3f} s, staged {alloc._stager.copied / GiB:.1f} GiB)",
                 flush=True,
             )
             engines.append((alloc, ctl, ranges, refs))

@@ -71,7 +71,7 @@ def main() -> None:
         t.join(10)
     print(
         f"writer race: {time.monotonic() - start:.1f} s, {steps} matmuls, blocks {blocks}, "
-        f"trimmed {alloc.torch_binding.pools().blocks.trimmed_bytes} B, first error: {errors[0] if errors else None}"
+        f"trimmed {alloc._torch.pools().blocks.trimmed_bytes} B, first error: {errors[0] if errors else None}"
     )
 
 

@@ -7,8 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from torpor.allocator.native.cuda_driver import transparent_huge_pages
-from torpor.allocator.tagged import TaggedAllocator
+from torpor.allocator import TaggedAllocator, transparent_huge_pages
 from torpor.bench.device import measure_floor, run_record
 from torpor.bench.host import HOST_MODES, measure_pageable
 from torpor.bench.interference import measure_pinning_interference

@@ -7,8 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torpor.allocator.host.offload import HostArena, HostPolicy
-from torpor.allocator.native.cuda_driver import CudaDriver
+from torpor.allocator import CudaDriver, HostArena, HostPolicy
 from torpor.units import GiB
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torpor.allocator.tagged import TaggedAllocator
+from torpor.allocator import TaggedAllocator
 from torpor.bench.device import free_device, measure_floor, run_record, tensor_at
 from torpor.bench.report import row_line
 from torpor.bench.result import Result

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from torpor import tms as torpor_tms  # a lazy package: its saver is made on first use
-from torpor.allocator.tagged import TaggedAllocator
+from torpor.allocator import TaggedAllocator
 from torpor.bench.device import fill, free_device, same
 from torpor.bench.result import Result
 from torpor.errors import BenchError
@@ -65,7 +65,7 @@ def run_torpor_raw(
     for _ in range(cycles):
         timed_sleep_wake(ctl, alloc, res)
         res.pinned_asleep = res.host_held
-        alloc.host.wait_unpinned(60)
+        alloc.wait_host_unpinned(60)
         res.pinned_after_wake = alloc.pinned_bytes()
         res.exact = res.exact and same(ranges, refs)
     del refs

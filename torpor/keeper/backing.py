@@ -2,7 +2,7 @@
 
 :func:`attach` connects to the keeper, names the engine and gives the
 allocator's host arena a :class:`KeeperBacking` as its host-memory provider
-(:class:`~torpor.allocator.host.provider.HostProvider`): every host range the
+(:class:`~torpor.allocator.HostProvider`): every host range the
 arena reserves from then on is a keeper region mapped over it, so the
 offload copies write straight into memory the keeper owns (no extra copy; the
 arena pins it as before). After each completed sleep it publishes a manifest
@@ -28,8 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torpor.allocator.sleepwake.plan import host_range
-from torpor.allocator.tagged import TaggedAllocator
+from torpor.allocator import TaggedAllocator
 from torpor.errors import BadArgument, KeeperBudgetExceeded, KeeperError
 from torpor.keeper import shmem
 from torpor.keeper.fingerprint import ModelIdentity
@@ -179,26 +178,15 @@ class KeeperBacking:
         identity = self._identity
         if identity is None:
             return "no tensors are tracked (KeeperBacking.track)"
-        records = self.allocator.book.records
         tensors: dict[str, Any] = {}
         tags: set[str] = set()
         with self._lock:
             for spec in identity.tensors:
-                address = self._addresses[spec.name]
-                found = None
-                for tag, record in records.items():
-                    if not record.backed_up:
-                        continue
-                    for _, start, size, _ in record.pieces:
-                        if start <= address and address + spec.nbytes <= start + size:
-                            found = tag, host_range(record.backups.get(start, []), address - start, spec.nbytes)
-                            break
-                    if found:
-                        break
+                found = self.allocator.backups.find(self._addresses[spec.name], spec.nbytes)
                 if found is None:
                     return f"tensor {spec.name!r} has no host backup (its tag was discarded or is awake)"
                 segments = []
-                for host, n, _, _ in found[1]:
+                for host, n in found[1]:
                     m = self._find_locked(host)
                     if m is None or host + n > m.host + m.nbytes:
                         return f"tensor {spec.name!r} is backed up in this process's own memory, not the keeper's"
@@ -301,10 +289,10 @@ def attach(
         logger.warning("no keeper for engine %r (%s): host backups stay in this process's memory", engine, exc)
         backing = KeeperBacking(allocator, None, engine)
         backing.gone = str(exc)
-        allocator.host.use_provider(backing)  # backs nothing (gone); counts each range left in-process
+        allocator.use_host_provider(backing)  # backs nothing (gone); counts each range left in-process
         return backing
     backing = KeeperBacking(allocator, link, engine)
-    allocator.host.use_provider(backing)
+    allocator.use_host_provider(backing)
     if controller is not None:
         backing.follow(controller)
     logger.info(

@@ -15,7 +15,7 @@ import fcntl
 import mmap
 import os
 
-from torpor.allocator.native.libc import libc as _libc
+from torpor.allocator import libc as _libc
 from torpor.errors import RegionMapFailed
 
 __all__ = ["create_region", "map_anywhere", "map_over", "populate", "unmap"]

@@ -65,7 +65,7 @@ class HostBacking(Protocol):
     """What telemetry reads of a host backing: a host-memory provider that keeps an engine's backups outside it.
 
     :class:`torpor.keeper.KeeperBacking` is one; telemetry never imports it: the
-    keeper installs it as its allocator's host provider (``memory.host.provider``)
+    keeper installs it as its allocator's host provider (``memory.host_provider``)
     and telemetry finds it there (:func:`host_backing`) and reads these figures.
     """
 
@@ -77,8 +77,8 @@ class HostBacking(Protocol):
 
 
 def host_backing(source: object) -> HostBacking | None:
-    """The host backing under ``source``'s memory (``source.memory.host.provider``), or None: no such provider."""
-    provider = getattr(getattr(getattr(source, "memory", None), "host", None), "provider", None)
+    """The host backing under ``source``'s memory (``source.memory.host_provider``), or None: no such provider."""
+    provider = getattr(getattr(source, "memory", None), "host_provider", None)
     return provider if isinstance(provider, HostBacking) else None
 
 

@@ -14,7 +14,6 @@ import ctypes
 from collections.abc import Iterable
 
 from torpor.allocator import TaggedAllocator
-from torpor.allocator.sleepwake.plan import clip, copies
 from torpor.errors import TmsUsageError
 
 Span = tuple[int, int]  # host address, bytes
@@ -22,19 +21,8 @@ Span = tuple[int, int]  # host address, bytes
 
 def backup_spans(allocator: TaggedAllocator, tags: Iterable[str], address: int, nbytes: int) -> list[Span] | None:
     """Host spans holding ``[address, address + nbytes)`` in the backup of one of ``tags``; None when none holds it."""
-    hi = address + nbytes
-    for tag in tags:
-        record = allocator.tag_state(tag)
-        if not record.backed_up:
-            continue
-        parts = clip(record.pieces, address, hi)
-        if sum(p[2] for p in parts) != nbytes:
-            continue
-        spans = [(host, n) for _, _, host, n in sorted(copies(parts, record.backups), key=lambda c: c[1])]
-        for host, _ in spans:
-            allocator.host.wait_readable(host)
-        return _merged(spans)
-    return None
+    spans = allocator.backups.spans(tags, address, nbytes)
+    return None if spans is None else _merged([(host, n) for host, n in spans])
 
 
 def _merged(spans: list[Span]) -> list[Span]:
@@ -55,7 +43,7 @@ def read_spans(spans: list[Span]) -> bytes:
 def owning_tag(allocator: TaggedAllocator, tags: Iterable[str], address: int, nbytes: int) -> str | None:
     """Which of ``tags`` holds an allocation containing ``[address, address + nbytes)`` (None: none)."""
     for tag in tags:
-        for lo, size, _ in allocator.table.allocations(tag):
+        for lo, size, _ in allocator.allocations(tag):
             if lo <= address and address + nbytes <= lo + size:
                 return tag
     return None

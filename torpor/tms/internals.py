@@ -35,11 +35,7 @@ def adopt_context(allocator: TaggedAllocator, ctx: int) -> TaggedAllocator:
     Made before anything was allocated through ``allocator``: its own context is
     closed unused, and the tag ids it learned are asked again of ``ctx``.
     """
-    table = allocator.table
-    own, table.ctx = table.ctx, ctx
-    table._ids.clear()
-    table._names.clear()
-    table.lib.tp_close(own)
+    allocator.native_entry.adopt(ctx)
     logger.info(
         "torpor.tms: TMS_INIT_ENABLE=1: the saver adopts the table that served cudaMalloc from the process start"
     )
@@ -201,7 +197,7 @@ class TmsImpl(TmsEngine):
             self.allocator.empty_cache([DISABLED_TAG])
 
     def _device(self) -> int:
-        if getattr(self.allocator.driver, "name", "") != "cuda":
+        if not self.allocator.on_cuda:
             return self.allocator.default_device
         import torch
 
@@ -214,7 +210,7 @@ class TmsImpl(TmsEngine):
         for t in self._targets(tag):
             with self._lock:
                 modes = self.tags[t].modes
-            if DISK in modes and self.allocator.table.allocations(modes[DISK]):
+            if DISK in modes and self.allocator.allocations(modes[DISK]):
                 self.shadows.check_disk()
         super().pause(tag)
 

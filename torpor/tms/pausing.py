@@ -141,10 +141,10 @@ class TmsEngine:
         self._telemetry: list[Any] = []
         self._lock = threading.RLock()
         self._local = threading.local()
-        if getattr(self.allocator.driver, "name", "") == "cuda":  # TMS #88: no NCCL graph registration on the pool
+        if self.allocator.on_cuda:  # TMS #88: no NCCL graph registration on the pool
             apply_nccl_defaults(cudagraph_pool_decision(True, True, "torpor", True, platform="cuda"))
         lib = preloaded() if hook_mode == "preload" else None
-        self.preload = PreloadHook(lib, self.allocator.table) if lib is not None else None
+        self.preload = PreloadHook(lib, self.allocator.native_entry) if lib is not None else None
         if self.preload is not None and self.settings.init_enable:  # TMS_INIT_ENABLE=1: outside regions too
             initial = self._initial()
             default = self.torpor_tag(initial.tag, initial.mode)

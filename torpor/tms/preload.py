@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from torpor.allocator.native.table import NativeTable
+from torpor.allocator import NativeEntry
 
 logger = logging.getLogger("torpor.tms")
 
@@ -177,12 +177,11 @@ def load(path: Path) -> ctypes.CDLL:
 class PreloadHook:
     """The preload library bound to one allocator's native table: which tag each thread's raw cudaMalloc gets."""
 
-    def __init__(self, lib: ctypes.CDLL, table: NativeTable) -> None:
+    def __init__(self, lib: ctypes.CDLL, table: NativeEntry) -> None:
         self.lib = lib
         self.table = table
-        alloc = ctypes.cast(table.lib.tp_alloc_raw, ctypes.c_void_p)
-        free = ctypes.cast(table.lib.tp_free_synchronized, ctypes.c_void_p)  # cudaFree waits for the device
-        lib.tmsp_bind(ctypes.c_void_p(table.ctx), alloc, free)
+        # cudaFree waits for the device: the synchronized free
+        lib.tmsp_bind(ctypes.c_void_p(table.context), table.alloc_raw, table.free_synchronized)
         logger.info("torpor.tms: preload mode: raw cudaMalloc inside regions goes to torpor's table")
 
     @contextmanager

@@ -25,8 +25,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torpor.allocator import TaggedAllocator
-from torpor.allocator.native.libc import libc
+from torpor.allocator import TaggedAllocator, libc
 from torpor.errors import DiskBackupRefused, TmsBackupMapFailed, TmsDiskBackupShort
 
 PINNED, MMAP, DISK = "pinned", "mmap", "disk"
@@ -76,7 +75,7 @@ class ShadowStore:
         self.retain: Callable[[], bool] = lambda: False
         self.disk_dir: Callable[[], str] = tempfile.gettempdir
         self.chunk_bytes = 256 << 20
-        self._cuda = getattr(self.driver, "name", "") == "cuda"  # CUDA copies to and from pageable memory too
+        self._cuda = allocator.on_cuda  # CUDA copies to and from pageable memory too
         self._tags: dict[str, dict[int, Shadow]] = {}
         self._lock = threading.RLock()
 
@@ -99,7 +98,7 @@ class ShadowStore:
 
     def save(self, tag: str, mode: str) -> int:
         """Copy every allocation of ``tag`` to its shadow (kept ones refreshed in place); the bytes. All or nothing."""
-        live = self.allocator.table.allocations(tag)
+        live = self.allocator.allocations(tag)
         directory = self.check_disk() if mode == DISK else ""
         with self._lock:
             shadows = self._tags.setdefault(tag, {})
@@ -163,7 +162,7 @@ class ShadowStore:
 
     def load(self, tag: str) -> int:
         """Copy each shadow of ``tag`` back to its allocation (mapped again already); the bytes; waits for the copies."""
-        live = self.allocator.table.allocations(tag)
+        live = self.allocator.allocations(tag)
         with self._lock:
             shadows = self._tags.get(tag, {})
             self.prune(tag, {a for a, _, _ in live})
@@ -211,7 +210,7 @@ class ShadowStore:
 
     def prune_freed(self, tag: str) -> None:
         """Free the shadows of ``tag`` whose allocation the table no longer holds."""
-        self.prune(tag, (a for a, _, _ in self.allocator.table.allocations(tag)))
+        self.prune(tag, (a for a, _, _ in self.allocator.allocations(tag)))
 
     def _free(self, shadow: Shadow) -> None:
         if shadow.kind == PINNED and shadow.host:

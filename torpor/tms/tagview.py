@@ -122,19 +122,19 @@ class TagView:
         mine = self._mine(tags)
         shadowed = self._shadowed(mine)
         out = dict(self.allocator.backup([t for t in mine if t not in shadowed]))
-        table = self.allocator.table
+        native = self.allocator.native_entry
         frozen: list[str] = []
         try:
             for tag in shadowed:
                 start = time.perf_counter()
                 self.allocator.tag_state(tag)
-                table.freeze(tag)  # Invariant: freeze before copy (no allocation joins a tag being copied)
+                native.freeze(tag)  # Invariant: freeze before copy (no allocation joins a tag being copied)
                 frozen.append(tag)
                 done = self.shadows.save(tag, self.tag.mode(tag) or "")
                 out[tag] = Transfer(tag, done, time.perf_counter() - start, True)
         except BaseException:
             for tag in frozen:
-                table.thaw(tag)
+                native.thaw(tag)
             raise
         return out
 

@@ -13,17 +13,34 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from torpor.allocator.torchside.pools import AllocatorParts, TorchPools
+from torpor.allocator.native.driver import Driver
+from torpor.allocator.native.table import NativeTable
+from torpor.allocator.sleepwake.tagbook import TagBook
+from torpor.allocator.torchside.graphstate import GraphPoolState
+from torpor.allocator.torchside.pools import TorchPools
 from torpor.errors import AllocatorError
 from torpor.statemachine.core.policy import CUDAGRAPH
 
 
-class TorchBinding:
-    """An allocator's :class:`TorchPools`, made at the first use (raises ``MissingExtra`` then without torch)."""
+class _Parts(NamedTuple):
+    """The allocator's parts the torch pools work on (they meet :class:`~torpor.allocator.torchside.pools.AllocatorParts`)."""
 
-    def __init__(self, allocator: AllocatorParts) -> None:
-        self._allocator = allocator
+    table: NativeTable
+    driver: Driver
+    book: TagBook
+    graphs: GraphPoolState
+
+
+class TorchBinding:
+    """An allocator's :class:`TorchPools`, made at the first use (raises ``MissingExtra`` then without torch).
+
+    Handed the allocator's table, driver, tag book and graph-pool state, by keyword.
+    """
+
+    def __init__(self, *, table: NativeTable, driver: Driver, book: TagBook, graphs: GraphPoolState) -> None:
+        self._allocator = _Parts(table=table, driver=driver, book=book, graphs=graphs)
         self._lock = threading.Lock()
         self._pools: TorchPools | None = None
 

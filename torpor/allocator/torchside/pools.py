@@ -171,7 +171,10 @@ def live_blocks(segment: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 class AllocatorParts(Protocol):
-    """What the torch side uses of a ``TaggedAllocator``: its table, driver, tag book and graph-pool state."""
+    """What the torch side uses of a ``TaggedAllocator``'s parts: its table, driver, tag book and graph-pool state.
+
+    :class:`~torpor.allocator.torchside.binding.TorchBinding` is handed them by keyword and hands them on here.
+    """
 
     @property
     def table(self) -> NativeTable: ...

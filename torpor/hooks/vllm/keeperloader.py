@@ -25,7 +25,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from torpor.allocator.tagged import TaggedAllocator
+from torpor.allocator import TaggedAllocator
 from torpor.hooks.vllm import process
 from torpor.hooks.vllm.facade import get_instance
 from torpor.hooks.vllm.settings import worker_rank
