@@ -88,7 +88,7 @@ class TaggedAllocator:
             group_bytes=group_bytes,
             piece_bytes=piece_bytes,
         )
-        self._kept = KeepBook(driver, table, book)
+        self._kept = KeepBook(driver=driver, table=table, book=book)
         self._slabs = SlabStats(table)
         self._backups = BackupView(book, self._host)
         self._native = NativeEntry(table)

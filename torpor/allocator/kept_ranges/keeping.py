@@ -74,7 +74,7 @@ class KeepBook:
     It works under the book's lock, as the sleep/wake cycle does (Invariant: the allocator's lock order).
     """
 
-    def __init__(self, driver: Driver, table: NativeTable, book: TagBook) -> None:
+    def __init__(self, *, driver: Driver, table: NativeTable, book: TagBook) -> None:
         self.driver = driver
         self.table = table
         self.book = book
