@@ -36,7 +36,7 @@ def main() -> None:
         kv = [torch.zeros(layer, dtype=torch.uint8, device="cuda") for _ in range(28)]
     ref = torch.stack([w.sum() for w in weights]).cpu()
     for cycle in range(a.cycles):
-        mappings = alloc._table.stats("kv_cache")[3]
+        mappings = alloc._table.stats("kv_cache").mappings
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ctl.sleep(1)

@@ -88,7 +88,7 @@ def _torpor(layer: int, layers: int, rounds: int) -> list[dict[str, Any]]:
                 "sleep_s": round(slept, 4),
                 "release_s": round(released.seconds, 4),
                 "wake_s": round(woke, 4),
-                "mappings": alloc._table.stats("kv_cache")[3],
+                "mappings": alloc._table.stats("kv_cache").mappings,
             }
         )
     for a in addrs:

@@ -226,7 +226,7 @@ class ModelPools:
         if "mark" in accepted:
             kwargs = {"mark": lambda streams: stream.queued, "done": lambda token: stream.ran >= int(token)}
         if "asleep" in accepted:  # the same model runs on the BlockPools before issue 26, which it must fail
-            kwargs["asleep"] = lambda tag: alloc._table.usage(tag)[0] != native.ACTIVE
+            kwargs["asleep"] = lambda tag: alloc._table.usage(tag).state != native.ACTIVE
         self.blocks = BlockPools(ModelPool, alloc._table.trim, alloc._table.untrim, torch.snapshot, True, **kwargs)
 
     @contextmanager

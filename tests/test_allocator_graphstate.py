@@ -67,7 +67,7 @@ def test_release_frees_the_allocations_and_is_refused_while_referenced_or_asleep
     table.map_back("cudagraph")
     table.mark_awake("cudagraph")
     assert graphs.release(lambda p: None, table.free) == 2 * G
-    assert table.usage("cudagraph")[1] == 0
+    assert table.usage("cudagraph").nbytes == 0
 
 
 def test_detach_forgets_the_pool_without_freeing() -> None:
@@ -76,4 +76,4 @@ def test_detach_forgets_the_pool_without_freeing() -> None:
     pool = graphs.start_capture(None)
     table.alloc("cudagraph", 0, G)
     assert graphs.detach() is pool and graphs.current is None
-    assert table.usage("cudagraph")[1] == G
+    assert table.usage("cudagraph").nbytes == G

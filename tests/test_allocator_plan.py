@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import deque
+from typing import Any
 
 from support import RigMaker
 
@@ -35,10 +36,16 @@ def test_take_front_of_more_than_there_is_returns_what_there_is() -> None:
     assert take_front(rest, 100) == [Extent(0, 8, 0)] and not rest
 
 
-class _Counted(tuple):  # type: ignore[type-arg]
-    """A piece that counts how often a planner reads it (subscript or unpacking)."""
+class _Counted(Piece):
+    """A piece that counts how often a planner reads it (a field, a subscript or unpacking)."""
 
+    __slots__ = ()
     reads = 0
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in Piece._fields:
+            _Counted.reads += 1
+        return super().__getattribute__(name)
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
         _Counted.reads += 1
@@ -56,7 +63,7 @@ def _random_case(seed: int) -> tuple[list[Piece], list[tuple[int, int]]]:
     for _ in range(500):
         pos += rng.choice([0, 0, 7, 64])
         n = rng.choice([1, 5, 64, 300])
-        parts.append((pos, pos, n, 0))
+        parts.append(Piece(pos, pos, n, 0))
         pos += n
     ranges, lo = [], 0
     while lo < pos + 50:
@@ -88,7 +95,7 @@ def test_wake_reads_each_backed_up_piece_a_bounded_number_of_times(make_rig: Rig
     alloc.backup(["weights"])
     alloc.release(["weights"])
     record = alloc.tag_state("weights")
-    record.pieces = [_Counted(p) for p in record.pieces]
+    record.pieces = [_Counted(*p) for p in record.pieces]
     _Counted.reads = 0
     alloc.restore(["weights"])
     assert _Counted.reads <= 16 * len(record.pieces), f"{_Counted.reads} reads of {len(record.pieces)} pieces"

@@ -249,7 +249,7 @@ def test_tensors_deleted_while_asleep_are_freed_for_good_over_ten_cycles() -> No
     ctl.sleep(1)
     ctl.wake()
     torch.cuda.empty_cache()
-    live = alloc._table.stats()[2]  # bytes the tags map for their live tensors
+    live = alloc._table.stats().mapped  # bytes the tags map for their live tensors
     woke, emptied = [], []
     for i in range(11):  # cycle 0 loads the kernels it launches (lazy module loading takes device memory)
         made = []
@@ -259,7 +259,7 @@ def test_tensors_deleted_while_asleep_are_freed_for_good_over_ten_cycles() -> No
         ctl.sleep(1)
         del made  # deleted while asleep: every segment of them is free in its pool
         ctl.wake()
-        woke.append(alloc._table.stats()[2])  # bytes the tags map after the wake
+        woke.append(alloc._table.stats().mapped)  # bytes the tags map after the wake
         emptied.append(_used())  # torch.cuda.empty_cache() inside
     gran = alloc.granularity()
     grown = [round((u - emptied[0]) / MiB, 1) for u in emptied]

@@ -84,9 +84,9 @@ def remap_map_first(self: Any, tag: str, record: Any, live: list[Any]) -> None:
     """Today's ``_remap`` with every span of the tag mapped before its first copy is enqueued."""
     if not live:
         return
-    gran = self.granularity(live[0][2])
+    gran = self.granularity(live[0].device)
     step = max(self.piece_bytes // gran, 1) * gran if record.backed_up else max(n for _, n, _ in live)
-    todo = [(s[0][1], sum(p[2] for p in s), s[0][3]) for s in spans(pieces(live, step), self.group_bytes)]
+    todo = [(s[0].start, sum(p.size for p in s), s[0].device) for s in spans(pieces(live, step), self.group_bytes)]
     held = clip_each(record.pieces, [(s, s + n) for s, n, _ in todo]) if record.backed_up else [[] for _ in todo]
     for start, size, device in todo:
         self.table.map_span(tag, start, size, device)

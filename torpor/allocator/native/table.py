@@ -19,15 +19,51 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
 from torpor.allocator.native.library import check_address, check_device
 from torpor.errors import AllocatorArgumentError, AllocatorError
 
-Live = tuple[int, int, int]  # a live allocation: address, size, device
 _ALL = native.MAX_ADDRESS
+
+
+class Live(NamedTuple):
+    """A live allocation of the table: ``size`` bytes mapped (or, asleep, reserved) at ``address`` on ``device``."""
+
+    address: int
+    size: int  # bytes (a multiple of the device's granularity)
+    device: int
+
+
+class Span(NamedTuple):
+    """A device address range: ``size`` bytes from ``start``."""
+
+    start: int
+    size: int  # bytes
+
+
+class TableUsage(NamedTuple):
+    """What the table holds of one tag (:meth:`NativeTable.usage`)."""
+
+    state: int  # native.ACTIVE, FROZEN or RELEASED
+    nbytes: int  # bytes of its live allocations (mapped or not)
+    allocations: int  # how many live allocations
+
+
+class TableStats(NamedTuple):
+    """The table's slabs and mappings, of one tag or of all (:meth:`NativeTable.stats`)."""
+
+    slabs: int  # live slabs (mappings that hold several allocations)
+    spare: int  # bytes of those slabs no allocation uses
+    mapped: int  # bytes mapped
+    mappings: int  # how many mappings
+
+
+_live = partial(tuple.__new__, Live)  # Live((address, size, device)) made in C: the table lists thousands
+_span = partial(tuple.__new__, Span)
 
 logger = logging.getLogger("torpor.allocator")
 
@@ -242,25 +278,25 @@ class NativeTable:
         lo, hi = check_address(lo, "unmap", tag), check_address(hi, "unmap", tag)
         return self._tag_call("tp_unmap_range", tag, lo, hi)
 
-    def map_back(self, tag: str) -> list[tuple[int, int]]:
-        """Map back (fresh) what :meth:`unmap_range` unmapped; the (start, size) ranges."""
+    def map_back(self, tag: str) -> list[Span]:
+        """Map back (fresh) what :meth:`unmap_range` unmapped; the ranges."""
         cap = 4096
         starts, sizes, count, err = native.u64s(cap), native.u64s(cap), ctypes.c_int(), native.TpErr()
         rc = self.lib.tp_map_back(
             self.ctx, self.tag_id(tag), starts, sizes, cap, ctypes.byref(count), ctypes.byref(err)
         )
-        done = [(int(starts[i]), int(sizes[i])) for i in range(min(count.value, cap))]
+        done = _spans(starts, sizes, count.value, cap)
         self._check(rc, err, tag)
         return done
 
-    def map_back_some(self, tag: str) -> tuple[list[tuple[int, int]], AllocatorError | None]:
+    def map_back_some(self, tag: str) -> tuple[list[Span], AllocatorError | None]:
         """:meth:`map_back` that never raises: the ranges mapped back (also those before a failure), and the failure."""
         cap = 1 << 16
         starts, sizes, count, err = native.u64s(cap), native.u64s(cap), ctypes.c_int(), native.TpErr()
         rc = self.lib.tp_map_back(
             self.ctx, self.tag_id(tag), starts, sizes, cap, ctypes.byref(count), ctypes.byref(err)
         )
-        done = [(int(starts[i]), int(sizes[i])) for i in range(min(count.value, cap))]
+        done = _spans(starts, sizes, count.value, cap)
         if rc < 0:
             return done, native.error_of(err, tag)
         if count.value > cap:
@@ -296,20 +332,20 @@ class NativeTable:
             addr, size, dev = native.u64s(cap), native.u64s(cap), (ctypes.c_int * cap)()
             n = int(self.lib.tp_list(self.ctx, tid, addr, size, dev, cap))
             if n <= cap:
-                return [(int(addr[i]), int(size[i]), int(dev[i])) for i in range(n)]
+                return list(map(_live, zip(addr[:n], size[:n], dev[:n], strict=True)))
             cap = n + 1024
 
-    def usage(self, tag: str) -> tuple[int, int, int]:
-        """(state, bytes, allocations) of ``tag``: state is native.ACTIVE, FROZEN or RELEASED."""
+    def usage(self, tag: str) -> TableUsage:
+        """The state of ``tag`` (native.ACTIVE, FROZEN or RELEASED), the bytes and count of its live allocations."""
         nbytes, count = ctypes.c_uint64(), ctypes.c_int()
         state = self.lib.tp_usage(self.ctx, self.tag_id(tag), ctypes.byref(nbytes), ctypes.byref(count))
-        return int(state), int(nbytes.value), int(count.value)
+        return TableUsage(int(state), int(nbytes.value), int(count.value))
 
-    def stats(self, tag: str | None = None) -> tuple[int, int, int, int]:
-        """(live slabs, their spare bytes, mapped bytes, mappings), of ``tag`` or of all."""
+    def stats(self, tag: str | None = None) -> TableStats:
+        """Live slabs, their spare bytes, mapped bytes and mappings, of ``tag`` or of all."""
         out = native.u64s(4)
         self.lib.tp_stats(self.ctx, self.tag_id(tag) if tag is not None else -1, out)
-        return int(out[0]), int(out[1]), int(out[2]), int(out[3])
+        return TableStats._make(out)
 
     def close(self) -> int:
         """Unmap everything and free the reservations; how many driver calls failed.
@@ -318,3 +354,9 @@ class NativeTable:
         """
         self.closed = True
         return int(self.lib.tp_close(self.ctx))
+
+
+def _spans(starts: Any, sizes: Any, count: int, cap: int) -> list[Span]:
+    """The first ``count`` (at most ``cap``) ranges the library wrote into ``starts`` and ``sizes``."""
+    n = min(count, cap)
+    return list(map(_span, zip(starts[:n], sizes[:n], strict=True)))

@@ -29,9 +29,8 @@ from torpor.allocator.host.offload import Extent, HostArena
 from torpor.allocator.host.staging import Stager
 from torpor.allocator.native import library as native
 from torpor.allocator.native.driver import Driver
-from torpor.allocator.native.table import NativeTable
+from torpor.allocator.native.table import Live, NativeTable
 from torpor.allocator.sleepwake.plan import (
-    Live,
     Piece,
     assign,
     batches,
@@ -41,7 +40,7 @@ from torpor.allocator.sleepwake.plan import (
     pieces,
     spans,
 )
-from torpor.allocator.sleepwake.tagbook import Span, TagBook, TagState
+from torpor.allocator.sleepwake.tagbook import Bounds, InFlight, TagBook, TagState
 from torpor.allocator.sleepwake.undo import heal, thaw_quietly, undo_release
 from torpor.errors import AllocatorError, UnknownTag
 from torpor.statemachine.core.protocol import Transfer
@@ -113,7 +112,7 @@ class SleepWake:
             start = time.perf_counter()
             self.torch.trim_free(tags, synced=False)
             for tag in tags:
-                if self.table.usage(tag)[0] == native.RELEASED:
+                if self.table.usage(tag).state == native.RELEASED:
                     msg = f"tag {tag!r} is released; nothing resident to back up"
                     raise AllocatorError("backup", tag, msg)
             frozen: list[str] = []
@@ -147,7 +146,7 @@ class SleepWake:
                 self.host.end_staging()  # staged chunks left empty go back
                 raise
             seconds = time.perf_counter() - start
-            return {t: Transfer(t, sum(p[2] for p in self._tags[t].pieces), seconds, True) for t in tags}
+            return {t: Transfer(t, sum(p.size for p in self._tags[t].pieces), seconds, offloaded=True) for t in tags}
 
     def release(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Release each tag's physical memory; per tag all or nothing (a failed tag stays resident)."""
@@ -161,17 +160,19 @@ class SleepWake:
                         self.driver.synchronize(device)
                     except Exception as exc:
                         raise wrap("release", None, exc) from exc
-            self.torch.trim_free([t for t in tags if self.table.usage(t)[0] == native.ACTIVE], synced)  # discarded tags
+            discarded = [t for t in tags if self.table.usage(t).state == native.ACTIVE]
+            self.torch.trim_free(discarded, synced)
             out = {}
             try:
                 for tag in tags:
                     start = time.perf_counter()
                     record = self._tags[tag]
-                    if self.table.usage(tag)[0] == native.RELEASED:
-                        out[tag] = Transfer(tag, 0, 0.0, record.backed_up)
+                    if self.table.usage(tag).state == native.RELEASED:
+                        out[tag] = Transfer(tag, 0, 0.0, offloaded=record.backed_up)
                         continue
                     self._release_tag(tag, record)
-                    out[tag] = Transfer(tag, self.table.usage(tag)[1], time.perf_counter() - start, record.backed_up)
+                    seconds = time.perf_counter() - start
+                    out[tag] = Transfer(tag, self.table.usage(tag).nbytes, seconds, offloaded=record.backed_up)
             finally:
                 # Invariant: staging ends after the release (registering while it unmaps made both wait on the driver)
                 self.host.end_staging()
@@ -183,7 +184,7 @@ class SleepWake:
             self._check_known(tags)
             start = time.perf_counter()
             healed = {t: self._heal_tag(t) for t in tags if self._tags[t].partial}
-            todo = [t for t in tags if self.table.usage(t)[0] == native.RELEASED]
+            todo = [t for t in tags if self.table.usage(t).state == native.RELEASED]
             if todo:  # segments torch holds free (deleted while asleep) are trimmed, not mapped (TorchSide.trim_free)
                 try:
                     self.torch.trim_free(todo, synced=True)
@@ -211,10 +212,10 @@ class SleepWake:
                     raise
                 raise wrap("restore", current or None, exc) from exc
             seconds = time.perf_counter() - start
-            out = {t: Transfer(t, healed.get(t, 0), seconds, self._tags[t].backed_up) for t in tags}
+            out = {t: Transfer(t, healed.get(t, 0), seconds, offloaded=self._tags[t].backed_up) for t in tags}
             for tag in todo:
                 self.table.mark_awake(tag)
-                out[tag] = Transfer(tag, sum(n for _, n, _ in lives[tag]), seconds, self._tags[tag].backed_up)
+                out[tag] = Transfer(tag, sum(a.size for a in lives[tag]), seconds, offloaded=self._tags[tag].backed_up)
             return out
 
     def drop_backup(self, tags: Sequence[str]) -> None:
@@ -226,7 +227,7 @@ class SleepWake:
                 record = self._tags.get(tag)
                 if record is not None:
                     self._drop(record)
-                    if self.table.usage(tag)[0] == native.FROZEN:
+                    if self.table.usage(tag).state == native.FROZEN:
                         try:
                             self.table.thaw(tag)
                         except AllocatorError as exc:  # the other tags are thawed all the same
@@ -243,7 +244,7 @@ class SleepWake:
             raise UnknownTag(unknown, self._tags)
 
     def _take_host(self, tag: str, record: TagState, parts: list[Piece]) -> None:
-        total = sum(p[2] for p in parts)
+        total = sum(p.size for p in parts)
         try:
             extents = self.host.take(total, stage=True) if total else []
         except AllocatorError as exc:
@@ -257,8 +258,7 @@ class SleepWake:
         groups = batches(record.pieces, self.group_bytes)
         try:
             for i, batch in enumerate(groups):
-                keyed = [(start, start, n, d) for _, start, n, d in batch]
-                for device, address, host, n in copies(keyed, record.backups):
+                for device, address, host, n in copies(batch, record.backups, whole=True):
                     # a chunk not pinned yet is filled through the staging ring; where the ring cannot be
                     # pinned, the chunk is pinned now and copied into once it is (chunk by chunk)
                     pinned = self.host.wait_pinned(host)
@@ -269,26 +269,26 @@ class SleepWake:
                     self.driver.copy_d2h(host, address, n, device)
                 # once copied, the mappings inside whole allocations of this batch may go; an allocation whose
                 # pieces continue in the next batch waits for it
-                hi = ends[batch[-1][0]]
+                hi = ends[batch[-1].key]
                 if i + 1 < len(groups):
-                    hi = min(hi, groups[i + 1][0][0])
-                record.pending.append((self.driver.record(batch[0][3]), batch[0][0], hi))
+                    hi = min(hi, groups[i + 1][0].key)
+                record.pending.append(InFlight(self.driver.record(batch[0].device), batch[0].key, hi))
         except BaseException as exc:
             self.settle(record)
             if not isinstance(exc, Exception):  # an interrupt stays an interrupt
                 raise
             raise wrap("backup", tag, exc) from exc
 
-    def settle(self, record: TagState) -> list[Span]:
-        """Wait for the tag's copies in flight; the batches (lo, hi) whose copy failed (their backup is not valid)."""
+    def settle(self, record: TagState) -> list[Bounds]:
+        """Wait for the tag's copies in flight; the batches whose copy failed (their backup is not valid)."""
         self.stager.abort()  # a staged sleep's threads write into the backup's host memory until they stop
-        failed: list[Span] = []
+        failed: list[Bounds] = []
         for event, lo, hi in record.pending:
             try:
                 self.driver.wait(event)
             except Exception:  # a backup being dropped, or a failed release that copies these batches again
                 logger.debug("a copy failed while its backup was being dropped", exc_info=True)
-                failed.append((lo, hi))
+                failed.append(Bounds(lo, hi))
         record.pending.clear()
         return failed
 
@@ -305,8 +305,8 @@ class SleepWake:
         """Give back the backups of the allocations in ``gone`` (freed while asleep)."""
         keep, extents = [], []
         for p in record.pieces:
-            if p[0] in gone:
-                extents += record.backups.pop(p[1], [])
+            if p.key in gone:
+                extents += record.backups.pop(p.start, [])
             else:
                 keep.append(p)
         record.pieces = keep
@@ -314,19 +314,19 @@ class SleepWake:
             self.host.give(extents)
 
     def _forget_freed(self, record: TagState, live: list[Live]) -> None:
-        alive = {a for a, _, _ in live}
-        self.forget(record, {p[0] for p in record.pieces if p[0] not in alive})
+        alive = {a.address for a in live}
+        self.forget(record, {p.key for p in record.pieces if p.key not in alive})
 
     def _release_tag(self, tag: str, record: TagState) -> None:
-        if self.table.usage(tag)[0] == native.ACTIVE:  # discarded, or released again on a kept backup
+        if self.table.usage(tag).state == native.ACTIVE:  # discarded, or released again on a kept backup
             self.table.freeze(tag)
             if (
                 record.backed_up
             ):  # the backup a wake copied in (a failed wake's rollback): it must cover every allocation
                 live = self.table.allocations(tag)
                 self._forget_freed(record, live)
-                backed = {p[0] for p in record.pieces}
-                missing = [a for a, _, _ in live if a not in backed]
+                backed = {p.key for p in record.pieces}
+                missing = [a.address for a in live if a.address not in backed]
                 if missing:
                     thaw_quietly(self.table, tag)
                     msg = f"{len(missing)} allocation(s) of tag {tag!r} were made after its backup; back it up again"
@@ -339,7 +339,7 @@ class SleepWake:
                 try:
                     self.driver.wait(event)
                 except BaseException:
-                    stale.append((lo, hi))  # its copy failed: the backup of this batch is not its bytes
+                    stale.append(Bounds(lo, hi))  # its copy failed: the backup of this batch is not its bytes
                     raise
                 self.table.unmap_range(tag, lo, hi)
             self.table.unmap_range(tag)
@@ -357,10 +357,11 @@ class SleepWake:
             return
         # pieces only where there are copies to pipeline: a tag with no backup (discarded) maps each allocation
         # with one handle, as it was first mapped, so that the next sleep unmaps a few mappings, not hundreds
-        gran = self.granularity(live[0][2])
-        step = max(self.piece_bytes // gran, 1) * gran if record.backed_up else max(n for _, n, _ in live)
+        gran = self.granularity(live[0].device)
+        step = max(self.piece_bytes // gran, 1) * gran if record.backed_up else max(a.size for a in live)
         todo = [
-            (span[0][1], sum(p[2] for p in span), span[0][3]) for span in spans(pieces(live, step), self.group_bytes)
+            (span[0].start, sum(p.size for p in span), span[0].device)
+            for span in spans(pieces(live, step), self.group_bytes)
         ]
         # only the bytes the backup holds: free blocks come back as fresh memory (one pass over the pieces)
         held = clip_each(record.pieces, [(s, s + n) for s, n, _ in todo]) if record.backed_up else [[] for _ in todo]

@@ -26,14 +26,28 @@ from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from torpor.allocator.native import library as native
-from torpor.allocator.native.table import NativeTable
+from torpor.allocator.native.table import NativeTable, Span
 from torpor.allocator.sleepwake.plan import Backups, Piece
 from torpor.errors import BlocksOpen, TagNotAwake
 from torpor.statemachine.core.protocol import TagUsage
 
-Span = tuple[int, int]  # start, bytes
+
+class Bounds(NamedTuple):
+    """The device addresses ``[lo, hi)`` of a batch a sleep copies, then unmaps."""
+
+    lo: int
+    hi: int
+
+
+class InFlight(NamedTuple):
+    """A batch whose backup copy is in flight: the event recorded after its copies, and its :class:`Bounds`."""
+
+    event: object  # the driver's event (Driver.record): waited for before the batch is unmapped
+    lo: int
+    hi: int
 
 
 @dataclass
@@ -41,9 +55,9 @@ class TagState:
     """Python's part of a tag: its backup (host extents per allocation) and the copies still in flight."""
 
     backed_up: bool = False
-    pieces: list[Piece] = field(default_factory=list)  # what the backup holds: (allocation, start, size, device)
+    pieces: list[Piece] = field(default_factory=list)  # what the backup holds, keyed by their allocations
     backups: Backups = field(default_factory=dict)  # piece start -> host extents
-    pending: list[tuple[object, int, int]] = field(default_factory=list)  # (event, lo, hi) per batch
+    pending: list[InFlight] = field(default_factory=list)  # per batch whose copy is in flight
     partial: bool = False  # a failed release could not be undone nor completed: part of the tag is unmapped
     refill: list[Span] = field(default_factory=list)  # partial: ranges mapped back fresh, to copy the backup into
 
@@ -101,7 +115,7 @@ class TagBook:
     def enter_block(self, tag: str) -> None:
         """A ``use_memory_pool`` block of ``tag`` starts in this thread; :class:`TagNotAwake` unless the tag is awake."""
         with self._doors:
-            state = self.table.usage(tag)[0]
+            state = self.table.usage(tag).state
             if tag in self._closing or state != native.ACTIVE:
                 asleep = state == native.RELEASED and tag not in self._closing
                 raise TagNotAwake(tag, "asleep" if asleep else "going to sleep", self._cause.get(tag, ""))
@@ -112,7 +126,7 @@ class TagBook:
     def not_awake(self, tag: str) -> tuple[str, str] | None:
         """(state, the sleep that put it there) when ``tag`` is asleep or going to sleep; None while it is awake."""
         with self._doors:
-            state = self.table.usage(tag)[0]
+            state = self.table.usage(tag).state
             if tag not in self._closing and state == native.ACTIVE:
                 return None
             asleep = state == native.RELEASED and tag not in self._closing
@@ -205,4 +219,4 @@ class TagBook:
 
     def tagged_bytes(self, exclude: AbstractSet[str] = frozenset()) -> int:
         """Bytes allocated in every known tag but those in ``exclude``."""
-        return sum(self.table.usage(t)[1] for t in list(self.records) if t not in exclude)
+        return sum(self.table.usage(t).nbytes for t in list(self.records) if t not in exclude)

@@ -25,9 +25,9 @@ import logging
 
 from torpor.allocator.host.offload import HostArena
 from torpor.allocator.native.driver import Driver
-from torpor.allocator.native.table import NativeTable
+from torpor.allocator.native.table import NativeTable, Span
 from torpor.allocator.sleepwake.plan import clip_each, copies
-from torpor.allocator.sleepwake.tagbook import Span, TagState
+from torpor.allocator.sleepwake.tagbook import Bounds, TagState
 from torpor.errors import AllocatorError
 
 logger = logging.getLogger("torpor.allocator")
@@ -42,7 +42,7 @@ def thaw_quietly(table: NativeTable, tag: str) -> None:
 
 
 def undo_release(
-    driver: Driver, table: NativeTable, host: HostArena, tag: str, record: TagState, stale: list[Span]
+    driver: Driver, table: NativeTable, host: HostArena, tag: str, record: TagState, stale: list[Bounds]
 ) -> str:
     """Put a tag whose release failed back, or release it; what it left, for the error. Never raises an error.
 
@@ -53,7 +53,7 @@ def undo_release(
     copied = error is None and _copy_back(driver, host, tag, record, ranges)
     if copied:
         thaw_quietly(table, tag)
-        fresh = 0 if record.backed_up else sum(n for _, n in ranges)
+        fresh = 0 if record.backed_up else sum(r.size for r in ranges)
         return "tag left resident" + (f"; {fresh} bytes mapped back fresh (no backup)" if fresh else "")
     why = f"mapping it back failed too ({error.call}: {error.reason})" if error else "copying it back failed too"
     logger.error("rollback: %s for tag %r; releasing it instead", why, tag)
@@ -83,7 +83,7 @@ def _copy_back(driver: Driver, host: HostArena, tag: str, record: TagState, rang
     try:
         ordered = sorted(set(ranges))
         devices = set()
-        for parts in clip_each(record.pieces, [(lo, lo + n) for lo, n in ordered]):
+        for parts in clip_each(record.pieces, [(r.start, r.start + r.size) for r in ordered]):
             for device, address, chunk, m in copies(parts, record.backups):
                 host.wait_readable(chunk)
                 driver.copy_h2d(address, chunk, m, device)
@@ -96,7 +96,7 @@ def _copy_back(driver: Driver, host: HostArena, tag: str, record: TagState, rang
     return True
 
 
-def _backup_again(driver: Driver, host: HostArena, tag: str, record: TagState, stale: list[Span]) -> bool:
+def _backup_again(driver: Driver, host: HostArena, tag: str, record: TagState, stale: list[Bounds]) -> bool:
     """Copy the ``stale`` batches (still mapped) into the backup again; False when that fails (logged)."""
     try:
         devices = set()
@@ -125,6 +125,6 @@ def heal(driver: Driver, table: NativeTable, host: HostArena, tag: str, record: 
         msg = "copying its backup into the memory mapped back failed; the tag stays partly released"
         raise AllocatorError("restore", tag, msg)
     table.thaw(tag)
-    mapped = sum(n for _, n in record.refill)
+    mapped = sum(r.size for r in record.refill)
     record.partial, record.refill = False, []
     return mapped

@@ -93,7 +93,7 @@ class GraphPoolState:
             self._pool = None
             if pool.mempool is not None:
                 drop(pool)  # torch frees the segments through the native free
-                left = table.usage(CUDAGRAPH)[1]
+                left = table.usage(CUDAGRAPH).nbytes
                 if left:
                     logger.warning(
                         "%d bytes of the released graph pool are still allocated (tensors of it alive)", left
@@ -101,7 +101,7 @@ class GraphPoolState:
             elif known:
                 for address, _, _ in table.allocations(CUDAGRAPH):
                     free(address)
-            after = table.usage(CUDAGRAPH)[1] if known else 0
+            after = table.usage(CUDAGRAPH).nbytes if known else 0
             return before - after
 
     def detach(self) -> GraphPool | None:
