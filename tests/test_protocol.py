@@ -17,7 +17,7 @@ class Minimal:
         return {"weights": TagUsage(resident=4096, allocations=1)}
 
     def backup(self, tags: Sequence[str]) -> Mapping[str, Transfer]:
-        return {t: Transfer(t, 4096, 0.0, True) for t in tags}
+        return {t: Transfer(t, 4096, 0.0, offloaded=True) for t in tags}
 
     def release(self, tags: Sequence[str]) -> Mapping[str, Transfer]:
         return {t: Transfer(t, 4096, 0.0) for t in tags}

@@ -105,12 +105,15 @@ class TimedMemory(FakeMemory):
 
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Back up, reporting bytes / LINK seconds."""
-        return {t: Transfer(t, x.bytes, x.bytes / LINK, True) for t, x in super().backup(tags).items()}
+        return {t: Transfer(t, x.bytes, x.bytes / LINK, offloaded=True) for t, x in super().backup(tags).items()}
 
     def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Restore, reporting bytes / LINK seconds."""
         done = super().restore(tags)
-        return {t: Transfer(t, x.bytes, x.bytes / LINK if x.offloaded else 0.0, x.offloaded) for t, x in done.items()}
+        return {
+            t: Transfer(t, x.bytes, x.bytes / LINK if x.offloaded else 0.0, offloaded=x.offloaded)
+            for t, x in done.items()
+        }
 
 
 def _get(url: str) -> Any:

@@ -105,7 +105,7 @@ class FakeMemory:
                 self._maybe_fail("backup", tag)
                 entry = self._tags[tag]
                 entry.backup = entry.content
-                done[tag] = Transfer(tag, entry.size, 0.0, True)
+                done[tag] = Transfer(tag, entry.size, 0.0, offloaded=True)
         except MemoryOperationFailed:
             for tag in done:
                 self._tags[tag].backup = None
@@ -119,7 +119,7 @@ class FakeMemory:
             self._maybe_fail("release", tag)
             entry = self._tags[tag]
             entry.resident = False
-            done[tag] = Transfer(tag, entry.size, 0.0, entry.backup is not None)
+            done[tag] = Transfer(tag, entry.size, 0.0, offloaded=entry.backup is not None)
         return done
 
     def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
@@ -131,7 +131,7 @@ class FakeMemory:
                 entry = self._tags[tag]
                 entry.resident = True
                 entry.content = entry.backup if entry.backup is not None else next(_tokens)
-                done[tag] = Transfer(tag, entry.size, 0.0, entry.backup is not None)
+                done[tag] = Transfer(tag, entry.size, 0.0, offloaded=entry.backup is not None)
         except MemoryOperationFailed:
             for tag in done:
                 self._tags[tag].resident = False

@@ -200,7 +200,7 @@ def _released_anyway(ctx: Context, done: SleepProgress, note: Compensation) -> N
         return
     action = done.plan[tag].value
     note.record(TagReleased(tag=tag, bytes=nbytes, action=action, seconds=0.0))
-    done.released.append(Transfer(tag, nbytes, 0.0, done.plan[tag] is Action.OFFLOAD))
+    done.released.append(Transfer(tag, nbytes, 0.0, offloaded=done.plan[tag] is Action.OFFLOAD))
     done.failed = None
 
 
