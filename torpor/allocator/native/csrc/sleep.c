@@ -25,8 +25,8 @@ static int check_tag(tp_ctx *c, int tag, const char *op, tp_err *e) {
 /* Unmap (and drop) every mapping of `tag` no live allocation uses; -1 when an unmap failed. */
 static int drop_unused(tp_ctx *c, int tag, tp_err *e) {
   int rc = 0;
-  for (int i = 0; i < c->nm;) {
-    if (c->m[i].tag == tag && c->m[i].users <= 0 && c->m[i].mapped) {
+  for (int i = 0; i < c->nmaps;) {
+    if (c->maps[i].tag == tag && c->maps[i].users <= 0 && c->maps[i].mapped) {
       if (drop_mapping(c, i, e)) {
         rc = -1;
         i++;
@@ -53,7 +53,7 @@ TP_EXPORT int tp_thaw(tp_ctx *c, int tag, tp_err *e) {
   int rc = check_tag(c, tag, "thaw", e);
   if (!rc && c->state[tag] == TP_FROZEN) {
     int unmapped = 0;
-    for (int i = 0; i < c->nm; i++) unmapped += c->m[i].tag == tag && !c->m[i].mapped;
+    for (int i = 0; i < c->nmaps; i++) unmapped += c->maps[i].tag == tag && !c->maps[i].mapped;
     if (unmapped) rc = fail(e, tag, "thaw", "%d mapping(s) of tag '%s' are unmapped; map them back first", unmapped, c->tags[tag]);
     if (!rc) {
       c->state[tag] = TP_ACTIVE;
@@ -69,8 +69,8 @@ TP_EXPORT int tp_unmap_range(tp_ctx *c, int tag, uint64_t lo, uint64_t hi, tp_er
   LOCK;
   int rc = check_tag(c, tag, "release", e), n = 0;
   if (!rc && c->state[tag] != TP_FROZEN) rc = fail(e, tag, "release", "tag '%s' is not frozen for a sleep", c->tags[tag]);
-  for (int i = map_first_overlap(c, lo); !rc && i < c->nm && c->m[i].start < hi; i++) {
-    tp_map *m = &c->m[i];
+  for (int i = map_first_overlap(c, lo); !rc && i < c->nmaps && c->maps[i].start < hi; i++) {
+    tp_map *m = &c->maps[i];
     if (m->tag != tag || !m->mapped || m->start < lo || m->start + m->size > hi) continue;
     if (unmap_one(c, i, e)) rc = driver_fail(e, tag, "release");
     else n++;
@@ -84,8 +84,8 @@ TP_EXPORT int tp_map_back(tp_ctx *c, int tag, uint64_t *start, uint64_t *size, i
   LOCK;
   int rc = check_tag(c, tag, "release", e);
   *count = 0;
-  for (int i = 0; !rc && i < c->nm; i++) {
-    tp_map *m = &c->m[i];
+  for (int i = 0; !rc && i < c->nmaps; i++) {
+    tp_map *m = &c->maps[i];
     if (m->tag != tag || m->mapped) continue;
     int stuck = 0;
     if (new_mapping(c, m->start, m->size, m->dev, &m->handle, e, &stuck)) {
@@ -108,12 +108,12 @@ TP_EXPORT int tp_mark_released(tp_ctx *c, int tag, tp_err *e) {
   LOCK;
   int rc = check_tag(c, tag, "release", e);
   if (!rc && c->state[tag] != TP_FROZEN) rc = fail(e, tag, "release", "tag '%s' is not frozen for a sleep", c->tags[tag]);
-  for (int i = 0; !rc && i < c->nm; i++)
-    if (c->m[i].tag == tag && c->m[i].mapped)
-      rc = fail(e, tag, "release", "tag '%s' still has a mapping at %#llx", c->tags[tag], (unsigned long long)c->m[i].start);
+  for (int i = 0; !rc && i < c->nmaps; i++)
+    if (c->maps[i].tag == tag && c->maps[i].mapped)
+      rc = fail(e, tag, "release", "tag '%s' still has a mapping at %#llx", c->tags[tag], (unsigned long long)c->maps[i].start);
   if (!rc) {
-    for (int i = 0; i < c->nm;) {
-      if (c->m[i].tag == tag) drop_mapping(c, i, e); /* unmapped already: gives its free space back */
+    for (int i = 0; i < c->nmaps;) {
+      if (c->maps[i].tag == tag) drop_mapping(c, i, e); /* unmapped already: gives its free space back */
       else i++;
     }
     c->state[tag] = TP_RELEASED;
@@ -140,7 +140,14 @@ TP_EXPORT int tp_map_span(tp_ctx *c, int tag, uint64_t start, uint64_t size, int
   int stuck = 0;
   if (!rc && new_mapping(c, start, size, dev, &handle, e, &stuck)) rc = driver_fail(e, tag, "restore");
   if (!rc || stuck) { /* stuck: mapped but would not unmap; listed so that the rollback or next wake unmaps it */
-    tp_map m = {start, size, handle, 0, gran, tag, dev, count_users(c, start, size), 0, 1};
+    tp_map m = {.start = start,
+                .size = size,
+                .handle = handle,
+                .gran = gran,
+                .tag = tag,
+                .dev = dev,
+                .users = count_users(c, start, size),
+                .mapped = 1};
     tp_arena *ar = arena_of(c, dev, tag);
     if (ar) arena_claim(ar, start, size);
     if (map_insert(c, &m)) {
@@ -158,8 +165,8 @@ TP_EXPORT int tp_map_span(tp_ctx *c, int tag, uint64_t start, uint64_t size, int
 TP_EXPORT int tp_unmap_all(tp_ctx *c, int tag, tp_err *e) {
   LOCK;
   int failed = 0;
-  for (int i = 0; i < c->nm;) {
-    if (c->m[i].tag == tag) {
+  for (int i = 0; i < c->nmaps;) {
+    if (c->maps[i].tag == tag) {
       if (drop_mapping(c, i, e)) {
         driver_fail(e, tag, "restore");
         ring_push(c, e);
@@ -194,12 +201,12 @@ TP_EXPORT int tp_mark_awake(tp_ctx *c, int tag, tp_err *e) {
 TP_EXPORT int tp_list(tp_ctx *c, int tag, uint64_t *addr, uint64_t *size, int *dev, int cap) {
   LOCK; /* a negative cap writes nothing (n < cap never holds) */
   int n = 0;
-  for (int i = 0; i < c->na; i++) {
-    if ((tag >= 0 && c->a[i].tag != tag) || c->a[i].trimmed) continue;
+  for (int i = 0; i < c->nallocs; i++) {
+    if ((tag >= 0 && c->allocs[i].tag != tag) || c->allocs[i].trimmed) continue;
     if (n < cap) {
-      addr[n] = c->a[i].addr;
-      size[n] = c->a[i].size;
-      dev[n] = c->a[i].dev;
+      addr[n] = c->allocs[i].addr;
+      size[n] = c->allocs[i].size;
+      dev[n] = c->allocs[i].dev;
     }
     n++;
   }
@@ -213,9 +220,9 @@ TP_EXPORT int tp_usage(tp_ctx *c, int tag, uint64_t *bytes, int *count) {
   int state = tag >= 0 && tag < c->ntags ? c->state[tag] : -1;
   *bytes = 0;
   *count = 0;
-  for (int i = 0; i < c->na; i++)
-    if (c->a[i].tag == tag && !c->a[i].trimmed) {
-      *bytes += c->a[i].size;
+  for (int i = 0; i < c->nallocs; i++)
+    if (c->allocs[i].tag == tag && !c->allocs[i].trimmed) {
+      *bytes += c->allocs[i].size;
       (*count)++;
     }
   UNLOCK;
@@ -226,8 +233,8 @@ TP_EXPORT int tp_usage(tp_ctx *c, int tag, uint64_t *bytes, int *count) {
 TP_EXPORT void tp_stats(tp_ctx *c, int tag, uint64_t out[4]) {
   LOCK;
   memset(out, 0, 4 * sizeof *out);
-  for (int i = 0; i < c->nm; i++) {
-    tp_map *m = &c->m[i];
+  for (int i = 0; i < c->nmaps; i++) {
+    tp_map *m = &c->maps[i];
     if ((tag >= 0 && m->tag != tag) || !m->mapped) continue;
     if (m->slab) {
       out[0]++;
@@ -254,18 +261,18 @@ TP_EXPORT int tp_close(tp_ctx *c) {
   LOCK;
   int failed = 0;
   tp_err e;
-  for (int i = 0; i < c->nm; i++)
-    if (c->m[i].mapped && unmap_one(c, i, &e)) failed++;
-  c->nm = 0;
-  c->na = 0;
-  for (int i = 0; i < c->nar; i++) {
-    tp_arena *ar = &c->ar[i];
+  for (int i = 0; i < c->nmaps; i++)
+    if (c->maps[i].mapped && unmap_one(c, i, &e)) failed++;
+  c->nmaps = 0;
+  c->nallocs = 0;
+  for (int i = 0; i < c->narenas; i++) {
+    tp_arena *ar = &c->arenas[i];
     for (int r = 0; r < ar->nres; r++)
       if (c->drv.unreserve(c->drv.self, ar->res[r].start, ar->res[r].size, &e)) failed++;
     free(ar->res);
     free(ar->free);
   }
-  c->nar = 0;
+  c->narenas = 0;
   c->closed = 1; /* the context itself stays: slots bound to it may still be called by torch */
   UNLOCK;
   return failed;

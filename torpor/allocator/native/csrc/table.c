@@ -130,61 +130,61 @@ TP_EXPORT int tp_granularity(tp_ctx *c, int dev, uint64_t *out, tp_err *e) {
 /* -- sorted arrays ------------------------------------------------------------------------------ */
 
 int alloc_lower(tp_ctx *c, uint64_t addr) { /* first allocation with addr >= `addr` */
-  int lo = 0, hi = c->na;
+  int lo = 0, hi = c->nallocs;
   while (lo < hi) {
     int mid = (lo + hi) / 2;
-    if (c->a[mid].addr < addr) lo = mid + 1;
+    if (c->allocs[mid].addr < addr) lo = mid + 1;
     else hi = mid;
   }
   return lo;
 }
 
 int map_first_overlap(tp_ctx *c, uint64_t addr) { /* first mapping ending after `addr` */
-  int lo = 0, hi = c->nm;
+  int lo = 0, hi = c->nmaps;
   while (lo < hi) {
     int mid = (lo + hi) / 2;
-    if (c->m[mid].start <= addr) lo = mid + 1;
+    if (c->maps[mid].start <= addr) lo = mid + 1;
     else hi = mid;
   }
-  if (lo > 0 && c->m[lo - 1].start + c->m[lo - 1].size > addr) return lo - 1;
+  if (lo > 0 && c->maps[lo - 1].start + c->maps[lo - 1].size > addr) return lo - 1;
   return lo;
 }
 
 int map_room(tp_ctx *c, int more) { /* room for `more` mappings: map_insert of that many cannot fail */
-  tp_map *q = grow(c->m, &c->capm, c->nm + more, sizeof *q);
+  tp_map *q = grow(c->maps, &c->cap_maps, c->nmaps + more, sizeof *q);
   if (!q) return -1;
-  c->m = q;
+  c->maps = q;
   return 0;
 }
 
 int map_insert(tp_ctx *c, const tp_map *m) {
-  tp_map *q = grow(c->m, &c->capm, c->nm + 1, sizeof *q);
+  tp_map *q = grow(c->maps, &c->cap_maps, c->nmaps + 1, sizeof *q);
   if (!q) return -1;
-  c->m = q;
+  c->maps = q;
   int i = map_first_overlap(c, m->start);
-  memmove(&c->m[i + 1], &c->m[i], (size_t)(c->nm - i) * sizeof *q);
-  c->m[i] = *m;
-  c->nm++;
+  memmove(&c->maps[i + 1], &c->maps[i], (size_t)(c->nmaps - i) * sizeof *q);
+  c->maps[i] = *m;
+  c->nmaps++;
   return 0;
 }
 
 void map_remove(tp_ctx *c, int i) {
-  memmove(&c->m[i], &c->m[i + 1], (size_t)(c->nm - i - 1) * sizeof *c->m);
-  c->nm--;
+  memmove(&c->maps[i], &c->maps[i + 1], (size_t)(c->nmaps - i - 1) * sizeof *c->maps);
+  c->nmaps--;
 }
 
 /* -- address arenas ----------------------------------------------------------------------------- */
 
 tp_arena *arena_of(tp_ctx *c, int dev, int tag) {
-  for (int i = 0; i < c->nar; i++)
-    if (c->ar[i].dev == dev && c->ar[i].tag == tag) return &c->ar[i];
-  tp_arena *q = grow(c->ar, &c->capar, c->nar + 1, sizeof *q);
+  for (int i = 0; i < c->narenas; i++)
+    if (c->arenas[i].dev == dev && c->arenas[i].tag == tag) return &c->arenas[i];
+  tp_arena *q = grow(c->arenas, &c->cap_arenas, c->narenas + 1, sizeof *q);
   if (!q) return NULL;
-  c->ar = q;
-  memset(&c->ar[c->nar], 0, sizeof *q);
-  c->ar[c->nar].dev = dev;
-  c->ar[c->nar].tag = tag;
-  return &c->ar[c->nar++];
+  c->arenas = q;
+  memset(&c->arenas[c->narenas], 0, sizeof *q);
+  c->arenas[c->narenas].dev = dev;
+  c->arenas[c->narenas].tag = tag;
+  return &c->arenas[c->narenas++];
 }
 
 static void arena_give(tp_arena *ar, uint64_t start, uint64_t n) {
@@ -209,7 +209,7 @@ static void arena_give(tp_arena *ar, uint64_t start, uint64_t n) {
   if (!q) return; /* out of host memory: the range leaks (address space only) */
   ar->free = q;
   memmove(&ar->free[i + 1], &ar->free[i], (size_t)(ar->nfree - i) * sizeof *q);
-  ar->free[i] = (tp_range){start, n};
+  ar->free[i] = (tp_range){.start = start, .size = n};
   ar->nfree++;
 }
 
@@ -249,7 +249,7 @@ static int arena_take(tp_ctx *c, tp_arena *ar, uint64_t n, uint64_t gran, uint64
   ar->res = q;
   uint64_t start = 0;
   if (c->drv.reserve(c->drv.self, ar->dev, block, gran, &start, e)) return -1;
-  ar->res[ar->nres++] = (tp_range){start, block};
+  ar->res[ar->nres++] = (tp_range){.start = start, .size = block};
   arena_give(ar, start + n, block - n);
   *out = start;
   return 0;
@@ -259,10 +259,10 @@ static int arena_take(tp_ctx *c, tp_arena *ar, uint64_t n, uint64_t gran, uint64
 void give_gaps(tp_ctx *c, tp_arena *ar, uint64_t start, uint64_t n) {
   uint64_t pos = start, end = start + n;
   int k = alloc_lower(c, start);
-  if (k > 0 && c->a[k - 1].addr + c->a[k - 1].size > start) k--;
-  for (; k < c->na && c->a[k].addr < end; k++) {
-    if (c->a[k].addr > pos) arena_give(ar, pos, c->a[k].addr - pos);
-    uint64_t aend = c->a[k].addr + c->a[k].size;
+  if (k > 0 && c->allocs[k - 1].addr + c->allocs[k - 1].size > start) k--;
+  for (; k < c->nallocs && c->allocs[k].addr < end; k++) {
+    if (c->allocs[k].addr > pos) arena_give(ar, pos, c->allocs[k].addr - pos);
+    uint64_t aend = c->allocs[k].addr + c->allocs[k].size;
     if (aend > pos) pos = aend;
   }
   if (pos < end) arena_give(ar, pos, end - pos);
@@ -289,7 +289,7 @@ int new_mapping(tp_ctx *c, uint64_t start, uint64_t n, int dev, uint64_t *handle
 
 /* Unmap mapping i and release its handle; 0, or -1 when the unmap failed (it stays mapped). */
 int unmap_one(tp_ctx *c, int i, tp_err *e) {
-  tp_map *m = &c->m[i];
+  tp_map *m = &c->maps[i];
   if (c->drv.ensure_context(c->drv.self, m->dev, e)) return -1;
   if (c->drv.unmap(c->drv.self, m->start, m->size, e)) return -1;
   m->mapped = 0;
@@ -305,8 +305,8 @@ int unmap_one(tp_ctx *c, int i, tp_err *e) {
 
 /* Unmap mapping i, give its free address space back and drop it. */
 int drop_mapping(tp_ctx *c, int i, tp_err *e) {
-  if (c->m[i].mapped && unmap_one(c, i, e)) return -1;
-  tp_map m = c->m[i];
+  if (c->maps[i].mapped && unmap_one(c, i, e)) return -1;
+  tp_map m = c->maps[i];
   map_remove(c, i);
   tp_arena *ar = arena_of(c, m.dev, m.tag);
   if (ar) give_gaps(c, ar, m.start, m.size);
@@ -315,8 +315,8 @@ int drop_mapping(tp_ctx *c, int i, tp_err *e) {
 
 int count_users(tp_ctx *c, uint64_t start, uint64_t n) {
   int k = alloc_lower(c, start), users = 0;
-  if (k > 0 && c->a[k - 1].addr + c->a[k - 1].size > start) k--;
-  for (; k < c->na && c->a[k].addr < start + n; k++) users += !c->a[k].trimmed;
+  if (k > 0 && c->allocs[k - 1].addr + c->allocs[k - 1].size > start) k--;
+  for (; k < c->nallocs && c->allocs[k].addr < start + n; k++) users += !c->allocs[k].trimmed;
   return users;
 }
 
@@ -324,7 +324,7 @@ int count_users(tp_ctx *c, uint64_t start, uint64_t n) {
 
 int tag_allocations(tp_ctx *c, int tag) {
   int n = 0;
-  for (int i = 0; i < c->na; i++) n += c->a[i].tag == tag;
+  for (int i = 0; i < c->nallocs; i++) n += c->allocs[i].tag == tag;
   return n;
 }
 
@@ -340,14 +340,14 @@ static int alloc_locked(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *
   uint64_t gran = 0;
   if (gran_of(c, dev, &gran, e)) return driver_fail(e, tag, "allocate");
   uint64_t size = (nbytes + gran - 1) / gran * gran;
-  tp_alloc *qa = grow(c->a, &c->capa, c->na + 1, sizeof *qa);
+  tp_alloc *qa = grow(c->allocs, &c->cap_allocs, c->nallocs + 1, sizeof *qa);
   if (!qa) return fail(e, tag, "allocate", "out of host memory");
-  c->a = qa;
+  c->allocs = qa;
   int slab = size == gran && c->slab_max > gran;
   uint64_t addr = 0;
   int found = 0;
-  for (int i = 0; slab && i < c->nm && !found; i++) {
-    tp_map *m = &c->m[i];
+  for (int i = 0; slab && i < c->nmaps && !found; i++) {
+    tp_map *m = &c->maps[i];
     if (m->slab && m->mapped && m->spare && m->tag == tag && m->dev == dev && c->state[tag] == TP_ACTIVE) {
       int bit = __builtin_ctzll(m->spare);
       m->spare &= ~(1ull << bit);
@@ -372,7 +372,7 @@ static int alloc_locked(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *
     int stuck = 0;
     if (new_mapping(c, addr, span, dev, &handle, e, &stuck)) {
       if (stuck) { /* would not unmap: listed with no user, so a later thaw, wake or close unmaps it */
-        tp_map left = {addr, span, handle, 0, gran, tag, dev, 0, 0, 1};
+        tp_map left = {.start = addr, .size = span, .handle = handle, .gran = gran, .tag = tag, .dev = dev, .mapped = 1};
         map_insert(c, &left);
       } else {
         arena_give(ar, addr, span);
@@ -380,8 +380,17 @@ static int alloc_locked(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *
       return driver_fail(e, tag, "allocate");
     }
     uint64_t granules = span / gran;
-    tp_map m = {addr, span, handle, slab ? (granules >= 64 ? ~0ull : ((1ull << granules) - 1)) & ~1ull : 0, gran,
-                tag,  dev,  1,      slab, 1};
+    uint64_t every = granules >= 64 ? ~0ull : (1ull << granules) - 1; /* a bit per granule of the span */
+    tp_map m = {.start = addr,
+                .size = span,
+                .handle = handle,
+                .spare = slab ? every & ~1ull : 0, /* a new slab: all but its first granule (this allocation's) */
+                .gran = gran,
+                .tag = tag,
+                .dev = dev,
+                .users = 1,
+                .slab = slab,
+                .mapped = 1};
     if (map_insert(c, &m)) {
       tp_err ignored;
       c->drv.unmap(c->drv.self, addr, span, &ignored);
@@ -392,9 +401,9 @@ static int alloc_locked(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *
     if (slab) ar->slabs_made++;
   }
   int k = alloc_lower(c, addr);
-  memmove(&c->a[k + 1], &c->a[k], (size_t)(c->na - k) * sizeof *c->a);
-  c->a[k] = (tp_alloc){addr, size, nbytes, tag, dev, 0, 0, 0, 0, NULL};
-  c->na++;
+  memmove(&c->allocs[k + 1], &c->allocs[k], (size_t)(c->nallocs - k) * sizeof *c->allocs);
+  c->allocs[k] = (tp_alloc){.addr = addr, .size = size, .requested = nbytes, .tag = tag, .dev = dev};
+  c->nallocs++;
   *out = addr;
   return 0;
 }
@@ -404,15 +413,15 @@ static int alloc_locked(tp_ctx *c, int tag, int dev, uint64_t nbytes, uint64_t *
 static int free_locked(tp_ctx *c, uint64_t addr, int keep, tp_err *e) {
   if (c->closed) return 0; /* torch frees its cached segments at exit, after a close */
   int k = alloc_lower(c, addr);
-  if (k >= c->na || c->a[k].addr != addr)
-    return fail(e, -1, "free", "%#llx is not an allocation of this allocator (%d live)", (unsigned long long)addr, c->na);
-  tp_alloc rec = c->a[k];
-  memmove(&c->a[k], &c->a[k + 1], (size_t)(c->na - k - 1) * sizeof *c->a);
-  c->na--;
+  if (k >= c->nallocs || c->allocs[k].addr != addr)
+    return fail(e, -1, "free", "%#llx is not an allocation of this allocator (%d live)", (unsigned long long)addr, c->nallocs);
+  tp_alloc rec = c->allocs[k];
+  memmove(&c->allocs[k], &c->allocs[k + 1], (size_t)(c->nallocs - k - 1) * sizeof *c->allocs);
+  c->nallocs--;
   int state = c->state[rec.tag], rc = 0, overlapped = 0;
   uint64_t end = rec.addr + rec.size;
-  for (int i = map_first_overlap(c, rec.addr); i < c->nm && c->m[i].start < end;) {
-    tp_map *m = &c->m[i];
+  for (int i = map_first_overlap(c, rec.addr); i < c->nmaps && c->maps[i].start < end;) {
+    tp_map *m = &c->maps[i];
     overlapped = 1;
     if (rec.trimmed) { /* its user count went at the trim; a slab's granule is spare only now */
       if (m->slab)
@@ -477,7 +486,7 @@ TP_EXPORT int tp_free_raw(tp_ctx *c, uint64_t addr, tp_err *e) {
 TP_EXPORT int tp_free_synchronized(tp_ctx *c, uint64_t addr, tp_err *e) {
   pthread_mutex_lock(&c->mu);
   int k = alloc_lower(c, addr), dev = -1, tag = -1, closed = c->closed;
-  if (k < c->na && c->a[k].addr == addr) dev = c->a[k].dev, tag = c->a[k].tag;
+  if (k < c->nallocs && c->allocs[k].addr == addr) dev = c->allocs[k].dev, tag = c->allocs[k].tag;
   pthread_mutex_unlock(&c->mu);
   if (closed || dev < 0) return tp_free_raw(c, addr, e); /* closed: nothing is unmapped; unknown: its refusal */
   tp_err waited;

@@ -15,14 +15,14 @@
 /* Trim allocation k (the mutex held): 1 when trimmed now, 2 when trimmed but a mapping would not unmap (`e` says
  * why), 0 when not (trimmed already; or its tag is going to sleep: its backup and release take it). */
 int trim_locked(tp_ctx *c, int k, tp_err *e) {
-  if (c->a[k].trimmed || c->state[c->a[k].tag] == TP_FROZEN) return 0;
+  if (c->allocs[k].trimmed || c->state[c->allocs[k].tag] == TP_FROZEN) return 0;
   int rc = 1;
-  c->a[k].trimmed = 1;
-  c->a[k].pending = 0;
-  uint64_t addr = c->a[k].addr, end = addr + c->a[k].size;
-  int tag = c->a[k].tag;
-  for (int i = map_first_overlap(c, addr); i < c->nm && c->m[i].start < end;) {
-    if (--c->m[i].users <= 0) {
+  c->allocs[k].trimmed = 1;
+  c->allocs[k].pending = 0;
+  uint64_t addr = c->allocs[k].addr, end = addr + c->allocs[k].size;
+  int tag = c->allocs[k].tag;
+  for (int i = map_first_overlap(c, addr); i < c->nmaps && c->maps[i].start < end;) {
+    if (--c->maps[i].users <= 0) {
       if (drop_mapping(c, i, e)) {
         driver_fail(e, tag, "trim");
         rc = 2;
@@ -45,13 +45,13 @@ int trim_locked(tp_ctx *c, int k, tp_err *e) {
 TP_EXPORT int tp_trim(tp_ctx *c, uint64_t addr, tp_err *e) {
   pthread_mutex_lock(&c->mu);
   int rc = 0, k = alloc_lower(c, addr);
-  if (k >= c->na || c->a[k].addr != addr) {
+  if (k >= c->nallocs || c->allocs[k].addr != addr) {
     rc = fail(e, -1, "trim", "%#llx is not an allocation of this allocator", (unsigned long long)addr);
-  } else if (c->a[k].reclaimed) {
-    c->a[k].reclaimed = 0;
+  } else if (c->allocs[k].reclaimed) {
+    c->allocs[k].reclaimed = 0;
     rc = 1;
   } else {
-    c->a[k].pending = 0;
+    c->allocs[k].pending = 0;
     rc = trim_locked(c, k, e);
   }
   pthread_mutex_unlock(&c->mu);
@@ -73,12 +73,12 @@ TP_EXPORT int tp_trim(tp_ctx *c, uint64_t addr, tp_err *e) {
 TP_EXPORT int tp_pend(tp_ctx *c, uint64_t addr, void *stream, tp_err *e) {
   pthread_mutex_lock(&c->mu);
   int rc = 0, k = alloc_lower(c, addr);
-  if (k >= c->na || c->a[k].addr != addr) {
+  if (k >= c->nallocs || c->allocs[k].addr != addr) {
     rc = fail(e, -1, "pend", "%#llx is not an allocation of this allocator", (unsigned long long)addr);
-  } else if (!c->a[k].trimmed && c->state[c->a[k].tag] == TP_ACTIVE) {
-    c->a[k].pending = 1;
-    c->a[k].stream = stream;
-    c->a[k].pgen = ++c->pgen;
+  } else if (!c->allocs[k].trimmed && c->state[c->allocs[k].tag] == TP_ACTIVE) {
+    c->allocs[k].pending = 1;
+    c->allocs[k].stream = stream;
+    c->allocs[k].pgen = ++c->pgen;
     rc = 1;
   }
   pthread_mutex_unlock(&c->mu);
@@ -91,12 +91,12 @@ TP_EXPORT int tp_pend(tp_ctx *c, uint64_t addr, void *stream, tp_err *e) {
 TP_EXPORT int tp_unpend(tp_ctx *c, uint64_t addr, tp_err *e) {
   pthread_mutex_lock(&c->mu);
   int rc = 0, k = alloc_lower(c, addr);
-  if (k >= c->na || c->a[k].addr != addr) {
+  if (k >= c->nallocs || c->allocs[k].addr != addr) {
     rc = fail(e, -1, "unpend", "%#llx is not an allocation of this allocator", (unsigned long long)addr);
   } else {
-    rc = c->a[k].reclaimed;
-    c->a[k].reclaimed = 0;
-    c->a[k].pending = 0;
+    rc = c->allocs[k].reclaimed;
+    c->allocs[k].reclaimed = 0;
+    c->allocs[k].pending = 0;
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -111,8 +111,8 @@ int reclaim_pending(tp_ctx *c, int tag, int dev) {
   uint64_t addr[TP_RECLAIM], gen[TP_RECLAIM];
   void *stream[TP_RECLAIM];
   int n = 0;
-  for (int i = 0; i < c->na && n < TP_RECLAIM; i++) {
-    tp_alloc *a = &c->a[i];
+  for (int i = 0; i < c->nallocs && n < TP_RECLAIM; i++) {
+    tp_alloc *a = &c->allocs[i];
     if (a->pending && !a->trimmed && a->tag == tag && a->dev == dev) {
       addr[n] = a->addr;
       gen[n] = a->pgen;
@@ -143,13 +143,13 @@ int reclaim_pending(tp_ctx *c, int tag, int dev) {
   int trimmed = 0;
   for (int i = 0; i < n; i++) {
     int k = alloc_lower(c, addr[i]);
-    if (!ok[i] || k >= c->na || c->a[k].addr != addr[i] || !c->a[k].pending || c->a[k].pgen != gen[i]) continue;
+    if (!ok[i] || k >= c->nallocs || c->allocs[k].addr != addr[i] || !c->allocs[k].pending || c->allocs[k].pgen != gen[i]) continue;
     tp_err e;
     memset(&e, 0, sizeof e);
     int rc = trim_locked(c, k, &e);
     if (rc == 2) ring_push(c, &e);
     if (rc) {
-      c->a[k].reclaimed = 1;
+      c->allocs[k].reclaimed = 1;
       trimmed++;
     }
   }
@@ -163,11 +163,11 @@ int reclaim_pending(tp_ctx *c, int tag, int dev) {
 TP_EXPORT int tp_untrim(tp_ctx *c, uint64_t addr, tp_err *e) {
   pthread_mutex_lock(&c->mu);
   int rc = 0, k = alloc_lower(c, addr);
-  if (k >= c->na || c->a[k].addr != addr) {
+  if (k >= c->nallocs || c->allocs[k].addr != addr) {
     rc = fail(e, -1, "untrim", "%#llx is not an allocation of this allocator", (unsigned long long)addr);
     goto out;
   }
-  tp_alloc *a = &c->a[k];
+  tp_alloc *a = &c->allocs[k];
   if (!a->trimmed) goto out;
   if (c->state[a->tag] != TP_ACTIVE) {
     rc = fail(e, a->tag, "untrim", "tag '%s' is asleep or going to sleep; a trimmed segment cannot be mapped again",
@@ -177,16 +177,16 @@ TP_EXPORT int tp_untrim(tp_ctx *c, uint64_t addr, tp_err *e) {
   uint64_t end = a->addr + a->size, pos = a->addr;
   uint64_t gap_start[64], gap_size[64], handles[64];
   int ngaps = 0, many = 0;
-  for (int i = map_first_overlap(c, a->addr); i < c->nm && c->m[i].start < end; i++) {
-    if (c->m[i].start > pos) {
+  for (int i = map_first_overlap(c, a->addr); i < c->nmaps && c->maps[i].start < end; i++) {
+    if (c->maps[i].start > pos) {
       if (ngaps == 64) {
         many = 1;
         break;
       }
       gap_start[ngaps] = pos;
-      gap_size[ngaps++] = c->m[i].start - pos;
+      gap_size[ngaps++] = c->maps[i].start - pos;
     }
-    uint64_t mend = c->m[i].start + c->m[i].size;
+    uint64_t mend = c->maps[i].start + c->maps[i].size;
     if (mend > pos) pos = mend;
   }
   if (!many && pos < end && ngaps == 64) many = 1;
@@ -212,10 +212,17 @@ TP_EXPORT int tp_untrim(tp_ctx *c, uint64_t addr, tp_err *e) {
     }
   }
   if (!rc) {
-    for (int i = map_first_overlap(c, a->addr); i < c->nm && c->m[i].start < end; i++) c->m[i].users++;
+    for (int i = map_first_overlap(c, a->addr); i < c->nmaps && c->maps[i].start < end; i++) c->maps[i].users++;
     uint64_t gran = c->gran[a->dev >= 0 && a->dev < TP_MAX_DEVICES ? a->dev : 0];
     for (int g = 0; g < ngaps; g++) {
-      tp_map m = {gap_start[g], gap_size[g], handles[g], 0, gran, a->tag, a->dev, 1, 0, 1};
+      tp_map m = {.start = gap_start[g],
+                  .size = gap_size[g],
+                  .handle = handles[g],
+                  .gran = gran,
+                  .tag = a->tag,
+                  .dev = a->dev,
+                  .users = 1,
+                  .mapped = 1};
       map_insert(c, &m); /* cannot fail: map_room above */
     }
     a->trimmed = 0;
