@@ -25,14 +25,27 @@ typedef unsigned long long CUmemHandle;
 typedef void *CUcontext;
 typedef void *CUstream;
 typedef void *CUevent;
+/* The values of cuda.h's enums this file passes (the ABI fixes them). */
+enum {
+  CU_MEM_HANDLE_TYPE_NONE = 0,
+  CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+  CU_MEM_LOCATION_TYPE_DEVICE = 1,
+  CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+  CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1,
+  CU_STREAM_NON_BLOCKING = 1,
+  CU_STREAM_CAPTURE_STATUS_NONE = 0,
+  CU_STREAM_CAPTURE_MODE_RELAXED = 2,
+  CU_EVENT_DISABLE_TIMING = 2,
+  CU_MEMHOSTREGISTER_PORTABLE = 1,
+};
 typedef struct {
-  int type;
-  int id;
+  int type; /* CU_MEM_LOCATION_TYPE_DEVICE */
+  int id;   /* the device number */
 } CUmemLocation;
 typedef struct {
-  int type;                    /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
-  int requestedHandleTypes;    /* CU_MEM_HANDLE_TYPE_NONE = 0 */
-  CUmemLocation location;      /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+  int type;                    /* CU_MEM_ALLOCATION_TYPE_PINNED */
+  int requestedHandleTypes;    /* CU_MEM_HANDLE_TYPE_NONE */
+  CUmemLocation location;
   void *win32HandleMetaData;
   struct {
     unsigned char compressionType;
@@ -43,7 +56,7 @@ typedef struct {
 } CUmemAllocationProp;
 typedef struct {
   CUmemLocation location;
-  int flags;                   /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
+  int flags;                   /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE */
 } CUmemAccessDesc;
 
 #define TP_CU_FUNCS(X)                                                                        \
@@ -97,7 +110,7 @@ static int g_cuda_ready;
 static tp_driver g_cuda_table;
 
 static int check(tp_cuda *cu, CUresult rc, const char *call, tp_err *e) {
-  if (rc == 0) return 0;
+  if (rc == TP_CUDA_SUCCESS) return 0;
   const char *name = "CUDA_ERROR_UNKNOWN", *text = "unknown error";
   if (cu->cuGetErrorName) cu->cuGetErrorName(rc, &name);
   if (cu->cuGetErrorString) cu->cuGetErrorString(rc, &text);
@@ -122,7 +135,7 @@ static int cu_ensure(void *self, int dev, tp_err *e) {
   if (check(cu, cu->cuCtxGetCurrent(&cur), "cuCtxGetCurrent", e)) return -1;
   if (cur) return 0;
   if (dev < 0 || dev >= TP_MAX_DEVICES) {
-    tp_set_err(e, 101, "cuDeviceGet", "device %d out of range", dev);
+    tp_set_err(e, TP_CUDA_ERROR_INVALID_DEVICE, "cuDeviceGet", "device %d out of range", dev);
     return -1;
   }
   pthread_mutex_lock(&cu->mu);
@@ -136,8 +149,9 @@ static int cu_ensure(void *self, int dev, tp_err *e) {
 
 static void prop_of(int dev, CUmemAllocationProp *p) {
   memset(p, 0, sizeof *p);
-  p->type = 1;
-  p->location.type = 1;
+  p->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p->requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  p->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   p->location.id = dev;
 }
 
@@ -147,7 +161,7 @@ static int cu_granularity(void *self, int dev, uint64_t *out, tp_err *e) {
   size_t g = 0;
   if (cu_ensure(self, dev, e)) return -1;
   prop_of(dev, &p);
-  if (check(cu, cu->cuMemGetAllocationGranularity(&g, &p, 1), "cuMemGetAllocationGranularity", e)) return -1;
+  if (check(cu, cu->cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity", e)) return -1;
   *out = g;
   return 0;
 }
@@ -186,7 +200,8 @@ static int cu_map(void *self, uint64_t addr, uint64_t n, uint64_t handle, tp_err
 
 static int cu_set_access(void *self, uint64_t addr, uint64_t n, int dev, tp_err *e) {
   tp_cuda *cu = self;
-  CUmemAccessDesc d = {{1, dev}, 3};
+  CUmemAccessDesc d = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = dev},
+                       .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
   if (tp_check_range(e, "cuMemSetAccess", "address", addr, n, 1)) return -1;
   return check(cu, cu->cuMemSetAccess(addr, n, &d, 1), "cuMemSetAccess", e);
 }
@@ -206,7 +221,7 @@ static int cu_release(void *self, uint64_t handle, tp_err *e) {
  * unmaps at once; kernels captured are not run, and torch defers the free of blocks a capture used to its end). */
 static int cu_wait_stream(void *self, int dev, void *stream, tp_err *e) {
   tp_cuda *cu = self;
-  int capturing = 0; /* CU_STREAM_CAPTURE_STATUS_NONE */
+  int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
   if (cu_ensure(self, dev, e)) return -1;
   if (check(cu, cu->cuStreamIsCapturing(stream, &capturing), "cuStreamIsCapturing", e)) return -1;
   if (capturing) return 0;
@@ -224,7 +239,7 @@ static int cu_capturing(void *self, int dev, void *stream, int *out, tp_err *e) 
 
 static int dev_ok(int dev, tp_err *e) {
   if (dev >= 0 && dev < TP_MAX_DEVICES) return 1;
-  tp_set_err(e, 101, "cuDeviceGet", "device %d out of range", dev);
+  tp_set_err(e, TP_CUDA_ERROR_INVALID_DEVICE, "cuDeviceGet", "device %d out of range", dev);
   return 0;
 }
 
@@ -287,7 +302,7 @@ static int cu_stream(tp_cuda *cu, int dev, CUstream *out, tp_err *e) {
     pthread_mutex_lock(&cu->mu);
     s = cu->stream[dev];
     if (!s) {
-      rc = check(cu, cu->cuStreamCreate(&s, 1 /* CU_STREAM_NON_BLOCKING */), "cuStreamCreate", e);
+      rc = check(cu, cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate", e);
       if (!rc) __atomic_store_n(&cu->stream[dev], s, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&cu->mu);
@@ -306,7 +321,7 @@ static int cu_prepare_device(void *self, int dev, tp_err *e) {
  * capture in another thread. The previous mode is not kept: the thread is torpor's. */
 static int cu_prepare_thread(void *self, tp_err *e) {
   tp_cuda *cu = self;
-  int mode = 2; /* CU_STREAM_CAPTURE_MODE_RELAXED */
+  int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
   if (cu_context(cu, host_dev(cu), e)) return -1;
   return check(cu, cu->cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode", e);
 }
@@ -332,7 +347,7 @@ static int cu_record(void *self, int dev, uint64_t *event, tp_err *e) {
   tp_cuda *cu = self;
   CUevent ev = NULL;
   CUstream s;
-  if (check(cu, cu->cuEventCreate(&ev, 2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate", e)) return -1;
+  if (check(cu, cu->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate", e)) return -1;
   if (cu_stream(cu, dev, &s, e) || check(cu, cu->cuEventRecord(ev, s), "cuEventRecord", e)) {
     cu->cuEventDestroy_v2(ev);
     return -1;
@@ -434,17 +449,17 @@ static int cu_host_reserve(void *self, uint64_t n, uint64_t *out, tp_err *e) {
 static int cu_host_register(void *self, uint64_t host, uint64_t n, tp_err *e) {
   tp_cuda *cu = self;
   if (!host) {
-    tp_set_err(e, 1, "cuMemHostRegister", "host 0 refused: a register names the reserved range that holds the data");
+    tp_set_err(e, TP_CUDA_ERROR_INVALID_VALUE, "cuMemHostRegister", "host 0 refused: a register names the reserved range that holds the data");
     return -1;
   }
   if (tp_check_range(e, "cuMemHostRegister", "host", host, n, 1) || cu_context(cu, host_dev(cu), e)) return -1;
   void *p = (void *)(uintptr_t)host;
-  if (check(cu, cu->cuMemHostRegister_v2(p, tp_round_pages(n), 1 /* CU_MEMHOSTREGISTER_PORTABLE */),
+  if (check(cu, cu->cuMemHostRegister_v2(p, tp_round_pages(n), CU_MEMHOSTREGISTER_PORTABLE),
             "cuMemHostRegister", e))
     return -1;
   if (host_note(cu, host, n)) {
     cu->cuMemHostUnregister(p);
-    tp_set_err(e, 2, "cuMemHostRegister", "no host memory left to note %llu pinned bytes at %#llx",
+    tp_set_err(e, TP_CUDA_ERROR_OUT_OF_MEMORY, "cuMemHostRegister", "no host memory left to note %llu pinned bytes at %#llx",
                (unsigned long long)n, (unsigned long long)host);
     return -1;
   }
@@ -476,7 +491,7 @@ static int cu_host_free(void *self, uint64_t host, tp_err *e) {
   uint64_t n = 0;
   if (cu_context(cu, host_dev(cu), e)) return -1;
   if (!host_size(cu, host, &n, 0)) {
-    tp_set_err(e, 1, "host_free", "no pinned host memory at %#llx", (unsigned long long)host);
+    tp_set_err(e, TP_CUDA_ERROR_INVALID_VALUE, "host_free", "no pinned host memory at %#llx", (unsigned long long)host);
     return -1;
   }
   if (check(cu, cu->cuMemHostUnregister((void *)(uintptr_t)host), "cuMemHostUnregister", e)) return -1;
@@ -538,14 +553,14 @@ int tp_cuda_driver(tp_driver *out, tp_err *e) {
     if (!lib) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
       const char *why = dlerror();
-      tp_set_err(e, 100, "dlopen", "cannot open libcuda.so.1 (the CUDA driver): %s", why ? why : "not found");
+      tp_set_err(e, TP_CUDA_ERROR_NO_DEVICE, "dlopen", "cannot open libcuda.so.1 (the CUDA driver): %s", why ? why : "not found");
       pthread_mutex_unlock(&cu->mu);
       return -1;
     }
 #define TP_CU_LOAD(name, params)                                                   \
   *(void **)(&cu->name) = dlsym(lib, #name);                                       \
   if (!cu->name) {                                                                 \
-    tp_set_err(e, 100, "dlsym", "the CUDA driver has no entry point %s", #name);   \
+    tp_set_err(e, TP_CUDA_ERROR_NO_DEVICE, "dlsym", "the CUDA driver has no entry point %s", #name);   \
     pthread_mutex_unlock(&cu->mu);                                                 \
     return -1;                                                                     \
   }

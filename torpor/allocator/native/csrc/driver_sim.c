@@ -228,7 +228,7 @@ static void maybe_free(tp_sim *s, sim_handle *h) {
   char why[128];                                                                               \
   int injected = hit_locked(s, call, why, sizeof why);                                         \
   if (injected) {                                                                              \
-    tp_set_err(e, injected == 2 ? 2 : 999, call_names[call], injected == 2 ? "%s (out of memory)" : "%s", why); \
+    tp_set_err(e, injected == 2 ? TP_CUDA_ERROR_OUT_OF_MEMORY : TP_CUDA_ERROR_UNKNOWN, call_names[call], injected == 2 ? "%s (out of memory)" : "%s", why); \
     pthread_mutex_unlock(&s->mu);                                                              \
     return -1;                                                                                 \
   }
@@ -247,7 +247,7 @@ static int check_dev(tp_sim *s, int dev) { return dev >= 0 && dev < s->ndev; }
 static int sim_granularity(void *self, int dev, uint64_t *out, tp_err *e) {
   const char *call_name = "granularity";
   SIM_ENTER(TP_GRANULARITY);
-  if (!check_dev(s, dev)) SIM_FAIL(101, "no simulated device %d (have %d)", dev, s->ndev);
+  if (!check_dev(s, dev)) SIM_FAIL(TP_CUDA_ERROR_INVALID_DEVICE, "no simulated device %d (have %d)", dev, s->ndev);
   *out = s->gran;
   SIM_DONE();
 }
@@ -256,15 +256,15 @@ static int sim_reserve(void *self, int dev, uint64_t n, uint64_t align, uint64_t
   const char *call_name = "reserve";
   (void)align;
   SIM_ENTER(TP_RESERVE);
-  if (!check_dev(s, dev)) SIM_FAIL(101, "no simulated device %d (have %d)", dev, s->ndev);
+  if (!check_dev(s, dev)) SIM_FAIL(TP_CUDA_ERROR_INVALID_DEVICE, "no simulated device %d (have %d)", dev, s->ndev);
   if (n == 0 || n % s->gran || n > TP_MAX_LEN)
-    SIM_FAIL(1, "%llu bytes is not a positive multiple of the granularity up to 2**63 - 1", (unsigned long long)n);
+    SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "%llu bytes is not a positive multiple of the granularity up to 2**63 - 1", (unsigned long long)n);
   void *p = mmap(NULL, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) SIM_FAIL(2, "reserving %llu bytes of address space: %s", (unsigned long long)n, strerror(errno));
+  if (p == MAP_FAILED) SIM_FAIL(TP_CUDA_ERROR_OUT_OF_MEMORY, "reserving %llu bytes of address space: %s", (unsigned long long)n, strerror(errno));
   sim_res *r = sim_grow(s->r, &s->capr, s->nr + 1, sizeof *r);
   if (!r) {
     munmap(p, n);
-    SIM_FAIL(2, "out of host memory");
+    SIM_FAIL(TP_CUDA_ERROR_OUT_OF_MEMORY, "out of host memory");
   }
   s->r = r;
   s->r[s->nr++] = (sim_res){(uint64_t)(uintptr_t)p, n, dev};
@@ -275,18 +275,18 @@ static int sim_reserve(void *self, int dev, uint64_t n, uint64_t align, uint64_t
 static int sim_unreserve(void *self, uint64_t addr, uint64_t n, tp_err *e) {
   const char *call_name = "unreserve";
   SIM_ENTER(TP_UNRESERVE);
-  if (!tp_range_ok(addr, n)) SIM_FAIL(1, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
+  if (!tp_range_ok(addr, n)) SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
   for (int i = 0; i < s->nr; i++) {
     if (s->r[i].start == addr && s->r[i].size == n) {
       int j = first_after(s, addr - 1);
       if (j < s->nm && s->m[j].start < addr + n)
-        SIM_FAIL(1, "reservation at %#llx still has mappings", (unsigned long long)addr);
+        SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "reservation at %#llx still has mappings", (unsigned long long)addr);
       munmap((void *)(uintptr_t)addr, n);
       s->r[i] = s->r[--s->nr];
       SIM_DONE();
     }
   }
-  SIM_FAIL(1, "no reservation of %llu bytes at %#llx", (unsigned long long)n, (unsigned long long)addr);
+  SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "no reservation of %llu bytes at %#llx", (unsigned long long)n, (unsigned long long)addr);
 }
 
 /* `n` bytes as a person reads them ("4.00 MiB", "512 B"), into `out` (32 bytes). */
@@ -308,12 +308,12 @@ static const char *size_text(uint64_t n, char *out) {
 static int sim_create(void *self, int dev, uint64_t n, uint64_t *handle, tp_err *e) {
   const char *call_name = "create";
   SIM_ENTER(TP_CREATE);
-  if (!check_dev(s, dev)) SIM_FAIL(101, "no simulated device %d (have %d)", dev, s->ndev);
+  if (!check_dev(s, dev)) SIM_FAIL(TP_CUDA_ERROR_INVALID_DEVICE, "no simulated device %d (have %d)", dev, s->ndev);
   if (n == 0 || n % s->gran || n > TP_MAX_LEN)
-    SIM_FAIL(1, "%llu bytes is not a positive multiple of the granularity up to 2**63 - 1", (unsigned long long)n);
+    SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "%llu bytes is not a positive multiple of the granularity up to 2**63 - 1", (unsigned long long)n);
   if (s->used[dev] > s->capacity || n > s->capacity - s->used[dev]) {
     char want[32], used[32], cap[32];
-    SIM_FAIL(2, "cannot create %s: %s of %s in use on device %d", size_text(n, want), size_text(s->used[dev], used),
+    SIM_FAIL(TP_CUDA_ERROR_OUT_OF_MEMORY, "cannot create %s: %s of %s in use on device %d", size_text(n, want), size_text(s->used[dev], used),
              size_text(s->capacity, cap), dev);
   }
   int slot = -1;
@@ -324,7 +324,7 @@ static int sim_create(void *self, int dev, uint64_t n, uint64_t *handle, tp_err 
     }
   if (slot < 0) {
     sim_handle *h = sim_grow(s->h, &s->caph, s->nh + 1, sizeof *h);
-    if (!h) SIM_FAIL(2, "out of host memory");
+    if (!h) SIM_FAIL(TP_CUDA_ERROR_OUT_OF_MEMORY, "out of host memory");
     s->h = h;
     slot = s->nh++;
     s->h[slot].gen = 0;
@@ -333,7 +333,7 @@ static int sim_create(void *self, int dev, uint64_t n, uint64_t *handle, tp_err 
   if (fd < 0 || ftruncate(fd, (off_t)n) != 0) {
     if (fd >= 0) close(fd);
     s->h[slot].fd = -1;
-    SIM_FAIL(2, "memfd for %llu bytes: %s", (unsigned long long)n, strerror(errno));
+    SIM_FAIL(TP_CUDA_ERROR_OUT_OF_MEMORY, "memfd for %llu bytes: %s", (unsigned long long)n, strerror(errno));
   }
   sim_handle *h = &s->h[slot];
   h->gen++;
@@ -351,24 +351,24 @@ static int sim_map_(void *self, uint64_t addr, uint64_t n, uint64_t handle, tp_e
   const char *call_name = "map";
   SIM_ENTER(TP_MAP);
   sim_handle *h = handle_of(s, handle);
-  if (!h || h->released) SIM_FAIL(1, "handle %#llx is not a live handle", (unsigned long long)handle);
-  if (n != h->size) SIM_FAIL(801, "map of %llu bytes with a handle of %llu", (unsigned long long)n, (unsigned long long)h->size);
-  if (!tp_range_ok(addr, n)) SIM_FAIL(1, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
+  if (!h || h->released) SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "handle %#llx is not a live handle", (unsigned long long)handle);
+  if (n != h->size) SIM_FAIL(TP_CUDA_ERROR_NOT_SUPPORTED, "map of %llu bytes with a handle of %llu", (unsigned long long)n, (unsigned long long)h->size);
+  if (!tp_range_ok(addr, n)) SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
   int inside = 0;
   for (int i = 0; i < s->nr; i++) {
     sim_res *r = &s->r[i];
     if (r->dev == h->dev && addr >= r->start && addr - r->start <= r->size && n <= r->size - (addr - r->start)) inside = 1;
   }
   if (!inside)
-    SIM_FAIL(1, "%#llx+%llu is outside every reservation on device %d", (unsigned long long)addr, (unsigned long long)n, h->dev);
+    SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "%#llx+%llu is outside every reservation on device %d", (unsigned long long)addr, (unsigned long long)n, h->dev);
   int i = first_after(s, addr);
   if ((i > 0 && s->m[i - 1].start + s->m[i - 1].size > addr) || (i < s->nm && s->m[i].start < addr + n))
-    SIM_FAIL(1, "%#llx+%llu overlaps a mapping", (unsigned long long)addr, (unsigned long long)n);
+    SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "%#llx+%llu overlaps a mapping", (unsigned long long)addr, (unsigned long long)n);
   sim_map *m = sim_grow(s->m, &s->capm, s->nm + 1, sizeof *m);
-  if (!m) SIM_FAIL(2, "out of host memory");
+  if (!m) SIM_FAIL(TP_CUDA_ERROR_OUT_OF_MEMORY, "out of host memory");
   s->m = m;
   void *p = mmap((void *)(uintptr_t)addr, n, PROT_NONE, MAP_SHARED | MAP_FIXED, h->fd, 0);
-  if (p == MAP_FAILED) SIM_FAIL(2, "mmap of a handle: %s", strerror(errno));
+  if (p == MAP_FAILED) SIM_FAIL(TP_CUDA_ERROR_OUT_OF_MEMORY, "mmap of a handle: %s", strerror(errno));
   memmove(&s->m[i + 1], &s->m[i], (size_t)(s->nm - i) * sizeof *m);
   s->m[i] = (sim_map){addr, n, handle, 0};
   s->nm++;
@@ -380,9 +380,9 @@ static int sim_set_access(void *self, uint64_t addr, uint64_t n, int dev, tp_err
   const char *call_name = "set_access";
   SIM_ENTER(TP_SET_ACCESS);
   (void)dev;
-  if (!tp_range_ok(addr, n)) SIM_FAIL(1, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
+  if (!tp_range_ok(addr, n)) SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
   if (covered_locked(s, addr, n, 0) - addr < n)
-    SIM_FAIL(1, "set_access on %#llx+%llu: not all of it is mapped", (unsigned long long)addr, (unsigned long long)n);
+    SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "set_access on %#llx+%llu: not all of it is mapped", (unsigned long long)addr, (unsigned long long)n);
   for (int i = first_after(s, addr) - 1; i < s->nm; i++) {
     if (i < 0) continue;
     if (s->m[i].start >= addr + n) break;
@@ -395,10 +395,10 @@ static int sim_set_access(void *self, uint64_t addr, uint64_t n, int dev, tp_err
 static int sim_unmap(void *self, uint64_t addr, uint64_t n, tp_err *e) {
   const char *call_name = "unmap";
   SIM_ENTER(TP_UNMAP);
-  if (!tp_range_ok(addr, n)) SIM_FAIL(1, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
+  if (!tp_range_ok(addr, n)) SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "range %#llx+%llu refused: it runs past 2**64 - 1", (unsigned long long)addr, (unsigned long long)n);
   int i = first_after(s, addr) - 1;
   if (i < 0 || s->m[i].start != addr || s->m[i].size != n)
-    SIM_FAIL(1, "no mapping of %llu bytes at %#llx", (unsigned long long)n, (unsigned long long)addr);
+    SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "no mapping of %llu bytes at %#llx", (unsigned long long)n, (unsigned long long)addr);
   sim_handle *h = handle_of(s, s->m[i].handle);
   mmap((void *)(uintptr_t)addr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   memmove(&s->m[i], &s->m[i + 1], (size_t)(s->nm - i - 1) * sizeof *s->m);
@@ -414,7 +414,7 @@ static int sim_release(void *self, uint64_t handle, tp_err *e) {
   const char *call_name = "release";
   SIM_ENTER(TP_RELEASE);
   sim_handle *h = handle_of(s, handle);
-  if (!h || h->released) SIM_FAIL(1, "handle %#llx released twice or unknown", (unsigned long long)handle);
+  if (!h || h->released) SIM_FAIL(TP_CUDA_ERROR_INVALID_VALUE, "handle %#llx released twice or unknown", (unsigned long long)handle);
   h->released = 1;
   maybe_free(s, h);
   SIM_DONE();
@@ -440,7 +440,7 @@ static int sim_wait_stream(void *self, int dev, void *stream, tp_err *e) {
 static int sim_synchronize_logged(void *self, int dev, tp_err *e) {
   const char *call_name = "synchronize";
   SIM_ENTER(TP_SYNCHRONIZE);
-  if (!check_dev(s, dev)) SIM_FAIL(101, "no simulated device %d (have %d)", dev, s->ndev);
+  if (!check_dev(s, dev)) SIM_FAIL(TP_CUDA_ERROR_INVALID_DEVICE, "no simulated device %d (have %d)", dev, s->ndev);
   SIM_DONE();
 }
 

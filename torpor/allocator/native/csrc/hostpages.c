@@ -42,7 +42,7 @@ TP_EXPORT int tp_host_pages_reserve(uint64_t n, uint64_t *out, tp_err *e) {
   void *raw = mmap(NULL, size + TP_HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) {
     int err = errno;
-    tp_set_err(e, err == ENOMEM ? 2 : err, "mmap", "mapping %llu bytes of host memory failed: %s",
+    tp_set_err(e, err == ENOMEM ? TP_CUDA_ERROR_OUT_OF_MEMORY : err, "mmap", "mapping %llu bytes of host memory failed: %s",
                (unsigned long long)size, strerror(err));
     return -1;
   }
@@ -74,7 +74,7 @@ TP_EXPORT int tp_host_pages_fault(uint64_t addr, uint64_t n, int write, int *how
     }
     int err = errno;
     if (err == ENOMEM || err == EFAULT) {
-      tp_set_err(e, 2, "madvise", "faulting in %llu host bytes failed: %s", (unsigned long long)size, strerror(err));
+      tp_set_err(e, TP_CUDA_ERROR_OUT_OF_MEMORY, "madvise", "faulting in %llu host bytes failed: %s", (unsigned long long)size, strerror(err));
       return -1;
     }
     if (err != EINVAL) {

@@ -50,7 +50,7 @@ static int new_buffer(tp_sim *s, uint64_t n, uint64_t *out, tp_err *e) {
     if (got == want) {
       if (span_add(&s->buf, &s->nbuf, &s->capbuf, (sim_span){address, n, n})) {
         munmap(got, n);
-        tp_set_err(e, 2, "host_alloc", "out of host memory for the simulator's records");
+        tp_set_err(e, TP_CUDA_ERROR_OUT_OF_MEMORY, "host_alloc", "out of host memory for the simulator's records");
         return -1;
       }
       *out = address;
@@ -58,7 +58,7 @@ static int new_buffer(tp_sim *s, uint64_t n, uint64_t *out, tp_err *e) {
     }
     if (got != MAP_FAILED) munmap(got, n); /* an old kernel took the address as a hint only */
     if (s->host_next > HOST_END) {
-      tp_set_err(e, 2, "host_alloc", "the simulated host address space is used up (%llu bytes wanted)",
+      tp_set_err(e, TP_CUDA_ERROR_OUT_OF_MEMORY, "host_alloc", "the simulated host address space is used up (%llu bytes wanted)",
                  (unsigned long long)n);
       return -1;
     }
@@ -158,7 +158,7 @@ static int sim_host_reserve(void *self, uint64_t n, uint64_t *out, tp_err *e) {
   uint64_t address = s->reuse_host ? reuse_hole(s, n) : 0;
   int rc = address ? 0 : new_buffer(s, n, &address, e);
   if (!rc && span_add(&s->resv, &s->nresv, &s->capresv, (sim_span){address, n, n})) {
-    tp_set_err(e, 2, "host_reserve", "out of host memory for the simulator's records");
+    tp_set_err(e, TP_CUDA_ERROR_OUT_OF_MEMORY, "host_reserve", "out of host memory for the simulator's records");
     rc = -1;
   }
   pthread_mutex_unlock(&s->hmu);
@@ -170,25 +170,25 @@ static int sim_host_reserve(void *self, uint64_t n, uint64_t *out, tp_err *e) {
 static int pin_locked(tp_sim *s, uint64_t n, uint64_t host, uint64_t *out, tp_err *e) {
   if (host) {
     if (reservation(s, host, n) < 0) {
-      tp_set_err(e, 1, "host_alloc", "host range %#llx+%llu is not inside a reservation", (unsigned long long)host,
+      tp_set_err(e, TP_CUDA_ERROR_INVALID_VALUE, "host_alloc", "host range %#llx+%llu is not inside a reservation", (unsigned long long)host,
                  (unsigned long long)n);
       return -1;
     }
     for (int i = 0; i < s->npin; i++)
       if (spans_overlap(&s->pin[i], host, n)) {
-        tp_set_err(e, 1, "host_alloc", "host range %#llx+%llu is pinned already", (unsigned long long)host,
+        tp_set_err(e, TP_CUDA_ERROR_INVALID_VALUE, "host_alloc", "host range %#llx+%llu is pinned already", (unsigned long long)host,
                    (unsigned long long)n);
         return -1;
       }
   }
   if (n > s->host_capacity - s->host_used) {
-    tp_set_err(e, 2, "host_alloc", "cannot pin %llu host bytes: %llu of %llu pinned", (unsigned long long)n,
+    tp_set_err(e, TP_CUDA_ERROR_OUT_OF_MEMORY, "host_alloc", "cannot pin %llu host bytes: %llu of %llu pinned", (unsigned long long)n,
                (unsigned long long)s->host_used, (unsigned long long)s->host_capacity);
     return -1;
   }
   sim_span *grown = sim_grow(s->pin, &s->cappin, s->npin + 1, sizeof *s->pin);
   if (!grown) {
-    tp_set_err(e, 2, "host_alloc", "out of host memory for the simulator's records");
+    tp_set_err(e, TP_CUDA_ERROR_OUT_OF_MEMORY, "host_alloc", "out of host memory for the simulator's records");
     return -1;
   }
   s->pin = grown;
@@ -215,7 +215,7 @@ static int sim_host_alloc(void *self, uint64_t n, uint64_t host, int write, uint
 static int sim_host_register(void *self, uint64_t host, uint64_t n, tp_err *e) {
   uint64_t out;
   if (!host) {
-    tp_set_err(e, 1, "host_alloc", "host 0 refused: a register names the reserved range that holds the data");
+    tp_set_err(e, TP_CUDA_ERROR_INVALID_VALUE, "host_alloc", "host 0 refused: a register names the reserved range that holds the data");
     return -1;
   }
   return sim_host_alloc(self, n, host, 0, &out, e);
@@ -243,7 +243,7 @@ static int sim_host_free(void *self, uint64_t host, tp_err *e) {
   int i = pin_index(s, host) - 1;
   if (i < 0 || s->pin[i].start != host) {
     pthread_mutex_unlock(&s->hmu);
-    tp_set_err(e, 1, "host_free", "no pinned host buffer at %#llx", (unsigned long long)host);
+    tp_set_err(e, TP_CUDA_ERROR_INVALID_VALUE, "host_free", "no pinned host buffer at %#llx", (unsigned long long)host);
     return -1;
   }
   uint64_t n = s->pin[i].size;
@@ -273,7 +273,7 @@ static int check_host(tp_sim *s, uint64_t host, uint64_t n, const char *call, in
   if (!ok && pageable) ok = reservation(s, host, n) >= 0;
   pthread_mutex_unlock(&s->hmu);
   if (ok) return 0;
-  tp_set_err(e, 1, call, "host range %#llx+%llu is not inside %s", (unsigned long long)host, (unsigned long long)n,
+  tp_set_err(e, TP_CUDA_ERROR_INVALID_VALUE, call, "host range %#llx+%llu is not inside %s", (unsigned long long)host, (unsigned long long)n,
              pageable ? "a host reservation" : "a pinned buffer");
   return -1;
 }
@@ -282,14 +282,14 @@ static int check_device(tp_sim *s, uint64_t addr, uint64_t n, const char *call, 
   if (tp_check_range(e, call, "address", addr, n, 0)) return -1;
   uint64_t pos = tp_sim_accessible(s, addr, n);
   if (pos - addr >= n) return 0;
-  tp_set_err(e, 700, call, "device range %#llx+%llu is not mapped and accessible (stops at %#llx)",
+  tp_set_err(e, TP_CUDA_ERROR_ILLEGAL_ADDRESS, call, "device range %#llx+%llu is not mapped and accessible (stops at %#llx)",
              (unsigned long long)addr, (unsigned long long)n, (unsigned long long)pos);
   return -1;
 }
 
 static int check_dev(tp_sim *s, int dev, tp_err *e) {
   if (dev >= 0 && dev < s->ndev) return 0;
-  tp_set_err(e, 101, "device", "no simulated device %d (have %d)", dev, s->ndev);
+  tp_set_err(e, TP_CUDA_ERROR_INVALID_DEVICE, "device", "no simulated device %d (have %d)", dev, s->ndev);
   return -1;
 }
 

@@ -111,7 +111,7 @@ TP_EXPORT int tp_tag_id(tp_ctx *c, const char *name) {
 
 static int gran_of(tp_ctx *c, int dev, uint64_t *g, tp_err *e) {
   if (dev < 0 || dev >= TP_MAX_DEVICES) {
-    tp_set_err(e, 101, "granularity", "device %d out of range", dev);
+    tp_set_err(e, TP_CUDA_ERROR_INVALID_DEVICE, "granularity", "device %d out of range", dev);
     return -1;
   }
   if (!c->gran[dev] && c->drv.granularity(c->drv.self, dev, &c->gran[dev], e)) return -1;

@@ -34,14 +34,29 @@ enum {
   TP_NCALLS = 32 /* room for more; the table makes the first eight (and TP_WAIT on a stream), the Python view the rest */
 };
 
-/* One failure: what failed, the driver's code (2: out of memory), and why. */
+/* The CUresult codes the library reports for failures it finds itself (cuda.h's values), so that a code means the
+ * same whoever set it: a refused argument here is CUDA_ERROR_INVALID_VALUE as it would be from the driver. A failed
+ * driver call carries the driver's own code; a failed host call (mmap, madvise) its errno, out of memory as
+ * TP_CUDA_ERROR_OUT_OF_MEMORY. */
+enum {
+  TP_CUDA_SUCCESS = 0,
+  TP_CUDA_ERROR_INVALID_VALUE = 1,     /* an argument refused: a length, range, handle or address */
+  TP_CUDA_ERROR_OUT_OF_MEMORY = 2,     /* device or host memory ran out (tp_err.oom is set) */
+  TP_CUDA_ERROR_NO_DEVICE = 100,       /* no CUDA driver: libcuda.so.1 or one of its entry points is missing */
+  TP_CUDA_ERROR_INVALID_DEVICE = 101,  /* a device number out of range */
+  TP_CUDA_ERROR_ILLEGAL_ADDRESS = 700, /* the simulator: a copy touched device memory not mapped and accessible */
+  TP_CUDA_ERROR_NOT_SUPPORTED = 801,   /* the simulator: a map with a handle of another size */
+  TP_CUDA_ERROR_UNKNOWN = 999,         /* the simulator: a failure injected on purpose (tp_sim_fail) */
+};
+
+/* One failure: what failed, the driver's code (TP_CUDA_ERROR_OUT_OF_MEMORY: out of memory), and why. */
 typedef struct {
-  int code;
-  int oom;
-  int tag;
-  char op[16];
-  char call[32];
-  char msg[256];
+  int code; /* a CUresult (the enum above, or the driver's own), or a host call's errno */
+  int oom;  /* 1: out of memory (code TP_CUDA_ERROR_OUT_OF_MEMORY; a host call's ENOMEM is reported so) */
+  int tag;  /* tag id the failure concerns (-1: none) */
+  char op[16];   /* the allocator's operation that failed: "allocate", "release", "restore", ... */
+  char call[32]; /* the driver or host call that failed: "cuMemCreate", "map", "mmap", ... */
+  char msg[256]; /* why, in words */
 } tp_err;
 
 typedef struct {
