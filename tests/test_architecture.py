@@ -47,6 +47,11 @@ from torpor.testrig import fill, sim_rig
 #: Function-level imports of torpor modules allowed, with the reason (module, imported) -> why.
 #: Function-level imports of optional third-party packages (torch, cuda-bindings, ...) are allowed.
 LATE_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("torpor.allocator.squeeze.wakecheck", "torpor.allocator.squeeze.gpucodec"): (
+        "the GPU's checksum kernels (torch and triton at module level, optional third-party packages): the wake "
+        "check loads them only on a CUDA driver, the first time it sums; the simulated device never needs them. "
+        "No cycle: gpucodec imports the format's modules, never wakecheck."
+    ),
     ("torpor.hooks.vllm.backend", "torpor.torchgroup"): (
         "torpor.torchgroup imports torch.distributed (an optional third-party package) at module "
         "level; the backend loads it only when vLLM hands it a torch process group. No cycle: "

@@ -108,10 +108,16 @@ class TimedMemory(FakeMemory):
         return {t: Transfer(t, x.bytes, x.bytes / LINK, offloaded=True) for t, x in super().backup(tags).items()}
 
     def restore(self, tags: Sequence[str]) -> dict[str, Transfer]:
-        """Restore, reporting bytes / LINK seconds."""
+        """Restore, reporting bytes / LINK seconds, and every byte of a backup checked (as torpor's allocator does)."""
         done = super().restore(tags)
         return {
-            t: Transfer(t, x.bytes, x.bytes / LINK if x.offloaded else 0.0, offloaded=x.offloaded)
+            t: Transfer(
+                t,
+                x.bytes,
+                x.bytes / LINK if x.offloaded else 0.0,
+                offloaded=x.offloaded,
+                checked=x.bytes if x.offloaded else 0,
+            )
             for t, x in done.items()
         }
 

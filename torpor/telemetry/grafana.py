@@ -149,6 +149,23 @@ PANELS: tuple[Panel, ...] = (
         "Average bytes copied per second of wall time, by direction.",
     ),
     Panel(
+        "Wake checks",
+        "timeseries",
+        "short",
+        (
+            Target(
+                f"sum by (tag) (increase(torpor_wake_checked_bytes_total{{{SEL}}}[{RATE}]))",
+                "{{tag}} bytes checked",
+            ),
+            Target(
+                f'sum (increase(torpor_failures_total{{{SEL}, error_type="WakeCheckFailed"}}[{RATE}])) or vector(0)',
+                "wakes rolled back: bytes differ",
+            ),
+        ),
+        "Bytes of backups whose checksums matched at a wake, per tag, and wakes rolled back because restored "
+        "bytes differed from the sleep's (WakeCheckFailed).",
+    ),
+    Panel(
         "Transition rate",
         "timeseries",
         "ops",

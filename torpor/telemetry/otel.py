@@ -82,6 +82,7 @@ OTEL_INSTRUMENTS: dict[str, tuple[str, str]] = {
     "torpor_wake_duration_seconds": ("torpor.wake.duration", "s"),
     "torpor_tag_transfer_bytes_total": ("torpor.tag.transfer.bytes", "By"),
     "torpor_tag_transfer_seconds_total": ("torpor.tag.transfer.seconds", "s"),
+    "torpor_wake_checked_bytes_total": ("torpor.wake.checked.bytes", "By"),
     "torpor_refusals_total": ("torpor.refusals", "{refusal}"),
     "torpor_failures_total": ("torpor.failures", "{failure}"),
     "torpor_events_total": ("torpor.events", "{event}"),
@@ -304,6 +305,8 @@ class OtelSink:
             attrs["torpor.action"] = data.action
         if isinstance(data, TagRestored) and "source" in data:
             attrs["torpor.source"] = data.source
+        if isinstance(data, TagRestored) and data.checked:
+            attrs["torpor.checked_bytes"] = data.checked
         if backup is not None:
             backup_seconds = float(backup.data.seconds) if isinstance(backup.data, TagBackedUp) else 0.0
             attrs["torpor.backup_seconds"] = backup_seconds

@@ -77,6 +77,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("tag", "direction"),
         "Seconds spent copying per tag between device and host",
     ),
+    "torpor_wake_checked_bytes_total": (
+        "counter",
+        ("tag",),
+        "Bytes of host backups checked at wakes (checksums equal to the sleep's), per tag",
+    ),
     "torpor_refusals_total": (
         "counter",
         ("command", "error_type"),
@@ -115,6 +120,7 @@ COUNTERS = {
     "transition": "torpor_transitions_total",
     "transfer_bytes": "torpor_tag_transfer_bytes_total",
     "transfer_seconds": "torpor_tag_transfer_seconds_total",
+    "checked_bytes": "torpor_wake_checked_bytes_total",
     "refusal": "torpor_refusals_total",
     "failure": "torpor_failures_total",
     "event": "torpor_events_total",

@@ -136,9 +136,11 @@ def interpret(event: Event, before: State, after: State) -> Iterator[Observation
         case TagBackedUp(tag=tag, bytes=nbytes, seconds=seconds):
             yield Observation("transfer_bytes", (tag, DEVICE_TO_HOST), float(nbytes))
             yield Observation("transfer_seconds", (tag, DEVICE_TO_HOST), float(seconds))
-        case TagRestored(source="host", tag=tag, bytes=nbytes, seconds=seconds):
+        case TagRestored(source="host", tag=tag, bytes=nbytes, seconds=seconds, checked=checked):
             yield Observation("transfer_bytes", (tag, HOST_TO_DEVICE), float(nbytes))
             yield Observation("transfer_seconds", (tag, HOST_TO_DEVICE), float(seconds))
+            if checked:
+                yield Observation("checked_bytes", (tag,), float(checked))
         case Refused(command=command, error=error):
             yield Observation("refusal", (command, _error_label(error)), 1.0)
         case SleepAborted(error=error):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from torpor.allocator.failures import wrap
 from torpor.allocator.host.offload import Extent, HostArena
@@ -40,9 +40,10 @@ from torpor.allocator.sleepwake.plan import (
     pieces,
     spans,
 )
-from torpor.allocator.sleepwake.tagbook import Bounds, InFlight, TagBook, TagState
-from torpor.allocator.sleepwake.undo import heal, thaw_quietly, undo_release
-from torpor.errors import AllocatorError, UnknownTag
+from torpor.allocator.sleepwake.sealing import WakeChecks
+from torpor.allocator.sleepwake.tagbook import Bounds, InFlight, TagBook, TagState, refuse_partial
+from torpor.allocator.sleepwake.undo import heal, thaw_quietly, undo_release, unmap_restored
+from torpor.errors import AllocatorError, UnknownTag, WakeCheckFailed
 from torpor.statemachine.core.protocol import Transfer
 
 logger = logging.getLogger("torpor.allocator")
@@ -103,12 +104,13 @@ class SleepWake:
         self.piece_bytes = piece_bytes
         self._lock = book.lock
         self._tags = book.records
+        self.checks = WakeChecks(driver)  # every wake checked against the sums its sleep sealed (issue 53)
 
     def backup(self, tags: Sequence[str]) -> dict[str, Transfer]:
         """Copy each tag to pinned host memory (copies finish before :meth:`release` unmaps); all or nothing."""
         with self._lock:
             self._check_known(tags)
-            _refuse_partial("backup", list(tags), self._tags)
+            refuse_partial("backup", list(tags), self._tags)
             start = time.perf_counter()
             self.torch.trim_free(tags, synced=False)
             for tag in tags:
@@ -203,25 +205,35 @@ class SleepWake:
                     self._remap(tag, self._tags[tag], lives[tag])
                 for device in {d for live in lives.values() for _, _, d in live}:
                     self.driver.wait(self.driver.record(device))
+                checked = {}
+                for tag in todo:  # the restored bytes against the sums sealed at the release (WakeCheckFailed)
+                    current = tag
+                    checked[tag] = self.checks.check(tag, self._tags[tag].sums, self._tags[tag].pieces)
             except BaseException as exc:  # an error or an interrupt (Ctrl-C): unmap what this restore mapped
-                self._rollback_restore(todo, lives)
+                unmap_restored(self.driver, self.table, todo, lives)
                 logger.warning(
                     "Rolling back %d mapped allocation(s) after a failed wake", sum(map(len, lives.values()))
                 )
-                if not isinstance(exc, Exception):
+                if not isinstance(exc, Exception) or isinstance(exc, WakeCheckFailed):
                     raise
                 raise wrap("restore", current or None, exc) from exc
             seconds = time.perf_counter() - start
             out = {t: Transfer(t, healed.get(t, 0), seconds, offloaded=self._tags[t].backed_up) for t in tags}
             for tag in todo:
                 self.table.mark_awake(tag)
-                out[tag] = Transfer(tag, sum(a.size for a in lives[tag]), seconds, offloaded=self._tags[tag].backed_up)
+                out[tag] = Transfer(
+                    tag,
+                    sum(a.size for a in lives[tag]),
+                    seconds,
+                    offloaded=self._tags[tag].backed_up,
+                    checked=checked[tag],
+                )
             return out
 
     def drop_backup(self, tags: Sequence[str]) -> None:
         """Mark the tags' backups stale (host extents return to the arena); a frozen tag takes allocations again."""
         with self._lock:
-            _refuse_partial("drop backup", list(tags), self._tags)
+            refuse_partial("drop backup", list(tags), self._tags)
             first: AllocatorError | None = None
             for tag in tags:
                 record = self._tags.get(tag)
@@ -251,6 +263,7 @@ class SleepWake:
             raise wrap("backup", tag, exc) from exc
         record.pieces = parts
         record.backups = assign(parts, extents)
+        record.sums = {}  # sealed at the release, once each batch is copied
         record.backed_up = True
 
     def _enqueue_backup(self, tag: str, record: TagState, live: list[Live]) -> None:
@@ -297,6 +310,7 @@ class SleepWake:
         extents: list[Extent] = [e for backup in record.backups.values() for e in backup]
         record.backups = {}
         record.pieces = []
+        record.sums = {}
         if extents:  # one give: with keep_after_wake off each give trims
             self.host.give(extents)
         record.backed_up = False
@@ -307,6 +321,7 @@ class SleepWake:
         for p in record.pieces:
             if p.key in gone:
                 extents += record.backups.pop(p.start, [])
+                record.sums.pop(p.start, None)
             else:
                 keep.append(p)
         record.pieces = keep
@@ -341,7 +356,11 @@ class SleepWake:
                 except BaseException:
                     stale.append(Bounds(lo, hi))  # its copy failed: the backup of this batch is not its bytes
                     raise
+                if record.backed_up:  # the batch's bytes, copied and still mapped: their sums go with the backup
+                    self.checks.seal(record.sums, record.pieces, lo, hi)
                 self.table.unmap_range(tag, lo, hi)
+            if record.backed_up:
+                self.checks.seal(record.sums, record.pieces)
             self.table.unmap_range(tag)
         except BaseException as exc:  # an error or an interrupt (Ctrl-C): put the tag back, or release it (undo.py)
             record.pending = pending[waited:]
@@ -371,28 +390,8 @@ class SleepWake:
                 self.host.wait_readable(host)  # a staged sleep's chunks are pinned in the background
                 self.driver.copy_h2d(address, host, n, dev)
 
-    def _rollback_restore(self, todo: list[str], lives: dict[str, Any]) -> None:
-        for device in {d for live in lives.values() for _, _, d in live}:
-            try:
-                self.driver.synchronize(device)
-            except Exception:  # the wake failed already; unmap what we can
-                logger.exception("synchronizing before rolling back a wake failed")
-        for tag in todo:
-            failed = self.table.unmap_all(tag)
-            if failed:  # they stay listed; the next wake unmaps them first
-                logger.error("rollback: %d mapping(s) of tag %r would not unmap", failed, tag)
-
     def _heal_tag(self, tag: str) -> int:
         try:
             return heal(self.driver, self.table, self.host, tag, self._tags[tag])
         except AllocatorError as exc:
             raise wrap("restore", tag, exc, "tag stays partly released; its backup is kept") from exc
-
-
-def _refuse_partial(operation: str, tags: list[str], records: dict[str, TagState]) -> None:
-    """Refuse ``operation`` on a partly released tag: its backup alone holds part of its bytes."""
-    for tag in tags:
-        record = records.get(tag)
-        if record is not None and record.partial:
-            msg = f"tag {tag!r} is partly released after a failed release; wake it first (its backup holds the rest)"
-            raise AllocatorError(operation, tag, msg)

@@ -31,7 +31,8 @@ from typing import NamedTuple
 from torpor.allocator.native import library as native
 from torpor.allocator.native.table import NativeTable, Span
 from torpor.allocator.sleepwake.plan import Backups, Piece
-from torpor.errors import BlocksOpen, TagNotAwake
+from torpor.allocator.squeeze.wakecheck import Sums
+from torpor.errors import AllocatorError, BlocksOpen, TagNotAwake
 from torpor.statemachine.core.protocol import TagUsage
 
 
@@ -60,6 +61,7 @@ class TagState:
     pending: list[InFlight] = field(default_factory=list)  # per batch whose copy is in flight
     partial: bool = False  # a failed release could not be undone nor completed: part of the tag is unmapped
     refill: list[Span] = field(default_factory=list)  # partial: ranges mapped back fresh, to copy the backup into
+    sums: dict[int, Sums] = field(default_factory=dict)  # piece start -> its chunks' checksums, sealed at release
 
 
 @dataclass
@@ -220,3 +222,12 @@ class TagBook:
     def tagged_bytes(self, exclude: AbstractSet[str] = frozenset()) -> int:
         """Bytes allocated in every known tag but those in ``exclude``."""
         return sum(self.table.usage(t).nbytes for t in list(self.records) if t not in exclude)
+
+
+def refuse_partial(operation: str, tags: list[str], records: dict[str, TagState]) -> None:
+    """Refuse ``operation`` on a partly released tag: its backup alone holds part of its bytes."""
+    for tag in tags:
+        record = records.get(tag)
+        if record is not None and record.partial:
+            msg = f"tag {tag!r} is partly released after a failed release; wake it first (its backup holds the rest)"
+            raise AllocatorError(operation, tag, msg)

@@ -25,7 +25,7 @@ import logging
 
 from torpor.allocator.host.offload import HostArena
 from torpor.allocator.native.driver import Driver
-from torpor.allocator.native.table import NativeTable, Span
+from torpor.allocator.native.table import Live, NativeTable, Span
 from torpor.allocator.sleepwake.plan import clip_each, copies
 from torpor.allocator.sleepwake.tagbook import Bounds, TagState
 from torpor.errors import AllocatorError
@@ -128,3 +128,16 @@ def heal(driver: Driver, table: NativeTable, host: HostArena, tag: str, record: 
     mapped = sum(r.size for r in record.refill)
     record.partial, record.refill = False, []
     return mapped
+
+
+def unmap_restored(driver: Driver, table: NativeTable, todo: list[str], lives: dict[str, list[Live]]) -> None:
+    """Roll a failed wake back: wait for the devices it copied to, then unmap every mapping of the tags it restored."""
+    for device in {a.device for live in lives.values() for a in live}:
+        try:
+            driver.synchronize(device)
+        except Exception:  # the wake failed already; unmap what we can
+            logger.exception("synchronizing before rolling back a wake failed")
+    for tag in todo:
+        failed = table.unmap_all(tag)
+        if failed:  # they stay listed; the next wake unmaps them first
+            logger.error("rollback: %d mapping(s) of tag %r would not unmap", failed, tag)

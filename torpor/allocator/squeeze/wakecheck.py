@@ -28,12 +28,20 @@ import numpy as np
 
 from torpor.allocator.squeeze.sum64 import sum64
 from torpor.errors import BadArgument
+from torpor.switches import env_switch
 from torpor.units import MiB
 
 logger = logging.getLogger("torpor.allocator")
 
 #: Bytes per checked chunk: small enough to name where damage is, large enough to cost nothing per chunk.
 CHECK_CHUNK = 1 * MiB
+#: The switch that turns the checks off (``0``); on when unset.
+CHECK_ENV = "TORPOR_CHECK_WAKES"
+
+
+def checks_on() -> bool:
+    """Whether wakes are checked: unless ``TORPOR_CHECK_WAKES=0``; a typo is refused (BadSetting)."""
+    return env_switch(CHECK_ENV)
 
 
 class Region(NamedTuple):
@@ -162,12 +170,14 @@ def compare(regions: Sequence[Region], recorded: Sequence[Sums], found: Sequence
 
 __all__ = [
     "CHECK_CHUNK",
+    "CHECK_ENV",
     "CudaSummer",
     "Mismatch",
     "ReadingSummer",
     "Region",
     "Summer",
     "Sums",
+    "checks_on",
     "chunks_of",
     "compare",
     "summer_for",

@@ -129,6 +129,7 @@ class TagRestored(Payload, kind=EventKind.TAG_RESTORED):
     seconds: float = 0.0
     lost: bool = False
     kept: int = 0  # of a ``fresh`` tag: bytes of tracked state copied back from the host
+    checked: int = 0  # of a ``host`` tag: bytes whose checksums matched the sleep's (every wake is checked)
 
 
 class TagRolledBack(Payload, kind=EventKind.TAG_ROLLED_BACK):

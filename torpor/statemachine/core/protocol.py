@@ -32,6 +32,12 @@ class Kept(TypedDict, total=False):
     kept: int
 
 
+class Restored(Kept, total=False):
+    """A ``tag_restored`` event's ``kept`` and ``checked`` fields, each present only when not zero."""
+
+    checked: int
+
+
 @dataclass(frozen=True)
 class TagUsage:
     """Bytes of one tag by residency, and how many allocations it has."""
@@ -51,10 +57,18 @@ class Transfer:
     seconds: float
     offloaded: bool = False
     kept: int = 0  # a tag released or restored without a backup: bytes of tracked ranges kept on the host
+    checked: int = 0  # a wake from a backup: bytes whose checksums were compared with the sleep's, and matched
 
     def kept_fields(self) -> Kept:
         """``{"kept": bytes}`` for an event when ranges were kept, else nothing (logs stay as they were)."""
         return {"kept": self.kept} if self.kept else {}
+
+    def restored_fields(self) -> Restored:
+        """:meth:`kept_fields`, and ``{"checked": bytes}`` when a wake checked bytes (a ``tag_restored`` event's)."""
+        out: Restored = {"kept": self.kept} if self.kept else {}
+        if self.checked:
+            out["checked"] = self.checked
+        return out
 
 
 @dataclass(frozen=True)

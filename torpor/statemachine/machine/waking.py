@@ -59,7 +59,7 @@ def restore(ctx: Context, tags: list[str] | None) -> Projection:
             done = memory.restore([tag])[tag]
             progress.restored.append((tag, done, source))
             ctx.recorder.record(
-                TagRestored(tag=tag, bytes=done.bytes, source=source, seconds=done.seconds, **done.kept_fields())
+                TagRestored(tag=tag, bytes=done.bytes, source=source, seconds=done.seconds, **done.restored_fields())
             )
         ctx.hold(undo_group)  # backups kept until the group agrees
     except BaseException as exc:  # an error, an interrupt, a log that cannot be written: roll back, raise

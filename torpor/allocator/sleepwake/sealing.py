@@ -1,0 +1,94 @@
+"""The sleep/wake cycle's part that checks every wake: seal the backed-up pieces at sleep, compare at wake (issue 53).
+
+:class:`WakeChecks` works on a tag's record: ``record.sums`` maps each backed-up piece's device
+address to its chunks' sums (:mod:`torpor.allocator.squeeze.wakecheck`). A release seals each
+batch of pieces after the batch's copy finished and before its unmap (:meth:`WakeChecks.seal`);
+a restore, once its copies finished, computes the sums again over the restored pieces and
+compares (:meth:`WakeChecks.check`): the first chunk that differs raises
+:class:`~torpor.errors.WakeCheckFailed`, which the restore turns into its rollback. A piece
+with no sums (sealed by no release: a kept range, a backup adopted from the keeper) is not
+checked. Off (``TORPOR_CHECK_WAKES=0``, or no summer for the driver): nothing is sealed or checked.
+The checker's own failure (a kernel that cannot run, say) is logged and leaves the pieces unchecked:
+only bytes that differ fail a wake.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torpor.allocator.squeeze.wakecheck import Region, Summer, Sums, checks_on, compare, summer_for
+from torpor.errors import WakeCheckFailed
+
+logger = logging.getLogger("torpor.allocator")
+
+#: A piece as the cycle keeps it: (allocation, device address, bytes, device).
+PieceLike = tuple[int, int, int, int]
+
+
+class WakeChecks:
+    """Seals and checks the pieces of backed-up tags; ``summer`` None (off) does neither."""
+
+    def __init__(self, driver: Any, *, enabled: bool | None = None) -> None:
+        on = checks_on() if enabled is None else enabled
+        self.summer: Summer | None = summer_for(driver) if on else None
+        self.seconds = 0.0  # spent computing sums, sealing and checking, since the allocator was made
+
+    @property
+    def on(self) -> bool:
+        """Whether wakes are checked."""
+        return self.summer is not None
+
+    def seal(self, sums: dict[int, Sums], pieces: Iterable[PieceLike], lo: int = 0, hi: int = 1 << 64) -> None:
+        """Record the sums of the pieces starting in [``lo``, ``hi``) not sealed yet (their bytes still mapped)."""
+        if self.summer is None:
+            return
+        todo = [Region(start, n, device) for _, start, n, device in pieces if lo <= start < hi and start not in sums]
+        if not todo:
+            return
+        began = time.perf_counter()
+        try:
+            found = self.summer.sums(todo)
+        except Exception:  # the checker's own failure: these pieces go unchecked, the sleep goes on
+            logger.warning("sealing %d piece(s) failed: their next wake is not checked", len(todo), exc_info=True)
+            return
+        finally:
+            self.seconds += time.perf_counter() - began
+        for region, sums_of in zip(todo, found, strict=True):
+            sums[region.address] = sums_of
+
+    def check(self, tag: str, sums: dict[int, Sums], pieces: Sequence[PieceLike]) -> int:
+        """Compare the restored pieces with their sums; the bytes checked, or WakeCheckFailed at the first difference."""
+        if self.summer is None:
+            return 0
+        todo = [Region(start, n, device) for _, start, n, device in pieces if start in sums]
+        if not todo:
+            return 0
+        began = time.perf_counter()
+        try:
+            found = self.summer.sums(todo)
+        except Exception:  # the checker's own failure is not the bytes': this wake goes unchecked
+            logger.warning("checking the wake of %r failed: its bytes are not checked", tag, exc_info=True)
+            return 0
+        finally:
+            self.seconds += time.perf_counter() - began
+        differ = compare(todo, [sums[r.address] for r in todo], found)
+        if differ:
+            first = differ[0]
+            logger.error("wake of %r: %d chunk(s) differ from the sleep's checksums", tag, len(differ))
+            raise WakeCheckFailed(
+                tag,
+                address=first.address,
+                nbytes=first.nbytes,
+                piece=first.region.address,
+                chunk=first.chunk,
+                recorded=first.recorded,
+                found=first.found,
+                count=len(differ),
+            )
+        return sum(r.nbytes for r in todo)
+
+
+__all__ = ["PieceLike", "WakeChecks"]
