@@ -144,7 +144,7 @@ class CudaSummer:
             with torch.cuda.device(region.device):
                 stream = self._streams.get(region.device)
                 if stream is None:
-                    stream = self._streams[region.device] = torch.cuda.Stream(region.device)
+                    stream = self._streams[region.device] = torch.cuda.Stream(region.device)  # type: ignore[no-untyped-call]
                 with torch.cuda.stream(stream):
                     view = torch.as_tensor(_DeviceBytes(region.address, region.nbytes), device=f"cuda:{region.device}")
                     parts.append(sum64_gpu(view, CHECK_CHUNK).to("cpu", non_blocking=False))
