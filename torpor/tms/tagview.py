@@ -131,7 +131,7 @@ class TagView:
                 native.freeze(tag)  # Invariant: freeze before copy (no allocation joins a tag being copied)
                 frozen.append(tag)
                 done = self.shadows.save(tag, self.tag.mode(tag) or "")
-                out[tag] = Transfer(tag, done, time.perf_counter() - start, True)
+                out[tag] = Transfer(tag, done, time.perf_counter() - start, offloaded=True)
         except BaseException:
             for tag in frozen:
                 native.thaw(tag)
