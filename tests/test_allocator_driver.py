@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +179,64 @@ def test_the_cuda_driver_refuses_the_same_lengths_in_python_and_in_c() -> None:
     rows = [row for row in out.splitlines() if row.startswith("RC ")]
     assert len(rows) == 7 and all(row.startswith("RC -1 ") and "refused" in row for row in rows), out
     assert "BYTES 16" in out, out
+
+
+# -- the call table: one place from a call's name to its id and its C function ------------------------------------
+
+_CSRC = Path(__file__).resolve().parents[1] / "torpor" / "allocator" / "native" / "csrc"
+
+
+def test_the_call_table_gives_each_call_its_library_id_and_an_exported_function() -> None:
+    """CALL_TABLE's ids are csrc/tp.h's call ids, in CALLS at their index, and each view call's symbol is the library's."""
+    from torpor.allocator.native import library as native
+    from torpor.allocator.native.driver import CALL_TABLE, Driver
+
+    body = re.search(r"enum \{\s*(TP_GRANULARITY,.*?)TP_NCALLS", (_CSRC / "tp.h").read_text(), re.S)
+    assert body is not None, "csrc/tp.h lost its enum of call ids"
+    ids = {
+        name.strip().removeprefix("TP_").lower(): i for i, name in enumerate(body.group(1).split(",")) if name.strip()
+    }
+    table_ids = {name: call.call_id for name, call in CALL_TABLE.items() if call.call_id is not None}
+    assert table_ids == ids
+    assert all(Driver.CALLS[i] == name for name, i in ids.items()) and len(Driver.CALLS) == len(ids)
+    symbols = [call.symbol for call in CALL_TABLE.values() if call.symbol is not None]
+    assert set(symbols) <= set(native._SIGNATURES) and all(hasattr(native.lib(), s) for s in symbols)
+    drv = (_CSRC / "drv.c").read_text()
+    assert all(re.search(rf"\b{s}\(", drv) for s in symbols), "a view call's function is not in csrc/drv.c"
+    assert set(Driver.VIEW_CALLS) == {n for n in Driver.CALLS if CALL_TABLE[n].symbol is not None}
+
+
+def test_setting_the_library_resolves_every_call_once() -> None:
+    """A library put on a driver is asked for each call's function when set, not at each call (a proxy sees no lookup)."""
+    from torpor.allocator import SimDriver
+
+    class Proxy:
+        def __init__(self, lib: object) -> None:
+            self.lib, self.looked_up = lib, []
+
+        def __getattr__(self, name: str) -> object:
+            self.looked_up.append(name)
+            return getattr(self.lib, name)
+
+    sim = SimDriver(8 << 20, granularity=2 << 20)
+    proxy = Proxy(sim.lib)
+    sim.lib = proxy
+    resolved = [n for n in proxy.looked_up if n.startswith("tp_drv_")]
+    assert len(resolved) == len(set(resolved)) and "tp_drv_host_alloc" in resolved
+    proxy.looked_up.clear()
+    for _ in range(3):
+        sim.host_free(sim.host_alloc(2 << 20))
+    assert not [n for n in proxy.looked_up if n.startswith("tp_drv_")]
+    assert proxy.looked_up.count("tp_sim_hit") == 6  # the simulator still records every call through the library set
+
+
+@pytest.mark.parametrize("call", ["map", "read", "no_such_call"])
+def test_invoking_a_call_the_view_does_not_make_names_the_calls_it_makes(call: str) -> None:
+    """invoke() of a table's call, of a library call that is no driver call, or of no call at all names the view's calls."""
+    from torpor.allocator import SimDriver
+    from torpor.errors import BadArgument
+
+    sim = SimDriver(8 << 20, granularity=2 << 20)
+    with pytest.raises(BadArgument, match=rf"cannot invoke '{call}': .*; it invokes granularity, host_reserve, "):
+        sim.invoke(call)
+    assert sim.count(call) == 0

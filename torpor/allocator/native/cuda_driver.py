@@ -115,7 +115,7 @@ class CudaDriver(Driver):
         self._lock = threading.Lock()
         self._ready = False
         self._driver: int | None = None
-        self.lib: Any = None
+        self.lib = None
 
     def _table(self) -> int:
         """The CUDA driver table, opened (dlopen, cuInit) on the first call.

@@ -8,8 +8,9 @@ lets go of the GIL around each call. Nothing raises across the C boundary: each 
 and the view builds the :class:`~torpor.errors.DriverError` (the call, the reason, the driver's code)
 and raises it. Two views: :class:`~torpor.allocator.native.cuda_driver.CudaDriver` and
 :class:`~torpor.allocator.native.sim_driver.SimDriver`. Every call of the view goes through one choke point,
-:meth:`Driver.invoke`, so a simulated driver can record and fail any of them; the names of all driver
-calls (the table's and the view's) are in :attr:`Driver.CALLS`. Host pointers and events are plain
+:meth:`Driver.invoke`, so a simulated driver can record and fail any of them. :data:`CALL_TABLE` is
+the one place that says, for every call, its id in the library, whether the table or this view makes
+it, and the library function the view calls (resolved once per library). Host pointers and events are plain
 integers the driver hands out; the allocator never looks inside them. Every length, address and device
 is checked before it is passed on (:func:`~torpor.allocator.native.library.check_range` and its
 siblings): a negative or huge length, or a range past 2**64 - 1, is refused by value with
@@ -20,12 +21,12 @@ from __future__ import annotations
 
 import ctypes
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from torpor.allocator.native import library as native
 from torpor.allocator.native.headroom import host_headroom
 from torpor.allocator.native.library import check_address, check_device, check_length, check_range
-from torpor.errors import DriverError, DriverOutOfMemory
+from torpor.errors import BadArgument, DriverError, DriverOutOfMemory
 
 
 def driver_error(err: native.TpErr, call: str) -> DriverError:
@@ -34,57 +35,119 @@ def driver_error(err: native.TpErr, call: str) -> DriverError:
     return cls(err.call.decode() or call, err.msg.decode(errors="replace") or "failed", err.code)
 
 
+class DriverCall(NamedTuple):
+    """One call of the driver table: its id in the library, who makes it, and the library function this view calls."""
+
+    call_id: int | None
+    """Its id in the library (the ``TP_*`` call ids of csrc/tp.h: the simulator logs and fails calls by it);
+    None: a library call of the view that is no driver call (never logged nor failed)."""
+    by_table: bool
+    """The allocation table makes it, in C, through the driver table (``tp_driver``)."""
+    symbol: str | None
+    """The library function this view calls for it (csrc/drv.c's ``tp_drv_*``); None: only the table makes it."""
+
+
+CALL_TABLE: dict[str, DriverCall] = {
+    # name: DriverCall(id in csrc/tp.h, made by the table, the view's library function)
+    "granularity": DriverCall(0, True, "tp_drv_granularity"),
+    "reserve": DriverCall(1, True, None),
+    "unreserve": DriverCall(2, True, None),
+    "create": DriverCall(3, True, None),
+    "map": DriverCall(4, True, None),
+    "set_access": DriverCall(5, True, None),
+    "unmap": DriverCall(6, True, None),
+    "release": DriverCall(7, True, None),
+    "host_reserve": DriverCall(8, False, "tp_drv_host_reserve"),
+    "host_alloc": DriverCall(9, False, "tp_drv_host_alloc"),
+    "host_free": DriverCall(10, False, "tp_drv_host_free"),
+    "host_unreserve": DriverCall(11, False, "tp_drv_host_unreserve"),
+    "copy_d2h": DriverCall(12, False, "tp_drv_copy_d2h"),
+    "copy_h2d": DriverCall(13, False, "tp_drv_copy_h2d"),
+    "record": DriverCall(14, False, "tp_drv_record"),
+    "wait": DriverCall(15, True, "tp_drv_wait"),  # the table waits for torch's stream before a free
+    "synchronize": DriverCall(16, True, "tp_drv_synchronize"),  # the table synchronizes before a cudaFree's unmap
+    "mem_info": DriverCall(17, False, "tp_drv_mem_info"),
+    "host_copy": DriverCall(18, False, "tp_drv_host_copy"),
+    "host_register": DriverCall(19, False, "tp_drv_host_register"),
+    # the view's other library calls: no driver calls of the simulator's count
+    "ensure_context": DriverCall(None, False, "tp_drv_ensure_context"),
+    "prepare_device": DriverCall(None, False, "tp_drv_prepare_device"),
+    "prepare_thread": DriverCall(None, False, "tp_drv_prepare_thread"),
+    "read": DriverCall(None, False, "tp_drv_read"),
+    "write": DriverCall(None, False, "tp_drv_write"),
+}
+"""Every call the driver table makes, by name: the one place that says who makes it and in which C function.
+
+A call the view makes is a public method of :class:`Driver` that checks its values and goes through
+:meth:`Driver.invoke`, which runs ``Driver._<name>`` (where a subclass or a test overrides it), which
+calls ``symbol`` on the driver table. The library's own calls of the table's entries are in csrc/table.c,
+sleep.c and trim.c (``c->drv.<name>``); each driver's entries are in csrc/driver_cuda.c and driver_sim.c.
+"""
+
+
+_DRIVER_CALLS = {c.call_id: n for n, c in CALL_TABLE.items() if c.call_id is not None}
+_METHODS = {n: "_" + n for n, c in CALL_TABLE.items() if c.call_id is not None and c.symbol is not None}
+
+
+def not_a_view_call(call: str) -> BadArgument:
+    """The refusal of a driver call this view does not make, naming those it makes."""
+    entry = CALL_TABLE.get(call)
+    if entry is not None and entry.call_id is not None:
+        why = "the allocation table makes it, in C"
+    elif entry is not None:
+        why = f"it is no driver call (Driver.{call}() calls the library directly)"
+    else:
+        why = "there is no such driver call"
+    msg = f"the driver view cannot invoke {call!r}: {why}; it invokes {', '.join(_METHODS)}"
+    return BadArgument(msg)
+
+
 class Driver(ABC):
     """Mechanism the :class:`~torpor.allocator.TaggedAllocator` drives; one instance per process."""
 
-    CALLS: ClassVar[tuple[str, ...]] = (
-        "granularity",
-        "reserve",
-        "unreserve",
-        "create",
-        "map",
-        "set_access",
-        "unmap",
-        "release",
-        "host_reserve",
-        "host_alloc",
-        "host_free",
-        "host_unreserve",
-        "copy_d2h",
-        "copy_h2d",
-        "record",
-        "wait",
-        "synchronize",
-        "mem_info",
-        "host_copy",
-        "host_register",
-    )
-    """Every driver call by name, in the order of the library's call ids (csrc/tp.h).
+    CALLS: ClassVar[tuple[str, ...]] = tuple(_DRIVER_CALLS[i] for i in sorted(_DRIVER_CALLS))
+    """Every driver call by name, at its id (csrc/tp.h): ``CALLS[CALL_TABLE[name].call_id] == name``."""
 
-    The table makes the VMM calls (``reserve`` to ``release``) and ``granularity`` in C; this view
-    has a method for ``granularity`` and for each call from ``host_reserve`` on (:attr:`VIEW_CALLS`).
-    """
-
-    VIEW_CALLS: ClassVar[tuple[str, ...]] = ("granularity", *CALLS[8:])
-    """The calls this view makes (each a public method and an ``_``-prefixed implementation)."""
+    VIEW_CALLS: ClassVar[tuple[str, ...]] = tuple(_METHODS)
+    """The driver calls this view makes (each a public method and an ``_``-prefixed implementation)."""
 
     name: ClassVar[str] = "driver"
-    lib: Any
-    """The native library (set by :meth:`_table`; a test may put a proxy of it here)."""
+    _lib: Any = None
+    _functions: dict[str, Any]  # call name -> its library function (CALL_TABLE's symbol), resolved from `lib`
+
+    @property
+    def lib(self) -> Any:
+        """The native library (set by :meth:`_table`; a test may put a proxy of it here).
+
+        Setting it resolves the library function of every call in :data:`CALL_TABLE` once.
+        """
+        return self._lib
+
+    @lib.setter
+    def lib(self, lib: Any) -> None:
+        self._lib = lib
+        self._functions = {} if lib is None else {n: getattr(lib, c.symbol) for n, c in CALL_TABLE.items() if c.symbol}
 
     def invoke(self, call: str, *args: Any) -> Any:
-        """The one choke point: run driver call ``call`` (a name in :attr:`VIEW_CALLS`) with ``args``."""
-        return getattr(self, "_" + call)(*args)
+        """The one choke point: run driver call ``call`` (a name in :attr:`VIEW_CALLS`) with ``args``.
+
+        It runs ``self._<call>`` (the implementation a subclass or a test may override); a call this
+        view does not make is refused (:class:`~torpor.errors.BadArgument` naming those it makes).
+        """
+        method = _METHODS.get(call)
+        if method is None:
+            raise not_a_view_call(call)
+        return getattr(self, method)(*args)
 
     @abstractmethod
     def _table(self) -> int:
         """The library's driver table (a ``tp_driver *``), opened on first use; sets :attr:`lib`."""
 
-    def _c(self, call: str, fn: str, *args: Any) -> None:
-        """Library call ``fn`` on the driver table with ``args``; its failure raised as the DriverError of ``call``."""
+    def _c(self, call: str, *args: Any) -> None:
+        """``call``'s library function (:data:`CALL_TABLE`) on the driver table; its failure raised as a DriverError."""
         table = self._table()
         err = native.TpErr()
-        if getattr(self.lib, fn)(table, *args, ctypes.byref(err)) != 0:
+        if self._functions[call](table, *args, ctypes.byref(err)) != 0:
             raise driver_error(err, call)
 
     # -- the public calls (each goes through invoke) ------------------------------
@@ -165,12 +228,12 @@ class Driver(ABC):
 
     def _granularity(self, device: int) -> int:
         out = ctypes.c_uint64()
-        self._c("granularity", "tp_drv_granularity", device, ctypes.byref(out))
+        self._c("granularity", device, ctypes.byref(out))
         return int(out.value)
 
     def _host_reserve(self, nbytes: int) -> int:
         out = ctypes.c_uint64()
-        self._c("host_reserve", "tp_drv_host_reserve", nbytes, ctypes.byref(out))
+        self._c("host_reserve", nbytes, ctypes.byref(out))
         return int(out.value)
 
     def _host_alloc(self, nbytes: int, host: int | None) -> int:
@@ -179,59 +242,59 @@ class Driver(ABC):
     def _pin(self, nbytes: int, host: int | None, *, write: bool) -> int:
         """Pin (``write``: fault fresh pages in by writing zeros, the host has room for them)."""
         out = ctypes.c_uint64()
-        self._c("host_alloc", "tp_drv_host_alloc", nbytes, host or 0, int(write), ctypes.byref(out))
+        self._c("host_alloc", nbytes, host or 0, int(write), ctypes.byref(out))
         return int(out.value)
 
     def _host_free(self, host: int) -> None:
-        self._c("host_free", "tp_drv_host_free", host)
+        self._c("host_free", host)
 
     def _host_unreserve(self, host: int, nbytes: int) -> None:
-        self._c("host_unreserve", "tp_drv_host_unreserve", host, nbytes)
+        self._c("host_unreserve", host, nbytes)
 
     def _copy_d2h(self, host: int, address: int, nbytes: int, device: int) -> None:
-        self._c("copy_d2h", "tp_drv_copy_d2h", host, address, nbytes, device)
+        self._c("copy_d2h", host, address, nbytes, device)
 
     def _copy_h2d(self, address: int, host: int, nbytes: int, device: int) -> None:
-        self._c("copy_h2d", "tp_drv_copy_h2d", address, host, nbytes, device)
+        self._c("copy_h2d", address, host, nbytes, device)
 
     def _record(self, device: int) -> object:
         out = ctypes.c_uint64()
-        self._c("record", "tp_drv_record", device, ctypes.byref(out))
+        self._c("record", device, ctypes.byref(out))
         return int(out.value)
 
     def _wait(self, event: object) -> None:
-        self._c("wait", "tp_drv_wait", int(event))  # type: ignore[call-overload]
+        self._c("wait", int(event))  # type: ignore[call-overload]
 
     def _synchronize(self, device: int) -> None:
-        self._c("synchronize", "tp_drv_synchronize", device)
+        self._c("synchronize", device)
 
     def _mem_info(self, device: int) -> tuple[int, int]:
         free, total = ctypes.c_int64(), ctypes.c_int64()
-        self._c("mem_info", "tp_drv_mem_info", device, ctypes.byref(free), ctypes.byref(total))
+        self._c("mem_info", device, ctypes.byref(free), ctypes.byref(total))
         return int(free.value), int(total.value)
 
     def _host_register(self, host: int, nbytes: int) -> None:
-        self._c("host_register", "tp_drv_host_register", host, nbytes)
+        self._c("host_register", host, nbytes)
 
     def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
-        self._c("host_copy", "tp_drv_host_copy", dst, src, nbytes)
+        self._c("host_copy", dst, src, nbytes)
 
     # -- not driver calls (not in CALLS) ----------------------------------------------------
 
     def ensure_context(self, device: int) -> None:
         """Make a context for ``device`` current in this thread when none is (no-op off CUDA)."""
-        self._c("ensure_context", "tp_drv_ensure_context", check_device(device, "ensure_context"))
+        self._c("ensure_context", check_device(device, "ensure_context"))
 
     def prepare_device(self, device: int) -> None:
         """Make what sleeps on ``device`` will use (context, copy stream) now, while awake (no-op off CUDA).
 
         A stream holds a little device memory: one made during a sleep would stay on the device while it is asleep.
         """
-        self._c("prepare_device", "tp_drv_prepare_device", check_device(device, "prepare_device"))
+        self._c("prepare_device", check_device(device, "prepare_device"))
 
     def prepare_thread(self) -> None:
         """Set up a helper thread (pinning): a context, and no interference with graph captures elsewhere."""
-        self._c("prepare_thread", "tp_drv_prepare_thread")
+        self._c("prepare_thread")
 
     def host_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more host pages can be faulted in by writing with room to spare (then counted as taken).
@@ -246,11 +309,11 @@ class Driver(ABC):
         """Read device bytes into a fresh buffer (tests, demos: the slow, synchronous path)."""
         address, nbytes = check_range(address, nbytes, "read")
         buf = ctypes.create_string_buffer(max(nbytes, 1))
-        self._c("read", "tp_drv_read", address, buf, nbytes)
+        self._c("read", address, buf, nbytes)
         return buf.raw[:nbytes]
 
     def write(self, address: int, data: bytes) -> None:
         """Write device bytes (tests, demos: the slow, synchronous path)."""
         payload = data if isinstance(data, bytes) else bytes(data)
         address, _ = check_range(address, len(payload), "write")
-        self._c("write", "tp_drv_write", address, payload, len(payload))
+        self._c("write", address, payload, len(payload))

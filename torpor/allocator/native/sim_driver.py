@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torpor.allocator.native import library as native
-from torpor.allocator.native.driver import Driver
+from torpor.allocator.native.driver import CALL_TABLE, Driver, not_a_view_call
 from torpor.errors import BadArgument, DriverError, DriverOutOfMemory
 from torpor.units import MiB
 
@@ -105,14 +105,15 @@ class SimDriver(Driver):
 
     def fail(self, call: str, nth: int = 1, times: int = 1, *, oom: bool = False, reason: str = "") -> None:
         """Fail the ``nth`` next invocation of ``call`` (and the ``times - 1`` after it); ``oom`` raises out-of-memory."""
-        if call not in self.CALLS:
+        entry = CALL_TABLE.get(call)
+        if entry is None or entry.call_id is None:
             msg = f"SimDriver cannot fail {call!r}: it makes only {', '.join(self.CALLS)}"
             raise BadArgument(msg)
         if nth < 1 or times < 1:
             msg = f"nth and times must be >= 1, got nth={nth}, times={times}"
             raise BadArgument(msg)
         why = (reason or "injected failure").encode()[:127]
-        if self.lib.tp_sim_fail(self.native_sim, self.CALLS.index(call), nth, times, int(oom), why) != 0:
+        if self.lib.tp_sim_fail(self.native_sim, entry.call_id, nth, times, int(oom), why) != 0:
             msg = f"too many armed failures of {call!r} (16 at most)"
             raise BadArgument(msg)
 
@@ -178,10 +179,12 @@ class SimDriver(Driver):
         failed by a library call of their own before they run, so a Ctrl-C between the two (raised when a
         library call returns to Python) lands before the call has any effect.
         """
-        index = self.CALLS.index(call)
+        entry = CALL_TABLE.get(call)
+        if entry is None or entry.symbol is None or entry.call_id is None:
+            raise not_a_view_call(call)
         if call not in self.RECORDED_IN_LIBRARY:
             why = ctypes.create_string_buffer(128)
-            hit = int(self.lib.tp_sim_hit(self.native_sim, index, why, 128))
+            hit = int(self.lib.tp_sim_hit(self.native_sim, entry.call_id, why, 128))
             if hit == 2:
                 raise DriverOutOfMemory(call, f"{why.value.decode(errors='replace')} (out of memory)", 2)
             if hit:

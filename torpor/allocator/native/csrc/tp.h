@@ -26,7 +26,7 @@
 
 enum { TP_ACTIVE = 0, TP_FROZEN = 1, TP_RELEASED = 2 };
 
-/* Driver call ids: the order of torpor.allocator.native.driver.Driver.CALLS. */
+/* Driver call ids: the call_id of each call in torpor/allocator/native/driver.py's CALL_TABLE (Driver.CALLS at its id). */
 enum {
   TP_GRANULARITY, TP_RESERVE, TP_UNRESERVE, TP_CREATE, TP_MAP, TP_SET_ACCESS, TP_UNMAP, TP_RELEASE,
   TP_HOST_RESERVE, TP_HOST_ALLOC, TP_HOST_FREE, TP_HOST_UNRESERVE, TP_COPY_D2H, TP_COPY_H2D, TP_RECORD, TP_WAIT,
