@@ -1006,6 +1006,7 @@ STANDARD_RAISES_ALLOWED: dict[tuple[str, str], str] = {
     ("torpor.tms.binarywrapper", "AttributeError"): "a library object's __getattr__: getattr and hasattr expect it",
     ("torpor.tms.tmsrun", "SystemExit"): "the process's exit status under python -m",
     ("torpor.commands", "ArgumentTypeError"): "an argparse type= converter: argparse turns it into a usage error",
+    ("torpor.commands.bench", "ArgumentTypeError"): "an argparse type= converter: argparse turns it into a usage error",
     ("torpor.commands.demo", "ArgumentTypeError"): "an argparse type= converter: argparse turns it into a usage error",
     (
         "torpor.commands.keeper",

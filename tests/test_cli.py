@@ -595,6 +595,52 @@ def test_bench_without_cuda_exits_1_not_the_usage_code(
     assert len(err) == 1 and "no CUDA device" in err[0], err
 
 
+@pytest.mark.parametrize("value", ["pinned,nvme", "cuda", ","])
+def test_bench_tms_backends_unknown_or_none_is_a_usage_error_naming_the_valid_ones(
+    capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    """`torpor bench --tms-backends pinned,nvme` (or none) is refused before anything runs: exit 2, the valid names listed."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--real-model", "--tms-backends", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tms-backends" in err and "the backends are pinned, mmap, disk" in err, err
+
+
+def test_bench_real_model_passes_the_tms_backends_and_disk_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--real-model --tms-backends disk,mmap --tms-disk-dir D` hands those to the real-model rows; the default is all three."""
+    import torpor.bench as benchmark
+    from torpor.bench import realmodel
+    from torpor.commands import bench
+
+    fake_torch = argparse.Namespace(cuda=argparse.Namespace(is_available=lambda: True))
+    monkeypatch.setattr(bench, "require", lambda *args, **kwargs: fake_torch)
+    monkeypatch.setattr(benchmark, "markdown", lambda data: "")
+    asked: list[dict[str, object]] = []
+
+    def fake_report(*args: object, **kwargs: object) -> dict[str, object]:
+        asked.append(kwargs)
+        return {"rows": []}
+
+    def fake_run(**kwargs: object) -> dict[str, object]:
+        asked.append(kwargs)
+        return {"rows": []}
+
+    monkeypatch.setattr(realmodel, "report", fake_report)
+    monkeypatch.setattr(benchmark, "run", fake_run)
+    out = ["--out", str(tmp_path / "out")]
+    assert main(["bench", "--real-model", "--tms-backends", "disk, mmap", "--tms-disk-dir", str(tmp_path), *out]) == 0
+    assert main(["bench", "--real-model", *out]) == 0
+    assert main(["bench", "--tms-backends", "pinned", *out]) == 0
+    assert [(a["backends"], a["disk_parent"]) for a in asked[:2]] == [
+        (("disk", "mmap"), tmp_path),
+        (("pinned", "mmap", "disk"), None),
+    ]
+    assert (asked[2]["tms_backends"], asked[2]["disk_dir"]) == (("pinned",), None)
+
+
 def _broken_links(doc: Path) -> list[str]:
     broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):

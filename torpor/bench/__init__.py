@@ -15,6 +15,8 @@ through the controller, and the mechanism never imports the controller:
 - :mod:`~torpor.bench.interference`: awake step times while pinning ahead;
 - :mod:`~torpor.bench.harness`: the whole run;
 - :mod:`~torpor.bench.report`: progress lines and the Markdown tables;
+- :mod:`~torpor.bench.realmodel`, :mod:`~torpor.bench.tmsbackends`: the real-model rows
+  (``torpor bench --real-model``), torch_memory_saver's API on its pinned, mmap and disk backups;
 - :mod:`~torpor.bench.vllm`, :mod:`~torpor.bench.vllm_engine`: vLLM's ``cumem`` against torpor
   (``torpor bench --vllm``), each row against the floor of :mod:`~torpor.bench.linkfloor`.
 """

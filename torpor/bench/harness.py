@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from torpor.allocator import TaggedAllocator, transparent_huge_pages
@@ -15,6 +16,7 @@ from torpor.bench.realmodel import run_real_model
 from torpor.bench.report import pins_text, row_line
 from torpor.bench.result import Result
 from torpor.bench.systems import run_baseline_raw, run_tms_raw, run_torpor_graphs, run_torpor_raw
+from torpor.bench.tmsbackends import TMS_BACKENDS, check_backends, disk_parent
 from torpor.units import GiB, MiB
 
 
@@ -24,9 +26,18 @@ def run(
     tms: bool = True,
     log: Callable[[str], None] = print,
     save: Callable[[dict[str, Any]], None] | None = None,
+    tms_backends: Sequence[str] = TMS_BACKENDS,
+    disk_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Every workload on every system, plus the sweeps for the plots; returns a JSON-ready dict (``save``: after each part)."""
+    """Every workload on every system, plus the sweeps for the plots; returns a JSON-ready dict (``save``: after each part).
+
+    ``tms_backends`` and ``disk_dir``: the real-model rows' torch_memory_saver backends (checked before anything runs).
+    """
     import torch
+
+    tms_backends = check_backends(tms_backends)
+    if "disk" in tms_backends:
+        disk_dir = disk_parent(disk_dir)
 
     d2h, h2d = measure_floor()
     log(f"floor: pinned D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s")
@@ -63,7 +74,7 @@ def run(
     log(row_line(r.row(d2h, h2d)))
     gc.collect()
     torch.cuda.empty_cache()
-    for r in run_real_model(cycles, tms):  # a transformers model: weights + graph + KV, three systems
+    for r in run_real_model(cycles, tms, tms_backends, disk_dir):  # a transformers model: weights + graph + KV
         results.append(r)
         log(row_line(r.row(d2h, h2d)))
     interference = measure_pinning_interference()

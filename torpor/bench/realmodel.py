@@ -1,4 +1,4 @@
-"""The real-model row of ``torpor bench``: a Qwen3-1.7B-shaped transformers model, its graph and a KV block, on four systems.
+"""The real-model rows of ``torpor bench``: a Qwen3-1.7B-shaped transformers model, its graph and a KV block, on four systems.
 
 The model is built offline from a config (random bf16 weights, fixed seed; no
 download), a full 1 x 256 forward is captured as a CUDA graph and a 2 GiB
@@ -6,7 +6,8 @@ block stands for the KV cache. torpor puts the weights in the ``weights`` tag,
 the graph in its graph pool (offloaded with it) and the block in ``kv_cache``
 (discarded at level 1); torch_memory_saver, and torpor through its
 torch_memory_saver API (:mod:`torpor.tms`), get the weights in a region with
-CPU backup and the block in one without; the vLLM-style loop gets one
+a backup (pinned, mmap or disk: :mod:`torpor.bench.tmsbackends`, one pair of
+rows each) and the block in one without; the vLLM-style loop gets one
 allocation per weight tensor (copied) and one for the block (dropped). Only
 torpor offloads the graph's memory: the others capture into torch's own pool,
 which stays on the device. Every row's floor is its own bytes copied.
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from torpor.allocator import TaggedAllocator
@@ -27,6 +29,8 @@ from torpor.bench.device import free_device, measure_floor, run_record, tensor_a
 from torpor.bench.report import row_line
 from torpor.bench.result import Result
 from torpor.bench.systems import VllmStyle, timed_sleep_wake, torch_mode_saver
+from torpor.bench.tmsbackends import TMS_BACKENDS, HostWatch, backup_dir, check_backends, row_name, weights_region
+from torpor.bench.tmsbackends import disk_parent as tms_disk_parent
 from torpor.statemachine.machine.controller import SleepController
 from torpor.units import GiB, MiB
 
@@ -252,67 +256,105 @@ def run_baseline_model(cycles: int) -> Result:
     return _finish(res)
 
 
-def run_tms_model(cycles: int, system: str = "torch_memory_saver") -> Result:
-    """A torch_memory_saver API (hook_mode torch): the weights in a region with CPU backup, the KV block in one without.
+def kv_block() -> Any:
+    """The 2 GiB block standing for the KV cache, on the device (uninitialised)."""
+    import torch
+
+    return torch.empty(KV_BYTES, dtype=torch.uint8, device="cuda")
+
+
+def run_tms_model(
+    cycles: int, system: str = "torch_memory_saver", backend: str = "pinned", disk_parent: Path | None = None
+) -> Result:
+    """A torch_memory_saver API (hook_mode torch): the weights in a region backed up on ``backend``, the KV block in one without.
 
     ``system``: ``"torch_memory_saver"`` (the package itself) or ``"torpor.tms"`` (torpor's
     implementation of the same API, :mod:`torpor.tms`): the same calls in the same order.
+    ``backend``: ``pinned`` or ``mmap`` (``enable_cpu_backup=True, cpu_backup_backend=backend``) or
+    ``disk`` (``enable_disk_backup=True`` into a fresh directory under ``disk_parent``, removed after);
+    the weights' tag is the backend's (:func:`~torpor.bench.tmsbackends.weights_region`; why: that module's docstring);
+    the row is :func:`~torpor.bench.tmsbackends.row_name`. Host memory: :class:`~torpor.bench.tmsbackends.HostWatch`.
     """
     import torch
 
-    res = Result(system, WORKLOAD, 0, 0)
+    weights = weights_region(backend)  # an unknown backend is refused before anything runs
+    res = Result(row_name(system, backend), WORKLOAD, 0, 0)
     try:
         tms = torch_mode_saver(system)
     except Exception as exc:  # not installed: reported, not fatal
         res.note = f"not importable ({type(exc).__name__}: {exc})"
         res.exact = False
         return res
-    t0 = time.perf_counter()
-    cfg = config()
-    with tms.region(tag="weights", enable_cpu_backup=True):
-        model = build(cfg)
-    with tms.region(tag="kv_cache", enable_cpu_backup=False):
-        kv = torch.empty(KV_BYTES, dtype=torch.uint8, device="cuda")
-    ids = prompt(cfg)
-    graph, out = capture(model, ids)
-    ref = out.clone()
-    res.nbytes = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
-    res.prepare_s = time.perf_counter() - t0
-    res.note = "the graph in torch's pool stays on the device"
-    for _ in range(cycles):
-        before = free_device()
-        t = time.perf_counter()
-        tms.pause("weights")
-        tms.pause("kv_cache")
-        torch.cuda.synchronize()
-        res.sleeps.append(time.perf_counter() - t)
-        res.released.append(free_device() - before)
-        t = time.perf_counter()
-        tms.resume("weights")
-        tms.resume("kv_cache")
-        torch.cuda.synchronize()
-        res.wakes.append(time.perf_counter() - t)
-        res.exact = res.exact and replay_equal(graph, out, ref)
-    del model, kv, ids, graph, out, ref
-    gc.collect()
-    torch.cuda.empty_cache()
+    with backup_dir(tms, backend, disk_parent) as disk:
+        t0 = time.perf_counter()
+        cfg = config()
+        with tms.region(**weights):
+            model = build(cfg)
+        with tms.region(tag="kv_cache", enable_cpu_backup=False):
+            kv = kv_block()
+        ids = prompt(cfg)
+        graph, out = capture(model, ids)
+        ref = out.clone()
+        res.nbytes = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+        res.prepare_s = time.perf_counter() - t0
+        host = HostWatch(disk)
+        for _ in range(cycles):
+            before = free_device()
+            host.before_pause()
+            t = time.perf_counter()
+            tms.pause(weights["tag"])
+            tms.pause("kv_cache")
+            torch.cuda.synchronize()
+            res.sleeps.append(time.perf_counter() - t)
+            res.released.append(free_device() - before)
+            host.while_paused()
+            t = time.perf_counter()
+            tms.resume(weights["tag"])
+            tms.resume("kv_cache")
+            torch.cuda.synchronize()
+            res.wakes.append(time.perf_counter() - t)
+            host.after_resume()
+            res.exact = res.exact and replay_equal(graph, out, ref)
+        res.host_held = host.held()
+        res.note = f"the graph in torch's pool stays on the device; {host.note()}"
+        del model, kv, ids, graph, out, ref
+        gc.collect()
+        torch.cuda.empty_cache()
     return _finish(res)
 
 
-def run_real_model(cycles: int = 4, tms: bool = True) -> list[Result]:
-    """The real-model row on torpor, the vLLM-style loop, torpor.tms and (when importable) torch_memory_saver, in that order."""
-    out = [run_torpor_model(cycles), run_baseline_model(cycles), run_tms_model(cycles, "torpor.tms")]
-    if tms:
-        out.append(run_tms_model(min(cycles, 3)))
+def run_real_model(
+    cycles: int = 4, tms: bool = True, backends: Sequence[str] = TMS_BACKENDS, disk_parent: Path | None = None
+) -> list[Result]:
+    """The real-model rows: torpor, the vLLM-style loop, then per backend torpor.tms and (when ``tms``) torch_memory_saver.
+
+    The backends and the disk folder are checked before the first row runs (refused: nothing runs).
+    """
+    backends = check_backends(backends)
+    if "disk" in backends:
+        disk_parent = tms_disk_parent(disk_parent)
+    out = [run_torpor_model(cycles), run_baseline_model(cycles)]
+    for backend in backends:
+        out.append(run_tms_model(cycles, "torpor.tms", backend, disk_parent))
+        if tms:
+            out.append(run_tms_model(min(cycles, 3), "torch_memory_saver", backend, disk_parent))
     return out
 
 
-def report(cycles: int = 4, tms: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+def report(
+    cycles: int = 4,
+    tms: bool = True,
+    log: Callable[[str], None] = print,
+    backends: Sequence[str] = TMS_BACKENDS,
+    disk_parent: Path | None = None,
+) -> dict[str, Any]:
     """Only the real-model rows (``torpor bench --real-model``), with the floor measured first, JSON-ready."""
-
+    backends = check_backends(backends)
+    if "disk" in backends:
+        disk_parent = tms_disk_parent(disk_parent)
     d2h, h2d = measure_floor()
     log(f"floor: pinned D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s")
-    results = run_real_model(cycles, tms)
+    results = run_real_model(cycles, tms, backends, disk_parent)
     data = run_record(results, d2h, h2d, cycles)
     for row in data["rows"]:
         log(row_line(row))

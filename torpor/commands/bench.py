@@ -9,9 +9,18 @@ import sys
 from pathlib import Path
 
 from torpor import bench as benchmark
-from torpor.bench import realmodel
+from torpor.bench import realmodel, tmsbackends
 from torpor.bench import vllm as vllm_bench
+from torpor.errors import BadArgument
 from torpor.extras import require
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    """``--tms-backends``: a comma-separated list; an unknown name is argparse's usage error naming the valid ones."""
+    try:
+        return tmsbackends.parse_backends(text)
+    except BadArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,7 +44,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--real-model",
         action="store_true",
         help="only the real-model rows: a Qwen3-1.7B-shaped transformers model (random weights), its graph and "
-        "a 2 GiB KV block on torpor, the vLLM-style loop and torch_memory_saver (needs transformers)",
+        "a 2 GiB KV block on torpor, the vLLM-style loop, and torpor.tms and torch_memory_saver on each "
+        "--tms-backends backend (needs transformers)",
+    )
+    p.add_argument(
+        "--tms-backends",
+        type=_backends,
+        default=tmsbackends.TMS_BACKENDS,
+        metavar="LIST",
+        help="the real-model rows' torch_memory_saver backup backends, comma-separated, each run on torpor.tms "
+        f"then torch_memory_saver (default {','.join(tmsbackends.TMS_BACKENDS)})",
+    )
+    p.add_argument(
+        "--tms-disk-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the disk backend writes its backups in a fresh folder under DIR, removed after the run "
+        f"(default {tmsbackends.DEFAULT_DISK_PARENT}; tmpfs and ramfs refused: their files are in RAM)",
     )
     p.add_argument(
         "--vllm",
@@ -82,7 +108,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.real_model:
         require("transformers", "the real-model rows (--real-model)", extra="vllm")  # vLLM brings transformers
-        data_model = realmodel.report(args.cycles, not args.no_tms, log=lambda s: print(s, file=sys.stderr, flush=True))
+        data_model = realmodel.report(
+            args.cycles,
+            not args.no_tms,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+            backends=args.tms_backends,
+            disk_parent=args.tms_disk_dir,
+        )
         save(data_model)
         print(benchmark.markdown(data_model))
         return 0
@@ -93,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         tms=not args.no_tms,
         log=lambda s: print(s, file=sys.stderr, flush=True),  # progress; stdout is the report alone
         save=save,
+        tms_backends=args.tms_backends,
+        disk_dir=args.tms_disk_dir,
     )
     save(data)
     print(benchmark.markdown(data))
