@@ -26,7 +26,7 @@ from torpor.allocator.kept_ranges.keeping import KeepBook
 from torpor.allocator.kept_ranges.ranges import KeepSource
 from torpor.allocator.native.cuda_driver import CudaDriver
 from torpor.allocator.native.driver import Driver
-from torpor.allocator.native.table import NativeTable
+from torpor.allocator.native.table import Live, NativeTable
 from torpor.allocator.rawpath import RawPath
 from torpor.allocator.routing import PoolRouting
 from torpor.allocator.sleepwake.cycle import SleepWake
@@ -167,8 +167,8 @@ class TaggedAllocator:
         """Mapped size of the allocation at ``address``."""
         return self._raw.size_of(address)
 
-    def allocations(self, tag: str | None = None) -> list[tuple[int, int, int]]:
-        """The live allocations (of ``tag``, or of all) as (address, size, device), from the native table."""
+    def allocations(self, tag: str | None = None) -> list[Live]:
+        """The live allocations (of ``tag``, or of all): address, size, device each, from the native table."""
         return list(self._table.allocations(tag))
 
     def read(self, address: int, nbytes: int) -> bytes:
@@ -347,7 +347,7 @@ class TaggedAllocator:
     def device_memory(self) -> DeviceMemory:
         """Device memory in use on the devices this allocator maps, and how much of it is torpor's (mapped) tags."""
         devices = {d for _, _, d in self._table.allocations()} | {self._default_device}
-        mapped = self._table.stats()[2]
+        mapped = self._table.stats().mapped
         total = in_use = 0
         for device in sorted(devices):
             free, size = self._driver.mem_info(device)

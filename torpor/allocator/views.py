@@ -33,11 +33,11 @@ class SlabStats:
 
     def spare_bytes(self, tag: str | None = None) -> int:
         """Mapped bytes in live slabs that no allocation uses (of ``tag``, or of all)."""
-        return self._table.stats(tag)[1]
+        return self._table.stats(tag).spare
 
     def count(self, tag: str | None = None) -> int:
         """Live slabs (of ``tag``, or of all)."""
-        return self._table.stats(tag)[0]
+        return self._table.stats(tag).slabs
 
 
 class HostSpan(NamedTuple):
@@ -81,7 +81,7 @@ class BackupView:
             if not record.backed_up:
                 continue
             parts = clip(record.pieces, address, hi)
-            if sum(p[2] for p in parts) != nbytes:
+            if sum(p.size for p in parts) != nbytes:
                 continue
             found = [HostSpan(h, n) for _, _, h, n in sorted(copies(parts, record.backups), key=lambda c: c[1])]
             for span in found:

@@ -143,7 +143,7 @@ class KeepBook:
         """The release of ``saved`` failed: a tag left resident keeps nothing."""
         with self._lock:
             for tag in saved:
-                if self.table.usage(tag)[0] != native.RELEASED:
+                if self.table.usage(tag).state != native.RELEASED:
                     self._free_kept(tag)
 
     def counted(self, out: dict[str, Transfer], tags: Sequence[str]) -> dict[str, Transfer]:
@@ -159,7 +159,7 @@ class KeepBook:
                 if t in self.kept
                 and t in self._tags
                 and not self._tags[t].backed_up
-                and self.table.usage(t)[0] == native.RELEASED
+                and self.table.usage(t).state == native.RELEASED
             ]
 
     def load(self, fresh: Sequence[str], tags: Sequence[str], release: Callable[[Sequence[str]], object]) -> None:
@@ -189,7 +189,7 @@ class KeepBook:
         """After drop_backup: the kept copies of the tags go too (after a wake, or before a sleep)."""
         with self._lock:
             for tag in tags:  # a released tag's copy stays until the wake that uses it
-                if tag not in self._tags or self.table.usage(tag)[0] != native.RELEASED:
+                if tag not in self._tags or self.table.usage(tag).state != native.RELEASED:
                     self._free_kept(tag)
 
     def close(self) -> None:
@@ -207,7 +207,7 @@ class KeepBook:
             bool(self.sources.get(tag))
             and record is not None
             and not record.backed_up
-            and self.table.usage(tag)[0] != native.RELEASED
+            and self.table.usage(tag).state != native.RELEASED
         )
 
     def _save(self, tag: str) -> bool:

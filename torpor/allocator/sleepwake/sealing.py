@@ -19,13 +19,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from torpor.allocator.sleepwake.plan import Piece
 from torpor.allocator.squeeze.wakecheck import Region, Summer, Sums, checks_on, compare, summer_for
 from torpor.errors import WakeCheckFailed
 
 logger = logging.getLogger("torpor.allocator")
-
-#: A piece as the cycle keeps it: (allocation, device address, bytes, device).
-PieceLike = tuple[int, int, int, int]
 
 
 class WakeChecks:
@@ -41,11 +39,11 @@ class WakeChecks:
         """Whether wakes are checked."""
         return self.summer is not None
 
-    def seal(self, sums: dict[int, Sums], pieces: Iterable[PieceLike], lo: int = 0, hi: int = 1 << 64) -> None:
+    def seal(self, sums: dict[int, Sums], pieces: Iterable[Piece], lo: int = 0, hi: int = 1 << 64) -> None:
         """Record the sums of the pieces starting in [``lo``, ``hi``) not sealed yet (their bytes still mapped)."""
         if self.summer is None:
             return
-        todo = [Region(start, n, device) for _, start, n, device in pieces if lo <= start < hi and start not in sums]
+        todo = [Region(p.start, p.size, p.device) for p in pieces if lo <= p.start < hi and p.start not in sums]
         if not todo:
             return
         began = time.perf_counter()
@@ -59,11 +57,11 @@ class WakeChecks:
         for region, sums_of in zip(todo, found, strict=True):
             sums[region.address] = sums_of
 
-    def check(self, tag: str, sums: dict[int, Sums], pieces: Sequence[PieceLike]) -> int:
+    def check(self, tag: str, sums: dict[int, Sums], pieces: Sequence[Piece]) -> int:
         """Compare the restored pieces with their sums; the bytes checked, or WakeCheckFailed at the first difference."""
         if self.summer is None:
             return 0
-        todo = [Region(start, n, device) for _, start, n, device in pieces if start in sums]
+        todo = [Region(p.start, p.size, p.device) for p in pieces if p.start in sums]
         if not todo:
             return 0
         began = time.perf_counter()
@@ -91,4 +89,4 @@ class WakeChecks:
         return sum(r.nbytes for r in todo)
 
 
-__all__ = ["PieceLike", "WakeChecks"]
+__all__ = ["WakeChecks"]
