@@ -25,7 +25,18 @@ _PICK_ONE = "name one of them"
 
 #: Payload fields (and members of mapping fields) that hold byte counts, printed as sizes.
 _BYTES_FIELDS = frozenset(
-    {"bytes", "freed", "offloaded", "discarded", "restored", "pinned", "kept", "checked", "host_budget", "host_released"}
+    {
+        "bytes",
+        "freed",
+        "offloaded",
+        "discarded",
+        "restored",
+        "pinned",
+        "kept",
+        "checked",
+        "host_budget",
+        "host_released",
+    }
     | {"device", "budget_bytes", "in_use", "tagged", "untagged", "total", "host"}
 )
 #: Text fields that quote byte counts (a refusal's ``holders``: ``backup of weights (asleep): 8388608 bytes``).
