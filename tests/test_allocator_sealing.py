@@ -90,3 +90,33 @@ def test_with_the_checks_off_a_damaged_backup_wakes_unchecked(
     restored = [e.data for e in ctl.events() if isinstance(e.data, TagRestored) and e.data.tag == "weights"]
     assert restored[-1].checked == 0
     assert not intact(rig.allocator, data)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_byte_flipped_in_the_host_backup_fails_the_wake_and_the_tag_stays_asleep() -> None:
+    """On a GPU: a bit flipped in a pinned backup is WakeCheckFailed naming its chunk, the tag stays asleep; put right, the weights come back bit for bit."""
+    torch = pytest.importorskip("torch", reason="needs torch and a CUDA GPU")
+    pytest.importorskip("triton", reason="the GPU's checksum kernels need triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torpor import SleepController
+    from torpor.allocator import TaggedAllocator
+
+    alloc = TaggedAllocator()
+    ctl = SleepController(alloc)
+    with alloc.use_memory_pool("weights"):
+        w = torch.randn(8 * CHECK_CHUNK // 2, dtype=torch.bfloat16, device="cuda")
+    reference = w.cpu()
+    ctl.sleep(1)
+    target = w.data_ptr() + 5 * CHECK_CHUNK + 99
+    host = flip_backup_byte(alloc, target)
+    with pytest.raises(WakeCheckFailed) as caught:
+        ctl.wake()
+    assert (caught.value.tag, caught.value.count) == ("weights", 1)
+    assert caught.value.address <= target < caught.value.address + caught.value.nbytes
+    assert ctl.state is State.ASLEEP_L1
+    ctypes.c_uint8.from_address(host).value ^= 0x10
+    ctl.wake()
+    assert torch.equal(w.cpu(), reference)
+    ctl.close()
+    alloc.close()
