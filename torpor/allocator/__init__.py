@@ -27,6 +27,7 @@ from torpor.allocator.native.cuda_driver import CudaDriver, transparent_huge_pag
 from torpor.allocator.native.driver import Driver
 from torpor.allocator.native.libc import libc
 from torpor.allocator.native.sim_driver import SimCall, SimDriver
+from torpor.allocator.sleepwake.sealing import WakeChecks
 from torpor.allocator.tagged import GRAPH_TAG, TaggedAllocator
 from torpor.allocator.torchside.graphpool import GraphPool
 from torpor.allocator.views import BackupView, HostSpan, NativeEntry, SlabStats
@@ -57,6 +58,7 @@ __all__ = [
     "SimDriver",
     "SlabStats",
     "TaggedAllocator",
+    "WakeChecks",
     "libc",
     "transparent_huge_pages",
 ]

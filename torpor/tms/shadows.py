@@ -25,7 +25,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torpor.allocator import TaggedAllocator, libc
+from torpor.allocator import TaggedAllocator, WakeChecks, libc
 from torpor.errors import DiskBackupRefused, TmsBackupMapFailed, TmsDiskBackupShort
 
 PINNED, MMAP, DISK = "pinned", "mmap", "disk"
@@ -77,6 +77,8 @@ class ShadowStore:
         self.chunk_bytes = 256 << 20
         self._cuda = allocator.on_cuda  # CUDA copies to and from pageable memory too
         self._tags: dict[str, dict[int, Shadow]] = {}
+        self._sums: dict[str, dict[int, tuple[int, ...]]] = {}  # tag -> allocation -> its chunks' sums at the save
+        self.checks = WakeChecks(self.driver)  # every resume checked, as the allocator checks its wakes
         self._lock = threading.RLock()
 
     # -- pause ------------------------------------------------------------------------------
@@ -124,6 +126,9 @@ class ShadowStore:
                     shadows[address] = shadow
                 for device in {d for _, _, d in live}:
                     self.driver.wait(self.driver.record(device))
+                sums: dict[int, tuple[int, ...]] = {}
+                self.checks.seal_regions(sums, live)  # still mapped: the bytes just copied
+                self._sums[tag] = sums
             except OSError as exc:
                 self._forget_files(written)
                 raise DiskBackupRefused(directory, exc.strerror or str(exc)) from exc
@@ -160,17 +165,23 @@ class ShadowStore:
 
     # -- resume -----------------------------------------------------------------------------
 
-    def load(self, tag: str) -> int:
-        """Copy each shadow of ``tag`` back to its allocation (mapped again already); the bytes; waits for the copies."""
+    def load(self, tag: str) -> tuple[int, int]:
+        """Copy each shadow of ``tag`` back to its allocation (mapped again already), wait, and check the bytes.
+
+        Returns the bytes restored and the bytes checked against the sums taken at the save; a
+        difference is :class:`~torpor.errors.WakeCheckFailed` (the caller releases the tag again).
+        """
         live = self.allocator.allocations(tag)
         with self._lock:
             shadows = self._tags.get(tag, {})
             self.prune(tag, {a for a, _, _ in live})
             done = 0
+            loaded = []
             for address, size, device in live:
                 shadow = shadows.get(address)
                 if shadow is None:
                     continue
+                loaded.append((address, size, device))
                 if shadow.kind == DISK:
                     self._read_file(shadow)
                 else:
@@ -178,7 +189,8 @@ class ShadowStore:
                 done += size
             for device in {d for _, _, d in live}:
                 self.driver.wait(self.driver.record(device))
-        return done
+            checked = self.checks.check_regions(tag, self._sums.get(tag, {}), loaded)
+        return done, checked
 
     def _read_file(self, shadow: Shadow) -> None:
         with self._staging(shadow.size) as (stage, n), open(shadow.path or "", "rb") as src:

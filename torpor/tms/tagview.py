@@ -151,11 +151,11 @@ class TagView:
         out = dict(self.allocator.restore(mine))
         for tag in self._shadowed(mine):
             try:
-                self.shadows.load(tag)
-            except BaseException:
+                _, checked = self.shadows.load(tag)
+            except BaseException:  # a failed copy, or bytes that differ from the pause's (WakeCheckFailed)
                 self.allocator.release([tag])
                 raise
-            out[tag] = replace(out[tag], offloaded=True)
+            out[tag] = replace(out[tag], offloaded=True, checked=checked)
         return out
 
     def drop_backup(self, tags: Sequence[str]) -> None:

@@ -41,28 +41,34 @@ class WakeChecks:
 
     def seal(self, sums: dict[int, Sums], pieces: Iterable[Piece], lo: int = 0, hi: int = 1 << 64) -> None:
         """Record the sums of the pieces starting in [``lo``, ``hi``) not sealed yet (their bytes still mapped)."""
-        if self.summer is None:
-            return
         todo = [Region(p.start, p.size, p.device) for p in pieces if lo <= p.start < hi and p.start not in sums]
-        if not todo:
-            return
-        began = time.perf_counter()
-        try:
-            found = self.summer.sums(todo)
-        except Exception:  # the checker's own failure: these pieces go unchecked, the sleep goes on
-            logger.warning("sealing %d piece(s) failed: their next wake is not checked", len(todo), exc_info=True)
-            return
-        finally:
-            self.seconds += time.perf_counter() - began
-        for region, sums_of in zip(todo, found, strict=True):
-            sums[region.address] = sums_of
+        self.seal_regions(sums, todo)
 
     def check(self, tag: str, sums: dict[int, Sums], pieces: Sequence[Piece]) -> int:
         """Compare the restored pieces with their sums; the bytes checked, or WakeCheckFailed at the first difference."""
-        if self.summer is None:
-            return 0
-        todo = [Region(p.start, p.size, p.device) for p in pieces if p.start in sums]
-        if not todo:
+        return self.check_regions(tag, sums, [Region(p.start, p.size, p.device) for p in pieces])
+
+    def seal_regions(self, sums: dict[int, Sums], spans: Iterable[tuple[int, int, int]]) -> None:
+        """Record the sums of each (address, bytes, device) under its address (the bytes still mapped; for a backup made
+        outside the cycle too, torpor.tms's shadows)."""
+        regions = [Region(*span) for span in spans]
+        if self.summer is None or not regions:
+            return
+        began = time.perf_counter()
+        try:
+            found = self.summer.sums(regions)
+        except Exception:  # the checker's own failure: these regions go unchecked, the sleep goes on
+            logger.warning("sealing %d piece(s) failed: their next wake is not checked", len(regions), exc_info=True)
+            return
+        finally:
+            self.seconds += time.perf_counter() - began
+        for region, sums_of in zip(regions, found, strict=True):
+            sums[region.address] = sums_of
+
+    def check_regions(self, tag: str, sums: dict[int, Sums], spans: Iterable[tuple[int, int, int]]) -> int:
+        """Compare each restored (address, bytes, device) that has sums; the bytes checked, or WakeCheckFailed."""
+        todo = [Region(*span) for span in spans if span[0] in sums]
+        if self.summer is None or not todo:
             return 0
         began = time.perf_counter()
         try:
