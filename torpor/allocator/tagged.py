@@ -115,7 +115,7 @@ class TaggedAllocator:
     @property
     def on_cuda(self) -> bool:
         """Whether that driver is CUDA's (torch's pools exist only there); False on the simulated device."""
-        return getattr(self._driver, "name", "") == "cuda"
+        return self._driver.is_cuda
 
     @property
     def default_device(self) -> int:

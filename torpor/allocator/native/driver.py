@@ -113,7 +113,13 @@ class Driver(ABC):
 
     name: ClassVar[str] = "driver"
     _lib: Any = None
+
     _functions: dict[str, Any]  # call name -> its library function (CALL_TABLE's symbol), resolved from `lib`
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether this is CUDA's driver (a real GPU: torch's pools, device kernels), not the simulated device."""
+        return self.name == "cuda"
 
     @property
     def lib(self) -> Any:

@@ -114,7 +114,7 @@ class NativeTable:
         slab_bytes = native.check_length(slab_bytes, "open", what="slab_bytes")
         self.lib = native.lib()
         err = native.TpErr()
-        if getattr(driver, "name", "") == "cuda":
+        if driver.is_cuda:
             ctx = self.lib.tp_open_cuda(ctypes.byref(err))
             if not ctx:
                 error = native.error_of(err, None)

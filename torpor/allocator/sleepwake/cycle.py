@@ -348,6 +348,8 @@ class SleepWake:
                     raise AllocatorError("release", tag, msg)
         pending, record.pending = record.pending, []
         waited, stale = 0, []
+        in_order = sorted(record.pieces, key=lambda p: p.start) if record.backed_up else []
+        sealed = 0  # the batches' pieces, walked once: each sealed once its copy is done, before its unmap
         try:
             for event, lo, hi in pending:  # Invariant: an unmap waits for its copy
                 waited += 1
@@ -356,11 +358,9 @@ class SleepWake:
                 except BaseException:
                     stale.append(Bounds(lo, hi))  # its copy failed: the backup of this batch is not its bytes
                     raise
-                if record.backed_up:  # the batch's bytes, copied and still mapped: their sums go with the backup
-                    self.checks.seal(record.sums, record.pieces, lo, hi)
+                sealed = self.checks.seal(record.sums, in_order, sealed, hi)
                 self.table.unmap_range(tag, lo, hi)
-            if record.backed_up:
-                self.checks.seal(record.sums, record.pieces)
+            self.checks.seal(record.sums, in_order, sealed)
             self.table.unmap_range(tag)
         except BaseException as exc:  # an error or an interrupt (Ctrl-C): put the tag back, or release it (undo.py)
             record.pending = pending[waited:]

@@ -15,7 +15,6 @@ only bytes that differ fail a wake.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -32,52 +31,50 @@ class WakeChecks:
     def __init__(self, driver: Any, *, enabled: bool | None = None) -> None:
         on = checks_on() if enabled is None else enabled
         self.summer: Summer | None = summer_for(driver) if on else None
-        self.seconds = 0.0  # spent computing sums, sealing and checking, since the allocator was made
 
-    @property
-    def on(self) -> bool:
-        """Whether wakes are checked."""
-        return self.summer is not None
-
-    def seal(self, sums: dict[int, Sums], pieces: Iterable[Piece], lo: int = 0, hi: int = 1 << 64) -> None:
-        """Record the sums of the pieces starting in [``lo``, ``hi``) not sealed yet (their bytes still mapped)."""
-        todo = [Region(p.start, p.size, p.device) for p in pieces if lo <= p.start < hi and p.start not in sums]
-        self.seal_regions(sums, todo)
+    def seal(self, sums: dict[int, Sums], pieces: Sequence[Piece], at: int = 0, hi: int = 1 << 64) -> int:
+        """Record the sums of ``pieces[at:]`` (sorted by start) that start below ``hi`` and are not sealed yet (their
+        bytes copied and still mapped); the index of the first piece left. A release walks its batches with it."""
+        end = at
+        while end < len(pieces) and pieces[end].start < hi:
+            end += 1
+        if self.summer is not None:
+            fresh = [p for p in pieces[at:end] if p.start not in sums]
+            self.seal_regions(sums, [(p.start, p.size, p.device) for p in fresh])
+        return end
 
     def check(self, tag: str, sums: dict[int, Sums], pieces: Sequence[Piece]) -> int:
         """Compare the restored pieces with their sums; the bytes checked, or WakeCheckFailed at the first difference."""
-        return self.check_regions(tag, sums, [Region(p.start, p.size, p.device) for p in pieces])
+        return self.check_regions(tag, sums, [(p.start, p.size, p.device) for p in pieces])
 
     def seal_regions(self, sums: dict[int, Sums], spans: Iterable[tuple[int, int, int]]) -> None:
         """Record the sums of each (address, bytes, device) under its address (the bytes still mapped; for a backup made
         outside the cycle too, torpor.tms's shadows)."""
-        regions = [Region(*span) for span in spans]
-        if self.summer is None or not regions:
+        if self.summer is None:
             return
-        began = time.perf_counter()
+        regions = [Region(*span) for span in spans]
+        if not regions:
+            return
         try:
             found = self.summer.sums(regions)
         except Exception:  # the checker's own failure: these regions go unchecked, the sleep goes on
             logger.warning("sealing %d piece(s) failed: their next wake is not checked", len(regions), exc_info=True)
             return
-        finally:
-            self.seconds += time.perf_counter() - began
         for region, sums_of in zip(regions, found, strict=True):
             sums[region.address] = sums_of
 
     def check_regions(self, tag: str, sums: dict[int, Sums], spans: Iterable[tuple[int, int, int]]) -> int:
         """Compare each restored (address, bytes, device) that has sums; the bytes checked, or WakeCheckFailed."""
-        todo = [Region(*span) for span in spans if span[0] in sums]
-        if self.summer is None or not todo:
+        if self.summer is None:
             return 0
-        began = time.perf_counter()
+        todo = [Region(*span) for span in spans if span[0] in sums]
+        if not todo:
+            return 0
         try:
             found = self.summer.sums(todo)
         except Exception:  # the checker's own failure is not the bytes': this wake goes unchecked
             logger.warning("checking the wake of %r failed: its bytes are not checked", tag, exc_info=True)
             return 0
-        finally:
-            self.seconds += time.perf_counter() - began
         differ = compare(todo, [sums[r.address] for r in todo], found)
         if differ:
             first = differ[0]

@@ -78,22 +78,13 @@ Sums = tuple[int, ...]
 class Summer(Protocol):
     """Computes the per-chunk sums of device regions."""
 
-    name: str
-
     def sums(self, regions: Sequence[Region]) -> list[Sums]:
         """Each region's sums, in order."""
         ...
 
 
-def chunks_of(nbytes: int) -> int:
-    """How many chunks a region of ``nbytes`` has."""
-    return (nbytes + CHECK_CHUNK - 1) // CHECK_CHUNK
-
-
 class ReadingSummer:
     """Sums over bytes read through the driver, by the numpy reference (the simulated device)."""
-
-    name = "reference"
 
     def __init__(self, driver: Any) -> None:
         self.driver = driver
@@ -128,8 +119,6 @@ class CudaSummer:
     engine queued on its streams (the caller waited for the copies of the bytes it sums).
     """
 
-    name = "gpu"
-
     def __init__(self) -> None:
         self._streams: dict[int, Any] = {}
 
@@ -147,14 +136,14 @@ class CudaSummer:
                     stream = self._streams[region.device] = torch.cuda.Stream(region.device)  # type: ignore[no-untyped-call]
                 with torch.cuda.stream(stream):
                     view = torch.as_tensor(_DeviceBytes(region.address, region.nbytes), device=f"cuda:{region.device}")
-                    parts.append(sum64_gpu(view, CHECK_CHUNK).to("cpu", non_blocking=False))
-        mask = (1 << 64) - 1
+                    parts.append(sum64_gpu(view, CHECK_CHUNK))
+        mask = (1 << 64) - 1  # every kernel is queued: the first read waits for them all, once
         return [tuple(int(v) & mask for v in part.tolist()) for part in parts]
 
 
 def summer_for(driver: Any) -> Summer | None:
     """The summer for ``driver``: the GPU's kernels for CUDA (None without Triton), else the reference."""
-    if getattr(driver, "name", "") != "cuda":
+    if not driver.is_cuda:
         return ReadingSummer(driver)
     try:
         import torch  # noqa: F401
@@ -189,7 +178,6 @@ __all__ = [
     "Summer",
     "Sums",
     "checks_on",
-    "chunks_of",
     "compare",
     "summer_for",
 ]
