@@ -296,3 +296,12 @@ sys.meta_path.insert(0, NoTorch())
 import pytest
 sys.exit(pytest.main(sys.argv[1:]))
 """
+
+
+def cuda_with_triton() -> Any:
+    """torch, on a machine with a CUDA GPU and triton (the GPU's checksum kernels); else the test is skipped."""
+    torch = pytest.importorskip("torch", reason="needs torch and a CUDA GPU")
+    pytest.importorskip("triton", reason="the GPU's checksum kernels need triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from prometheus_client import CollectorRegistry
-from support import RigMaker
+from support import RigMaker, cuda_with_triton
 
 from torpor import State, WakeCheckFailed
 from torpor.allocator.squeeze.wakecheck import CHECK_CHUNK
@@ -95,10 +95,7 @@ def test_with_the_checks_off_a_damaged_backup_wakes_unchecked(
 @pytest.mark.gpu
 def test_on_the_gpu_a_byte_flipped_in_the_host_backup_fails_the_wake_and_the_tag_stays_asleep() -> None:
     """On a GPU: a bit flipped in a pinned backup is WakeCheckFailed naming its chunk, the tag stays asleep; put right, the weights come back bit for bit."""
-    torch = pytest.importorskip("torch", reason="needs torch and a CUDA GPU")
-    pytest.importorskip("triton", reason="the GPU's checksum kernels need triton")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    torch = cuda_with_triton()
     from torpor import SleepController
     from torpor.allocator import TaggedAllocator
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import RigMaker
+from support import RigMaker, cuda_with_triton
 
 from torpor.allocator.squeeze.sum64 import sum64
 from torpor.allocator.squeeze.wakecheck import (
@@ -90,10 +90,7 @@ def test_the_simulated_device_gets_the_reference_and_cuda_without_triton_none(
 @pytest.mark.gpu
 def test_the_gpu_sums_equal_the_reference_over_a_real_allocation() -> None:
     """On a GPU, CudaSummer's sums of a tagged allocation equal the reference's over the same bytes read back."""
-    torch = pytest.importorskip("torch", reason="needs torch and a CUDA GPU")
-    pytest.importorskip("triton", reason="needs triton")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    torch = cuda_with_triton()
     from torpor.allocator import TaggedAllocator
     from torpor.allocator.squeeze.wakecheck import CudaSummer
 
