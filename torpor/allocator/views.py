@@ -134,8 +134,4 @@ class NativeEntry:
         Only before anything was allocated: the tag numbers learned so far are forgotten and
         asked again of ``context`` (torpor.tms with ``TMS_INIT_ENABLE=1``).
         """
-        table = self._table
-        own, table.ctx = table.ctx, context
-        table._ids.clear()
-        table._names.clear()
-        table.lib.tp_close(own)
+        self._table.adopt(context)

@@ -347,6 +347,17 @@ class NativeTable:
         self.lib.tp_stats(self.ctx, self.tag_id(tag) if tag is not None else -1, out)
         return TableStats._make(out)
 
+    def adopt(self, context: int) -> None:
+        """Work on the native table ``context`` (another library opened it) instead of this one's own, closed unused.
+
+        Only before anything was allocated here: the tag numbers learned so far are forgotten and asked
+        again of ``context``.
+        """
+        own, self.ctx = self.ctx, context
+        self._ids.clear()
+        self._names.clear()
+        self.lib.tp_close(own)
+
     def close(self) -> int:
         """Unmap everything and free the reservations; how many driver calls failed.
 
